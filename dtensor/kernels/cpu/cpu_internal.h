@@ -1,0 +1,407 @@
+// Helpers shared by the CPU kernels of this folder (internal; not installed).
+//
+//   // Parallel loop over [0, n): serial below `grain` items, else one chunk per OpenMP thread.
+//   ParallelFor(n, kParallelGrain, [&](int64_t begin, int64_t end) { ... });
+//
+//   // Element <-> float conversions, inlined so that loops over bf16/f16 vectorize.
+//   float f = ToFloat(x[i]);            // any host element type of dtype.h
+//   y[i] = FromFloat<BFloat16>(f);      // round to nearest even, as dtype.h's host types
+//
+//   // dtype -> C++ type with an error for dtypes the kernel does not support.
+//   return DispatchFloat("Softmax", x.dtype(), [&](auto tag) {
+//     using T = decltype(tag);
+//     ...
+//     return absl::OkStatus();
+//   });
+//
+//   // N same-shaped strided operands (operand 0 is the output) walked row by row.
+//   StridedLoop<2> loop(out.shape(), {out.strides(), a.strides()});
+//   loop.Run(kParallelGrain, [&](const int64_t* off, const int64_t* inner_stride, int64_t n) {
+//     // n elements: operand k starts at element off[k] of its data and steps inner_stride[k].
+//   });
+//
+// Conventions: float32/bfloat16/float16 compute in float; integer arithmetic wraps (two's
+// complement); float -> integer conversion truncates toward zero, saturates at the type's
+// range and maps NaN to 0; anything -> bool is `!= 0` (NaN -> true); bool -> anything is 0/1.
+#ifndef DTENSOR_KERNELS_CPU_CPU_INTERNAL_H_
+#define DTENSOR_KERNELS_CPU_CPU_INTERNAL_H_
+
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "dtensor/tensor/dtype.h"
+#include "dtensor/tensor/tensor.h"
+
+namespace dtensor::internal {
+
+// ---------------------------------------------------------------------------------------
+// Parallelism
+// ---------------------------------------------------------------------------------------
+
+// Below this many elements an elementwise loop stays on the calling thread: waking the
+// OpenMP pool costs a few microseconds, more than ~32K simple element updates.
+inline constexpr int64_t kParallelGrain = 32768;
+// Grain for loops whose elements cost a transcendental call (exp, tanh, ...) or more.
+inline constexpr int64_t kParallelGrainExpensive = 4096;
+
+// Calls f(begin, end) on disjoint chunks covering [0, n). Runs f(0, n) on the calling thread
+// when n < 2 * grain, OpenMP has one thread, or we are already inside a parallel region;
+// otherwise uses min(threads, n / grain) threads with one contiguous chunk each (static, so
+// which thread handles which index is deterministic for a given thread count). f must not
+// throw.
+template <typename F>
+void ParallelFor(int64_t n, int64_t grain, F&& f) {
+  if (n <= 0) return;
+  grain = std::max<int64_t>(grain, 1);
+  const int64_t max_threads = omp_get_max_threads();
+  const int64_t threads = std::min(max_threads, n / grain);
+  if (threads <= 1 || omp_in_parallel()) {
+    f(int64_t{0}, n);
+    return;
+  }
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  {
+    const int64_t nt = omp_get_num_threads();
+    const int64_t t = omp_get_thread_num();
+    const int64_t chunk = (n + nt - 1) / nt;
+    const int64_t begin = std::min(n, t * chunk);
+    const int64_t end = std::min(n, begin + chunk);
+    if (begin < end) f(begin, end);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Element conversions
+// ---------------------------------------------------------------------------------------
+
+inline float BitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t FloatToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// bfloat16 bits -> float (exact).
+inline float Bf16BitsToFloat(uint16_t b) { return BitsToFloat(static_cast<uint32_t>(b) << 16); }
+// float -> bfloat16 bits, round to nearest even; NaN stays a quiet NaN (as BFloat16::FromFloat).
+inline uint16_t FloatToBf16Bits(float f) {
+  const uint32_t u = FloatToBits(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+// IEEE half bits -> float (exact), branch-free so that loops vectorize. Normal halves are
+// rebased by shifting exponent and mantissa into float position and scaling by 2^-112;
+// subnormal halves (m * 2^-24) come out of a magic-number subtraction.
+inline float HalfBitsToFloat(uint16_t h) {
+  const uint32_t w = static_cast<uint32_t>(h) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;  // exponent and mantissa, sign shifted out
+  // Normal (and inf/NaN): exponent field moved to float position, bias fixed by 2^-112 scale;
+  // adding 0xE0 << 23 pushes half inf/NaN exponents (31) to float's 255 after scaling.
+  const float normal = BitsToFloat((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+  // Subnormal: 0.5 + m * 2^-24 - 0.5 exactly, with m the 10-bit mantissa.
+  const float subnormal = BitsToFloat((two_w >> 17) | (126u << 23)) - 0.5f;
+  const uint32_t bits = two_w < (1u << 27) ? FloatToBits(subnormal) : FloatToBits(normal);
+  return BitsToFloat(sign | bits);
+}
+
+// float -> IEEE half bits, round to nearest even (overflow -> inf, NaN -> 0x7e00 | sign), as
+// Float16::FromFloat, branch-free. Scaling |f| by 2^112 then 2^-110 lets the FPU do the
+// rounding at the half's precision (subnormals included) and saturate to inf.
+inline uint16_t FloatToHalfBits(float f) {
+  const uint32_t w = FloatToBits(f);
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  base = BitsToFloat((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = FloatToBits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+template <typename T>
+inline constexpr bool kIsFloatLike = std::is_same_v<T, float> || std::is_same_v<T, BFloat16> ||
+                                     std::is_same_v<T, Float16> || std::is_same_v<T, Float8E4M3> ||
+                                     std::is_same_v<T, Float8E5M2>;
+template <typename T>
+inline constexpr bool kIsComputeFloat =
+    std::is_same_v<T, float> || std::is_same_v<T, BFloat16> || std::is_same_v<T, Float16>;
+template <typename T>
+inline constexpr bool kIsInt = std::is_same_v<T, int32_t> || std::is_same_v<T, int64_t>;
+
+// Any element -> float.
+template <typename T>
+inline float ToFloat(T v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, BFloat16>) {
+    return Bf16BitsToFloat(v.bits);
+  } else if constexpr (std::is_same_v<T, Float16>) {
+    return HalfBitsToFloat(v.bits);
+  } else if constexpr (std::is_same_v<T, bool>) {
+    return v ? 1.0f : 0.0f;
+  } else {
+    return static_cast<float>(v);  // ints (rounded to nearest), float8 (exact)
+  }
+}
+
+// float -> integer: truncates toward zero, saturates, NaN -> 0.
+template <typename I>
+inline I FloatToInt(float f) {
+  constexpr float kHi = -static_cast<float>(std::numeric_limits<I>::min());  // 2^31 or 2^63
+  if (!(f == f)) return 0;
+  if (f >= kHi) return std::numeric_limits<I>::max();
+  if (f < -kHi) return std::numeric_limits<I>::min();
+  return static_cast<I>(f);
+}
+template <typename I>
+inline I DoubleToInt(double d) {
+  constexpr double kHi = -static_cast<double>(std::numeric_limits<I>::min());
+  if (!(d == d)) return 0;
+  if (d >= kHi) return std::numeric_limits<I>::max();
+  if (d < -kHi) return std::numeric_limits<I>::min();
+  return static_cast<I>(d);
+}
+
+// float -> any element (one rounding for float types).
+template <typename T>
+inline T FromFloat(float f) {
+  if constexpr (std::is_same_v<T, float>) {
+    return f;
+  } else if constexpr (std::is_same_v<T, BFloat16>) {
+    BFloat16 r;
+    r.bits = FloatToBf16Bits(f);
+    return r;
+  } else if constexpr (std::is_same_v<T, Float16>) {
+    Float16 r;
+    r.bits = FloatToHalfBits(f);
+    return r;
+  } else if constexpr (std::is_same_v<T, bool>) {
+    return f != 0.0f;
+  } else if constexpr (kIsInt<T>) {
+    return FloatToInt<T>(f);
+  } else {
+    return T(f);  // float8
+  }
+}
+
+// double -> any element (Fill, FillRandom, scalars): float types go through float (so
+// bfloat16/float16 round twice, double -> float -> 16 bits); integers truncate with
+// saturation (NaN -> 0); bool is `!= 0`.
+template <typename T>
+inline T FromDouble(double d) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return d != 0.0;
+  } else if constexpr (kIsInt<T>) {
+    return DoubleToInt<T>(d);
+  } else {
+    return FromFloat<T>(static_cast<float>(d));
+  }
+}
+
+// S -> D for Copy. Same type: bit copy. Integer -> integer: wraps (two's complement).
+// Integer -> float: rounded to float (then to D). Float -> integer: FloatToInt.
+template <typename D, typename S>
+inline D CastElement(S v) {
+  if constexpr (std::is_same_v<D, S>) {
+    return v;
+  } else if constexpr (std::is_same_v<S, bool>) {
+    if constexpr (kIsInt<D>) {
+      return static_cast<D>(v ? 1 : 0);
+    } else {
+      return FromFloat<D>(v ? 1.0f : 0.0f);
+    }
+  } else if constexpr (std::is_same_v<D, bool>) {
+    if constexpr (kIsInt<S>) {
+      return v != 0;
+    } else {
+      return ToFloat(v) != 0.0f;
+    }
+  } else if constexpr (kIsInt<S> && kIsInt<D>) {
+    return static_cast<D>(v);
+  } else {
+    return FromFloat<D>(ToFloat(v));
+  }
+}
+
+// Converts n elements of a contiguous row to float / back (scratch rows for bf16/f16 kernels).
+template <typename T>
+inline void LoadRow(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = ToFloat(src[i]);
+}
+template <typename T>
+inline void StoreRow(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = FromFloat<T>(src[i]);
+}
+
+// ---------------------------------------------------------------------------------------
+// dtype dispatch
+// ---------------------------------------------------------------------------------------
+
+inline absl::Status UnsupportedDType(const char* op, DType t) {
+  return absl::UnimplementedError(absl::StrCat("[", op, "] dtype ", DTypeName(t), " is not supported on cpu"));
+}
+
+// f(T{}) for T in {float, BFloat16, Float16}; Unimplemented for other dtypes. f returns Status.
+template <typename F>
+absl::Status DispatchFloat(const char* op, DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32:
+      return f(float{});
+    case DType::kBFloat16:
+      return f(BFloat16{});
+    case DType::kFloat16:
+      return f(Float16{});
+    default:
+      return UnsupportedDType(op, t);
+  }
+}
+
+// As DispatchFloat, plus int32 and int64.
+template <typename F>
+absl::Status DispatchNumeric(const char* op, DType t, F&& f) {
+  switch (t) {
+    case DType::kInt32:
+      return f(int32_t{});
+    case DType::kInt64:
+      return f(int64_t{});
+    default:
+      return DispatchFloat(op, t, std::forward<F>(f));
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Strided iteration
+// ---------------------------------------------------------------------------------------
+
+// Walks N operands of one shape with their own strides (in elements), row by row. Operand 0
+// is the output: dims are reordered so that its strides decrease (its innermost stride is
+// the smallest; ties and stride-0 dims defer to the next operand), size-1 dims are dropped
+// and neighbouring dims merged wherever every operand's strides allow. A contiguous tensor
+// thus becomes one row. Element order does not matter to the callers (elementwise ops).
+template <int N>
+class StridedLoop {
+ public:
+  StridedLoop(IntSpan shape, const std::array<IntSpan, N>& strides) {
+    numel_ = NumElements(shape);
+    // Dims (in the original order) that matter: size != 1.
+    int order[kMaxDims];
+    int nd = 0;
+    for (int d = 0; d < static_cast<int>(shape.size()); ++d) {
+      if (shape[d] != 1) order[nd++] = d;
+    }
+    // Insertion sort: move dim b before dim a when b should be the outer one.
+    auto outer_first = [&](int a, int b) {  // true when dim b must be outer to dim a
+      for (int k = 0; k < N; ++k) {
+        const int64_t sa = strides[k][a], sb = strides[k][b];
+        if (sa == 0 || sb == 0 || sa == sb) continue;
+        return sb > sa;
+      }
+      return false;
+    };
+    for (int i = 1; i < nd; ++i) {
+      for (int j = i; j > 0 && outer_first(order[j - 1], order[j]); --j) std::swap(order[j - 1], order[j]);
+    }
+    // Walk dims outer to inner, merging each into the previous one when every operand allows;
+    // shape_/strides_ keep the result innermost-last.
+    ndim_ = 0;
+    for (int i = 0; i < nd; ++i) {
+      const int d = order[i];
+      if (ndim_ > 0) {
+        bool merge = true;
+        for (int k = 0; k < N; ++k) {
+          // Dim d follows the current innermost dim `ndim_-1`: they merge when the previous
+          // (outer) dim's stride equals d's stride times d's size.
+          if (strides_[k][ndim_ - 1] != strides[k][d] * shape[d]) merge = false;
+        }
+        if (merge) {
+          shape_[ndim_ - 1] *= shape[d];
+          for (int k = 0; k < N; ++k) strides_[k][ndim_ - 1] = strides[k][d];
+          continue;
+        }
+      }
+      shape_[ndim_] = shape[d];
+      for (int k = 0; k < N; ++k) strides_[k][ndim_] = strides[k][d];
+      ++ndim_;
+    }
+    if (ndim_ == 0) {  // a single element
+      shape_[0] = 1;
+      for (int k = 0; k < N; ++k) strides_[k][0] = 1;
+      ndim_ = 1;
+    }
+  }
+
+  int64_t numel() const { return numel_; }
+  int ndim() const { return ndim_; }
+  // Size of the innermost (row) dim.
+  int64_t row_size() const { return shape_[ndim_ - 1]; }
+
+  // Calls f(off, inner_stride, n) for consecutive runs covering elements [begin, end) in loop
+  // order, one call per (part of a) row; off[k] is the element offset of the run's first
+  // element in operand k, inner_stride[k] the step between its elements.
+  template <typename F>
+  void ForRange(int64_t begin, int64_t end, F&& f) const {
+    if (begin >= end) return;
+    const int inner = ndim_ - 1;
+    int64_t coord[kMaxDims];
+    int64_t rem = begin;
+    for (int d = ndim_; d-- > 0;) {
+      coord[d] = rem % shape_[d];
+      rem /= shape_[d];
+    }
+    int64_t inner_stride[N];
+    for (int k = 0; k < N; ++k) inner_stride[k] = strides_[k][inner];
+    int64_t pos = begin;
+    while (pos < end) {
+      int64_t off[N];
+      for (int k = 0; k < N; ++k) {
+        int64_t o = 0;
+        for (int d = 0; d < ndim_; ++d) o += coord[d] * strides_[k][d];
+        off[k] = o;
+      }
+      const int64_t n = std::min(shape_[inner] - coord[inner], end - pos);
+      f(static_cast<const int64_t*>(off), static_cast<const int64_t*>(inner_stride), n);
+      pos += n;
+      coord[inner] += n;
+      for (int d = inner; d > 0 && coord[d] == shape_[d]; --d) {
+        coord[d] = 0;
+        ++coord[d - 1];
+      }
+    }
+  }
+
+  // ForRange over all elements, split across threads (see ParallelFor).
+  template <typename F>
+  void Run(int64_t grain, F&& f) const {
+    ParallelFor(numel_, grain, [&](int64_t b, int64_t e) { ForRange(b, e, f); });
+  }
+
+ private:
+  int64_t numel_ = 0;
+  int ndim_ = 0;
+  int64_t shape_[kMaxDims] = {};
+  int64_t strides_[N][kMaxDims] = {};
+};
+
+}  // namespace dtensor::internal
+
+#endif  // DTENSOR_KERNELS_CPU_CPU_INTERNAL_H_

@@ -1,0 +1,386 @@
+// CPU elementwise kernels: Binary, BinaryScalar, Unary, UnaryBackward.
+//
+// Float dtypes compute in float (bf16/f16 converted in registers); int32/int64 compute in
+// their own type with wrapping arithmetic (kDiv truncates, x / 0 = 0). Each row runs one of a
+// few loops specialised on its strides (contiguous, broadcast scalar, strided) so that the
+// common contiguous case is a plain loop the compiler vectorizes.
+#include <cmath>
+#include <type_traits>
+
+#include "dtensor/kernels/cpu/cpu_backend.h"
+#include "dtensor/kernels/cpu/cpu_internal.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor::internal {
+namespace {
+
+// Compute type: float for the float dtypes, the type itself for integers.
+template <typename T>
+using Compute = std::conditional_t<kIsComputeFloat<T>, float, T>;
+
+template <typename T>
+inline Compute<T> Load(T v) {
+  if constexpr (kIsComputeFloat<T>) {
+    return ToFloat(v);
+  } else {
+    return v;
+  }
+}
+template <typename T>
+inline T Store(Compute<T> v) {
+  if constexpr (kIsComputeFloat<T>) {
+    return FromFloat<T>(v);
+  } else {
+    return v;
+  }
+}
+
+// Wrapping integer arithmetic (signed overflow is undefined in C++; unsigned wraps).
+template <typename I>
+inline I WrapAdd(I a, I b) {
+  using U = std::make_unsigned_t<I>;
+  return static_cast<I>(static_cast<U>(a) + static_cast<U>(b));
+}
+template <typename I>
+inline I WrapSub(I a, I b) {
+  using U = std::make_unsigned_t<I>;
+  return static_cast<I>(static_cast<U>(a) - static_cast<U>(b));
+}
+template <typename I>
+inline I WrapMul(I a, I b) {
+  using U = std::make_unsigned_t<I>;
+  return static_cast<I>(static_cast<U>(a) * static_cast<U>(b));
+}
+
+// ---- Binary functors: C is float or an integer type ----
+struct AddFn {
+  template <typename C>
+  C operator()(C a, C b) const {
+    if constexpr (std::is_integral_v<C>) {
+      return WrapAdd(a, b);
+    } else {
+      return a + b;
+    }
+  }
+};
+struct SubFn {
+  template <typename C>
+  C operator()(C a, C b) const {
+    if constexpr (std::is_integral_v<C>) {
+      return WrapSub(a, b);
+    } else {
+      return a - b;
+    }
+  }
+};
+struct MulFn {
+  template <typename C>
+  C operator()(C a, C b) const {
+    if constexpr (std::is_integral_v<C>) {
+      return WrapMul(a, b);
+    } else {
+      return a * b;
+    }
+  }
+};
+struct DivFn {
+  template <typename C>
+  C operator()(C a, C b) const {
+    if constexpr (std::is_integral_v<C>) {
+      if (b == 0) return 0;
+      if (b == -1) return WrapSub(C{0}, a);  // min / -1 overflows
+      return a / b;
+    } else {
+      return a / b;
+    }
+  }
+};
+// torch.maximum / torch.minimum: NaN in either operand gives NaN.
+struct MaxFn {
+  template <typename C>
+  C operator()(C a, C b) const {
+    if constexpr (std::is_integral_v<C>) {
+      return a > b ? a : b;
+    } else {
+      return (a != a || a > b) ? a : b;
+    }
+  }
+};
+struct MinFn {
+  template <typename C>
+  C operator()(C a, C b) const {
+    if constexpr (std::is_integral_v<C>) {
+      return a < b ? a : b;
+    } else {
+      return (a != a || a < b) ? a : b;
+    }
+  }
+};
+
+// Calls f(functor) for `op`.
+template <typename F>
+decltype(auto) WithBinaryFn(BinaryOp op, F&& f) {
+  switch (op) {
+    case BinaryOp::kAdd:
+      return f(AddFn{});
+    case BinaryOp::kSub:
+      return f(SubFn{});
+    case BinaryOp::kMul:
+      return f(MulFn{});
+    case BinaryOp::kDiv:
+      return f(DivFn{});
+    case BinaryOp::kMax:
+      return f(MaxFn{});
+    case BinaryOp::kMin:
+      return f(MinFn{});
+  }
+  return f(AddFn{});
+}
+
+// o[i*so] = op(a[i*sa], b[i*sb]) for i < n, with fast paths for the common stride patterns.
+template <typename T, typename Op>
+void BinaryRow(const T* a, int64_t sa, const T* b, int64_t sb, T* o, int64_t so, int64_t n, Op op) {
+  if (so == 1) {
+    if (sa == 1 && sb == 1) {
+      for (int64_t i = 0; i < n; ++i) o[i] = Store<T>(op(Load(a[i]), Load(b[i])));
+      return;
+    }
+    if (sa == 1 && sb == 0) {
+      const Compute<T> bv = Load(b[0]);
+      for (int64_t i = 0; i < n; ++i) o[i] = Store<T>(op(Load(a[i]), bv));
+      return;
+    }
+    if (sa == 0 && sb == 1) {
+      const Compute<T> av = Load(a[0]);
+      for (int64_t i = 0; i < n; ++i) o[i] = Store<T>(op(av, Load(b[i])));
+      return;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) o[i * so] = Store<T>(op(Load(a[i * sa]), Load(b[i * sb])));
+}
+
+template <typename T, typename Op>
+void BinaryTyped(const Tensor& a, const Tensor& b, const Tensor& out, Op op) {
+  const StridedLoop<3> loop(out.shape(), {out.strides(), a.strides(), b.strides()});
+  const T* pa = static_cast<const T*>(a.raw_data());
+  const T* pb = static_cast<const T*>(b.raw_data());
+  T* po = static_cast<T*>(out.raw_data());
+  loop.Run(kParallelGrain, [&](const int64_t* off, const int64_t* st, int64_t n) {
+    BinaryRow<T>(pa + off[1], st[1], pb + off[2], st[2], po + off[0], st[0], n, op);
+  });
+}
+
+// out = op(a, s) (or op(s, a)) with the scalar already in compute type C and the result
+// converted by `store` (a lambda C -> T).
+template <typename T, typename C, typename Op, typename Store>
+void ScalarTyped(const Tensor& a, C s, bool scalar_first, const Tensor& out, Op op, Store store) {
+  const StridedLoop<2> loop(out.shape(), {out.strides(), a.strides()});
+  const T* pa = static_cast<const T*>(a.raw_data());
+  T* po = static_cast<T*>(out.raw_data());
+  auto load = [](T v) -> C {
+    if constexpr (kIsComputeFloat<T>) {
+      return ToFloat(v);
+    } else {
+      return static_cast<C>(v);
+    }
+  };
+  loop.Run(kParallelGrain, [&](const int64_t* off, const int64_t* st, int64_t n) {
+    const T* x = pa + off[1];
+    T* o = po + off[0];
+    const int64_t sx = st[1], so = st[0];
+    if (so == 1 && sx == 1) {
+      if (scalar_first) {
+        for (int64_t i = 0; i < n; ++i) o[i] = store(op(s, load(x[i])));
+      } else {
+        for (int64_t i = 0; i < n; ++i) o[i] = store(op(load(x[i]), s));
+      }
+    } else if (scalar_first) {
+      for (int64_t i = 0; i < n; ++i) o[i * so] = store(op(s, load(x[i * sx])));
+    } else {
+      for (int64_t i = 0; i < n; ++i) o[i * so] = store(op(load(x[i * sx]), s));
+    }
+  });
+}
+
+// ---- Unary functors (float) ----
+constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kGeluC = 0.044715f;
+
+inline float GeluF(float x) { return 0.5f * x * (1.0f + std::tanh(kGeluK * (x + kGeluC * x * x * x))); }
+inline float GeluGradF(float x) {
+  const float x2 = x * x;
+  const float t = std::tanh(kGeluK * (x + kGeluC * x2 * x));
+  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kGeluK * (1.0f + 3.0f * kGeluC * x2);
+}
+
+template <typename F>
+decltype(auto) WithUnaryFloatFn(UnaryOp op, F&& f) {
+  switch (op) {
+    case UnaryOp::kNeg:
+      return f([](float x) { return -x; }, false);
+    case UnaryOp::kExp:
+      return f([](float x) { return std::exp(x); }, true);
+    case UnaryOp::kLog:
+      return f([](float x) { return std::log(x); }, true);
+    case UnaryOp::kSqrt:
+      return f([](float x) { return std::sqrt(x); }, false);
+    case UnaryOp::kRsqrt:
+      return f([](float x) { return 1.0f / std::sqrt(x); }, false);
+    case UnaryOp::kRelu:
+      return f([](float x) { return x < 0.0f ? 0.0f : x; }, false);  // NaN stays NaN
+    case UnaryOp::kGelu:
+      return f([](float x) { return GeluF(x); }, true);
+    case UnaryOp::kTanh:
+      return f([](float x) { return std::tanh(x); }, true);
+    case UnaryOp::kAbs:
+      return f([](float x) { return std::fabs(x); }, false);
+    case UnaryOp::kSquare:
+      return f([](float x) { return x * x; }, false);
+  }
+  return f([](float x) { return x; }, false);
+}
+
+// o[i] = fn(a[i]) with `a` of any strides.
+template <typename T, typename Fn>
+void UnaryTyped(const Tensor& a, const Tensor& out, Fn fn, bool expensive) {
+  const StridedLoop<2> loop(out.shape(), {out.strides(), a.strides()});
+  const T* pa = static_cast<const T*>(a.raw_data());
+  T* po = static_cast<T*>(out.raw_data());
+  loop.Run(expensive ? kParallelGrainExpensive : kParallelGrain,
+           [&](const int64_t* off, const int64_t* st, int64_t n) {
+             const T* x = pa + off[1];
+             T* o = po + off[0];
+             const int64_t sx = st[1], so = st[0];
+             if (so == 1 && sx == 1) {
+               for (int64_t i = 0; i < n; ++i) o[i] = Store<T>(fn(Load(x[i])));
+             } else {
+               for (int64_t i = 0; i < n; ++i) o[i * so] = Store<T>(fn(Load(x[i * sx])));
+             }
+           });
+}
+
+// dx = dy * f'(x), all contiguous.
+template <typename T, typename Grad>
+void UnaryBackwardTyped(const Tensor& dy, const Tensor& x, const Tensor& dx, Grad grad, bool expensive) {
+  const T* pdy = static_cast<const T*>(dy.raw_data());
+  const T* px = static_cast<const T*>(x.raw_data());
+  T* pdx = static_cast<T*>(dx.raw_data());
+  ParallelFor(dx.numel(), expensive ? kParallelGrainExpensive : kParallelGrain, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) pdx[i] = FromFloat<T>(grad(ToFloat(pdy[i]), ToFloat(px[i])));
+  });
+}
+
+}  // namespace
+
+absl::Status CpuBackend::Binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) {
+  if (out.numel() == 0) return absl::OkStatus();
+  if (a.dtype() != out.dtype() || b.dtype() != out.dtype()) {
+    return InvalidArg("Binary", "dtypes differ: a ", DTypeName(a.dtype()), ", b ", DTypeName(b.dtype()), ", out ",
+                      DTypeName(out.dtype()));
+  }
+  return DispatchNumeric("Binary", out.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    WithBinaryFn(op, [&](auto fn) { BinaryTyped<T>(a, b, out, fn); });
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CpuBackend::BinaryScalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first,
+                                      const Tensor& out) {
+  if (out.numel() == 0) return absl::OkStatus();
+  return DispatchNumeric("BinaryScalar", out.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    WithBinaryFn(op, [&](auto fn) {
+      if constexpr (kIsComputeFloat<T>) {
+        ScalarTyped<T>(a, static_cast<float>(scalar), scalar_first, out, fn,
+                       [](float v) { return FromFloat<T>(v); });
+      } else if (std::trunc(scalar) == scalar && std::fabs(scalar) < 9.2233720368547758e18) {
+        // Integral scalar: exact wrapping integer arithmetic in int64, narrowed (wrapping).
+        ScalarTyped<T>(a, static_cast<int64_t>(scalar), scalar_first, out, fn,
+                       [](int64_t v) { return static_cast<T>(v); });
+      } else {
+        // Fractional (or huge / NaN) scalar: computed in double, truncated with saturation.
+        ScalarTyped<T>(a, scalar, scalar_first, out, fn, [](double v) { return DoubleToInt<T>(v); });
+      }
+    });
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CpuBackend::Unary(UnaryOp op, const Tensor& a, const Tensor& out) {
+  if (out.numel() == 0) return absl::OkStatus();
+  return DispatchNumeric("Unary", out.dtype(), [&](auto tag) -> absl::Status {
+    using T = decltype(tag);
+    if constexpr (kIsComputeFloat<T>) {
+      WithUnaryFloatFn(op, [&](auto fn, bool expensive) { UnaryTyped<T>(a, out, fn, expensive); });
+    } else {
+      switch (op) {
+        case UnaryOp::kNeg:
+          UnaryTyped<T>(a, out, [](T x) { return WrapSub(T{0}, x); }, false);
+          break;
+        case UnaryOp::kAbs:
+          UnaryTyped<T>(a, out, [](T x) { return x < 0 ? WrapSub(T{0}, x) : x; }, false);
+          break;
+        case UnaryOp::kSquare:
+          UnaryTyped<T>(a, out, [](T x) { return WrapMul(x, x); }, false);
+          break;
+        case UnaryOp::kRelu:
+          UnaryTyped<T>(a, out, [](T x) { return x < 0 ? T{0} : x; }, false);
+          break;
+        default:
+          return absl::UnimplementedError(absl::StrCat("[Unary] op ", static_cast<int>(op),
+                                                       " is not defined for integer dtype ", DTypeName(out.dtype())));
+      }
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CpuBackend::UnaryBackward(UnaryOp op, const Tensor& dy, const Tensor& x, const Tensor& dx) {
+  if (dx.numel() == 0) return absl::OkStatus();
+  return DispatchFloat("UnaryBackward", dx.dtype(), [&](auto tag) -> absl::Status {
+    using T = decltype(tag);
+    switch (op) {
+      case UnaryOp::kGelu:
+        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return g * GeluGradF(v); }, true);
+        break;
+      case UnaryOp::kRelu:
+        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return v > 0.0f ? g : 0.0f; }, false);
+        break;
+      case UnaryOp::kTanh:
+        UnaryBackwardTyped<T>(
+            dy, x, dx,
+            [](float g, float v) {
+              const float t = std::tanh(v);
+              return g * (1.0f - t * t);
+            },
+            true);
+        break;
+      case UnaryOp::kExp:
+        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return g * std::exp(v); }, true);
+        break;
+      case UnaryOp::kLog:
+        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return g / v; }, false);
+        break;
+      case UnaryOp::kSqrt:
+        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return g * 0.5f / std::sqrt(v); }, false);
+        break;
+      case UnaryOp::kRsqrt:
+        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return g * -0.5f / (v * std::sqrt(v)); }, false);
+        break;
+      case UnaryOp::kNeg:
+        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float) { return -g; }, false);
+        break;
+      case UnaryOp::kAbs:
+        UnaryBackwardTyped<T>(
+            dy, x, dx, [](float g, float v) { return v > 0.0f ? g : (v < 0.0f ? -g : 0.0f); }, false);
+        break;
+      case UnaryOp::kSquare:
+        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return 2.0f * v * g; }, false);
+        break;
+    }
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace dtensor::internal

@@ -1,0 +1,321 @@
+// LayerNorm and RmsNorm over the last dim, forward and backward (CPU).
+//
+// Legend: x, y, dy, dx are [rows, C] contiguous; weight, bias, dweight, dbias are [C];
+// mean, rstd are float32 [rows]. Rows are split over OpenMP threads; everything is computed in
+// float32 from rows converted once (bf16/f16). The weight/bias gradients are summed per fixed
+// block of rows and then over blocks in order, so they do not depend on the thread count.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "dtensor/kernels/cpu/cpu_backend.h"
+
+namespace dtensor::internal {
+namespace {
+
+// Below this many elements a call stays on one thread.
+constexpr int64_t kParallelMin = int64_t{1} << 15;
+// Rows per partial sum of dweight/dbias in the backward passes.
+constexpr int64_t kRowBlock = 16;
+
+template <typename F>
+absl::Status VisitFloat(const char* op, DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32:
+      return f(float{});
+    case DType::kBFloat16:
+      return f(BFloat16{});
+    case DType::kFloat16:
+      return f(Float16{});
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("[", op, "] unsupported dtype ", DTypeName(t)));
+  }
+}
+
+// The n values at src as float32: src itself for float, else converted into scratch.
+template <typename T>
+const float* RowF32(const T* src, int64_t n, float* scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else {
+    for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(src[i]);
+    return scratch;
+  }
+}
+
+// Where to compute an output row in float32: dst itself for float, else scratch (then Store).
+template <typename T>
+float* OutF32(T* dst, float* scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    return dst;
+  } else {
+    return scratch;
+  }
+}
+template <typename T>
+void Store(const float* src, int64_t n, T* dst) {
+  if constexpr (!std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
+  }
+}
+
+// A [C] parameter as float32 (an undefined tensor gives `fill`).
+template <typename T>
+std::vector<float> ParamF32(const Tensor& t, int64_t c, float fill) {
+  std::vector<float> out(static_cast<size_t>(c), fill);
+  if (t.defined()) {
+    const T* p = t.data<T>();
+    for (int64_t i = 0; i < c; ++i) out[i] = static_cast<float>(p[i]);
+  }
+  return out;
+}
+
+// Sums the per-block partials [nblocks, C] over blocks, in block order, into dst [C].
+template <typename T>
+void SumBlocks(const std::vector<float>& partial, int64_t nblocks, int64_t c, T* dst) {
+#pragma omp parallel for schedule(static) if (nblocks * c >= kParallelMin)
+  for (int64_t j = 0; j < c; ++j) {
+    double s = 0.0;
+    for (int64_t b = 0; b < nblocks; ++b) s += partial[b * c + j];
+    dst[j] = T(static_cast<float>(s));
+  }
+}
+
+template <typename T>
+void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y,
+                      const Tensor& mean, const Tensor& rstd) {
+  const int64_t c = x.size(-1);
+  const int64_t rows = x.numel() / c;
+  const std::vector<float> w = ParamF32<T>(weight, c, 1.0f);
+  const std::vector<float> b = ParamF32<T>(bias, c, 0.0f);
+  const T* xp = x.data<T>();  // [rows, C]
+  T* yp = y.data<T>();        // [rows, C]
+  float* mp = mean.data<float>();
+  float* rp = rstd.data<float>();
+  const float inv_c = 1.0f / static_cast<float>(c);
+#pragma omp parallel if (rows * c >= kParallelMin)
+  {
+    std::vector<float> sx, sy;
+    if constexpr (!std::is_same_v<T, float>) {
+      sx.resize(c);
+      sy.resize(c);
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = RowF32(xp + r * c, c, sx.data());
+      float* yr = OutF32(yp + r * c, sy.data());
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < c; ++i) sum += xr[i];
+      const float mu = sum * inv_c;
+      float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t i = 0; i < c; ++i) sq += (xr[i] - mu) * (xr[i] - mu);
+      const float rs = 1.0f / std::sqrt(sq * inv_c + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < c; ++i) yr[i] = (xr[i] - mu) * rs * w[i] + b[i];
+      Store(yr, c, yp + r * c);
+      mp[r] = mu;
+      rp[r] = rs;
+    }
+  }
+}
+
+template <typename T>
+void LayerNormBackwardImpl(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                           const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) {
+  const int64_t c = x.size(-1);
+  const int64_t rows = x.numel() / c;
+  const int64_t nblocks = (rows + kRowBlock - 1) / kRowBlock;
+  const std::vector<float> w = ParamF32<T>(weight, c, 1.0f);
+  const T* dyp = dy.data<T>();  // [rows, C]
+  const T* xp = x.data<T>();    // [rows, C]
+  T* dxp = dx.data<T>();        // [rows, C]
+  const float* mp = mean.data<float>();
+  const float* rp = rstd.data<float>();
+  std::vector<float> dw_part(static_cast<size_t>(nblocks * c));  // [nblocks, C]
+  std::vector<float> db_part(static_cast<size_t>(nblocks * c));
+  const float inv_c = 1.0f / static_cast<float>(c);
+#pragma omp parallel if (rows * c >= kParallelMin)
+  {
+    std::vector<float> sx, sdy, sdx;
+    if constexpr (!std::is_same_v<T, float>) {
+      sx.resize(c);
+      sdy.resize(c);
+      sdx.resize(c);
+    }
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      float* dwb = dw_part.data() + blk * c;
+      float* dbb = db_part.data() + blk * c;
+      for (int64_t i = 0; i < c; ++i) dwb[i] = dbb[i] = 0.0f;
+      const int64_t r_end = std::min(rows, (blk + 1) * kRowBlock);
+      for (int64_t r = blk * kRowBlock; r < r_end; ++r) {
+        const float* xr = RowF32(xp + r * c, c, sx.data());
+        const float* dyr = RowF32(dyp + r * c, c, sdy.data());
+        float* dxr = OutF32(dxp + r * c, sdx.data());
+        const float mu = mp[r], rs = rp[r];
+        // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w.
+        float sg = 0.0f, sgx = 0.0f;
+#pragma omp simd reduction(+ : sg, sgx)
+        for (int64_t i = 0; i < c; ++i) {
+          const float xhat = (xr[i] - mu) * rs;
+          const float g = dyr[i] * w[i];
+          sg += g;
+          sgx += g * xhat;
+          dwb[i] += dyr[i] * xhat;
+          dbb[i] += dyr[i];
+        }
+        const float mg = sg * inv_c, mgx = sgx * inv_c;
+#pragma omp simd
+        for (int64_t i = 0; i < c; ++i) {
+          const float xhat = (xr[i] - mu) * rs;
+          dxr[i] = rs * (dyr[i] * w[i] - mg - xhat * mgx);
+        }
+        Store(dxr, c, dxp + r * c);
+      }
+    }
+  }
+  SumBlocks(dw_part, nblocks, c, dweight.data<T>());
+  if (dbias.defined()) SumBlocks(db_part, nblocks, c, dbias.data<T>());
+}
+
+template <typename T>
+void RmsNormForward(const Tensor& x, const Tensor& weight, float eps, const Tensor& y, const Tensor& rstd) {
+  const int64_t c = x.size(-1);
+  const int64_t rows = x.numel() / c;
+  const std::vector<float> w = ParamF32<T>(weight, c, 1.0f);
+  const T* xp = x.data<T>();  // [rows, C]
+  T* yp = y.data<T>();        // [rows, C]
+  float* rp = rstd.data<float>();
+  const float inv_c = 1.0f / static_cast<float>(c);
+#pragma omp parallel if (rows * c >= kParallelMin)
+  {
+    std::vector<float> sx, sy;
+    if constexpr (!std::is_same_v<T, float>) {
+      sx.resize(c);
+      sy.resize(c);
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = RowF32(xp + r * c, c, sx.data());
+      float* yr = OutF32(yp + r * c, sy.data());
+      float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t i = 0; i < c; ++i) sq += xr[i] * xr[i];
+      const float rs = 1.0f / std::sqrt(sq * inv_c + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < c; ++i) yr[i] = xr[i] * rs * w[i];
+      Store(yr, c, yp + r * c);
+      rp[r] = rs;
+    }
+  }
+}
+
+template <typename T>
+void RmsNormBackwardImpl(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                         const Tensor& dx, const Tensor& dweight) {
+  const int64_t c = x.size(-1);
+  const int64_t rows = x.numel() / c;
+  const int64_t nblocks = (rows + kRowBlock - 1) / kRowBlock;
+  const std::vector<float> w = ParamF32<T>(weight, c, 1.0f);
+  const T* dyp = dy.data<T>();  // [rows, C]
+  const T* xp = x.data<T>();    // [rows, C]
+  T* dxp = dx.data<T>();        // [rows, C]
+  const float* rp = rstd.data<float>();
+  std::vector<float> dw_part(static_cast<size_t>(nblocks * c));  // [nblocks, C]
+  const float inv_c = 1.0f / static_cast<float>(c);
+#pragma omp parallel if (rows * c >= kParallelMin)
+  {
+    std::vector<float> sx, sdy, sdx;
+    if constexpr (!std::is_same_v<T, float>) {
+      sx.resize(c);
+      sdy.resize(c);
+      sdx.resize(c);
+    }
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < nblocks; ++blk) {
+      float* dwb = dw_part.data() + blk * c;
+      for (int64_t i = 0; i < c; ++i) dwb[i] = 0.0f;
+      const int64_t r_end = std::min(rows, (blk + 1) * kRowBlock);
+      for (int64_t r = blk * kRowBlock; r < r_end; ++r) {
+        const float* xr = RowF32(xp + r * c, c, sx.data());
+        const float* dyr = RowF32(dyp + r * c, c, sdy.data());
+        float* dxr = OutF32(dxp + r * c, sdx.data());
+        const float rs = rp[r];
+        // dx = rstd * g - x * rstd^3 * mean(g * x) with g = dy * w.
+        float sgx = 0.0f;
+#pragma omp simd reduction(+ : sgx)
+        for (int64_t i = 0; i < c; ++i) {
+          sgx += dyr[i] * w[i] * xr[i];
+          dwb[i] += dyr[i] * xr[i] * rs;
+        }
+        const float k = rs * rs * rs * sgx * inv_c;
+#pragma omp simd
+        for (int64_t i = 0; i < c; ++i) dxr[i] = rs * dyr[i] * w[i] - xr[i] * k;
+        Store(dxr, c, dxp + r * c);
+      }
+    }
+  }
+  SumBlocks(dw_part, nblocks, c, dweight.data<T>());
+}
+
+}  // namespace
+
+absl::Status CpuBackend::LayerNorm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
+                                   const Tensor& y, const Tensor& mean, const Tensor& rstd) {
+  if (x.numel() == 0) return absl::OkStatus();
+  return VisitFloat("LayerNorm", x.dtype(), [&](auto tag) {
+    LayerNormForward<decltype(tag)>(x, weight, bias, eps, y, mean, rstd);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CpuBackend::LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                           const Tensor& mean, const Tensor& rstd, const Tensor& dx,
+                                           const Tensor& dweight, const Tensor& dbias) {
+  if (x.numel() == 0) {
+    // No rows: the parameter gradients are sums over nothing.
+    return VisitFloat("LayerNormBackward", x.dtype(), [&](auto tag) {
+      using T = decltype(tag);
+      for (const Tensor* t : {&dweight, &dbias}) {
+        if (!t->defined()) continue;
+        for (int64_t i = 0; i < t->numel(); ++i) t->data<T>()[i] = T(0.0f);
+      }
+      return absl::OkStatus();
+    });
+  }
+  return VisitFloat("LayerNormBackward", x.dtype(), [&](auto tag) {
+    LayerNormBackwardImpl<decltype(tag)>(dy, x, weight, mean, rstd, dx, dweight, dbias);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CpuBackend::RmsNorm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y,
+                                 const Tensor& rstd) {
+  if (x.numel() == 0) return absl::OkStatus();
+  return VisitFloat("RmsNorm", x.dtype(), [&](auto tag) {
+    RmsNormForward<decltype(tag)>(x, weight, eps, y, rstd);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CpuBackend::RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                         const Tensor& rstd, const Tensor& dx, const Tensor& dweight) {
+  return VisitFloat("RmsNormBackward", x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    if (x.numel() == 0) {
+      for (int64_t i = 0; i < dweight.numel(); ++i) dweight.data<T>()[i] = T(0.0f);
+      return absl::OkStatus();
+    }
+    RmsNormBackwardImpl<T>(dy, x, weight, rstd, dx, dweight);
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace dtensor::internal

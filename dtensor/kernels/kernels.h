@@ -1,0 +1,176 @@
+// Kernels: the one interface every compute backend (CPU, CUDA) implements.
+//
+// Callers go through dtensor/ops/ops.h, which validates shapes, dtypes and devices, allocates
+// outputs and then calls a backend:
+//
+//   DT_ASSIGN_OR_RETURN(Kernels* k, KernelsFor(x.device()));
+//   DT_RETURN_IF_ERROR(k->Unary(UnaryOp::kGelu, x, out));
+//
+// Contract for every method (the ops layer guarantees it; kernels do not re-validate):
+// - all tensors are defined and on this backend's device;
+// - "contiguous" arguments are row-major with no gaps; other arguments may have any strides
+//   (including 0 for broadcast) and at most kMaxDims dims;
+// - outputs never alias inputs, except that the elementwise methods (Binary, BinaryScalar,
+//   Unary) accept `out` being exactly the contiguous input `a` (same storage and offset), which
+//   the ops layer uses for in-place updates;
+// - float32/bfloat16/float16 compute in float32 and round once on store;
+// - an empty tensor (numel 0) is a no-op.
+// Kernels return a non-OK status only for conditions the ops layer cannot check cheaply
+// (an unsupported dtype combination, a CUDA launch failure, an index out of range on CPU).
+// CUDA kernels run asynchronously on the calling thread's stream (cudaStreamPerThread).
+#ifndef DTENSOR_KERNELS_KERNELS_H_
+#define DTENSOR_KERNELS_KERNELS_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "dtensor/tensor/tensor.h"
+
+namespace dtensor {
+
+enum class BinaryOp : uint8_t { kAdd, kSub, kMul, kDiv, kMax, kMin };
+enum class UnaryOp : uint8_t { kNeg, kExp, kLog, kSqrt, kRsqrt, kRelu, kGelu, kTanh, kAbs, kSquare };
+enum class ReduceOp : uint8_t { kSum, kMean, kMax, kMin };
+
+// A random distribution for FillRandom. Values depend only on (seed, global element index).
+struct RandomSpec {
+  enum class Kind : uint8_t { kUniform, kNormal } kind = Kind::kNormal;
+  uint64_t seed = 0;
+  double a = 0.0;  // uniform: low;  normal: mean
+  double b = 1.0;  // uniform: high; normal: std
+};
+
+struct AdamWParams {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  int64_t step = 1;  // 1-based step count, for bias correction
+};
+
+class Kernels {
+ public:
+  virtual ~Kernels() = default;
+  virtual Device device() const = 0;
+
+  // ---- Copies and fills ----
+  // dst[i] = cast(src[i]). Same shape; any strides for both (src may broadcast); any dtypes.
+  // dst must not overlap src.
+  virtual absl::Status Copy(const Tensor& src, const Tensor& dst) = 0;
+  // dst[i] = value (cast to dst's dtype). Any strides.
+  virtual absl::Status Fill(const Tensor& dst, double value) = 0;
+  // Fills contiguous `dst`, which is the block at `global_offset` (one entry per dim) of a
+  // tensor of `global_shape`, with the values that tensor would get from `spec`: element at
+  // global linear index g uses Philox4x32-10 counter g and key spec.seed.
+  virtual absl::Status FillRandom(const Tensor& dst, const RandomSpec& spec, IntSpan global_shape,
+                                  IntSpan global_offset) = 0;
+
+  // ---- Elementwise ----
+  // out = a (op) b. a and b already have out's shape (broadcast dims have stride 0); same
+  // dtype as out; out contiguous. Integer dtypes support every op (kDiv truncates; division by
+  // zero gives 0).
+  virtual absl::Status Binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) = 0;
+  // out = a (op) scalar, or scalar (op) a when scalar_first. a any strides, out contiguous.
+  virtual absl::Status BinaryScalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first,
+                                    const Tensor& out) = 0;
+  // out = f(a). a any strides, out contiguous, same dtype. kGelu is the tanh approximation.
+  // Integer dtypes support kNeg, kAbs, kSquare, kRelu only.
+  virtual absl::Status Unary(UnaryOp op, const Tensor& a, const Tensor& out) = 0;
+  // dx = dy * f'(x) for f in {kGelu (tanh approx), kRelu, kTanh, kExp, kLog, kSqrt}; all
+  // contiguous, same shape and dtype.
+  virtual absl::Status UnaryBackward(UnaryOp op, const Tensor& dy, const Tensor& x, const Tensor& dx) = 0;
+
+  // ---- Reductions ----
+  // x contiguous, viewed as [outer, reduce, inner]; out contiguous [outer, inner], same dtype.
+  // kMean divides by `reduce`. An empty reduction gives 0 for sum, NaN for mean, -inf/+inf
+  // for max/min (float) — the ops layer rejects max/min over an empty dim.
+  virtual absl::Status Reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduce, int64_t inner,
+                              const Tensor& out) = 0;
+
+  // ---- Softmax over the last dim ----
+  // x, y contiguous [rows, n]. log: log_softmax.
+  virtual absl::Status Softmax(const Tensor& x, const Tensor& y, bool log) = 0;
+  // dx from dy and the forward output y (softmax: dx = y*(dy - sum(dy*y));
+  // log_softmax: dx = dy - exp(y)*sum(dy)). All contiguous [rows, n].
+  virtual absl::Status SoftmaxBackward(const Tensor& dy, const Tensor& y, const Tensor& dx, bool log) = 0;
+
+  // ---- Normalisation over the last dim ----
+  // x, y contiguous [rows, C]; weight [C] (and bias [C], which may be undefined) of x's dtype;
+  // mean and rstd float32 [rows] (saved for backward). Biased variance, as PyTorch.
+  virtual absl::Status LayerNorm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
+                                 const Tensor& y, const Tensor& mean, const Tensor& rstd) = 0;
+  // dx [rows, C]; dweight, dbias [C] in weight's dtype (dbias may be undefined). dweight and
+  // dbias are overwritten (not accumulated).
+  virtual absl::Status LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                         const Tensor& mean, const Tensor& rstd, const Tensor& dx,
+                                         const Tensor& dweight, const Tensor& dbias) = 0;
+  // y = x * rstd * weight with rstd = 1/sqrt(mean(x^2) + eps), rstd float32 [rows].
+  virtual absl::Status RmsNorm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y,
+                               const Tensor& rstd) = 0;
+  virtual absl::Status RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                                       const Tensor& dx, const Tensor& dweight) = 0;
+
+  // ---- Matrix multiply ----
+  // c[i] = alpha * a[i] @ b[i] + beta * c[i] for i in [0, batch). a is [batch, M, K], b is
+  // [batch, K, N], c is [batch, M, N] contiguous; all of one float dtype. In a and b either
+  // the last dim has stride 1 (row-major) or the middle dim has stride 1 (a transposed view);
+  // the batch stride may be anything, 0 included. beta = 0 ignores c's old contents (NaN too).
+  virtual absl::Status Gemm(const Tensor& a, const Tensor& b, const Tensor& c, float alpha, float beta) = 0;
+
+  // ---- Embedding ----
+  // out[n, :] = weight[ids[n], :]. weight contiguous [V, C]; ids contiguous [N] int32/int64;
+  // out contiguous [N, C]. An id outside [0, V): CPU returns InvalidArgument naming it; CUDA
+  // writes zeros for that row (no device assert).
+  virtual absl::Status Embedding(const Tensor& weight, const Tensor& ids, const Tensor& out) = 0;
+  // dweight[ids[n], :] += dout[n, :] (scatter-add; dweight is accumulated, not overwritten).
+  // Out-of-range ids are skipped.
+  virtual absl::Status EmbeddingBackward(const Tensor& dout, const Tensor& ids, const Tensor& dweight) = 0;
+
+  // ---- Cross-entropy over the last dim ----
+  // logits contiguous [N, V] (float); targets contiguous [N] int32/int64. Writes float32 [N]
+  // per-row losses (logsumexp - logit[target]; 0 where target == ignore_index), float32 [N]
+  // `valid` (1 or 0) and float32 [N] logsumexp. A target outside [0, V) that is not
+  // ignore_index: CPU returns InvalidArgument; CUDA treats the row as ignored.
+  virtual absl::Status CrossEntropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                    const Tensor& losses, const Tensor& valid, const Tensor& lse) = 0;
+  // dlogits[n, :] = grad[n] * (softmax(logits[n]) - onehot(targets[n])), zero rows for
+  // ignored targets. grad is float32 [N] with any stride (0 to broadcast one value).
+  virtual absl::Status CrossEntropyBackward(const Tensor& logits, const Tensor& targets, const Tensor& lse,
+                                            const Tensor& grad, int64_t ignore_index, const Tensor& dlogits) = 0;
+
+  // ---- Causal scaled-dot-product attention ----
+  // q, k, v, out contiguous [B, H, T, D]; lse float32 [B, H, T] (logsumexp of each score row,
+  // saved for backward). out[t] = softmax(scale * q[t].k[s] for s <= t) @ v.
+  virtual absl::Status CausalAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
+                                       const Tensor& out, const Tensor& lse) = 0;
+  // dq, dk, dv [B, H, T, D] contiguous, overwritten.
+  virtual absl::Status CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                               const Tensor& v, const Tensor& out, const Tensor& lse,
+                                               float scale, const Tensor& dq, const Tensor& dk,
+                                               const Tensor& dv) = 0;
+
+  // ---- Optimizer ----
+  // Fused AdamW (decoupled weight decay, bias correction), in place on param, m and v.
+  // All contiguous with equal numel; m and v float32; param float32/bfloat16/float16; grad
+  // float32 or param's dtype.
+  virtual absl::Status AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                             const AdamWParams& p) = 0;
+
+  // ---- Host <-> device (CUDA only; CPU returns Unimplemented) ----
+  // Copies nbytes between host memory and this device (or within it); synchronous w.r.t. the
+  // calling thread's stream.
+  virtual absl::Status MemcpyToDevice(void* dst, const void* src, size_t nbytes) = 0;
+  virtual absl::Status MemcpyToHost(void* dst, const void* src, size_t nbytes) = 0;
+  // Waits for all work this thread issued on the device.
+  virtual absl::Status Synchronize() = 0;
+};
+
+// The backend for `device`: CPU always; CUDA when built and the device exists
+// (FailedPrecondition otherwise, saying which).
+absl::StatusOr<Kernels*> KernelsFor(Device device);
+
+}  // namespace dtensor
+
+#endif  // DTENSOR_KERNELS_KERNELS_H_

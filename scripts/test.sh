@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs what is needed, builds everything (CUDA code included when the toolkit is present)
+# and runs the whole test suite. This is the README's test command and what CI runs.
+#   bash scripts/test.sh              # build in ./build, run all tests
+#   BUILD_DIR=/tmp/b bash scripts/test.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+
+build_dir="${BUILD_DIR:-build}"
+jobs="${JOBS:-$(nproc)}"
+export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
+
+echo "[test] configure ($build_dir)"
+cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release
+echo "[test] build"
+cmake --build "$build_dir" -j "$jobs"
+
+# Formatting is part of the contract (.clang-format); checked on every source file.
+echo "[test] clang-format check"
+git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format --dry-run -Werror
+
+echo "[test] ctest"
+ctest --test-dir "$build_dir" -j "$jobs" --output-on-failure --timeout 900

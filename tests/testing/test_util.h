@@ -1,0 +1,61 @@
+// Helpers shared by dtensor's tests: deterministic inputs, float64 reference comparisons,
+// non-contiguous copies and central finite differences.
+//
+//   Tensor x = testing::Random({3, 17}, DType::kBFloat16, /*seed=*/1);
+//   std::vector<double> ref = ...naive float64 loop over testing::Values(x)...;
+//   testing::ExpectNear(testing::Values(y), ref, testing::Tol(DType::kBFloat16), "gelu");
+#ifndef DTENSOR_TESTS_TESTING_TEST_UTIL_H_
+#define DTENSOR_TESTS_TESTING_TEST_UTIL_H_
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dtensor/ops/ops.h"
+#include "gtest/gtest.h"
+
+namespace dtensor::testing {
+
+
+// Unwraps a StatusOr in a test: ADD_FAILURE()s with the status message and returns T{} on error.
+template <typename T>
+T Unwrap(absl::StatusOr<T> v, const char* what = "") {
+  if (!v.ok()) {
+    ADD_FAILURE() << what << ": " << v.status();
+    return T{};
+  }
+  return *std::move(v);
+}
+
+// Uniform values in [lo, hi) on `device`, rounded to `dtype` (seeded, reproducible).
+Tensor Random(IntSpan shape, DType dtype, uint64_t seed, double lo = -1.0, double hi = 1.0,
+              Device device = Device::Cpu());
+// All elements of x as float64 in row-major order (any dtype, device, strides).
+std::vector<double> Values(const Tensor& x);
+// A CPU tensor of `dtype` and `shape` holding `values` (rounded to dtype).
+Tensor FromDoubles(const std::vector<double>& values, IntSpan shape, DType dtype);
+// The same values in a non-contiguous layout: a strided view into a larger buffer (last dim
+// every other element, dims reversed in memory).
+Tensor NonContiguous(const Tensor& x);
+
+// Tolerances for comparing a kernel in `dtype` with a float64 reference.
+struct Tolerance {
+  double rtol;
+  double atol;
+};
+Tolerance Tol(DType dtype);
+// EXPECTs |a[i] - b[i]| <= atol + rtol * |b[i]| for all i (NaN matches NaN), reporting the
+// first few mismatches with their index and `what`.
+void ExpectNear(const std::vector<double>& actual, const std::vector<double>& expected, Tolerance tol,
+                const std::string& what);
+
+// Central finite differences of a scalar function f at x: g[i] = (f(x+h e_i) - f(x-h e_i)) / 2h.
+std::vector<double> FiniteDifference(const std::function<double(const std::vector<double>&)>& f,
+                                     std::vector<double> x, double h = 1e-4);
+
+// Row-major index helpers for naive references.
+std::vector<int64_t> StridesOf(IntSpan shape);
+
+}  // namespace dtensor::testing
+
+#endif  // DTENSOR_TESTS_TESTING_TEST_UTIL_H_
