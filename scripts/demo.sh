@@ -9,4 +9,4 @@ build_dir="${BUILD_DIR:-build}"
 export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$build_dir" -j "$(nproc)" --target char_mlp
-"$build_dir/examples/char_mlp" --steps "${STEPS:-300}"
+"$build_dir/examples/char_mlp" --steps "${STEPS:-3000}"

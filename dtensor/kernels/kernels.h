@@ -99,13 +99,13 @@ class Kernels {
   // ---- Normalisation over the last dim ----
   // x, y contiguous [rows, C]; weight [C] (and bias [C], which may be undefined) of x's dtype;
   // mean and rstd float32 [rows] (saved for backward). Biased variance, as PyTorch.
-  virtual absl::Status LayerNorm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
-                                 const Tensor& y, const Tensor& mean, const Tensor& rstd) = 0;
+  virtual absl::Status LayerNorm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y,
+                                 const Tensor& mean, const Tensor& rstd) = 0;
   // dx [rows, C]; dweight, dbias [C] in weight's dtype (dbias may be undefined). dweight and
   // dbias are overwritten (not accumulated).
-  virtual absl::Status LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight,
-                                         const Tensor& mean, const Tensor& rstd, const Tensor& dx,
-                                         const Tensor& dweight, const Tensor& dbias) = 0;
+  virtual absl::Status LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                         const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
+                                         const Tensor& dbias) = 0;
   // y = x * rstd * weight with rstd = 1/sqrt(mean(x^2) + eps), rstd float32 [rows].
   virtual absl::Status RmsNorm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y,
                                const Tensor& rstd) = 0;
@@ -146,10 +146,9 @@ class Kernels {
   virtual absl::Status CausalAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
                                        const Tensor& out, const Tensor& lse) = 0;
   // dq, dk, dv [B, H, T, D] contiguous, overwritten.
-  virtual absl::Status CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k,
-                                               const Tensor& v, const Tensor& out, const Tensor& lse,
-                                               float scale, const Tensor& dq, const Tensor& dk,
-                                               const Tensor& dv) = 0;
+  virtual absl::Status CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                               const Tensor& out, const Tensor& lse, float scale, const Tensor& dq,
+                                               const Tensor& dk, const Tensor& dv) = 0;
 
   // ---- Optimizer ----
   // Fused AdamW (decoupled weight decay, bias correction), in place on param, m and v.

@@ -493,7 +493,10 @@ absl::StatusOr<Tensor> UnaryBackward(UnaryOp uop, const Tensor& dy, const Tensor
 // ---------------------------------------------------------------------------------------------
 
 absl::StatusOr<Tensor> Reduce(ReduceOp rop, const Tensor& x, IntSpan dims, bool keepdim) {
-  const char* op = rop == ReduceOp::kSum ? "Sum" : rop == ReduceOp::kMean ? "Mean" : rop == ReduceOp::kMax ? "Max" : "Min";
+  const char* op = rop == ReduceOp::kSum    ? "Sum"
+                   : rop == ReduceOp::kMean ? "Mean"
+                   : rop == ReduceOp::kMax  ? "Max"
+                                            : "Min";
   DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, x));
   DT_RETURN_IF_ERROR(CheckArithmetic(op, x));
   if (rop == ReduceOp::kMean) DT_RETURN_IF_ERROR(CheckFloat(op, x));
@@ -544,12 +547,18 @@ absl::StatusOr<Tensor> Reduce(ReduceOp rop, const Tensor& x, IntSpan dims, bool 
   return out;
 }
 
-absl::StatusOr<Tensor> Sum(const Tensor& x, IntSpan dims, bool keepdim) { return Reduce(ReduceOp::kSum, x, dims, keepdim); }
+absl::StatusOr<Tensor> Sum(const Tensor& x, IntSpan dims, bool keepdim) {
+  return Reduce(ReduceOp::kSum, x, dims, keepdim);
+}
 absl::StatusOr<Tensor> Mean(const Tensor& x, IntSpan dims, bool keepdim) {
   return Reduce(ReduceOp::kMean, x, dims, keepdim);
 }
-absl::StatusOr<Tensor> Max(const Tensor& x, IntSpan dims, bool keepdim) { return Reduce(ReduceOp::kMax, x, dims, keepdim); }
-absl::StatusOr<Tensor> Min(const Tensor& x, IntSpan dims, bool keepdim) { return Reduce(ReduceOp::kMin, x, dims, keepdim); }
+absl::StatusOr<Tensor> Max(const Tensor& x, IntSpan dims, bool keepdim) {
+  return Reduce(ReduceOp::kMax, x, dims, keepdim);
+}
+absl::StatusOr<Tensor> Min(const Tensor& x, IntSpan dims, bool keepdim) {
+  return Reduce(ReduceOp::kMin, x, dims, keepdim);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Softmax
@@ -560,8 +569,7 @@ namespace {
 // Runs `fn` on contiguous [rows, n] views of `inputs` with `dim` moved last, and returns the
 // output in the original layout (contiguous).
 template <typename Fn>
-absl::StatusOr<Tensor> OnLastDim(const char* op, std::initializer_list<const Tensor*> inputs, int64_t dim,
-                                 Fn&& fn) {
+absl::StatusOr<Tensor> OnLastDim(const char* op, std::initializer_list<const Tensor*> inputs, int64_t dim, Fn&& fn) {
   const Tensor& x = **inputs.begin();
   DT_ASSIGN_OR_RETURN(int64_t d, NormalizeDim(op, dim, x.dim()));
   const int64_t last = std::max<int64_t>(x.dim() - 1, 0);
@@ -591,9 +599,8 @@ absl::StatusOr<Tensor> OnLastDim(const char* op, std::initializer_list<const Ten
 absl::StatusOr<Tensor> SoftmaxImpl(const char* op, const Tensor& x, int64_t dim, bool log) {
   DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, x));
   DT_RETURN_IF_ERROR(CheckFloat(op, x));
-  return OnLastDim(op, {&x}, dim, [&](const std::vector<Tensor>& in, const Tensor& out) {
-    return k->Softmax(in[0], out, log);
-  });
+  return OnLastDim(op, {&x}, dim,
+                   [&](const std::vector<Tensor>& in, const Tensor& out) { return k->Softmax(in[0], out, log); });
 }
 
 absl::StatusOr<Tensor> SoftmaxBackwardImpl(const char* op, const Tensor& dy, const Tensor& y, int64_t dim, bool log) {
@@ -823,7 +830,8 @@ absl::StatusOr<MatmulPlan> PlanMatmul(const char* op, const Tensor& a_in, const 
     return InvalidArg(op, "inner dims differ: a is ", ShapeString(a.shape()), ", b is ", ShapeString(b.shape()),
                       trans_a || trans_b ? " (after transposes)" : "");
   }
-  DT_ASSIGN_OR_RETURN(Shape batch, BroadcastShapes(op, a.shape().subspan(0, a.dim() - 2), b.shape().subspan(0, b.dim() - 2)));
+  DT_ASSIGN_OR_RETURN(Shape batch,
+                      BroadcastShapes(op, a.shape().subspan(0, a.dim() - 2), b.shape().subspan(0, b.dim() - 2)));
   MatmulPlan p;
   p.m = m;
   p.n = n;
@@ -934,8 +942,8 @@ absl::Status EmbeddingBackward_(const Tensor& dweight, const Tensor& dout, const
   Shape want(ids.shape().begin(), ids.shape().end());
   want.push_back(dweight.size(1));
   if (dout.shape() != IntSpan(want)) {
-    return InvalidArg(op, "dout is ", ShapeString(dout.shape()), " but ids ", ShapeString(ids.shape()),
-                      " and dweight ", ShapeString(dweight.shape()), " need ", ShapeString(want));
+    return InvalidArg(op, "dout is ", ShapeString(dout.shape()), " but ids ", ShapeString(ids.shape()), " and dweight ",
+                      ShapeString(dweight.shape()), " need ", ShapeString(want));
   }
   if (dout.numel() == 0) return absl::OkStatus();
   DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, dweight));

@@ -32,10 +32,10 @@ absl::StatusOr<Tensor> Full(IntSpan shape, double value, DType dtype, Device dev
 // [0, 1, ..., n-1]
 absl::StatusOr<Tensor> Arange(int64_t n, DType dtype, Device device = Device::Cpu());
 // Seeded, counter-based random tensors: element with linear index i depends only on (seed, i).
-absl::StatusOr<Tensor> RandomNormal(IntSpan shape, DType dtype, uint64_t seed, double mean = 0.0,
-                                    double stddev = 1.0, Device device = Device::Cpu());
-absl::StatusOr<Tensor> RandomUniform(IntSpan shape, DType dtype, uint64_t seed, double low = 0.0,
-                                     double high = 1.0, Device device = Device::Cpu());
+absl::StatusOr<Tensor> RandomNormal(IntSpan shape, DType dtype, uint64_t seed, double mean = 0.0, double stddev = 1.0,
+                                    Device device = Device::Cpu());
+absl::StatusOr<Tensor> RandomUniform(IntSpan shape, DType dtype, uint64_t seed, double low = 0.0, double high = 1.0,
+                                     Device device = Device::Cpu());
 // Fills `dst` in place as the block at `global_offset` of a random tensor of `global_shape`:
 // every rank gets exactly the values of its shard of the full tensor, whatever the sharding.
 absl::Status FillRandom_(const Tensor& dst, const RandomSpec& spec, IntSpan global_shape, IntSpan global_offset);
@@ -128,8 +128,8 @@ absl::StatusOr<NormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, con
 // not supported. trans_a / trans_b transpose the last two dims of a / b first (a view, free).
 absl::StatusOr<Tensor> Matmul(const Tensor& a, const Tensor& b, bool trans_a = false, bool trans_b = false);
 // out = alpha * op(a) @ op(b) + beta * out, in place on a contiguous `out` of the right shape.
-absl::Status MatmulInto(const Tensor& a, const Tensor& b, const Tensor& out, bool trans_a = false,
-                        bool trans_b = false, float alpha = 1.0f, float beta = 0.0f);
+absl::Status MatmulInto(const Tensor& a, const Tensor& b, const Tensor& out, bool trans_a = false, bool trans_b = false,
+                        float alpha = 1.0f, float beta = 0.0f);
 
 // ---- Embedding ----
 // weight [V, C]; ids any shape, int32/int64 -> [*ids.shape, C]. Out-of-range ids -> error (CPU).
@@ -159,8 +159,7 @@ struct AttentionGrads {
   Tensor dq, dk, dv;
 };
 // q, k, v [B, H, T, D] of one float dtype; scale defaults to 1/sqrt(D) when <= 0.
-absl::StatusOr<AttentionOutput> CausalAttention(const Tensor& q, const Tensor& k, const Tensor& v,
-                                                float scale = 0.0f);
+absl::StatusOr<AttentionOutput> CausalAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale = 0.0f);
 absl::StatusOr<AttentionGrads> CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                        const Tensor& v, const AttentionOutput& saved,
                                                        float scale = 0.0f);

@@ -46,8 +46,8 @@ class SystemMemory {
     cudaSetDevice(prev);
     if (err != cudaSuccess) {
       cudaGetLastError();  // clear the sticky-free error state
-      return absl::ResourceExhaustedError(absl::StrCat("[Allocate] ", device_.ToString(), ": cudaMalloc of ",
-                                                       n, " bytes failed: ", cudaGetErrorString(err)));
+      return absl::ResourceExhaustedError(absl::StrCat("[Allocate] ", device_.ToString(), ": cudaMalloc of ", n,
+                                                       " bytes failed: ", cudaGetErrorString(err)));
     }
     return p;
 #else

@@ -8,9 +8,7 @@
 
 namespace dtensor {
 
-std::string Device::ToString() const {
-  return is_cpu() ? std::string("cpu") : absl::StrCat("cuda:", index);
-}
+std::string Device::ToString() const { return is_cpu() ? std::string("cpu") : absl::StrCat("cuda:", index); }
 
 std::ostream& operator<<(std::ostream& os, const Device& d) { return os << d.ToString(); }
 

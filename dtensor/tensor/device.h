@@ -27,9 +27,7 @@ struct Device {
   constexpr bool is_cuda() const { return type == DeviceType::kCUDA; }
   std::string ToString() const;
 
-  friend constexpr bool operator==(const Device& a, const Device& b) {
-    return a.type == b.type && a.index == b.index;
-  }
+  friend constexpr bool operator==(const Device& a, const Device& b) { return a.type == b.type && a.index == b.index; }
 };
 
 std::ostream& operator<<(std::ostream& os, const Device& d);

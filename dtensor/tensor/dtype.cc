@@ -34,7 +34,7 @@ uint16_t Float16::FromFloat(float f) {
   std::memcpy(&x, &f, 4);
   const uint32_t sign = (x >> 16) & 0x8000u;
   const uint32_t abs = x & 0x7fffffffu;
-  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);  // NaN
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
   if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
   if (abs < 0x38800000u) {  // below 2^-14: subnormal or zero; a * 2^24 is exact in float
     float a;
@@ -108,8 +108,7 @@ uint8_t Encode(float f, const MiniFloat& fmt) {
     return sign | static_cast<uint8_t>(mant);
   }
   const auto exp_field = static_cast<uint32_t>(qe + fmt.bias);
-  const auto mant =
-      static_cast<uint32_t>((q / std::ldexp(1.0f, qe) - 1.0f) * static_cast<float>(1 << fmt.mbits));
+  const auto mant = static_cast<uint32_t>((q / std::ldexp(1.0f, qe) - 1.0f) * static_cast<float>(1 << fmt.mbits));
   return sign | static_cast<uint8_t>((exp_field << fmt.mbits) | mant);
 }
 
@@ -126,8 +125,7 @@ float Decode(uint8_t b, const MiniFloat& fmt) {
   } else if (exp_field == 0) {
     v = std::ldexp(static_cast<float>(mant), 1 - fmt.bias - fmt.mbits);
   } else {
-    v = std::ldexp(1.0f + static_cast<float>(mant) / static_cast<float>(1 << fmt.mbits),
-                   exp_field - fmt.bias);
+    v = std::ldexp(1.0f + static_cast<float>(mant) / static_cast<float>(1 << fmt.mbits), exp_field - fmt.bias);
   }
   return neg ? -v : v;
 }

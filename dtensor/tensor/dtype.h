@@ -54,9 +54,7 @@ const char* DTypeName(DType t);
 std::ostream& operator<<(std::ostream& os, DType t);
 
 // Floating point types that kernels compute on (float8 excluded: storage only).
-constexpr bool IsComputeFloat(DType t) {
-  return t == DType::kFloat32 || t == DType::kBFloat16 || t == DType::kFloat16;
-}
+constexpr bool IsComputeFloat(DType t) { return t == DType::kFloat32 || t == DType::kBFloat16 || t == DType::kFloat16; }
 constexpr bool IsInteger(DType t) { return t == DType::kInt32 || t == DType::kInt64; }
 constexpr bool IsFloat8(DType t) { return t == DType::kFloat8E4M3 || t == DType::kFloat8E5M2; }
 

@@ -24,20 +24,19 @@
 #define DT_STATUS_CONCAT_(a, b) DT_STATUS_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define DT_RETURN_IF_ERROR(expr)                      \
-  do {                                                \
-    ::absl::Status dt_status_ = (expr);               \
-    if (!dt_status_.ok()) return dt_status_;          \
+#define DT_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::absl::Status dt_status_ = (expr);      \
+    if (!dt_status_.ok()) return dt_status_; \
   } while (false)
 
 // `DT_ASSIGN_OR_RETURN(lhs, expr)`: evaluates `expr` (an absl::StatusOr<T>); on error returns
 // its status, otherwise moves the value into `lhs` (which may be a declaration). It expands to
 // several statements: after an `if`, put it in braces.
-#define DT_ASSIGN_OR_RETURN(lhs, expr) \
-  DT_ASSIGN_OR_RETURN_IMPL_(DT_STATUS_CONCAT_(dt_statusor_, __LINE__), lhs, expr)
+#define DT_ASSIGN_OR_RETURN(lhs, expr) DT_ASSIGN_OR_RETURN_IMPL_(DT_STATUS_CONCAT_(dt_statusor_, __LINE__), lhs, expr)
 
-#define DT_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr) \
-  auto statusor = (expr);                              \
+#define DT_ASSIGN_OR_RETURN_IMPL_(statusor, lhs, expr)     \
+  auto statusor = (expr);                                  \
   if (!statusor.ok()) return std::move(statusor).status(); \
   lhs = std::move(statusor).value()
 

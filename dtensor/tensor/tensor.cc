@@ -43,8 +43,8 @@ absl::StatusOr<Shape> BroadcastShapes(const char* op, IntSpan a, IntSpan b) {
     const int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
     const int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
     if (da != db && da != 1 && db != 1) {
-      return InvalidArg(op, "shapes ", ShapeString(a), " and ", ShapeString(b), " do not broadcast (dim ", i,
-                        ": ", da, " vs ", db, ")");
+      return InvalidArg(op, "shapes ", ShapeString(a), " and ", ShapeString(b), " do not broadcast (dim ", i, ": ", da,
+                        " vs ", db, ")");
     }
     out[i] = da == 1 ? db : da;
   }
@@ -79,8 +79,8 @@ absl::Status CheckShape(const char* op, IntSpan shape) {
 absl::Status CheckDevice(const char* op, Device device) {
   if (device.is_cuda()) {
     if (!CudaBuilt()) {
-      return absl::FailedPreconditionError(absl::StrCat("[", op, "] ", device.ToString(),
-                                                        " requested but this build has no CUDA support"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("[", op, "] ", device.ToString(), " requested but this build has no CUDA support"));
     }
     if (device.index < 0 || device.index >= CudaDeviceCount()) {
       return absl::FailedPreconditionError(absl::StrCat("[", op, "] ", device.ToString(), " requested but ",
@@ -363,8 +363,7 @@ absl::StatusOr<Tensor> Tensor::Expand(IntSpan shape) const {
       out_shape[i] = want;
       out_strides[i] = 0;
     } else {
-      return InvalidArg("Expand", "cannot expand ", ShapeString(shape_), " to ", ShapeString(shape), " (dim ", i,
-                        ")");
+      return InvalidArg("Expand", "cannot expand ", ShapeString(shape_), " to ", ShapeString(shape), " (dim ", i, ")");
     }
   }
   Tensor t = *this;

@@ -17,6 +17,7 @@
 #define DTENSOR_TENSOR_TENSOR_H_
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -80,14 +81,17 @@ class Tensor {
   // more than kMaxDims dims or an unavailable device -> error.
   static absl::StatusOr<Tensor> Empty(IntSpan shape, DType dtype, Device device = Device::Cpu());
   // Borrows `data` (not owned; must outlive every view). Empty `strides` means contiguous.
-  static absl::StatusOr<Tensor> FromBlob(void* data, IntSpan shape, DType dtype, Device device,
-                                         IntSpan strides = {});
+  static absl::StatusOr<Tensor> FromBlob(void* data, IntSpan shape, DType dtype, Device device, IntSpan strides = {});
   // A contiguous CPU tensor holding a copy of `values`; numel(shape) must equal values.size().
   template <typename T>
   static absl::StatusOr<Tensor> FromVector(absl::Span<const T> values, IntSpan shape);
   template <typename T>
   static absl::StatusOr<Tensor> FromVector(const std::vector<T>& values, IntSpan shape) {
     return FromVector<T>(absl::MakeConstSpan(values), shape);
+  }
+  template <typename T>
+  static absl::StatusOr<Tensor> FromVector(std::initializer_list<T> values, IntSpan shape) {
+    return FromVector<T>(absl::MakeConstSpan(values.begin(), values.size()), shape);
   }
 
   bool defined() const { return storage_ != nullptr; }
@@ -162,8 +166,8 @@ absl::StatusOr<Tensor> Tensor::FromVector(absl::Span<const T> values, IntSpan sh
   auto t = Empty(shape, DTypeOf<T>::value, Device::Cpu());
   if (!t.ok()) return t.status();
   if (t->numel() != static_cast<int64_t>(values.size())) {
-    return absl::InvalidArgumentError("[FromVector] " + std::to_string(values.size()) +
-                                      " values do not fill shape " + ShapeString(shape));
+    return absl::InvalidArgumentError("[FromVector] " + std::to_string(values.size()) + " values do not fill shape " +
+                                      ShapeString(shape));
   }
   T* out = t->template data<T>();
   for (size_t i = 0; i < values.size(); ++i) out[i] = values[i];

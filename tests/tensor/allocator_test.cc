@@ -13,7 +13,7 @@ TEST(AllocatorTest, CountsBytesInUseAndPeak) {
   const AllocatorStats before = alloc.Stats();
   alloc.ResetPeakStats();
   {
-    Tensor a = testing::Unwrap(Tensor::Empty({1000}, DType::kFloat32));  // 4000 B -> 4096 B block
+    Tensor a = testing::Unwrap(Tensor::Empty({1000}, DType::kFloat32));     // 4000 B -> 4096 B block
     Tensor b = testing::Unwrap(Tensor::Empty({3, 1000}, DType::kFloat32));  // 12000 B -> 12288 B
     const AllocatorStats during = alloc.Stats();
     EXPECT_EQ(during.bytes_in_use - before.bytes_in_use, 4096 + 12288);

@@ -61,11 +61,15 @@ TEST(DTypeTest, Float8RoundTripsAndSaturation) {
     Float8E4M3 e4;
     e4.bits = static_cast<uint8_t>(b);
     const float f4 = static_cast<float>(e4);
-    if (!std::isnan(f4)) EXPECT_EQ(Float8E4M3(f4).bits, e4.bits) << b;
+    if (!std::isnan(f4)) {
+      EXPECT_EQ(Float8E4M3(f4).bits, e4.bits) << b;
+    }
     Float8E5M2 e5;
     e5.bits = static_cast<uint8_t>(b);
     const float f5 = static_cast<float>(e5);
-    if (!std::isnan(f5)) EXPECT_EQ(Float8E5M2(f5).bits, e5.bits) << b;
+    if (!std::isnan(f5)) {
+      EXPECT_EQ(Float8E5M2(f5).bits, e5.bits) << b;
+    }
   }
   EXPECT_EQ(static_cast<float>(Float8E4M3(448.0f)), 448.0f);
   EXPECT_EQ(static_cast<float>(Float8E4M3(0.3f)), static_cast<float>(RoundToFormat(0.3, 3, -6)));

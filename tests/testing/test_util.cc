@@ -60,7 +60,8 @@ void ExpectNear(const std::vector<double>& actual, const std::vector<double>& ex
   int bad = 0;
   for (size_t i = 0; i < actual.size(); ++i) {
     const double a = actual[i], e = expected[i];
-    const bool ok = (std::isnan(a) && std::isnan(e)) || (a == e) || std::fabs(a - e) <= tol.atol + tol.rtol * std::fabs(e);
+    const bool ok =
+        (std::isnan(a) && std::isnan(e)) || (a == e) || std::fabs(a - e) <= tol.atol + tol.rtol * std::fabs(e);
     if (!ok) {
       ++bad;
       if (reported++ < 5) {
@@ -72,8 +73,8 @@ void ExpectNear(const std::vector<double>& actual, const std::vector<double>& ex
   if (bad > 5) ADD_FAILURE() << what << ": " << bad << " of " << actual.size() << " elements differ";
 }
 
-std::vector<double> FiniteDifference(const std::function<double(const std::vector<double>&)>& f,
-                                     std::vector<double> x, double h) {
+std::vector<double> FiniteDifference(const std::function<double(const std::vector<double>&)>& f, std::vector<double> x,
+                                     double h) {
   std::vector<double> g(x.size());
   for (size_t i = 0; i < x.size(); ++i) {
     const double orig = x[i];

@@ -16,7 +16,6 @@
 
 namespace dtensor::testing {
 
-
 // Unwraps a StatusOr in a test: ADD_FAILURE()s with the status message and returns T{} on error.
 template <typename T>
 T Unwrap(absl::StatusOr<T> v, const char* what = "") {
@@ -50,8 +49,8 @@ void ExpectNear(const std::vector<double>& actual, const std::vector<double>& ex
                 const std::string& what);
 
 // Central finite differences of a scalar function f at x: g[i] = (f(x+h e_i) - f(x-h e_i)) / 2h.
-std::vector<double> FiniteDifference(const std::function<double(const std::vector<double>&)>& f,
-                                     std::vector<double> x, double h = 1e-4);
+std::vector<double> FiniteDifference(const std::function<double(const std::vector<double>&)>& f, std::vector<double> x,
+                                     double h = 1e-4);
 
 // Row-major index helpers for naive references.
 std::vector<int64_t> StridesOf(IntSpan shape);

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "dtensor/kernels/cpu/cpu_backend.h"
+#include "dtensor/kernels/cpu/cpu_internal.h"
 #include "dtensor/tensor/status.h"
 
 namespace dtensor::internal {
@@ -27,12 +28,25 @@ namespace {
 // Query rows per score block: bounds scratch to kQueryBlock * T floats per thread.
 constexpr int64_t kQueryBlock = 128;
 
-// exp(x) for float, branch-free so that loops vectorise (libm's expf is not vectorised without
-// -ffast-math): x = n ln2 + r, exp(r) by a degree-6 polynomial (Cephes coefficients), 2^n built
-// in the exponent bits. 0 below -87.3, NaN for NaN; callers never pass x > 88.
+// Order-preserving map between float bits and int32 (its own inverse): comparing keys as
+// integers compares the floats, so a clamp needs no float compare.
+constexpr int32_t FloatKey(int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }
+
+// exp(x) for float, written so that GCC and clang vectorise the loops calling it: no libm call
+// (expf is not vectorised without -ffast-math) and no float compare (under the default
+// -ftrapping-math GCC will not if-convert one). x is clamped to [-88, 88.3] on integer keys;
+// x = n ln2 + r with |r| <= ln2/2; exp(r) by Cephes' degree-6 polynomial; 2^n is built in the
+// exponent bits, and n = -127 gives 0, so x below about -87.7 (-inf included) flushes to 0.
+// Within 1.5 ulp of exp on [-87.3, 88]; NaN gives NaN. Callers pass x <= ~0.
 inline float ExpF(float x) {
-  const float xc = std::min(std::max(x, -87.3f), 88.3f);  // NaN passes through both
-  const float shift = 12582912.0f;                         // 1.5 * 2^23: rounds to an integer
+  constexpr int32_t kLo = FloatKey(std::bit_cast<int32_t>(-88.0f));
+  constexpr int32_t kHi = FloatKey(std::bit_cast<int32_t>(88.3f));
+  const int32_t xi = std::bit_cast<int32_t>(x);
+  int32_t k = FloatKey(xi);
+  k = k < kLo ? kLo : k;
+  k = k > kHi ? kHi : k;
+  const float xc = std::bit_cast<float>(FloatKey(k));
+  const float shift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const float t = xc * 1.44269504088896341f + shift;
   const float n = t - shift;
   const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
@@ -43,23 +57,21 @@ inline float ExpF(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
+  // t's low mantissa bits hold n: read it as an integer without a float->int conversion.
   const int32_t ni = std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(shift);
-  const float scale = std::bit_cast<float>((ni + 127) << 23);
-  return x < -87.3f ? 0.0f : p * scale;
+  const int32_t yi = std::bit_cast<int32_t>(p * std::bit_cast<float>((ni + 127) << 23));
+  const int32_t nan_mask = (0x7f800000 - (xi & 0x7fffffff)) >> 31;  // all ones iff x is NaN
+  return std::bit_cast<float>(yi | (nan_mask & 0x7fc00000));
 }
 
-template <typename F>
-absl::Status VisitFloat(const char* op, DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32:
-      return f(float{});
-    case DType::kBFloat16:
-      return f(BFloat16{});
-    case DType::kFloat16:
-      return f(Float16{});
-    default:
-      return InvalidArg(op, "unsupported dtype ", DTypeName(t));
-  }
+// max(row[0..n)) for n >= 1, as an integer max over FloatKey (so both compilers vectorise it
+// without fast-math). A NaN may or may not win; callers' sums of exp then turn NaN anyway.
+inline float RowMax(const float* row, int64_t n) {
+  constexpr int32_t kMinusInf = FloatKey(std::bit_cast<int32_t>(-std::numeric_limits<float>::infinity()));
+  int32_t k = kMinusInf;
+#pragma omp simd reduction(max : k)
+  for (int64_t i = 0; i < n; ++i) k = std::max(k, FloatKey(std::bit_cast<int32_t>(row[i])));
+  return std::bit_cast<float>(FloatKey(k));
 }
 
 // n values as float32: src itself for float, else converted into scratch.
@@ -69,7 +81,7 @@ const float* AsF32(const T* src, int64_t n, std::vector<float>& scratch) {
     return src;
   } else {
     scratch.resize(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(src[i]);
+    LoadRow(src, scratch.data(), n);
     return scratch.data();
   }
 }
@@ -86,7 +98,7 @@ float* OutF32(T* dst, int64_t n, std::vector<float>& scratch) {
 template <typename T>
 void StoreF32(const float* src, int64_t n, T* dst) {
   if constexpr (!std::is_same_v<T, float>) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
+    StoreRow(src, dst, n);
   }
 }
 
@@ -136,9 +148,7 @@ void HeadForward(const float* q, const float* k, const float* v, int64_t t, int6
     for (int64_t i = 0; i < m; ++i) {
       float* row = s + i * r1;
       const int64_t n = r0 + i + 1;  // keys 0..r0+i are visible
-      float mx = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : mx)
-      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
+      const float mx = RowMax(row, n);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < n; ++j) {
@@ -156,9 +166,8 @@ void HeadForward(const float* q, const float* k, const float* v, int64_t t, int6
 }
 
 // One head's gradients. dq, dk, dv [T, D] are overwritten.
-void HeadBackward(const float* dout, const float* q, const float* k, const float* v, const float* o,
-                  const float* lse, int64_t t, int64_t d, float scale, float* dq, float* dk, float* dv,
-                  Scratch& sc) {
+void HeadBackward(const float* dout, const float* q, const float* k, const float* v, const float* o, const float* lse,
+                  int64_t t, int64_t d, float scale, float* dq, float* dk, float* dv, Scratch& sc) {
   const size_t block = static_cast<size_t>(std::min(t, kQueryBlock) * t);
   sc.s.resize(block);
   sc.ds.resize(block);
@@ -216,7 +225,7 @@ absl::Status CpuBackend::CausalAttention(const Tensor& q, const Tensor& k, const
   const int64_t t = q.size(-2), d = q.size(-1);
   const int64_t bh_count = q.numel() / (t * d);
   const int64_t head = t * d;
-  return VisitFloat("CausalAttention", q.dtype(), [&](auto tag) {
+  return DispatchFloat("CausalAttention", q.dtype(), [&](auto tag) {
     using T = decltype(tag);
     const T* qp = q.data<T>();  // [B*H, T, D]
     const T* kp = k.data<T>();
@@ -236,14 +245,14 @@ absl::Status CpuBackend::CausalAttention(const Tensor& q, const Tensor& k, const
   });
 }
 
-absl::Status CpuBackend::CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k,
-                                                 const Tensor& v, const Tensor& out, const Tensor& lse, float scale,
-                                                 const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+absl::Status CpuBackend::CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                                 const Tensor& out, const Tensor& lse, float scale, const Tensor& dq,
+                                                 const Tensor& dk, const Tensor& dv) {
   if (q.numel() == 0) return absl::OkStatus();
   const int64_t t = q.size(-2), d = q.size(-1);
   const int64_t bh_count = q.numel() / (t * d);
   const int64_t head = t * d;
-  return VisitFloat("CausalAttentionBackward", q.dtype(), [&](auto tag) {
+  return DispatchFloat("CausalAttentionBackward", q.dtype(), [&](auto tag) {
     using T = decltype(tag);
     const T* dop = dout.data<T>();  // [B*H, T, D]
     const T* qp = q.data<T>();

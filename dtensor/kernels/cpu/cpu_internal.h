@@ -20,6 +20,15 @@
 //     // n elements: operand k starts at element off[k] of its data and steps inner_stride[k].
 //   });
 //
+//   // Branch-free float math that vectorizes (libm calls and float `?:` do not, see SelectF).
+//   y[i] = FastExp(x[i]);                       // also FastTanh, FastSigmoid: a few ulp
+//   m = MaxPropagateNaN(a, b);                  // torch.maximum semantics
+//   float row_max = ExtremeOf<true>(row, n);    // NaN-propagating max of a contiguous run
+//
+// Loops that should vectorize: keep the body free of calls into libm and of float `?:`
+// (use SelectF), and reduce through several independent accumulators (see SumOf-style loops in
+// softmax.cc / reduce.cc) since the compiler may not reassociate one float chain.
+//
 // Conventions: float32/bfloat16/float16 compute in float; integer arithmetic wraps (two's
 // complement); float -> integer conversion truncates toward zero, saturates at the type's
 // range and maps NaN to 0; anything -> bool is `!= 0` (NaN -> true); bool -> anything is 0/1.
@@ -30,6 +39,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -68,7 +78,7 @@ void ParallelFor(int64_t n, int64_t grain, F&& f) {
     f(int64_t{0}, n);
     return;
   }
-#pragma omp parallel num_threads(static_cast<int>(threads))
+#pragma omp parallel num_threads(static_cast <int>(threads))
   {
     const int64_t nt = omp_get_num_threads();
     const int64_t t = omp_get_thread_num();
@@ -83,16 +93,8 @@ void ParallelFor(int64_t n, int64_t grain, F&& f) {
 // Element conversions
 // ---------------------------------------------------------------------------------------
 
-inline float BitsToFloat(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint32_t FloatToBits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
+inline float BitsToFloat(uint32_t u) { return std::bit_cast<float>(u); }
+inline uint32_t FloatToBits(float f) { return std::bit_cast<uint32_t>(f); }
 
 // bfloat16 bits -> float (exact).
 inline float Bf16BitsToFloat(uint16_t b) { return BitsToFloat(static_cast<uint32_t>(b) << 16); }
@@ -116,32 +118,33 @@ inline float HalfBitsToFloat(uint16_t h) {
   const float normal = BitsToFloat((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
   // Subnormal: 0.5 + m * 2^-24 - 0.5 exactly, with m the 10-bit mantissa.
   const float subnormal = BitsToFloat((two_w >> 17) | (126u << 23)) - 0.5f;
-  const uint32_t bits = two_w < (1u << 27) ? FloatToBits(subnormal) : FloatToBits(normal);
-  return BitsToFloat(sign | bits);
+  const uint32_t sub_mask = 0u - static_cast<uint32_t>(two_w < (1u << 27));  // all ones if subnormal
+  return BitsToFloat(sign | (FloatToBits(subnormal) & sub_mask) | (FloatToBits(normal) & ~sub_mask));
 }
 
 // float -> IEEE half bits, round to nearest even (overflow -> inf, NaN -> 0x7e00 | sign), as
-// Float16::FromFloat, branch-free. Scaling |f| by 2^112 then 2^-110 lets the FPU do the
-// rounding at the half's precision (subnormals included) and saturate to inf.
+// Float16::FromFloat, branch-free (selects written as masks so that GCC vectorizes the loop).
+// Scaling |f| by 2^112 then 2^-110 lets the FPU do the rounding at the half's precision
+// (subnormals included) and saturate to inf.
 inline uint16_t FloatToHalfBits(float f) {
   const uint32_t w = FloatToBits(f);
   const uint32_t shl1_w = w + w;
   const uint32_t sign = w & 0x80000000u;
   float base = (std::fabs(f) * 0x1.0p+112f) * 0x1.0p-110f;
-  uint32_t bias = shl1_w & 0xFF000000u;
-  bias = bias < 0x71000000u ? 0x71000000u : bias;
+  const uint32_t bias = std::max(shl1_w & 0xFF000000u, 0x71000000u);
   base = BitsToFloat((bias >> 1) + 0x07800000u) + base;
   const uint32_t bits = FloatToBits(base);
   const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
   const uint32_t mantissa_bits = bits & 0x00000FFFu;
   const uint32_t nonsign = exp_bits + mantissa_bits;
-  return static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+  const uint32_t nan_mask = 0u - static_cast<uint32_t>(shl1_w > 0xFF000000u);  // all ones if NaN
+  return static_cast<uint16_t>((sign >> 16) | (0x7E00u & nan_mask) | (nonsign & ~nan_mask));
 }
 
 template <typename T>
-inline constexpr bool kIsFloatLike = std::is_same_v<T, float> || std::is_same_v<T, BFloat16> ||
-                                     std::is_same_v<T, Float16> || std::is_same_v<T, Float8E4M3> ||
-                                     std::is_same_v<T, Float8E5M2>;
+inline constexpr bool kIsFloatLike =
+    std::is_same_v<T, float> || std::is_same_v<T, BFloat16> || std::is_same_v<T, Float16> ||
+    std::is_same_v<T, Float8E4M3> || std::is_same_v<T, Float8E5M2>;
 template <typename T>
 inline constexpr bool kIsComputeFloat =
     std::is_same_v<T, float> || std::is_same_v<T, BFloat16> || std::is_same_v<T, Float16>;
@@ -241,6 +244,104 @@ inline D CastElement(S v) {
   } else {
     return FromFloat<D>(ToFloat(v));
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// Vectorizable float math (no calls, no branches: loops using these vectorize, libm's don't)
+// ---------------------------------------------------------------------------------------
+
+// c ? a : b on floats, written with integer masks. GCC does not if-convert a float `?:` under
+// its default -ftrapping-math, which leaves such loops scalar; this form vectorizes.
+inline float SelectF(bool c, float a, float b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return BitsToFloat((FloatToBits(a) & m) | (FloatToBits(b) & ~m));
+}
+
+// max / min that propagate NaN from either operand (torch.maximum / torch.minimum).
+inline float MaxPropagateNaN(float a, float b) { return SelectF((a != a) | (a > b), a, b); }
+inline float MinPropagateNaN(float a, float b) { return SelectF((a != a) | (a < b), a, b); }
+
+// e^x within 1 ulp (Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, Cephes' degree-6
+// polynomial for e^r, 2^n assembled in the exponent bits). x > 88.72 gives +inf, NaN gives
+// NaN; x < -87.34 gives 0 (results that would be subnormal are flushed to zero).
+inline float FastExp(float x) {
+  constexpr float kHi = 88.72283935546875f;   // largest x with finite e^x
+  constexpr float kLo = -87.33654022216797f;  // ln(FLT_MIN)
+  float xc = SelectF(x > kLo, x, kLo);        // also maps NaN to kLo: the int conversion stays defined
+  xc = SelectF(xc < kHi, xc, kHi);
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer (ties to even)
+  const float n = (xc * 1.44269504088896341f + kRound) - kRound;
+  float r = xc - n * 0.693359375f;  // ln2 = 0.693359375 - 2.12194440e-4, the first part exact in n * c
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * (r * r) + r + 1.0f;
+  // 2^n for n in [-126, 128]: n = 128 is applied as 2 * 2^127.
+  int32_t ni = static_cast<int32_t>(n);
+  const bool over = ni > 127;
+  ni -= over ? 1 : 0;
+  y *= SelectF(over, 2.0f, 1.0f);
+  y *= BitsToFloat(static_cast<uint32_t>(ni + 127) << 23);
+  y = SelectF(x > kHi, std::numeric_limits<float>::infinity(), y);
+  y = SelectF(x < kLo, 0.0f, y);
+  return SelectF(x != x, x, y);
+}
+
+// tanh(x) within 2 ulp: an odd polynomial for |x| < 0.625 (Cephes), else
+// sign(x) * (1 - 2 / (e^{2|x|} + 1)). NaN gives NaN.
+inline float FastTanh(float x) {
+  const float ax = std::fabs(x);
+  const float s = x * x;
+  float p = -5.70498872745e-3f;
+  p = p * s + 2.06390887954e-2f;
+  p = p * s - 5.37397155531e-2f;
+  p = p * s + 1.33314422036e-1f;
+  p = p * s - 3.33332819422e-1f;
+  const float small = p * s * x + x;
+  const float big = std::copysign(1.0f - 2.0f / (FastExp(2.0f * ax) + 1.0f), x);
+  return SelectF(ax < 0.625f, small, big);
+}
+
+// 1 / (1 + e^-x).
+inline float FastSigmoid(float x) { return 1.0f / (1.0f + FastExp(-x)); }
+
+// Largest (kMax) or smallest element of a contiguous run, as float; NaN if any element is NaN
+// (as torch.max); -inf / +inf when n == 0. Written with GCC/Clang vector extensions: neither
+// compiler vectorizes a NaN-propagating max reduction written as a plain loop.
+template <bool kMax, typename T>
+float ExtremeOf(const T* p, int64_t n) {
+  using V4F = float __attribute__((vector_size(16)));
+  using V4I = int32_t __attribute__((vector_size(16)));
+  const float init = kMax ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity();
+  auto load4 = [](const T* q) {
+    V4F v;
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(&v, q, sizeof(v));
+    } else {
+      v = V4F{ToFloat(q[0]), ToFloat(q[1]), ToFloat(q[2]), ToFloat(q[3])};
+    }
+    return v;
+  };
+  auto merge = [](V4F acc, V4F v) {
+    const V4I take = (kMax ? (v > acc) : (v < acc)) | (v != v);  // all-ones lanes take v
+    return reinterpret_cast<V4F>((reinterpret_cast<V4I>(v) & take) | (reinterpret_cast<V4I>(acc) & ~take));
+  };
+  V4F a0 = {init, init, init, init}, a1 = a0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    a0 = merge(a0, load4(p + i));
+    a1 = merge(a1, load4(p + i + 4));
+  }
+  a0 = merge(a0, a1);
+  float m = init;
+  auto merge1 = [](float acc, float v) { return (v != v || (kMax ? v > acc : v < acc)) ? v : acc; };
+  for (int j = 0; j < 4; ++j) m = merge1(m, a0[j]);
+  for (; i < n; ++i) m = merge1(m, ToFloat(p[i]));
+  return m;
 }
 
 // Converts n elements of a contiguous row to float / back (scratch rows for bf16/f16 kernels).
@@ -354,6 +455,9 @@ class StridedLoop {
   int ndim() const { return ndim_; }
   // Size of the innermost (row) dim.
   int64_t row_size() const { return shape_[ndim_ - 1]; }
+  // The collapsed dims (innermost last) and operand k's strides over them.
+  int64_t size(int d) const { return shape_[d]; }
+  int64_t stride(int k, int d) const { return strides_[k][d]; }
 
   // Calls f(off, inner_stride, n) for consecutive runs covering elements [begin, end) in loop
   // order, one call per (part of a) row; off[k] is the element offset of the run's first

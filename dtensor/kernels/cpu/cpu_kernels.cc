@@ -1,10 +1,12 @@
 // CPU backend: the singleton, copies, fills and counter-based random fills.
+#include "dtensor/kernels/cpu/cpu_kernels.h"
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "dtensor/kernels/cpu/cpu_backend.h"
 #include "dtensor/kernels/cpu/cpu_internal.h"
-#include "dtensor/kernels/cpu/cpu_kernels.h"
 #include "dtensor/kernels/philox.h"
 #include "dtensor/tensor/status.h"
 
@@ -31,9 +33,56 @@ struct BitsOf<8> {
   using type = uint64_t;
 };
 
+constexpr int64_t kTile = 32;
+
+// True when the copy reads across the source's memory order: dst is walked contiguously but
+// src jumps by a large stride along the row and a small one down the column (a transpose).
+bool IsTransposeLike(const StridedLoop<2>& loop) {
+  const int nd = loop.ndim();
+  if (nd < 2 || loop.stride(0, nd - 1) != 1) return false;
+  const int64_t row_step = std::abs(loop.stride(1, nd - 1)), col_step = std::abs(loop.stride(1, nd - 2));
+  return row_step > 1 && col_step < row_step && loop.size(nd - 1) >= kTile / 2 && loop.size(nd - 2) >= kTile / 2;
+}
+
+// Transpose-like copies in kTile x kTile tiles of the two innermost dims, so that both the
+// reads and the writes of a tile stay within a few cache lines.
+template <typename D, typename S>
+void TiledCopy(const StridedLoop<2>& loop, const S* src, D* dst) {
+  const int nd = loop.ndim();
+  const int64_t rows = loop.size(nd - 2), cols = loop.size(nd - 1);
+  const int64_t d_row = loop.stride(0, nd - 2), s_row = loop.stride(1, nd - 2), s_col = loop.stride(1, nd - 1);
+  const int64_t row_tiles = (rows + kTile - 1) / kTile;
+  const int64_t tasks = loop.numel() / (rows * cols) * row_tiles;
+  ParallelFor(tasks, std::max<int64_t>(1, kParallelGrain / (kTile * cols)), [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      // Offsets of the outer (batch) index of this task.
+      int64_t outer = task / row_tiles, d_off = 0, s_off = 0;
+      for (int d = nd - 3; d >= 0; --d) {
+        const int64_t c = outer % loop.size(d);
+        outer /= loop.size(d);
+        d_off += c * loop.stride(0, d);
+        s_off += c * loop.stride(1, d);
+      }
+      const int64_t r0 = task % row_tiles * kTile, r1 = std::min(rows, r0 + kTile);
+      for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+        const int64_t c1 = std::min(cols, c0 + kTile);
+        for (int64_t r = r0; r < r1; ++r) {
+          D* d = dst + d_off + r * d_row;
+          const S* s = src + s_off + r * s_row;
+          for (int64_t c = c0; c < c1; ++c) d[c] = CastElement<D>(s[c * s_col]);
+        }
+      }
+    }
+  });
+}
+
 // dst = cast(src) over a StridedLoop whose operand 0 is dst and operand 1 is src.
 template <typename D, typename S>
 void CopyLoop(const StridedLoop<2>& loop, const S* src, D* dst) {
+  if (IsTransposeLike(loop)) {
+    TiledCopy(loop, src, dst);
+    return;
+  }
   loop.Run(kParallelGrain, [&](const int64_t* off, const int64_t* st, int64_t n) {
     D* d = dst + off[0];
     const S* s = src + off[1];

@@ -101,6 +101,8 @@ struct MaxFn {
   C operator()(C a, C b) const {
     if constexpr (std::is_integral_v<C>) {
       return a > b ? a : b;
+    } else if constexpr (std::is_same_v<C, float>) {
+      return MaxPropagateNaN(a, b);
     } else {
       return (a != a || a > b) ? a : b;
     }
@@ -111,6 +113,8 @@ struct MinFn {
   C operator()(C a, C b) const {
     if constexpr (std::is_integral_v<C>) {
       return a < b ? a : b;
+    } else if constexpr (std::is_same_v<C, float>) {
+      return MinPropagateNaN(a, b);
     } else {
       return (a != a || a < b) ? a : b;
     }
@@ -172,8 +176,8 @@ void BinaryTyped(const Tensor& a, const Tensor& b, const Tensor& out, Op op) {
 
 // out = op(a, s) (or op(s, a)) with the scalar already in compute type C and the result
 // converted by `store` (a lambda C -> T).
-template <typename T, typename C, typename Op, typename Store>
-void ScalarTyped(const Tensor& a, C s, bool scalar_first, const Tensor& out, Op op, Store store) {
+template <typename T, typename C, typename Op, typename StoreFn>
+void ScalarTyped(const Tensor& a, C s, bool scalar_first, const Tensor& out, Op op, StoreFn store) {
   const StridedLoop<2> loop(out.shape(), {out.strides(), a.strides()});
   const T* pa = static_cast<const T*>(a.raw_data());
   T* po = static_cast<T*>(out.raw_data());
@@ -203,14 +207,23 @@ void ScalarTyped(const Tensor& a, C s, bool scalar_first, const Tensor& out, Op 
 }
 
 // ---- Unary functors (float) ----
+// GELU, tanh approximation: 0.5 x (1 + tanh(u)) with u = k (x + c x^3), evaluated as
+// x * sigmoid(2u) (the same function; one exp, accurate in both tails).
 constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluC = 0.044715f;
 
-inline float GeluF(float x) { return 0.5f * x * (1.0f + std::tanh(kGeluK * (x + kGeluC * x * x * x))); }
+inline float GeluF(float x) {
+  const float u = kGeluK * (x + kGeluC * x * x * x);
+  return x / (1.0f + FastExp(-2.0f * u));
+}
+// d/dx = s + 2 x s (1 - s) k (1 + 3 c x^2) with s = sigmoid(2u); 1 - s = e s (e = e^{-2u})
+// where s > 1/2, avoiding the cancellation in 1 - s.
 inline float GeluGradF(float x) {
   const float x2 = x * x;
-  const float t = std::tanh(kGeluK * (x + kGeluC * x2 * x));
-  return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * kGeluK * (1.0f + 3.0f * kGeluC * x2);
+  const float e = FastExp(-2.0f * kGeluK * (x + kGeluC * x2 * x));
+  const float s = 1.0f / (1.0f + e);
+  const float one_minus_s = SelectF(e < 1.0f, e * s, 1.0f - s);
+  return s + 2.0f * x * s * one_minus_s * kGeluK * (1.0f + 3.0f * kGeluC * x2);
 }
 
 template <typename F>
@@ -219,7 +232,7 @@ decltype(auto) WithUnaryFloatFn(UnaryOp op, F&& f) {
     case UnaryOp::kNeg:
       return f([](float x) { return -x; }, false);
     case UnaryOp::kExp:
-      return f([](float x) { return std::exp(x); }, true);
+      return f([](float x) { return FastExp(x); }, true);
     case UnaryOp::kLog:
       return f([](float x) { return std::log(x); }, true);
     case UnaryOp::kSqrt:
@@ -227,11 +240,11 @@ decltype(auto) WithUnaryFloatFn(UnaryOp op, F&& f) {
     case UnaryOp::kRsqrt:
       return f([](float x) { return 1.0f / std::sqrt(x); }, false);
     case UnaryOp::kRelu:
-      return f([](float x) { return x < 0.0f ? 0.0f : x; }, false);  // NaN stays NaN
+      return f([](float x) { return SelectF(x < 0.0f, 0.0f, x); }, false);  // NaN stays NaN
     case UnaryOp::kGelu:
       return f([](float x) { return GeluF(x); }, true);
     case UnaryOp::kTanh:
-      return f([](float x) { return std::tanh(x); }, true);
+      return f([](float x) { return FastTanh(x); }, true);
     case UnaryOp::kAbs:
       return f([](float x) { return std::fabs(x); }, false);
     case UnaryOp::kSquare:
@@ -246,17 +259,16 @@ void UnaryTyped(const Tensor& a, const Tensor& out, Fn fn, bool expensive) {
   const StridedLoop<2> loop(out.shape(), {out.strides(), a.strides()});
   const T* pa = static_cast<const T*>(a.raw_data());
   T* po = static_cast<T*>(out.raw_data());
-  loop.Run(expensive ? kParallelGrainExpensive : kParallelGrain,
-           [&](const int64_t* off, const int64_t* st, int64_t n) {
-             const T* x = pa + off[1];
-             T* o = po + off[0];
-             const int64_t sx = st[1], so = st[0];
-             if (so == 1 && sx == 1) {
-               for (int64_t i = 0; i < n; ++i) o[i] = Store<T>(fn(Load(x[i])));
-             } else {
-               for (int64_t i = 0; i < n; ++i) o[i * so] = Store<T>(fn(Load(x[i * sx])));
-             }
-           });
+  loop.Run(expensive ? kParallelGrainExpensive : kParallelGrain, [&](const int64_t* off, const int64_t* st, int64_t n) {
+    const T* x = pa + off[1];
+    T* o = po + off[0];
+    const int64_t sx = st[1], so = st[0];
+    if (so == 1 && sx == 1) {
+      for (int64_t i = 0; i < n; ++i) o[i] = Store<T>(fn(Load(x[i])));
+    } else {
+      for (int64_t i = 0; i < n; ++i) o[i * so] = Store<T>(fn(Load(x[i * sx])));
+    }
+  });
 }
 
 // dx = dy * f'(x), all contiguous.
@@ -292,8 +304,7 @@ absl::Status CpuBackend::BinaryScalar(BinaryOp op, const Tensor& a, double scala
     using T = decltype(tag);
     WithBinaryFn(op, [&](auto fn) {
       if constexpr (kIsComputeFloat<T>) {
-        ScalarTyped<T>(a, static_cast<float>(scalar), scalar_first, out, fn,
-                       [](float v) { return FromFloat<T>(v); });
+        ScalarTyped<T>(a, static_cast<float>(scalar), scalar_first, out, fn, [](float v) { return FromFloat<T>(v); });
       } else if (std::trunc(scalar) == scalar && std::fabs(scalar) < 9.2233720368547758e18) {
         // Integral scalar: exact wrapping integer arithmetic in int64, narrowed (wrapping).
         ScalarTyped<T>(a, static_cast<int64_t>(scalar), scalar_first, out, fn,
@@ -316,16 +327,20 @@ absl::Status CpuBackend::Unary(UnaryOp op, const Tensor& a, const Tensor& out) {
     } else {
       switch (op) {
         case UnaryOp::kNeg:
-          UnaryTyped<T>(a, out, [](T x) { return WrapSub(T{0}, x); }, false);
+          UnaryTyped<T>(
+              a, out, [](T x) { return WrapSub(T{0}, x); }, false);
           break;
         case UnaryOp::kAbs:
-          UnaryTyped<T>(a, out, [](T x) { return x < 0 ? WrapSub(T{0}, x) : x; }, false);
+          UnaryTyped<T>(
+              a, out, [](T x) { return x < 0 ? WrapSub(T{0}, x) : x; }, false);
           break;
         case UnaryOp::kSquare:
-          UnaryTyped<T>(a, out, [](T x) { return WrapMul(x, x); }, false);
+          UnaryTyped<T>(
+              a, out, [](T x) { return WrapMul(x, x); }, false);
           break;
         case UnaryOp::kRelu:
-          UnaryTyped<T>(a, out, [](T x) { return x < 0 ? T{0} : x; }, false);
+          UnaryTyped<T>(
+              a, out, [](T x) { return x < 0 ? T{0} : x; }, false);
           break;
         default:
           return absl::UnimplementedError(absl::StrCat("[Unary] op ", static_cast<int>(op),
@@ -342,41 +357,49 @@ absl::Status CpuBackend::UnaryBackward(UnaryOp op, const Tensor& dy, const Tenso
     using T = decltype(tag);
     switch (op) {
       case UnaryOp::kGelu:
-        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return g * GeluGradF(v); }, true);
+        UnaryBackwardTyped<T>(
+            dy, x, dx, [](float g, float v) { return g * GeluGradF(v); }, true);
         break;
       case UnaryOp::kRelu:
-        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return v > 0.0f ? g : 0.0f; }, false);
+        UnaryBackwardTyped<T>(
+            dy, x, dx, [](float g, float v) { return SelectF(v > 0.0f, g, 0.0f); }, false);
         break;
       case UnaryOp::kTanh:
         UnaryBackwardTyped<T>(
             dy, x, dx,
             [](float g, float v) {
-              const float t = std::tanh(v);
+              const float t = FastTanh(v);
               return g * (1.0f - t * t);
             },
             true);
         break;
       case UnaryOp::kExp:
-        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return g * std::exp(v); }, true);
+        UnaryBackwardTyped<T>(
+            dy, x, dx, [](float g, float v) { return g * FastExp(v); }, true);
         break;
       case UnaryOp::kLog:
-        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return g / v; }, false);
+        UnaryBackwardTyped<T>(
+            dy, x, dx, [](float g, float v) { return g / v; }, false);
         break;
       case UnaryOp::kSqrt:
-        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return g * 0.5f / std::sqrt(v); }, false);
+        UnaryBackwardTyped<T>(
+            dy, x, dx, [](float g, float v) { return g * 0.5f / std::sqrt(v); }, false);
         break;
       case UnaryOp::kRsqrt:
-        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return g * -0.5f / (v * std::sqrt(v)); }, false);
+        UnaryBackwardTyped<T>(
+            dy, x, dx, [](float g, float v) { return g * -0.5f / (v * std::sqrt(v)); }, false);
         break;
       case UnaryOp::kNeg:
-        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float) { return -g; }, false);
+        UnaryBackwardTyped<T>(
+            dy, x, dx, [](float g, float) { return -g; }, false);
         break;
       case UnaryOp::kAbs:
         UnaryBackwardTyped<T>(
-            dy, x, dx, [](float g, float v) { return v > 0.0f ? g : (v < 0.0f ? -g : 0.0f); }, false);
+            dy, x, dx, [](float g, float v) { return SelectF(v > 0.0f, g, SelectF(v < 0.0f, -g, 0.0f)); }, false);
         break;
       case UnaryOp::kSquare:
-        UnaryBackwardTyped<T>(dy, x, dx, [](float g, float v) { return 2.0f * v * g; }, false);
+        UnaryBackwardTyped<T>(
+            dy, x, dx, [](float g, float v) { return 2.0f * v * g; }, false);
         break;
     }
     return absl::OkStatus();

@@ -4,22 +4,18 @@
 // The forward copies rows (any dtype, by bytes). The backward is deterministic without atomics:
 // threads own disjoint column blocks and each walks the ids in order, so repeated ids are summed
 // in the same order whatever the thread count.
-#include <omp.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
-#include "absl/strings/str_cat.h"
 #include "dtensor/kernels/cpu/cpu_backend.h"
+#include "dtensor/kernels/cpu/cpu_internal.h"
 #include "dtensor/tensor/status.h"
 
 namespace dtensor::internal {
 namespace {
 
-// Below this many elements a call stays on one thread.
-constexpr int64_t kParallelMin = int64_t{1} << 15;
 // Columns per backward work item.
 constexpr int64_t kColBlock = 64;
 
@@ -32,20 +28,6 @@ absl::Status VisitIndex(const char* op, DType t, F&& f) {
       return f(int64_t{});
     default:
       return InvalidArg(op, "ids must be int32 or int64, got ", DTypeName(t));
-  }
-}
-
-template <typename F>
-absl::Status VisitFloat(const char* op, DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32:
-      return f(float{});
-    case DType::kBFloat16:
-      return f(BFloat16{});
-    case DType::kFloat16:
-      return f(Float16{});
-    default:
-      return InvalidArg(op, "unsupported dtype ", DTypeName(t));
   }
 }
 
@@ -62,7 +44,7 @@ void ScatterAddColumns(const G* dout, const I* ids, int64_t n, int64_t v, int64_
 #pragma omp simd
       for (int64_t j = c0; j < c1; ++j) dst[j] += src[j];
     } else {
-      for (int64_t j = c0; j < c1; ++j) dst[j] = W(static_cast<float>(dst[j]) + static_cast<float>(src[j]));
+      for (int64_t j = c0; j < c1; ++j) dst[j] = FromFloat<W>(ToFloat(dst[j]) + ToFloat(src[j]));
     }
   }
 }
@@ -78,15 +60,15 @@ absl::Status CpuBackend::Embedding(const Tensor& weight, const Tensor& ids, cons
     const I* idp = ids.data<I>();  // [N]
     for (int64_t i = 0; i < n; ++i) {
       if (idp[i] < 0 || static_cast<int64_t>(idp[i]) >= v) {
-        return InvalidArg("Embedding", "id ", static_cast<int64_t>(idp[i]), " at position ", i,
-                          " is outside [0, ", v, ")");
+        return InvalidArg("Embedding", "id ", static_cast<int64_t>(idp[i]), " at position ", i, " is outside [0, ", v,
+                          ")");
       }
     }
     if (n == 0 || c == 0) return absl::OkStatus();
     const size_t row_bytes = static_cast<size_t>(c) * ElementSize(weight.dtype());
     const char* wp = static_cast<const char*>(weight.raw_data());  // [V, C]
     char* op = static_cast<char*>(out.raw_data());                 // [N, C]
-#pragma omp parallel for schedule(static) if (n * c >= kParallelMin)
+#pragma omp parallel for schedule(static) if (n * c >= kParallelGrain)
     for (int64_t i = 0; i < n; ++i) {
       std::memcpy(op + static_cast<size_t>(i) * row_bytes, wp + static_cast<size_t>(idp[i]) * row_bytes, row_bytes);
     }
@@ -102,14 +84,14 @@ absl::Status CpuBackend::EmbeddingBackward(const Tensor& dout, const Tensor& ids
   const int64_t nblocks = (c + kColBlock - 1) / kColBlock;
   return VisitIndex("EmbeddingBackward", ids.dtype(), [&](auto itag) {
     using I = decltype(itag);
-    return VisitFloat("EmbeddingBackward", dweight.dtype(), [&](auto wtag) {
+    return DispatchFloat("EmbeddingBackward", dweight.dtype(), [&](auto wtag) {
       using W = decltype(wtag);
-      return VisitFloat("EmbeddingBackward", dout.dtype(), [&](auto gtag) {
+      return DispatchFloat("EmbeddingBackward", dout.dtype(), [&](auto gtag) {
         using G = decltype(gtag);
         const G* dop = dout.data<G>();  // [N, C]
         const I* idp = ids.data<I>();   // [N]
         W* dwp = dweight.data<W>();     // [V, C]
-#pragma omp parallel for schedule(static) if (n * c >= kParallelMin)
+#pragma omp parallel for schedule(static) if (n * c >= kParallelGrain)
         for (int64_t b = 0; b < nblocks; ++b) {
           ScatterAddColumns(dop, idp, n, v, c, b * kColBlock, std::min(c, (b + 1) * kColBlock), dwp);
         }

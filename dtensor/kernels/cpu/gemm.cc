@@ -76,8 +76,9 @@ void GemmTyped(const Tensor& a, const Tensor& b, const Tensor& c, const Dims& d,
   const int64_t ldb = direct_b ? lb.ld : (trans_b ? d.k : d.n);
   const int64_t mn = d.m * d.n;
 
-  const bool batch_parallel = d.batch > 1 && d.m * d.n * d.k <= kSmallGemm;
-  const int64_t grain = batch_parallel ? std::max<int64_t>(1, 65536 / std::max<int64_t>(1, d.m * d.n * d.k))
+  const double mnk = static_cast<double>(d.m) * static_cast<double>(d.n) * static_cast<double>(d.k);
+  const bool batch_parallel = d.batch > 1 && mnk <= static_cast<double>(kSmallGemm);
+  const int64_t grain = batch_parallel ? std::max<int64_t>(1, static_cast<int64_t>(65536.0 / std::max(1.0, mnk)))
                                        : d.batch + 1;  // serial loop; OpenBLAS threads each call
   ParallelFor(d.batch, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch_a(direct_a ? 0 : static_cast<size_t>(d.m * d.k));
@@ -138,8 +139,8 @@ absl::Status CpuBackend::Gemm(const Tensor& a, const Tensor& b, const Tensor& c,
   }
   const Dims d{c.size(0), c.size(1), c.size(2), a.size(2)};
   if (a.size(0) != d.batch || b.size(0) != d.batch || a.size(1) != d.m || b.size(1) != d.k || b.size(2) != d.n) {
-    return InvalidArg("Gemm", "shapes do not match: a ", ShapeString(a.shape()), ", b ", ShapeString(b.shape()),
-                      ", c ", ShapeString(c.shape()));
+    return InvalidArg("Gemm", "shapes do not match: a ", ShapeString(a.shape()), ", b ", ShapeString(b.shape()), ", c ",
+                      ShapeString(c.shape()));
   }
   if (a.dtype() != c.dtype() || b.dtype() != c.dtype()) {
     return InvalidArg("Gemm", "dtypes differ: a ", DTypeName(a.dtype()), ", b ", DTypeName(b.dtype()), ", c ",

@@ -4,38 +4,20 @@
 // mean, rstd are float32 [rows]. Rows are split over OpenMP threads; everything is computed in
 // float32 from rows converted once (bf16/f16). The weight/bias gradients are summed per fixed
 // block of rows and then over blocks in order, so they do not depend on the thread count.
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "dtensor/kernels/cpu/cpu_backend.h"
+#include "dtensor/kernels/cpu/cpu_internal.h"
 
 namespace dtensor::internal {
 namespace {
 
-// Below this many elements a call stays on one thread.
-constexpr int64_t kParallelMin = int64_t{1} << 15;
 // Rows per partial sum of dweight/dbias in the backward passes.
 constexpr int64_t kRowBlock = 16;
-
-template <typename F>
-absl::Status VisitFloat(const char* op, DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32:
-      return f(float{});
-    case DType::kBFloat16:
-      return f(BFloat16{});
-    case DType::kFloat16:
-      return f(Float16{});
-    default:
-      return absl::InvalidArgumentError(absl::StrCat("[", op, "] unsupported dtype ", DTypeName(t)));
-  }
-}
 
 // The n values at src as float32: src itself for float, else converted into scratch.
 template <typename T>
@@ -43,7 +25,7 @@ const float* RowF32(const T* src, int64_t n, float* scratch) {
   if constexpr (std::is_same_v<T, float>) {
     return src;
   } else {
-    for (int64_t i = 0; i < n; ++i) scratch[i] = static_cast<float>(src[i]);
+    LoadRow(src, scratch, n);
     return scratch;
   }
 }
@@ -60,7 +42,7 @@ float* OutF32(T* dst, float* scratch) {
 template <typename T>
 void Store(const float* src, int64_t n, T* dst) {
   if constexpr (!std::is_same_v<T, float>) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
+    StoreRow(src, dst, n);
   }
 }
 
@@ -70,7 +52,7 @@ std::vector<float> ParamF32(const Tensor& t, int64_t c, float fill) {
   std::vector<float> out(static_cast<size_t>(c), fill);
   if (t.defined()) {
     const T* p = t.data<T>();
-    for (int64_t i = 0; i < c; ++i) out[i] = static_cast<float>(p[i]);
+    for (int64_t i = 0; i < c; ++i) out[i] = ToFloat(p[i]);
   }
   return out;
 }
@@ -78,11 +60,11 @@ std::vector<float> ParamF32(const Tensor& t, int64_t c, float fill) {
 // Sums the per-block partials [nblocks, C] over blocks, in block order, into dst [C].
 template <typename T>
 void SumBlocks(const std::vector<float>& partial, int64_t nblocks, int64_t c, T* dst) {
-#pragma omp parallel for schedule(static) if (nblocks * c >= kParallelMin)
+#pragma omp parallel for schedule(static) if (nblocks * c >= kParallelGrain)
   for (int64_t j = 0; j < c; ++j) {
     double s = 0.0;
     for (int64_t b = 0; b < nblocks; ++b) s += partial[b * c + j];
-    dst[j] = T(static_cast<float>(s));
+    dst[j] = FromFloat<T>(static_cast<float>(s));
   }
 }
 
@@ -98,7 +80,7 @@ void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
   float* mp = mean.data<float>();
   float* rp = rstd.data<float>();
   const float inv_c = 1.0f / static_cast<float>(c);
-#pragma omp parallel if (rows * c >= kParallelMin)
+#pragma omp parallel if (rows * c >= kParallelGrain)
   {
     std::vector<float> sx, sy;
     if constexpr (!std::is_same_v<T, float>) {
@@ -141,7 +123,7 @@ void LayerNormBackwardImpl(const Tensor& dy, const Tensor& x, const Tensor& weig
   std::vector<float> dw_part(static_cast<size_t>(nblocks * c));  // [nblocks, C]
   std::vector<float> db_part(static_cast<size_t>(nblocks * c));
   const float inv_c = 1.0f / static_cast<float>(c);
-#pragma omp parallel if (rows * c >= kParallelMin)
+#pragma omp parallel if (rows * c >= kParallelGrain)
   {
     std::vector<float> sx, sdy, sdx;
     if constexpr (!std::is_same_v<T, float>) {
@@ -194,7 +176,7 @@ void RmsNormForward(const Tensor& x, const Tensor& weight, float eps, const Tens
   T* yp = y.data<T>();        // [rows, C]
   float* rp = rstd.data<float>();
   const float inv_c = 1.0f / static_cast<float>(c);
-#pragma omp parallel if (rows * c >= kParallelMin)
+#pragma omp parallel if (rows * c >= kParallelGrain)
   {
     std::vector<float> sx, sy;
     if constexpr (!std::is_same_v<T, float>) {
@@ -218,8 +200,8 @@ void RmsNormForward(const Tensor& x, const Tensor& weight, float eps, const Tens
 }
 
 template <typename T>
-void RmsNormBackwardImpl(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
-                         const Tensor& dx, const Tensor& dweight) {
+void RmsNormBackwardImpl(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd, const Tensor& dx,
+                         const Tensor& dweight) {
   const int64_t c = x.size(-1);
   const int64_t rows = x.numel() / c;
   const int64_t nblocks = (rows + kRowBlock - 1) / kRowBlock;
@@ -230,7 +212,7 @@ void RmsNormBackwardImpl(const Tensor& dy, const Tensor& x, const Tensor& weight
   const float* rp = rstd.data<float>();
   std::vector<float> dw_part(static_cast<size_t>(nblocks * c));  // [nblocks, C]
   const float inv_c = 1.0f / static_cast<float>(c);
-#pragma omp parallel if (rows * c >= kParallelMin)
+#pragma omp parallel if (rows * c >= kParallelGrain)
   {
     std::vector<float> sx, sdy, sdx;
     if constexpr (!std::is_same_v<T, float>) {
@@ -270,27 +252,27 @@ void RmsNormBackwardImpl(const Tensor& dy, const Tensor& x, const Tensor& weight
 absl::Status CpuBackend::LayerNorm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps,
                                    const Tensor& y, const Tensor& mean, const Tensor& rstd) {
   if (x.numel() == 0) return absl::OkStatus();
-  return VisitFloat("LayerNorm", x.dtype(), [&](auto tag) {
+  return DispatchFloat("LayerNorm", x.dtype(), [&](auto tag) {
     LayerNormForward<decltype(tag)>(x, weight, bias, eps, y, mean, rstd);
     return absl::OkStatus();
   });
 }
 
-absl::Status CpuBackend::LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight,
-                                           const Tensor& mean, const Tensor& rstd, const Tensor& dx,
-                                           const Tensor& dweight, const Tensor& dbias) {
+absl::Status CpuBackend::LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                           const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
+                                           const Tensor& dbias) {
   if (x.numel() == 0) {
     // No rows: the parameter gradients are sums over nothing.
-    return VisitFloat("LayerNormBackward", x.dtype(), [&](auto tag) {
+    return DispatchFloat("LayerNormBackward", x.dtype(), [&](auto tag) {
       using T = decltype(tag);
       for (const Tensor* t : {&dweight, &dbias}) {
         if (!t->defined()) continue;
-        for (int64_t i = 0; i < t->numel(); ++i) t->data<T>()[i] = T(0.0f);
+        for (int64_t i = 0; i < t->numel(); ++i) t->data<T>()[i] = FromFloat<T>(0.0f);
       }
       return absl::OkStatus();
     });
   }
-  return VisitFloat("LayerNormBackward", x.dtype(), [&](auto tag) {
+  return DispatchFloat("LayerNormBackward", x.dtype(), [&](auto tag) {
     LayerNormBackwardImpl<decltype(tag)>(dy, x, weight, mean, rstd, dx, dweight, dbias);
     return absl::OkStatus();
   });
@@ -299,18 +281,18 @@ absl::Status CpuBackend::LayerNormBackward(const Tensor& dy, const Tensor& x, co
 absl::Status CpuBackend::RmsNorm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y,
                                  const Tensor& rstd) {
   if (x.numel() == 0) return absl::OkStatus();
-  return VisitFloat("RmsNorm", x.dtype(), [&](auto tag) {
+  return DispatchFloat("RmsNorm", x.dtype(), [&](auto tag) {
     RmsNormForward<decltype(tag)>(x, weight, eps, y, rstd);
     return absl::OkStatus();
   });
 }
 
-absl::Status CpuBackend::RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight,
-                                         const Tensor& rstd, const Tensor& dx, const Tensor& dweight) {
-  return VisitFloat("RmsNormBackward", x.dtype(), [&](auto tag) {
+absl::Status CpuBackend::RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                                         const Tensor& dx, const Tensor& dweight) {
+  return DispatchFloat("RmsNormBackward", x.dtype(), [&](auto tag) {
     using T = decltype(tag);
     if (x.numel() == 0) {
-      for (int64_t i = 0; i < dweight.numel(); ++i) dweight.data<T>()[i] = T(0.0f);
+      for (int64_t i = 0; i < dweight.numel(); ++i) dweight.data<T>()[i] = FromFloat<T>(0.0f);
       return absl::OkStatus();
     }
     RmsNormBackwardImpl<T>(dy, x, weight, rstd, dx, dweight);

@@ -16,9 +16,9 @@
 namespace dtensor::internal {
 namespace {
 
-constexpr int64_t kColBlock = 256;      // columns of `inner` per task
-constexpr int64_t kTaskElems = 32768;   // elements per task when the reduce dim is split
-constexpr int64_t kEnoughTasks = 64;    // no reduce-dim split when outer x column blocks >= this
+constexpr int64_t kColBlock = 256;     // columns of `inner` per task
+constexpr int64_t kTaskElems = 32768;  // elements per task when the reduce dim is split
+constexpr int64_t kEnoughTasks = 64;   // no reduce-dim split when outer x column blocks >= this
 
 template <typename T, ReduceOp Op>
 struct Reducer {
@@ -32,7 +32,8 @@ struct Reducer {
     } else if constexpr (kIsComputeFloat<T>) {
       return kMax ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::infinity();
     } else {
-      return kMax ? static_cast<Acc>(std::numeric_limits<T>::lowest()) : static_cast<Acc>(std::numeric_limits<T>::max());
+      return kMax ? static_cast<Acc>(std::numeric_limits<T>::lowest())
+                  : static_cast<Acc>(std::numeric_limits<T>::max());
     }
   }
   static Acc Load(T v) {
@@ -52,9 +53,9 @@ struct Reducer {
     } else if constexpr (std::is_integral_v<Acc>) {
       return kMax ? (v > a ? v : a) : (v < a ? v : a);
     } else if constexpr (kMax) {
-      return (v != v || v > a) ? v : a;  // a NaN accumulator stays NaN
+      return MaxPropagateNaN(v, a);  // a NaN accumulator stays NaN
     } else {
-      return (v != v || v < a) ? v : a;
+      return MinPropagateNaN(v, a);
     }
   }
   static T Finish(Acc a, int64_t reduce) {
@@ -76,6 +77,7 @@ struct Reducer {
   // Fold of a contiguous run; eight independent accumulators so the loop vectorizes
   // without reassociating a single chain.
   static Acc Contiguous(const T* p, int64_t n) {
+    if constexpr (!kSum && kIsComputeFloat<T>) return ExtremeOf<kMax>(p, n);
     Acc acc[8];
     for (Acc& a : acc) a = Init();
     int64_t i = 0;

@@ -1,7 +1,9 @@
 // CPU softmax / log_softmax over the last dim of contiguous [rows, n] tensors, and their
 // backward. Rows are independent and split across threads; within a row the max is taken in
-// float (NaN propagates, so a row holding NaN gives NaN), the sum of exponentials and the
-// backward dot products accumulate in double.
+// float (NaN propagates, so a row holding NaN gives NaN), exponentials use the vectorized
+// FastExp (1 ulp), and the sum of exponentials and the backward dot products accumulate in
+// double.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -13,24 +15,19 @@
 namespace dtensor::internal {
 namespace {
 
-template <typename T>
-float RowMax(const T* x, int64_t n) {
-  float acc[8];
-  for (float& a : acc) a = -std::numeric_limits<float>::infinity();
+// sum over i < n of f(i) (a float) in double, with eight independent accumulators so that
+// the loop vectorizes.
+template <typename F>
+double SumOf(int64_t n, F&& f) {
+  double acc[8] = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) {
-      const float v = ToFloat(x[i + j]);
-      acc[j] = (v != v || v > acc[j]) ? v : acc[j];
-    }
+    for (int j = 0; j < 8; ++j) acc[j] += static_cast<double>(f(i + j));
   }
-  for (; i < n; ++i) {
-    const float v = ToFloat(x[i]);
-    acc[0] = (v != v || v > acc[0]) ? v : acc[0];
-  }
-  float m = acc[0];
-  for (int j = 1; j < 8; ++j) m = (acc[j] != acc[j] || acc[j] > m) ? acc[j] : m;
-  return m;
+  for (; i < n; ++i) acc[0] += static_cast<double>(f(i));
+  double s = 0.0;
+  for (double a : acc) s += a;
+  return s;
 }
 
 // Rows per parallel chunk so that a chunk holds at least ~kParallelGrainExpensive elements.
@@ -44,28 +41,22 @@ void SoftmaxTyped(const T* x, T* y, int64_t rows, int64_t n, bool log) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * n;
       T* yr = y + r * n;
-      const float m = RowMax(xr, n);
-      if (log) {
-        double s = 0.0;
-        for (int64_t i = 0; i < n; ++i) s += std::exp(ToFloat(xr[i]) - m);
-        const float shift = m + static_cast<float>(std::log(s));
-        for (int64_t i = 0; i < n; ++i) yr[i] = FromFloat<T>(ToFloat(xr[i]) - shift);
-        continue;
-      }
       float* e;
       if constexpr (std::is_same_v<T, float>) {
         e = yr;
       } else {
         e = scratch.data();
       }
-      double s = 0.0;
-      for (int64_t i = 0; i < n; ++i) {
-        const float v = std::exp(ToFloat(xr[i]) - m);
-        e[i] = v;
-        s += v;
+      const float m = ExtremeOf</*kMax=*/true>(xr, n);
+      for (int64_t i = 0; i < n; ++i) e[i] = FastExp(ToFloat(xr[i]) - m);
+      const double s = SumOf(n, [&](int64_t i) { return e[i]; });
+      if (log) {
+        const float shift = m + static_cast<float>(std::log(s));
+        for (int64_t i = 0; i < n; ++i) yr[i] = FromFloat<T>(ToFloat(xr[i]) - shift);
+      } else {
+        const auto inv = static_cast<float>(1.0 / s);
+        for (int64_t i = 0; i < n; ++i) yr[i] = FromFloat<T>(e[i] * inv);
       }
-      const auto inv = static_cast<float>(1.0 / s);
-      for (int64_t i = 0; i < n; ++i) yr[i] = FromFloat<T>(e[i] * inv);
     }
   });
 }
@@ -77,15 +68,12 @@ void SoftmaxBackwardTyped(const T* dy, const T* y, T* dx, int64_t rows, int64_t 
       const T* dyr = dy + r * n;
       const T* yr = y + r * n;
       T* dxr = dx + r * n;
-      double s = 0.0;
       if (log) {  // dx = dy - exp(y) * sum(dy)
-        for (int64_t i = 0; i < n; ++i) s += ToFloat(dyr[i]);
-        const auto sf = static_cast<float>(s);
-        for (int64_t i = 0; i < n; ++i) dxr[i] = FromFloat<T>(ToFloat(dyr[i]) - std::exp(ToFloat(yr[i])) * sf);
+        const auto s = static_cast<float>(SumOf(n, [&](int64_t i) { return ToFloat(dyr[i]); }));
+        for (int64_t i = 0; i < n; ++i) dxr[i] = FromFloat<T>(ToFloat(dyr[i]) - FastExp(ToFloat(yr[i])) * s);
       } else {  // dx = y * (dy - sum(dy * y))
-        for (int64_t i = 0; i < n; ++i) s += static_cast<double>(ToFloat(dyr[i])) * ToFloat(yr[i]);
-        const auto sf = static_cast<float>(s);
-        for (int64_t i = 0; i < n; ++i) dxr[i] = FromFloat<T>(ToFloat(yr[i]) * (ToFloat(dyr[i]) - sf));
+        const auto s = static_cast<float>(SumOf(n, [&](int64_t i) { return ToFloat(dyr[i]) * ToFloat(yr[i]); }));
+        for (int64_t i = 0; i < n; ++i) dxr[i] = FromFloat<T>(ToFloat(yr[i]) * (ToFloat(dyr[i]) - s));
       }
     }
   });

@@ -1,5 +1,7 @@
-// The CUDA implementation of Kernels, one object per device. Methods are defined across the
-// .cu files of this folder, one file per op family; this header is internal (not installed).
+// The CUDA implementation of Kernels, one object per device (CudaKernels() in cuda_kernels.cc).
+// Methods are defined in cuda_kernels.cc and gemm.cc (host side: checks, layouts, scratch,
+// device guard, error mapping), which call the launchers of launch.h implemented in the .cu
+// files of this folder, one per op family. Internal (not installed).
 #ifndef DTENSOR_KERNELS_CUDA_CUDA_BACKEND_H_
 #define DTENSOR_KERNELS_CUDA_CUDA_BACKEND_H_
 
@@ -15,26 +17,38 @@ class CudaBackend final : public Kernels {
   Device device() const override;
   absl::Status Copy(const Tensor& src, const Tensor& dst) override;
   absl::Status Fill(const Tensor& dst, double value) override;
-  absl::Status FillRandom(const Tensor& dst, const RandomSpec& spec, IntSpan global_shape, IntSpan global_offset) override;
+  absl::Status FillRandom(const Tensor& dst, const RandomSpec& spec, IntSpan global_shape,
+                          IntSpan global_offset) override;
   absl::Status Binary(BinaryOp op, const Tensor& a, const Tensor& b, const Tensor& out) override;
   absl::Status BinaryScalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first, const Tensor& out) override;
   absl::Status Unary(UnaryOp op, const Tensor& a, const Tensor& out) override;
   absl::Status UnaryBackward(UnaryOp op, const Tensor& dy, const Tensor& x, const Tensor& dx) override;
-  absl::Status Reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduce, int64_t inner, const Tensor& out) override;
+  absl::Status Reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduce, int64_t inner,
+                      const Tensor& out) override;
   absl::Status Softmax(const Tensor& x, const Tensor& y, bool log) override;
   absl::Status SoftmaxBackward(const Tensor& dy, const Tensor& y, const Tensor& dx, bool log) override;
-  absl::Status LayerNorm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y, const Tensor& mean, const Tensor& rstd) override;
-  absl::Status LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean, const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) override;
+  absl::Status LayerNorm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y,
+                         const Tensor& mean, const Tensor& rstd) override;
+  absl::Status LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                 const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
+                                 const Tensor& dbias) override;
   absl::Status RmsNorm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y, const Tensor& rstd) override;
-  absl::Status RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd, const Tensor& dx, const Tensor& dweight) override;
+  absl::Status RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
+                               const Tensor& dx, const Tensor& dweight) override;
   absl::Status Gemm(const Tensor& a, const Tensor& b, const Tensor& c, float alpha, float beta) override;
   absl::Status Embedding(const Tensor& weight, const Tensor& ids, const Tensor& out) override;
   absl::Status EmbeddingBackward(const Tensor& dout, const Tensor& ids, const Tensor& dweight) override;
-  absl::Status CrossEntropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& losses, const Tensor& valid, const Tensor& lse) override;
-  absl::Status CrossEntropyBackward(const Tensor& logits, const Tensor& targets, const Tensor& lse, const Tensor& grad, int64_t ignore_index, const Tensor& dlogits) override;
-  absl::Status CausalAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out, const Tensor& lse) override;
-  absl::Status CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse, float scale, const Tensor& dq, const Tensor& dk, const Tensor& dv) override;
-  absl::Status AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWParams& p) override;
+  absl::Status CrossEntropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& losses,
+                            const Tensor& valid, const Tensor& lse) override;
+  absl::Status CrossEntropyBackward(const Tensor& logits, const Tensor& targets, const Tensor& lse, const Tensor& grad,
+                                    int64_t ignore_index, const Tensor& dlogits) override;
+  absl::Status CausalAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out,
+                               const Tensor& lse) override;
+  absl::Status CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
+                                       const Tensor& out, const Tensor& lse, float scale, const Tensor& dq,
+                                       const Tensor& dk, const Tensor& dv) override;
+  absl::Status AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                     const AdamWParams& p) override;
   absl::Status MemcpyToDevice(void* dst, const void* src, size_t nbytes) override;
   absl::Status MemcpyToHost(void* dst, const void* src, size_t nbytes) override;
   absl::Status Synchronize() override;

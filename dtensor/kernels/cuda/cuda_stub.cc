@@ -1,7 +1,6 @@
 // Built instead of the CUDA backend when the CUDA Toolkit is not found.
-#include "dtensor/kernels/cuda/cuda_kernels.h"
-
 #include "absl/strings/str_cat.h"
+#include "dtensor/kernels/cuda/cuda_kernels.h"
 
 namespace dtensor {
 

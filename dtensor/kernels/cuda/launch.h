@@ -44,8 +44,8 @@ enum class RedOp : uint8_t { kSum, kMean, kMax, kMin };
 
 // ---- copy_fill.cu ----
 // dst[dl(i)] = cast(src[sl(i)]) for i < n; any dtypes (same dtype copies bits).
-cudaError_t LaunchCopy(DType dst_dtype, void* dst, const Layout& dl, DType src_dtype, const void* src,
-                       const Layout& sl, int64_t n);
+cudaError_t LaunchCopy(DType dst_dtype, void* dst, const Layout& dl, DType src_dtype, const void* src, const Layout& sl,
+                       int64_t n);
 // dst[dl(i)] = the element whose bytes are the low `elem_bytes` bytes of `bits`.
 cudaError_t LaunchFill(void* dst, const Layout& dl, int64_t n, size_t elem_bytes, uint64_t bits);
 // Contiguous dst[i] = value of global element base + gl(i) (gl: dst's shape with the global
@@ -73,9 +73,12 @@ cudaError_t LaunchAdamW(DType param_dtype, void* param, DType grad_dtype, const 
                         int64_t n, const AdamWArgs& args);
 
 // ---- reduce.cu ----
-// Contiguous x [outer, reduce, inner] -> out [outer, inner].
-cudaError_t LaunchReduce(RedOp op, DType dtype, const void* x, void* out, int64_t outer, int64_t reduce,
-                         int64_t inner);
+// Contiguous x [outer, reduce, inner] -> out [outer, inner]. `scratch` holds
+// ReduceScratchBytes(outer, reduce, inner) bytes of device memory (null when that is 0): a few
+// very long rows are reduced in two passes through it.
+int64_t ReduceScratchBytes(int64_t outer, int64_t reduce, int64_t inner);
+cudaError_t LaunchReduce(RedOp op, DType dtype, const void* x, void* out, int64_t outer, int64_t reduce, int64_t inner,
+                         void* scratch);
 // Softmax / log-softmax over the last dim of contiguous [rows, n], and its backward.
 cudaError_t LaunchSoftmax(DType dtype, const void* x, void* y, int64_t rows, int64_t n, bool log);
 cudaError_t LaunchSoftmaxBackward(DType dtype, const void* dy, const void* y, void* dx, int64_t rows, int64_t n,
@@ -84,8 +87,8 @@ cudaError_t LaunchSoftmaxBackward(DType dtype, const void* dy, const void* y, vo
 // ---- norm.cu ----
 // LayerNorm (rms = false) or RmsNorm (rms = true) over the last dim of contiguous [rows, c].
 // weight/bias may be null (1 / 0); mean is unused (may be null) for rms.
-cudaError_t LaunchNorm(bool rms, DType dtype, const void* x, const void* weight, const void* bias, float eps,
-                       void* y, float* mean, float* rstd, int64_t rows, int64_t c);
+cudaError_t LaunchNorm(bool rms, DType dtype, const void* x, const void* weight, const void* bias, float eps, void* y,
+                       float* mean, float* rstd, int64_t rows, int64_t c);
 // Its backward. dweight/dbias may be null (not wanted); `partial` is float32 scratch of
 // NormPartialFloats(rows, c) elements for the column sums.
 int64_t NormPartialFloats(int64_t rows, int64_t c);
@@ -102,19 +105,17 @@ cudaError_t LaunchEmbedding(DType weight_dtype, const void* weight, DType ids_dt
 // in place. bfloat16/float16 dweight: `scratch` (float32 [v, c]) gets dweight, the atomics,
 // then is rounded back once (scratch unused, may be null, for float32).
 cudaError_t LaunchEmbeddingBackward(DType dout_dtype, const void* dout, DType ids_dtype, const void* ids,
-                                    DType weight_dtype, void* dweight, float* scratch, int64_t n, int64_t v,
-                                    int64_t c);
+                                    DType weight_dtype, void* dweight, float* scratch, int64_t n, int64_t v, int64_t c);
 
 // ---- cross_entropy.cu ----
 // Per row of contiguous logits [n, v]: lse, loss = lse - logit[target] and valid (1/0);
 // targets equal to ignore_index or outside [0, v) are ignored (loss 0, valid 0).
 cudaError_t LaunchCrossEntropy(DType dtype, const void* logits, DType target_dtype, const void* targets,
-                               int64_t ignore_index, float* losses, float* valid, float* lse, int64_t n,
-                               int64_t v);
+                               int64_t ignore_index, float* losses, float* valid, float* lse, int64_t n, int64_t v);
 // dlogits[r, :] = grad[r * grad_stride] * (softmax - onehot), zero rows for ignored targets.
 cudaError_t LaunchCrossEntropyBackward(DType dtype, const void* logits, DType target_dtype, const void* targets,
-                                       const float* lse, const float* grad, int64_t grad_stride,
-                                       int64_t ignore_index, void* dlogits, int64_t n, int64_t v);
+                                       const float* lse, const float* grad, int64_t grad_stride, int64_t ignore_index,
+                                       void* dlogits, int64_t n, int64_t v);
 
 // ---- attention.cu ----
 // Largest head dim the attention kernels support.

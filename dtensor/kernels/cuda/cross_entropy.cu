@@ -1,0 +1,88 @@
+// CUDA cross-entropy over the last dim, forward and backward.
+//
+// Legend: logits, dlogits [N, V] contiguous; targets [N] int32/int64; losses, valid, lse
+// float32 [N]; grad float32 [N] with stride grad_stride (0 broadcasts one value).
+// One block per row. The forward reads the row once, keeping a running max and a running sum
+// of exp(x - max) per thread (rescaled when the max grows), merged across the block; a 50257-
+// wide GPT-2 row is one pass over memory. A target equal to ignore_index or outside [0, V)
+// makes the row ignored: loss 0, valid 0, zero gradient (no device assert).
+#include "dtensor/kernels/cuda/device_common.cuh"
+
+namespace dtensor::internal::gpu {
+namespace {
+
+__device__ __forceinline__ bool TargetOk(int64_t t, int64_t ignore_index, int64_t v) {
+  return t != ignore_index && t >= 0 && t < v;
+}
+
+template <typename T, typename I>
+__global__ void CrossEntropyKernel(const T* logits, const I* targets, int64_t ignore_index, float* losses, float* valid,
+                                   float* lse, int64_t n, int64_t v) {
+  __shared__ float smem[64];
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    const T* row = logits + r * v;
+    MaxSum ms{-INFINITY, 0.0f};
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) ms = MaxSumAdd(ms, ToFloat(row[j]));
+    ms = BlockMaxSum(ms, smem);
+    if (threadIdx.x == 0) {
+      const auto t = static_cast<int64_t>(targets[r]);
+      const float l = LogSumExp(ms);
+      const bool ok = TargetOk(t, ignore_index, v);
+      lse[r] = l;
+      valid[r] = ok ? 1.0f : 0.0f;
+      losses[r] = ok ? l - ToFloat(row[t]) : 0.0f;
+    }
+  }
+}
+
+template <typename T, typename I>
+__global__ void CrossEntropyBackwardKernel(const T* logits, const I* targets, const float* lse, const float* grad,
+                                           int64_t grad_stride, int64_t ignore_index, T* dlogits, int64_t n,
+                                           int64_t v) {
+  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
+    const auto t = static_cast<int64_t>(targets[r]);
+    const bool ok = TargetOk(t, ignore_index, v);
+    const float g = ok ? grad[r * grad_stride] : 0.0f;
+    const float l = lse[r];
+    const T* row = logits + r * v;
+    T* out = dlogits + r * v;
+    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
+      const float d = ok ? g * expf(ToFloat(row[j]) - l) - (j == t ? g : 0.0f) : 0.0f;
+      out[j] = FromFloat<T>(d);
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchCrossEntropy(DType dtype, const void* logits, DType target_dtype, const void* targets,
+                               int64_t ignore_index, float* losses, float* valid, float* lse, int64_t n, int64_t v) {
+  if (n <= 0) return cudaSuccess;
+  return DispatchFloat(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return DispatchIndex(target_dtype, [&](auto itag) {
+      using I = typename decltype(itag)::type;
+      CrossEntropyKernel<T, I><<<GridForRows(n), RowThreads(v), 0, cudaStreamPerThread>>>(
+          static_cast<const T*>(logits), static_cast<const I*>(targets), ignore_index, losses, valid, lse, n, v);
+      return cudaGetLastError();
+    });
+  });
+}
+
+cudaError_t LaunchCrossEntropyBackward(DType dtype, const void* logits, DType target_dtype, const void* targets,
+                                       const float* lse, const float* grad, int64_t grad_stride, int64_t ignore_index,
+                                       void* dlogits, int64_t n, int64_t v) {
+  if (n <= 0 || v <= 0) return cudaSuccess;
+  return DispatchFloat(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return DispatchIndex(target_dtype, [&](auto itag) {
+      using I = typename decltype(itag)::type;
+      CrossEntropyBackwardKernel<T, I><<<GridForRows(n), RowThreads(v), 0, cudaStreamPerThread>>>(
+          static_cast<const T*>(logits), static_cast<const I*>(targets), lse, grad, grad_stride, ignore_index,
+          static_cast<T*>(dlogits), n, v);
+      return cudaGetLastError();
+    });
+  });
+}
+
+}  // namespace dtensor::internal::gpu

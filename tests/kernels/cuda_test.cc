@@ -1,0 +1,725 @@
+// The CUDA backend against the CPU backend, the reference for every op (itself tested against
+// float64 references in tests/ops). Each case builds the same inputs on both devices, runs the
+// kernel on each and compares: odd shapes (1, 3, 17, 127, ...), non-contiguous and broadcast
+// inputs where the contract allows them, float32 and bfloat16 (float16, integers and float8
+// where an op has those paths). Copies, fills and uniform random fills must match bit for bit.
+//
+// Every test needs a visible GPU and skips without one, except CudaAvailabilityTest, which
+// checks that asking for a missing device fails cleanly.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "dtensor/kernels/cpu/cpu_kernels.h"
+#include "dtensor/kernels/cuda/cuda_kernels.h"
+#include "dtensor/kernels/kernels.h"
+#include "dtensor/ops/ops.h"
+#include "gtest/gtest.h"
+#include "tests/testing/test_util.h"
+
+namespace dtensor {
+namespace {
+
+using testing::Tolerance;
+using testing::Unwrap;
+
+constexpr const char* kNoGpu =
+    "no CUDA device visible: the CUDA kernels can only run, and be compared with the CPU backend, on a GPU";
+
+constexpr Tolerance kExact{0.0, 0.0};
+// float32 results that sum many terms in a different order than the CPU (which often sums in
+// double): a few float ulps per term.
+constexpr Tolerance kF32Sum{1e-4, 1e-4};
+
+constexpr DType kAllDTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16,    DType::kInt32,
+                                DType::kInt64,   DType::kBool,     DType::kFloat8E4M3, DType::kFloat8E5M2};
+
+Kernels* Cpu() { return CpuKernels(); }
+Kernels* Gpu() { return Unwrap(CudaKernels(0), "CudaKernels(0)"); }
+
+void ExpectOk(const absl::Status& s, const std::string& what) { EXPECT_TRUE(s.ok()) << what << ": " << s; }
+
+std::string Name(DType d) { return std::string(DTypeName(d)); }
+
+// ---- Moving tensors between the devices with the backend's own Memcpy ----
+
+Tensor ToGpu(const Tensor& host) {
+  const Tensor src = Unwrap(Contiguous(host), "Contiguous");
+  Tensor dev = Unwrap(Tensor::Empty(host.shape(), host.dtype(), Device::Cuda(0)), "Empty cuda");
+  ExpectOk(Gpu()->MemcpyToDevice(dev.raw_data(), src.raw_data(), src.nbytes()), "MemcpyToDevice");
+  return dev;
+}
+
+Tensor ToCpu(const Tensor& dev) {
+  Tensor src = dev;
+  if (!dev.is_contiguous()) {
+    src = Unwrap(Tensor::Empty(dev.shape(), dev.dtype(), Device::Cuda(0)), "Empty cuda");
+    ExpectOk(Gpu()->Copy(dev, src), "Copy to contiguous");
+  }
+  Tensor host = Unwrap(Tensor::Empty(dev.shape(), dev.dtype(), Device::Cpu()), "Empty cpu");
+  ExpectOk(Gpu()->MemcpyToHost(host.raw_data(), src.raw_data(), src.nbytes()), "MemcpyToHost");
+  return host;
+}
+
+// Row-major values of a tensor on either device, as float64.
+std::vector<double> Vals(const Tensor& t) { return testing::Values(t.device().is_cuda() ? ToCpu(t) : t); }
+
+// ---- The same tensor on both devices ----
+
+struct Pair {
+  Tensor cpu, gpu;
+  const Tensor& operator[](int side) const { return side == 0 ? cpu : gpu; }
+};
+
+Pair Both(const Tensor& host) { return {host, ToGpu(host)}; }
+
+Pair EmptyBoth(IntSpan shape, DType dtype) {
+  return {Unwrap(Tensor::Empty(shape, dtype, Device::Cpu())), Unwrap(Tensor::Empty(shape, dtype, Device::Cuda(0)))};
+}
+
+// Uniform values in [lo, hi) rounded to dtype (integers: rounded to whole numbers).
+Tensor HostRandom(IntSpan shape, DType dtype, uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  if (IsComputeFloat(dtype)) return testing::Random(shape, dtype, seed, lo, hi);
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<double> dist(lo, hi);
+  std::vector<double> v(static_cast<size_t>(NumElements(shape)));
+  for (double& x : v) x = dist(gen);
+  return testing::FromDoubles(v, shape, dtype);
+}
+
+Pair RandomBoth(IntSpan shape, DType dtype, uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  return Both(HostRandom(shape, dtype, seed, lo, hi));
+}
+
+// Random values in a non-contiguous layout: stored with the dims reversed, viewed back.
+Pair RandomNonContiguous(IntSpan shape, DType dtype, uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  const Shape reversed(shape.rbegin(), shape.rend());
+  Shape perm(shape.size());
+  for (size_t i = 0; i < perm.size(); ++i) perm[i] = static_cast<int64_t>(perm.size() - 1 - i);
+  const Pair base = RandomBoth(reversed, dtype, seed, lo, hi);
+  return {Unwrap(base.cpu.Permute(perm)), Unwrap(base.gpu.Permute(perm))};
+}
+
+// An output with gaps: every other element of the last dim of a zero-filled buffer.
+Pair Gapped(IntSpan shape, DType dtype) {
+  Shape big(shape.begin(), shape.end());
+  big.back() *= 2;
+  const Pair base = EmptyBoth(big, dtype);
+  ExpectOk(Cpu()->Fill(base.cpu, 0.0), "Fill");
+  ExpectOk(Gpu()->Fill(base.gpu, 0.0), "Fill");
+  const int64_t last = static_cast<int64_t>(shape.size()) - 1;
+  return {Unwrap(base.cpu.Slice(last, 0, big.back(), 2)), Unwrap(base.gpu.Slice(last, 0, big.back(), 2))};
+}
+
+void ExpectSame(const Pair& p, Tolerance tol, const std::string& what) {
+  testing::ExpectNear(Vals(p.gpu), Vals(p.cpu), tol, what);
+}
+
+// ---------------------------------------------------------------------------------------
+// Without a GPU
+// ---------------------------------------------------------------------------------------
+
+TEST(CudaAvailabilityTest, MissingDeviceFailsCleanly) {
+  const int count = CudaDeviceCount();
+  // On a GPU runner, set DTENSOR_REQUIRE_GPU=1 so that a driver too old for this CUDA build
+  // (CudaDeviceCount() == 0: every other test skips) fails the suite instead of passing it.
+  if (std::getenv("DTENSOR_REQUIRE_GPU") != nullptr) {
+    EXPECT_GT(count, 0) << "DTENSOR_REQUIRE_GPU is set but no CUDA device is visible (built with CUDA: " << CudaBuilt()
+                        << "); is the driver recent enough for this CUDA toolkit?";
+  }
+  auto k = CudaKernels(count);  // one past the last visible device
+  ASSERT_FALSE(k.ok());
+  EXPECT_EQ(k.status().code(), absl::StatusCode::kFailedPrecondition) << k.status();
+  if (CudaBuilt()) {
+    EXPECT_NE(k.status().message().find(absl::StrCat(count, " CUDA devices are visible")), std::string::npos)
+        << k.status();
+  } else {
+    EXPECT_NE(k.status().message().find("without CUDA"), std::string::npos) << k.status();
+  }
+  EXPECT_FALSE(CudaKernels(-1).ok());
+  EXPECT_FALSE(KernelsFor(Device::Cuda(count)).ok());
+  auto t = Tensor::Empty({2, 3}, DType::kFloat32, Device::Cuda(count));
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kFailedPrecondition) << t.status();
+  if (count == 0) {  // the usual case on a machine without a GPU: cuda:0 itself is missing
+    auto k0 = CudaKernels(0);
+    ASSERT_FALSE(k0.ok());
+    EXPECT_EQ(k0.status().code(), absl::StatusCode::kFailedPrecondition);
+    if (CudaBuilt()) {
+      EXPECT_NE(k0.status().message().find("0 CUDA devices"), std::string::npos) << k0.status();
+    }
+    EXPECT_FALSE(Tensor::Empty({1}, DType::kBFloat16, Device::Cuda(0)).ok());
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Memory, copies, fills, random
+// ---------------------------------------------------------------------------------------
+
+TEST(CudaKernelsTest, DeviceMemcpyAndSynchronize) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  EXPECT_EQ(Gpu()->device(), Device::Cuda(0));
+  const Tensor host = HostRandom({3, 17}, DType::kFloat32, 1);
+  const Tensor back = ToCpu(ToGpu(host));
+  testing::ExpectNear(testing::Values(back), testing::Values(host), kExact, "round trip");
+  ExpectOk(Gpu()->MemcpyToDevice(nullptr, nullptr, 0), "empty MemcpyToDevice");
+  ExpectOk(Gpu()->Synchronize(), "Synchronize");
+}
+
+TEST(CudaKernelsTest, CopyMatchesCpuBitForBitForEveryDTypePair) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();
+  // Source values: fractions, halfway cases, float8/float16 overflow, int overflow, specials.
+  const std::vector<double> pattern = {-300.7, -2.5, -1.0, -0.0, 0.0,   0.3,  1.5,  2.5,   7.0, 100.2, 448.0, 464.0,
+                                       500.0,  1e5,  7e4,  3e9,  -3e10, 1e-3, 2e-8, 1e-40, nan, inf,   -inf};
+  const Shape shape = {3, 17};  // 51 values: the pattern repeated
+  std::vector<double> values(51);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = pattern[i % pattern.size()];
+  for (DType sd : kAllDTypes) {
+    for (DType dd : kAllDTypes) {
+      const std::string what = Name(sd) + " -> " + Name(dd);
+      // Integer and bool sources hold their own rounding of the pattern's finite values.
+      std::vector<double> v = values;
+      if (!IsComputeFloat(sd) && !IsFloat8(sd)) {
+        for (double& x : v) x = std::isfinite(x) ? std::fmod(std::trunc(x), 1e9) : 3.0;
+      }
+      // Source: a transposed view of [17, 3] data; destination: a view with gaps.
+      const Tensor base = testing::FromDoubles(v, {17, 3}, sd);
+      const Pair src_base = Both(base);
+      const Pair src{Unwrap(src_base.cpu.Transpose(0, 1)), Unwrap(src_base.gpu.Transpose(0, 1))};
+      const Pair dst = Gapped(shape, dd);
+      for (int side : {0, 1}) ExpectOk((side ? Gpu() : Cpu())->Copy(src[side], dst[side]), what);
+      ExpectSame(dst, kExact, what);
+      // Broadcast source (stride 0 in both dims).
+      const Pair one = Both(testing::FromDoubles({IsComputeFloat(sd) ? -2.5 : 5.0}, {1, 1}, sd));
+      const Pair bsrc{Unwrap(one.cpu.Expand(shape)), Unwrap(one.gpu.Expand(shape))};
+      const Pair bdst = EmptyBoth(shape, dd);
+      for (int side : {0, 1}) ExpectOk((side ? Gpu() : Cpu())->Copy(bsrc[side], bdst[side]), what + " broadcast");
+      ExpectSame(bdst, kExact, what + " broadcast");
+    }
+  }
+}
+
+TEST(CudaKernelsTest, FillMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (DType d : kAllDTypes) {
+    for (double value : {2.5, -3.75, 1e10, -1e10, 0.1, nan}) {
+      const std::string what = absl::StrCat("fill ", Name(d), " with ", value);
+      const Pair dst = Gapped({5, 3, 7}, d);
+      for (int side : {0, 1}) ExpectOk((side ? Gpu() : Cpu())->Fill(dst[side], value), what);
+      ExpectSame(dst, kExact, what);
+    }
+  }
+}
+
+TEST(CudaKernelsTest, FillRandomMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  struct Case {
+    Shape block, global, offset;
+  };
+  const Case cases[] = {{{3, 17}, {7, 33}, {2, 9}},         // a shard in the middle
+                        {{5, 1031}, {5, 1031}, {0, 0}},     // the whole tensor
+                        {{2, 1, 5}, {4, 3, 5}, {1, 2, 0}},  // merged inner dims
+                        {{}, {}, {}}};                      // 0-d
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (const Case& c : cases) {
+      const std::string what = absl::StrCat(Name(d), " block ", ShapeString(c.block), " of ", ShapeString(c.global));
+      const Pair dst = EmptyBoth(c.block, d);
+      const RandomSpec uniform{RandomSpec::Kind::kUniform, 1234, -0.5, 2.0};
+      for (int side : {0, 1}) {
+        ExpectOk((side ? Gpu() : Cpu())->FillRandom(dst[side], uniform, c.global, c.offset), what);
+      }
+      ExpectSame(dst, kExact, "uniform " + what);  // bit-identical
+      const RandomSpec normal{RandomSpec::Kind::kNormal, 99, 0.5, 2.0};
+      for (int side : {0, 1}) {
+        ExpectOk((side ? Gpu() : Cpu())->FillRandom(dst[side], normal, c.global, c.offset), what);
+      }
+      // Normal values use the device's double log/cos: equal to the host's after rounding to
+      // float in all but vanishingly rare cases; allow one float ulp.
+      const std::vector<double> g = Vals(dst.gpu), h = Vals(dst.cpu);
+      testing::ExpectNear(g, h, {d == DType::kFloat32 ? 2.4e-7 : 8e-3, 0.0}, "normal " + what);
+      int64_t equal = 0;
+      for (size_t i = 0; i < g.size(); ++i) equal += g[i] == h[i];
+      EXPECT_GE(static_cast<double>(equal), 0.99 * static_cast<double>(g.size())) << "normal " << what;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Elementwise
+// ---------------------------------------------------------------------------------------
+
+constexpr BinaryOp kBinaryOps[] = {BinaryOp::kAdd, BinaryOp::kSub, BinaryOp::kMul,
+                                   BinaryOp::kDiv, BinaryOp::kMax, BinaryOp::kMin};
+constexpr DType kNumericDTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kInt32, DType::kInt64};
+
+Tolerance TolFor(DType d) { return IsInteger(d) ? kExact : testing::Tol(d); }
+
+TEST(CudaKernelsTest, BinaryMatchesCpuWithBroadcastAndStrides) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const Shape shape = {3, 5, 17};
+  for (DType d : kNumericDTypes) {
+    // a: [3, 1, 17] broadcast over dim 1 (stride 0), with a NaN for float dtypes; b: a
+    // transposed layout with zeros (integer division by zero gives 0).
+    Tensor a_host = HostRandom({3, 1, 17}, d, 1, -20.0, 20.0);
+    if (IsComputeFloat(d)) ExpectOk(Fill_(Unwrap(Unwrap(a_host.Select(2, 4)).Select(0, 1)), std::nan("")), "NaN");
+    const Pair a1 = Both(a_host);
+    const Pair a{Unwrap(a1.cpu.Expand(shape)), Unwrap(a1.gpu.Expand(shape))};
+    const Pair b = RandomNonContiguous(shape, d, 2, -4.0, 4.0);
+    for (BinaryOp op : kBinaryOps) {
+      const std::string what = absl::StrCat("binary op ", static_cast<int>(op), " ", Name(d));
+      const Pair out = EmptyBoth(shape, d);
+      for (int side : {0, 1}) ExpectOk((side ? Gpu() : Cpu())->Binary(op, a[side], b[side], out[side]), what);
+      ExpectSame(out, TolFor(d), what);
+    }
+  }
+}
+
+TEST(CudaKernelsTest, BinaryScalarMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const Shape shape = {7, 13};
+  for (DType d : kNumericDTypes) {
+    const Pair a = RandomNonContiguous(shape, d, 3, -9.0, 9.0);
+    for (BinaryOp op : kBinaryOps) {
+      for (double s : {2.0, -3.0, 0.0, 2.5}) {
+        for (bool first : {false, true}) {
+          const std::string what =
+              absl::StrCat("scalar op ", static_cast<int>(op), " ", Name(d), " s ", s, first ? " first" : "");
+          const Pair out = EmptyBoth(shape, d);
+          for (int side : {0, 1}) {
+            ExpectOk((side ? Gpu() : Cpu())->BinaryScalar(op, a[side], s, first, out[side]), what);
+          }
+          ExpectSame(out, TolFor(d), what);
+        }
+      }
+    }
+  }
+}
+
+constexpr UnaryOp kUnaryOps[] = {UnaryOp::kNeg,  UnaryOp::kExp,  UnaryOp::kLog,  UnaryOp::kSqrt, UnaryOp::kRsqrt,
+                                 UnaryOp::kRelu, UnaryOp::kGelu, UnaryOp::kTanh, UnaryOp::kAbs,  UnaryOp::kSquare};
+
+bool NeedsPositive(UnaryOp op) { return op == UnaryOp::kLog || op == UnaryOp::kSqrt || op == UnaryOp::kRsqrt; }
+
+TEST(CudaKernelsTest, UnaryMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const Shape shape = {3, 127};
+  for (DType d : kNumericDTypes) {
+    for (UnaryOp op : kUnaryOps) {
+      const std::string what = absl::StrCat("unary op ", static_cast<int>(op), " ", Name(d));
+      const Pair a =
+          NeedsPositive(op) ? RandomNonContiguous(shape, d, 4, 0.05, 5.0) : RandomNonContiguous(shape, d, 4, -5.0, 5.0);
+      const Pair out = EmptyBoth(shape, d);
+      const absl::Status cpu = Cpu()->Unary(op, a.cpu, out.cpu);
+      const absl::Status gpu = Gpu()->Unary(op, a.gpu, out.gpu);
+      EXPECT_EQ(cpu.code(), gpu.code()) << what << ": cpu " << cpu << ", cuda " << gpu;
+      if (!cpu.ok()) continue;  // an op integers do not have: both refuse
+      ExpectSame(out, TolFor(d), what);
+    }
+  }
+}
+
+TEST(CudaKernelsTest, UnaryBackwardMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const Shape shape = {5, 67};
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (UnaryOp op : kUnaryOps) {
+      const std::string what = absl::StrCat("unary backward op ", static_cast<int>(op), " ", Name(d));
+      const Pair x = NeedsPositive(op) ? RandomBoth(shape, d, 5, 0.05, 5.0) : RandomBoth(shape, d, 5, -4.0, 4.0);
+      const Pair dy = RandomBoth(shape, d, 6);
+      const Pair dx = EmptyBoth(shape, d);
+      for (int side : {0, 1}) ExpectOk((side ? Gpu() : Cpu())->UnaryBackward(op, dy[side], x[side], dx[side]), what);
+      ExpectSame(dx, testing::Tol(d), what);
+    }
+  }
+}
+
+TEST(CudaKernelsTest, AdamWMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const Shape shape = {1031};
+  const std::pair<DType, DType> combos[] = {{DType::kFloat32, DType::kFloat32},
+                                            {DType::kBFloat16, DType::kBFloat16},
+                                            {DType::kBFloat16, DType::kFloat32},
+                                            {DType::kFloat16, DType::kFloat16}};
+  for (const auto& [pd, gd] : combos) {
+    const std::string what = "adamw param " + Name(pd) + " grad " + Name(gd);
+    const Pair param = RandomBoth(shape, pd, 7);
+    const Pair m = RandomBoth(shape, DType::kFloat32, 8, -0.1, 0.1);
+    const Pair v = RandomBoth(shape, DType::kFloat32, 9, 0.0, 0.01);
+    AdamWParams hp;
+    hp.lr = 1e-2f;
+    hp.weight_decay = 0.1f;
+    for (int64_t step = 1; step <= 3; ++step) {
+      hp.step = step;
+      const Pair grad = RandomBoth(shape, gd, 10 + static_cast<uint64_t>(step));
+      for (int side : {0, 1})
+        ExpectOk((side ? Gpu() : Cpu())->AdamW(param[side], grad[side], m[side], v[side], hp), what);
+    }
+    ExpectSame(param, testing::Tol(pd), what + " param");
+    ExpectSame(m, {1e-5, 1e-6}, what + " m");
+    ExpectSame(v, {1e-5, 1e-7}, what + " v");
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Reductions, softmax, normalisation
+// ---------------------------------------------------------------------------------------
+
+TEST(CudaKernelsTest, ReduceMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  struct Case {
+    int64_t outer, reduce, inner;
+  };
+  const Case cases[] = {{1, 1, 1},    {3, 17, 1}, {5, 1000, 1}, {2, 1025, 1},  {2, 7, 13},     {1, 4099, 3},
+                        {130, 5, 40}, {4, 0, 3},  {3, 0, 1},    {2, 70001, 1}, {1, 300007, 1}, {200, 33, 1}};
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kInt32, DType::kInt64}) {
+    for (const Case& c : cases) {
+      const double range = IsInteger(d) ? 100.0 : 1.0;
+      const Pair x = RandomBoth({c.outer, c.reduce, c.inner}, d, 11, -range, range);
+      for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kMax, ReduceOp::kMin}) {
+        if (c.reduce == 0 && (op == ReduceOp::kMax || op == ReduceOp::kMin)) continue;
+        const std::string what = absl::StrCat("reduce op ", static_cast<int>(op), " ", Name(d), " [", c.outer, ", ",
+                                              c.reduce, ", ", c.inner, "]");
+        const Pair out = EmptyBoth({c.outer, c.inner}, d);
+        for (int side : {0, 1}) {
+          ExpectOk((side ? Gpu() : Cpu())->Reduce(op, x[side], c.outer, c.reduce, c.inner, out[side]), what);
+        }
+        const bool sum = op == ReduceOp::kSum || op == ReduceOp::kMean;
+        ExpectSame(out, d == DType::kFloat32 && sum ? kF32Sum : TolFor(d), what);
+      }
+    }
+  }
+  // NaN propagates through max and min.
+  Tensor h = HostRandom({2, 33}, DType::kFloat32, 12);
+  h.data<float>()[40] = std::nanf("");
+  const Pair x = Both(h);
+  for (ReduceOp op : {ReduceOp::kMax, ReduceOp::kMin}) {
+    const Pair out = EmptyBoth({2, 1}, DType::kFloat32);
+    for (int side : {0, 1}) ExpectOk((side ? Gpu() : Cpu())->Reduce(op, x[side], 2, 33, 1, out[side]), "NaN");
+    const std::vector<double> g = Vals(out.gpu);
+    EXPECT_FALSE(std::isnan(g[0]));
+    EXPECT_TRUE(std::isnan(g[1]));
+  }
+}
+
+TEST(CudaKernelsTest, SoftmaxMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const Shape shapes[] = {{1, 1}, {3, 17}, {5, 127}, {2, 1000}, {33, 5}, {2, 50257}};
+  for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    for (const Shape& s : shapes) {
+      for (bool log : {false, true}) {
+        const std::string what = absl::StrCat(log ? "log_softmax " : "softmax ", Name(d), " ", ShapeString(s));
+        const Pair x = RandomBoth(s, d, 13, -6.0, 6.0);
+        const Pair y = EmptyBoth(s, d);
+        for (int side : {0, 1}) ExpectOk((side ? Gpu() : Cpu())->Softmax(x[side], y[side], log), what);
+        ExpectSame(y, d == DType::kFloat32 ? Tolerance{1e-5, 1e-6} : testing::Tol(d), what);
+        const Pair dy = RandomBoth(s, d, 14);
+        const Pair dx = EmptyBoth(s, d);
+        for (int side : {0, 1})
+          ExpectOk((side ? Gpu() : Cpu())->SoftmaxBackward(dy[side], y[side], dx[side], log), what);
+        ExpectSame(dx, d == DType::kFloat32 ? kF32Sum : testing::Tol(d), what + " backward");
+      }
+    }
+  }
+  // Large and -inf logits stay finite where they should.
+  const float inf = std::numeric_limits<float>::infinity();
+  const Pair x = Both(Unwrap(
+      Tensor::FromVector<float>(std::vector<float>{1000.0f, 1001.0f, -inf, 999.0f, -1e30f, 0.0f, 1.0f, -inf}, {2, 4})));
+  for (bool log : {false, true}) {
+    const Pair y = EmptyBoth({2, 4}, DType::kFloat32);
+    for (int side : {0, 1}) ExpectOk((side ? Gpu() : Cpu())->Softmax(x[side], y[side], log), "special");
+    ExpectSame(y, {1e-5, 1e-6}, log ? "log_softmax special" : "softmax special");
+  }
+}
+
+TEST(CudaKernelsTest, LayerNormAndRmsNormMatchCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const Shape shapes[] = {{1, 1}, {3, 17}, {17, 127}, {130, 768}, {5, 1025}};
+  for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    const Tolerance tol = d == DType::kFloat32 ? kF32Sum : testing::Tol(d);
+    for (const Shape& s : shapes) {
+      const int64_t rows = s[0], c = s[1];
+      const Pair x = RandomBoth(s, d, 15, -2.0, 3.0);
+      const Pair w = RandomBoth({c}, d, 16, 0.5, 1.5);
+      const Pair b = RandomBoth({c}, d, 17);
+      const Pair dy = RandomBoth(s, d, 18);
+      for (bool has_bias : {true, false}) {
+        const std::string what = absl::StrCat("layernorm ", Name(d), " ", ShapeString(s), has_bias ? "" : " no bias");
+        const Pair y = EmptyBoth(s, d), mean = EmptyBoth({rows}, DType::kFloat32),
+                   rstd = EmptyBoth({rows}, DType::kFloat32);
+        for (int side : {0, 1}) {
+          ExpectOk(
+              (side ? Gpu() : Cpu())
+                  ->LayerNorm(x[side], w[side], has_bias ? b[side] : Tensor(), 1e-5f, y[side], mean[side], rstd[side]),
+              what);
+        }
+        ExpectSame(y, tol, what + " y");
+        ExpectSame(mean, kF32Sum, what + " mean");
+        ExpectSame(rstd, kF32Sum, what + " rstd");
+        const Pair dx = EmptyBoth(s, d), dw = EmptyBoth({c}, d), db = EmptyBoth({c}, d);
+        for (int side : {0, 1}) {
+          ExpectOk((side ? Gpu() : Cpu())
+                       ->LayerNormBackward(dy[side], x[side], w[side], mean[side], rstd[side], dx[side], dw[side],
+                                           has_bias ? db[side] : Tensor()),
+                   what);
+        }
+        ExpectSame(dx, tol, what + " dx");
+        ExpectSame(dw, tol, what + " dweight");
+        if (has_bias) ExpectSame(db, tol, what + " dbias");
+      }
+      const std::string what = absl::StrCat("rmsnorm ", Name(d), " ", ShapeString(s));
+      const Pair y = EmptyBoth(s, d), rstd = EmptyBoth({rows}, DType::kFloat32);
+      for (int side : {0, 1})
+        ExpectOk((side ? Gpu() : Cpu())->RmsNorm(x[side], w[side], 1e-6f, y[side], rstd[side]), what);
+      ExpectSame(y, tol, what + " y");
+      ExpectSame(rstd, kF32Sum, what + " rstd");
+      const Pair dx = EmptyBoth(s, d), dw = EmptyBoth({c}, d);
+      for (int side : {0, 1}) {
+        ExpectOk((side ? Gpu() : Cpu())->RmsNormBackward(dy[side], x[side], w[side], rstd[side], dx[side], dw[side]),
+                 what);
+      }
+      ExpectSame(dx, tol, what + " dx");
+      ExpectSame(dw, tol, what + " dweight");
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Matrix multiply
+// ---------------------------------------------------------------------------------------
+
+// An operand [batch, rows, cols] in one of four layouts, the same on both devices.
+enum class Layout { kRowMajor, kTransposed, kBatchBroadcast, kRowBroadcast };
+
+Pair GemmOperand(int64_t batch, int64_t rows, int64_t cols, DType d, Layout layout, uint64_t seed) {
+  switch (layout) {
+    case Layout::kRowMajor:
+      return RandomBoth({batch, rows, cols}, d, seed);
+    case Layout::kTransposed: {
+      const Pair base = RandomBoth({batch, cols, rows}, d, seed);
+      return {Unwrap(base.cpu.Transpose(1, 2)), Unwrap(base.gpu.Transpose(1, 2))};
+    }
+    case Layout::kBatchBroadcast: {  // batch stride 0
+      const Pair base = RandomBoth({1, rows, cols}, d, seed);
+      const Shape shape = {batch, rows, cols};
+      return {Unwrap(base.cpu.Expand(shape)), Unwrap(base.gpu.Expand(shape))};
+    }
+    case Layout::kRowBroadcast: {  // row stride 0: BLAS cannot read it, the backend packs it
+      const Pair base = RandomBoth({batch, 1, cols}, d, seed);
+      const Shape shape = {batch, rows, cols};
+      return {Unwrap(base.cpu.Expand(shape)), Unwrap(base.gpu.Expand(shape))};
+    }
+  }
+  return {};
+}
+
+TEST(CudaKernelsTest, GemmMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  struct Case {
+    int64_t batch, m, n, k;
+  };
+  const Case cases[] = {{1, 1, 1, 1}, {1, 3, 17, 5}, {3, 17, 13, 127}, {2, 127, 33, 64}, {1, 64, 1, 7}, {2, 5, 7, 0}};
+  const Layout layouts[] = {Layout::kRowMajor, Layout::kTransposed, Layout::kBatchBroadcast, Layout::kRowBroadcast};
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    const Tolerance tol = d == DType::kFloat32 ? kF32Sum : testing::Tol(d);
+    for (const Case& c : cases) {
+      for (Layout la : layouts) {
+        for (Layout lb : layouts) {
+          const Pair a = GemmOperand(c.batch, c.m, c.k, d, la, 19);
+          const Pair b = GemmOperand(c.batch, c.k, c.n, d, lb, 20);
+          for (const auto& [alpha, beta] : {std::pair{1.0f, 0.0f}, std::pair{0.5f, 2.0f}}) {
+            const std::string what =
+                absl::StrCat("gemm ", Name(d), " b", c.batch, " m", c.m, " n", c.n, " k", c.k, " layouts ",
+                             static_cast<int>(la), static_cast<int>(lb), " alpha ", alpha, " beta ", beta);
+            const Pair cc = RandomBoth({c.batch, c.m, c.n}, d, 21);
+            if (beta == 0.0f) {  // beta 0 ignores the old contents, NaN included
+              for (int side : {0, 1}) ExpectOk((side ? Gpu() : Cpu())->Fill(cc[side], std::nan("")), what);
+            }
+            for (int side : {0, 1})
+              ExpectOk((side ? Gpu() : Cpu())->Gemm(a[side], b[side], cc[side], alpha, beta), what);
+            ExpectSame(cc, tol, what);
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Embedding and cross-entropy
+// ---------------------------------------------------------------------------------------
+
+TEST(CudaKernelsTest, EmbeddingMatchesCpuAndZeroesOutOfRangeIds) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const int64_t v = 11, c = 7;
+  const std::vector<double> ids_in = {3, 0, 10, -1, 11, 5, 5, 100, 3, 3, 9, 1, 0, 10, 2, 7, 3};
+  const int64_t n = static_cast<int64_t>(ids_in.size());
+  std::vector<double> ids_valid = ids_in;  // for the CPU, which rejects out-of-range ids
+  std::vector<bool> bad(ids_in.size());
+  for (size_t i = 0; i < ids_in.size(); ++i) {
+    bad[i] = ids_in[i] < 0 || ids_in[i] >= v;
+    if (bad[i]) ids_valid[i] = 0;
+  }
+  for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    for (DType id : {DType::kInt32, DType::kInt64}) {
+      const std::string what = "embedding " + Name(d) + " ids " + Name(id);
+      const Pair w = RandomBoth({v, c}, d, 22);
+      const Tensor ids_gpu = ToGpu(testing::FromDoubles(ids_in, {n}, id));
+      const Tensor ids_cpu = testing::FromDoubles(ids_valid, {n}, id);
+      EXPECT_FALSE(
+          Cpu()->Embedding(w.cpu, testing::FromDoubles(ids_in, {n}, id), Unwrap(Tensor::Empty({n, c}, d))).ok());
+      const Pair out = EmptyBoth({n, c}, d);
+      ExpectOk(Cpu()->Embedding(w.cpu, ids_cpu, out.cpu), what);
+      ExpectOk(Gpu()->Embedding(w.gpu, ids_gpu, out.gpu), what);
+      const std::vector<double> g = Vals(out.gpu), h = Vals(out.cpu);
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t j = 0; j < c; ++j) {
+          EXPECT_EQ(g[r * c + j], bad[r] ? 0.0 : h[r * c + j]) << what << " row " << r << " col " << j;
+        }
+      }
+      // Backward: scatter-add of repeated ids into an accumulating dweight; both backends skip
+      // out-of-range ids.
+      for (DType gd : {d, DType::kFloat32}) {
+        const Pair dout = RandomBoth({n, c}, gd, 23);
+        const Pair dw = RandomBoth({v, c}, d, 24);
+        const Tensor ids_raw = testing::FromDoubles(ids_in, {n}, id);
+        ExpectOk(Cpu()->EmbeddingBackward(dout.cpu, ids_raw, dw.cpu), what);
+        ExpectOk(Gpu()->EmbeddingBackward(dout.gpu, ids_gpu, dw.gpu), what);
+        ExpectSame(dw, d == DType::kFloat32 ? kF32Sum : testing::Tol(d), what + " backward dout " + Name(gd));
+      }
+    }
+  }
+}
+
+TEST(CudaKernelsTest, CrossEntropyMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const int64_t ignore = -100;
+  for (int64_t v : {int64_t{1}, int64_t{17}, int64_t{50257}}) {
+    std::vector<double> targets = {0, static_cast<double>(v - 1), -100, static_cast<double>(v / 2), 0};
+    const int64_t n = static_cast<int64_t>(targets.size());
+    for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+      for (DType td : {DType::kInt32, DType::kInt64}) {
+        const std::string what = absl::StrCat("cross_entropy ", Name(d), " targets ", Name(td), " V ", v);
+        const Pair logits = RandomBoth({n, v}, d, 25, -8.0, 8.0);
+        const Pair t = Both(testing::FromDoubles(targets, {n}, td));
+        const Pair losses = EmptyBoth({n}, DType::kFloat32), valid = EmptyBoth({n}, DType::kFloat32),
+                   lse = EmptyBoth({n}, DType::kFloat32);
+        for (int side : {0, 1}) {
+          ExpectOk(
+              (side ? Gpu() : Cpu())->CrossEntropy(logits[side], t[side], ignore, losses[side], valid[side], lse[side]),
+              what);
+        }
+        ExpectSame(losses, kF32Sum, what + " losses");
+        ExpectSame(valid, kExact, what + " valid");
+        ExpectSame(lse, kF32Sum, what + " lse");
+        for (bool broadcast : {false, true}) {
+          const Pair grad = broadcast
+                                ? Pair{Unwrap(Unwrap(Full({1}, 0.25, DType::kFloat32)).Expand({n})),
+                                       Unwrap(Unwrap(Full({1}, 0.25, DType::kFloat32, Device::Cuda(0))).Expand({n}))}
+                                : RandomBoth({n}, DType::kFloat32, 26);
+          const Pair dl = EmptyBoth({n, v}, d);
+          for (int side : {0, 1}) {
+            ExpectOk((side ? Gpu() : Cpu())
+                         ->CrossEntropyBackward(logits[side], t[side], lse[side], grad[side], ignore, dl[side]),
+                     what);
+          }
+          ExpectSame(dl, d == DType::kFloat32 ? Tolerance{1e-5, 1e-7} : testing::Tol(d),
+                     what + (broadcast ? " backward (broadcast grad)" : " backward"));
+        }
+      }
+    }
+  }
+  // CUDA treats a target outside [0, V) as ignored (the CPU rejects it).
+  const Tensor logits = ToGpu(HostRandom({3, 9}, DType::kFloat32, 27));
+  const Tensor t = ToGpu(testing::FromDoubles({9, -5, 2}, {3}, DType::kInt64));
+  Tensor losses = Unwrap(Tensor::Empty({3}, DType::kFloat32, Device::Cuda(0)));
+  Tensor valid = Unwrap(Tensor::Empty({3}, DType::kFloat32, Device::Cuda(0)));
+  Tensor lse = Unwrap(Tensor::Empty({3}, DType::kFloat32, Device::Cuda(0)));
+  ExpectOk(Gpu()->CrossEntropy(logits, t, ignore, losses, valid, lse), "out of range");
+  EXPECT_EQ(Vals(valid), (std::vector<double>{0, 0, 1}));
+  const std::vector<double> l = Vals(losses);
+  EXPECT_EQ(l[0], 0.0);
+  EXPECT_EQ(l[1], 0.0);
+  EXPECT_GT(l[2], 0.0);
+  Tensor dl = Unwrap(Tensor::Empty({3, 9}, DType::kFloat32, Device::Cuda(0)));
+  Tensor grad = Unwrap(Full({3}, 1.0, DType::kFloat32, Device::Cuda(0)));
+  ExpectOk(Gpu()->CrossEntropyBackward(logits, t, lse, grad, ignore, dl), "out of range backward");
+  const std::vector<double> g = Vals(dl);
+  for (int j = 0; j < 18; ++j) EXPECT_EQ(g[j], 0.0) << "ignored rows get zero gradient, element " << j;
+}
+
+// ---------------------------------------------------------------------------------------
+// Attention
+// ---------------------------------------------------------------------------------------
+
+TEST(CudaKernelsTest, CausalAttentionMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  struct Case {
+    int64_t b, h, t, d;
+  };
+  const Case cases[] = {{1, 1, 1, 16}, {2, 3, 17, 64}, {1, 2, 70, 33}, {2, 1, 45, 128}, {1, 1, 33, 1}};
+  for (DType dt : {DType::kFloat32, DType::kBFloat16}) {
+    const Tolerance tol = dt == DType::kFloat32 ? kF32Sum : testing::Tol(dt);
+    for (const Case& c : cases) {
+      const std::string what = absl::StrCat("attention ", Name(dt), " [", c.b, ", ", c.h, ", ", c.t, ", ", c.d, "]");
+      const Shape shape = {c.b, c.h, c.t, c.d};
+      const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+      const Pair q = RandomBoth(shape, dt, 28, -2.0, 2.0), k = RandomBoth(shape, dt, 29, -2.0, 2.0),
+                 v = RandomBoth(shape, dt, 30);
+      const Pair out = EmptyBoth(shape, dt), lse = EmptyBoth({c.b, c.h, c.t}, DType::kFloat32);
+      for (int side : {0, 1}) {
+        ExpectOk((side ? Gpu() : Cpu())->CausalAttention(q[side], k[side], v[side], scale, out[side], lse[side]), what);
+      }
+      ExpectSame(out, tol, what + " out");
+      ExpectSame(lse, kF32Sum, what + " lse");
+      const Pair dout = RandomBoth(shape, dt, 31);
+      const Pair dq = EmptyBoth(shape, dt), dk = EmptyBoth(shape, dt), dv = EmptyBoth(shape, dt);
+      for (int side : {0, 1}) {
+        ExpectOk((side ? Gpu() : Cpu())
+                     ->CausalAttentionBackward(dout[side], q[side], k[side], v[side], out[side], lse[side], scale,
+                                               dq[side], dk[side], dv[side]),
+                 what);
+      }
+      ExpectSame(dq, tol, what + " dq");
+      ExpectSame(dk, tol, what + " dk");
+      ExpectSame(dv, tol, what + " dv");
+    }
+  }
+  // A head dim the kernels do not support is an error naming it.
+  const Shape big = {1, 1, 4, 160};
+  const Tensor q = Unwrap(Zeros(big, DType::kFloat32, Device::Cuda(0)));
+  const Tensor out = Unwrap(Tensor::Empty(big, DType::kFloat32, Device::Cuda(0)));
+  const Tensor lse = Unwrap(Tensor::Empty({1, 1, 4}, DType::kFloat32, Device::Cuda(0)));
+  const absl::Status s = Gpu()->CausalAttention(q, q, q, 1.0f, out, lse);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("160"), std::string::npos) << s;
+}
+
+// ---------------------------------------------------------------------------------------
+// Errors are statuses naming the op
+// ---------------------------------------------------------------------------------------
+
+TEST(CudaKernelsTest, UnsupportedDTypesAreErrors) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const Tensor b = Unwrap(Tensor::Empty({3}, DType::kBool, Device::Cuda(0)));
+  const absl::Status s = Gpu()->Unary(UnaryOp::kExp, b, b);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented) << s;
+  EXPECT_NE(s.message().find("[Unary]"), std::string::npos) << s;
+  const Tensor i = Unwrap(Tensor::Empty({1, 2, 2}, DType::kInt32, Device::Cuda(0)));
+  EXPECT_FALSE(Gpu()->Gemm(i, i, i, 1.0f, 0.0f).ok());
+  const Tensor f = Unwrap(Tensor::Empty({1, 2, 2}, DType::kFloat32, Device::Cuda(0)));
+  const absl::Status mixed = Gpu()->Gemm(f, i, f, 1.0f, 0.0f);
+  EXPECT_EQ(mixed.code(), absl::StatusCode::kInvalidArgument) << mixed;
+  EXPECT_NE(mixed.message().find("[Gemm]"), std::string::npos) << mixed;
+}
+
+}  // namespace
+}  // namespace dtensor

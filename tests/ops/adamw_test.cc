@@ -1,0 +1,132 @@
+// Fused AdamW on the CPU backend against a float64 reference over several steps (PyTorch
+// semantics: decoupled weight decay first, bias-corrected moments).
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "dtensor/kernels/cpu/cpu_kernels.h"
+#include "dtensor/ops/ops.h"
+#include "gtest/gtest.h"
+#include "tests/testing/test_util.h"
+
+namespace dtensor {
+namespace {
+
+using testing::Unwrap;
+using testing::Values;
+
+// x rounded to `dtype` (identity for float32, which the reference keeps in float64).
+double RoundTo(DType dtype, double x) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return static_cast<float>(BFloat16(static_cast<float>(x)));
+    case DType::kFloat16:
+      return static_cast<float>(Float16(static_cast<float>(x)));
+    default:
+      return x;
+  }
+}
+
+struct RefState {
+  std::vector<double> p, m, v;
+};
+
+// One AdamW step in float64; the parameter is rounded to its storage dtype afterwards.
+void RefStep(RefState& s, const std::vector<double>& g, const AdamWParams& hp, DType param_dtype) {
+  const double b1 = hp.beta1, b2 = hp.beta2;
+  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(hp.step));
+  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(hp.step));
+  for (size_t i = 0; i < s.p.size(); ++i) {
+    double p = s.p[i];
+    p -= static_cast<double>(hp.lr) * hp.weight_decay * p;
+    s.m[i] = b1 * s.m[i] + (1 - b1) * g[i];
+    s.v[i] = b2 * s.v[i] + (1 - b2) * g[i] * g[i];
+    const double mhat = s.m[i] / bc1, vhat = s.v[i] / bc2;
+    p -= static_cast<double>(hp.lr) * mhat / (std::sqrt(vhat) + hp.eps);
+    s.p[i] = RoundTo(param_dtype, p);
+  }
+}
+
+// Runs `steps` steps on n parameters and compares param, m and v with the reference each step.
+void RunSteps(DType param_dtype, DType grad_dtype, int64_t n, int steps, float weight_decay) {
+  const std::string what = std::string("param ") + std::string(DTypeName(param_dtype)) + " grad " +
+                           std::string(DTypeName(grad_dtype)) + " n " + std::to_string(n);
+  const Tensor param = testing::Random({n}, param_dtype, 1, -2.0, 2.0);
+  const Tensor m = Unwrap(Zeros({n}, DType::kFloat32));
+  const Tensor v = Unwrap(Zeros({n}, DType::kFloat32));
+  RefState ref{Values(param), std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)};
+  AdamWParams hp;
+  hp.lr = 0.05f;
+  hp.beta1 = 0.9f;
+  hp.beta2 = 0.95f;
+  hp.eps = 1e-8f;
+  hp.weight_decay = weight_decay;
+  for (int step = 1; step <= steps; ++step) {
+    hp.step = step;
+    // Gradients of mixed scale, some exactly zero (v stays 0 there at step 1).
+    const Tensor grad = testing::Random({n}, grad_dtype, 100 + step, -1.0, 1.0);
+    std::vector<double> gv = Values(grad);
+    if (step == 1) {
+      std::vector<double> zeroed = gv;
+      for (size_t i = 0; i < zeroed.size(); i += 5) zeroed[i] = 0.0;
+      gv = zeroed;
+    }
+    const Tensor g = testing::FromDoubles(gv, {n}, grad_dtype);
+    // A bf16/f16 parameter rounds each step, and a rounding that lands one ulp away from the
+    // reference (a near tie) carries into later steps as an absolute error: start each step of
+    // the reference from the kernel's previous parameter so that every step is checked alone.
+    if (param_dtype != DType::kFloat32) ref.p = Values(param);
+    ASSERT_TRUE(AdamWStep_(param, g, m, v, hp).ok()) << what;
+    RefStep(ref, Values(g), hp, param_dtype);
+    const std::string at = what + " step " + std::to_string(step);
+    // A bf16/f16 parameter may land one ulp away from the reference near a rounding tie.
+    const testing::Tolerance ptol = param_dtype == DType::kFloat32    ? testing::Tolerance{2e-6, 2e-6}
+                                    : param_dtype == DType::kBFloat16 ? testing::Tolerance{8e-3, 1e-6}
+                                                                      : testing::Tolerance{1e-3, 1e-6};
+    testing::ExpectNear(Values(param), ref.p, ptol, at + " param");
+    testing::ExpectNear(Values(m), ref.m, {1e-5, 1e-7}, at + " m");
+    testing::ExpectNear(Values(v), ref.v, {1e-5, 1e-8}, at + " v");
+  }
+}
+
+TEST(CpuAdamWTest, Float32MatchesReferenceOverSteps) {
+  for (int64_t n : {int64_t{1}, int64_t{3}, int64_t{17}, int64_t{127}})
+    RunSteps(DType::kFloat32, DType::kFloat32, n, 5, 0.1f);
+  RunSteps(DType::kFloat32, DType::kFloat32, 100003, 3, 0.01f);  // threaded
+  RunSteps(DType::kFloat32, DType::kFloat32, 33, 4, 0.0f);       // no weight decay
+}
+
+TEST(CpuAdamWTest, HalfParamsWithFloat32State) {
+  for (DType p : {DType::kBFloat16, DType::kFloat16}) {
+    RunSteps(p, DType::kFloat32, 127, 5, 0.1f);  // float32 grads
+    RunSteps(p, p, 127, 5, 0.1f);                // grads in the param's dtype
+    RunSteps(p, p, 70001, 2, 0.1f);              // threaded
+  }
+}
+
+TEST(CpuAdamWTest, FirstStepIsSignedLearningRate) {
+  // Step 1 from zero state: mhat = g and vhat = g^2, so the update is lr * g / (|g| + eps).
+  const Tensor p = testing::FromDoubles({1.0, 1.0, -3.0}, {3}, DType::kFloat32);
+  const Tensor g = testing::FromDoubles({0.5, -4.0, 0.0}, {3}, DType::kFloat32);
+  const Tensor m = Unwrap(Zeros({3}, DType::kFloat32));
+  const Tensor v = Unwrap(Zeros({3}, DType::kFloat32));
+  AdamWParams hp;
+  hp.lr = 0.1f;
+  hp.weight_decay = 0.5f;  // p *= 1 - 0.05 first
+  hp.step = 1;
+  ASSERT_TRUE(AdamWStep_(p, g, m, v, hp).ok());
+  testing::ExpectNear(Values(p), {0.95 - 0.1, 0.95 + 0.1, -3.0 * 0.95}, {1e-6, 1e-6}, "first step");
+}
+
+TEST(CpuAdamWTest, KernelRejectsStepZero) {
+  const Tensor p = Unwrap(Zeros({2}, DType::kFloat32));
+  AdamWParams hp;
+  hp.step = 0;
+  const absl::Status s = CpuKernels()->AdamW(p, p, p, p, hp);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_EQ(AdamWStep_(p, p, Unwrap(Zeros({2}, DType::kFloat32)), Unwrap(Zeros({2}, DType::kFloat32)), hp).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace dtensor

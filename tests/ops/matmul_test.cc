@@ -1,0 +1,218 @@
+// Matrix multiply on the CPU backend (OpenBLAS sgemm) against a float64 reference: all four
+// transpose combinations, batches with broadcast (stride-0) operands, padded leading dims,
+// alpha/beta accumulation, bf16/f16, and the Gemm kernel interface directly.
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "dtensor/kernels/cpu/cpu_kernels.h"
+#include "dtensor/ops/ops.h"
+#include "gtest/gtest.h"
+#include "tests/testing/test_util.h"
+
+namespace dtensor {
+namespace {
+
+using testing::Unwrap;
+
+constexpr DType kFloatTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+
+struct RefGemm {
+  std::vector<double> c;    // alpha * a @ b + beta * c0
+  std::vector<double> mag;  // |alpha| * |a| @ |b| + |beta * c0|: the scale rounding errors follow
+};
+
+// a: [batch, m, k], b: [batch, k, n] row-major float64 (batch broadcast when a or b has 1).
+RefGemm Reference(const std::vector<double>& a, const std::vector<double>& b, int64_t batch_a, int64_t batch_b,
+                  int64_t m, int64_t k, int64_t n, double alpha = 1.0, double beta = 0.0,
+                  const std::vector<double>& c0 = {}) {
+  const int64_t batch = std::max(batch_a, batch_b);
+  RefGemm r;
+  r.c.assign(static_cast<size_t>(batch * m * n), 0.0);
+  r.mag.assign(r.c.size(), 0.0);
+  for (int64_t p = 0; p < batch; ++p) {
+    const double* ap = &a[(batch_a == 1 ? 0 : p) * m * k];
+    const double* bp = &b[(batch_b == 1 ? 0 : p) * k * n];
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        double s = 0, g = 0;
+        for (int64_t q = 0; q < k; ++q) {
+          s += ap[i * k + q] * bp[q * n + j];
+          g += std::fabs(ap[i * k + q] * bp[q * n + j]);
+        }
+        const size_t o = static_cast<size_t>((p * m + i) * n + j);
+        const double prev = c0.empty() ? 0.0 : beta * c0[o];
+        r.c[o] = alpha * s + prev;
+        r.mag[o] = std::fabs(alpha) * g + std::fabs(prev);
+      }
+    }
+  }
+  return r;
+}
+
+// |got - ref| <= rtol * mag + atol, with rtol from the dtype (float32: K-term accumulation).
+void ExpectGemmNear(const std::vector<double>& got, const RefGemm& ref, DType d, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.c.size()) << what;
+  const double rtol = d == DType::kFloat32 ? 2e-5 : testing::Tol(d).rtol;
+  int bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!(std::fabs(got[i] - ref.c[i]) <= rtol * ref.mag[i] + 1e-6) && bad++ < 5) {
+      ADD_FAILURE() << what << ": element " << i << " is " << got[i] << ", expected " << ref.c[i];
+    }
+  }
+}
+
+std::string What(DType d, int64_t m, int64_t k, int64_t n, bool ta, bool tb) {
+  return std::string(DTypeName(d)) + " m" + std::to_string(m) + " k" + std::to_string(k) + " n" + std::to_string(n) +
+         (ta ? " aT" : "") + (tb ? " bT" : "");
+}
+
+TEST(CpuMatmulTest, AllTransposeCombinations) {
+  const int64_t shapes[][3] = {{1, 1, 1}, {3, 5, 7}, {17, 33, 9}, {64, 127, 31}, {1, 40, 1}, {29, 1, 3}};
+  for (DType d : kFloatTypes) {
+    for (const auto& s : shapes) {
+      const int64_t m = s[0], k = s[1], n = s[2];
+      for (bool ta : {false, true}) {
+        for (bool tb : {false, true}) {
+          const Tensor a = testing::Random(ta ? Shape{k, m} : Shape{m, k}, d, 1);
+          const Tensor b = testing::Random(tb ? Shape{n, k} : Shape{k, n}, d, 2);
+          const Tensor c = Unwrap(Matmul(a, b, ta, tb));
+          ASSERT_EQ(c.shape(), IntSpan(Shape{m, n}));
+          const std::vector<double> av = testing::Values(ta ? Unwrap(a.Transpose(0, 1)) : a);
+          const std::vector<double> bv = testing::Values(tb ? Unwrap(b.Transpose(0, 1)) : b);
+          ExpectGemmNear(testing::Values(c), Reference(av, bv, 1, 1, m, k, n), d, What(d, m, k, n, ta, tb));
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuMatmulTest, BatchedAndBroadcastBatches) {
+  const int64_t m = 7, k = 13, n = 5;
+  for (DType d : kFloatTypes) {
+    {  // same batch
+      const Tensor a = testing::Random({4, m, k}, d, 3), b = testing::Random({4, k, n}, d, 4);
+      ExpectGemmNear(testing::Values(Unwrap(Matmul(a, b))),
+                     Reference(testing::Values(a), testing::Values(b), 4, 4, m, k, n), d, "batch 4");
+    }
+    {  // a broadcast over b's batch (batch stride 0), b transposed
+      const Tensor a = testing::Random({1, m, k}, d, 5), b = testing::Random({3, n, k}, d, 6);
+      const Tensor c = Unwrap(Matmul(a, b, false, true));
+      ASSERT_EQ(c.shape(), IntSpan(Shape{3, m, n}));
+      const std::vector<double> bv = testing::Values(Unwrap(b.Transpose(1, 2)));
+      ExpectGemmNear(testing::Values(c), Reference(testing::Values(a), bv, 1, 3, m, k, n), d, "broadcast a");
+    }
+    {  // linear layer: [2, 3, m, k] @ [k, n]
+      const Tensor a = testing::Random({2, 3, m, k}, d, 7), b = testing::Random({k, n}, d, 8);
+      const Tensor c = Unwrap(Matmul(a, b));
+      ASSERT_EQ(c.shape(), IntSpan(Shape{2, 3, m, n}));
+      ExpectGemmNear(testing::Values(c), Reference(testing::Values(a), testing::Values(b), 1, 1, 6 * m, k, n), d,
+                     "linear");
+    }
+    {  // non-contiguous operands
+      const Tensor a = testing::NonContiguous(testing::Random({2, m, k}, d, 9));
+      const Tensor b = testing::NonContiguous(testing::Random({2, k, n}, d, 10));
+      ExpectGemmNear(testing::Values(Unwrap(Matmul(a, b))),
+                     Reference(testing::Values(a), testing::Values(b), 2, 2, m, k, n), d, "non-contiguous");
+    }
+  }
+}
+
+TEST(CpuMatmulTest, AlphaBetaAccumulate) {
+  const int64_t m = 9, k = 21, n = 11;
+  for (DType d : kFloatTypes) {
+    for (bool tb : {false, true}) {
+      const Tensor a = testing::Random({m, k}, d, 11);
+      const Tensor b = testing::Random(tb ? Shape{n, k} : Shape{k, n}, d, 12);
+      const Tensor out = Unwrap(Clone(testing::Random({m, n}, d, 13)));
+      const std::vector<double> c0 = testing::Values(out);
+      ASSERT_TRUE(MatmulInto(a, b, out, false, tb, 0.5f, 2.0f).ok());
+      const std::vector<double> bv = testing::Values(tb ? Unwrap(b.Transpose(0, 1)) : b);
+      ExpectGemmNear(testing::Values(out), Reference(testing::Values(a), bv, 1, 1, m, k, n, 0.5, 2.0, c0), d,
+                     "alpha 0.5 beta 2 " + std::string(DTypeName(d)));
+      // beta = 0 ignores the old contents, NaN included.
+      ASSERT_TRUE(Fill_(out, std::nan("")).ok());
+      ASSERT_TRUE(MatmulInto(a, b, out, false, tb, -1.0f, 0.0f).ok());
+      ExpectGemmNear(testing::Values(out), Reference(testing::Values(a), bv, 1, 1, m, k, n, -1.0), d,
+                     "beta 0 over NaN " + std::string(DTypeName(d)));
+    }
+  }
+}
+
+// The kernel interface directly, with layouts the ops layer may or may not produce.
+TEST(CpuMatmulTest, GemmKernelLayouts) {
+  const int64_t m = 6, k = 10, n = 4, batch = 5;
+  for (DType d : kFloatTypes) {
+    const std::string dn(DTypeName(d));
+    // a: one matrix broadcast over the batch (stride 0); b: padded leading dim (lda > n).
+    const Tensor a2 = testing::Random({m, k}, d, 21);
+    const Tensor a = Unwrap(Unwrap(a2.Unsqueeze(0)).Expand({batch, m, k}));
+    const Tensor bbig = testing::Random({batch, k, n + 7}, d, 22);
+    const Tensor b = Unwrap(bbig.Narrow(2, 3, n));
+    Tensor c = Unwrap(Tensor::Empty({batch, m, n}, d));
+    ASSERT_TRUE(CpuKernels()->Gemm(a, b, c, 1.0f, 0.0f).ok());
+    ExpectGemmNear(testing::Values(c), Reference(testing::Values(a2), testing::Values(b), 1, batch, m, k, n), d,
+                   "stride-0 batch, padded b " + dn);
+
+    // a transposed with padding: stored [batch, k, m + 3], viewed [batch, m, k] (stride(1) == 1).
+    const Tensor at_big = testing::Random({batch, k, m + 3}, d, 23);
+    const Tensor at = Unwrap(Unwrap(at_big.Narrow(2, 1, m)).Transpose(1, 2));
+    const Tensor b2 = testing::Random({batch, k, n}, d, 24);
+    const Tensor c0 = Unwrap(Clone(testing::Random({batch, m, n}, d, 25)));
+    const std::vector<double> c0v = testing::Values(c0);
+    ASSERT_TRUE(CpuKernels()->Gemm(at, b2, c0, 2.0f, -1.0f).ok());
+    ExpectGemmNear(testing::Values(c0),
+                   Reference(testing::Values(at), testing::Values(b2), batch, batch, m, k, n, 2.0, -1.0, c0v), d,
+                   "transposed padded a, alpha/beta " + dn);
+
+    // Rows of a all the same (stride 0 in the middle dim): BLAS cannot describe it; packed.
+    const Tensor row = testing::Random({1, 1, k}, d, 26);
+    const Tensor arow = Unwrap(row.Expand({1, m, k}));
+    const Tensor b3 = testing::Random({1, k, n}, d, 27);
+    Tensor c3 = Unwrap(Tensor::Empty({1, m, n}, d));
+    ASSERT_TRUE(CpuKernels()->Gemm(arow, b3, c3, 1.0f, 0.0f).ok());
+    ExpectGemmNear(testing::Values(c3), Reference(testing::Values(arow), testing::Values(b3), 1, 1, m, k, n), d,
+                   "stride-0 rows " + dn);
+
+    // K == 0: c = beta * c.
+    const Tensor ak = Unwrap(Tensor::Empty({1, m, 0}, d));
+    const Tensor bk = Unwrap(Tensor::Empty({1, 0, n}, d));
+    Tensor ck = Unwrap(Full({1, m, n}, 3.0, d));
+    ASSERT_TRUE(CpuKernels()->Gemm(ak, bk, ck, 1.0f, 0.5f).ok());
+    for (double v : testing::Values(ck)) EXPECT_EQ(v, 1.5);
+    ASSERT_TRUE(Fill_(ck, std::nan("")).ok());
+    ASSERT_TRUE(CpuKernels()->Gemm(ak, bk, ck, 1.0f, 0.0f).ok());
+    for (double v : testing::Values(ck)) EXPECT_EQ(v, 0.0);
+  }
+}
+
+TEST(CpuMatmulTest, ManySmallAndOneLargeMatrix) {
+  // Many small matrices: the batch is split across threads.
+  for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    const Tensor a = testing::Random({64, 8, 12}, d, 31), b = testing::Random({64, 12, 16}, d, 32);
+    ExpectGemmNear(testing::Values(Unwrap(Matmul(a, b, false, false))),
+                   Reference(testing::Values(a), testing::Values(b), 64, 64, 8, 12, 16), d, "64 small");
+  }
+  // One large matrix: OpenBLAS threads the call.
+  const Tensor a = testing::Random({192, 160}, DType::kFloat32, 33),
+               b = testing::Random({160, 224}, DType::kFloat32, 34);
+  ExpectGemmNear(testing::Values(Unwrap(Matmul(a, b))),
+                 Reference(testing::Values(a), testing::Values(b), 1, 1, 192, 160, 224), DType::kFloat32, "large");
+}
+
+TEST(CpuMatmulTest, KernelRejectsBadArguments) {
+  const Tensor a = Unwrap(Tensor::Empty({1, 2, 3}, DType::kFloat32));
+  const Tensor b = Unwrap(Tensor::Empty({1, 3, 4}, DType::kBFloat16));
+  Tensor c = Unwrap(Tensor::Empty({1, 2, 4}, DType::kFloat32));
+  EXPECT_EQ(CpuKernels()->Gemm(a, b, c, 1.0f, 0.0f).code(), absl::StatusCode::kInvalidArgument);
+  const Tensor ai = Unwrap(Tensor::Empty({1, 2, 3}, DType::kInt32));
+  const Tensor bi = Unwrap(Tensor::Empty({1, 3, 4}, DType::kInt32));
+  Tensor ci = Unwrap(Tensor::Empty({1, 2, 4}, DType::kInt32));
+  EXPECT_EQ(CpuKernels()->Gemm(ai, bi, ci, 1.0f, 0.0f).code(), absl::StatusCode::kUnimplemented);
+  const Tensor b5 = Unwrap(Tensor::Empty({1, 5, 4}, DType::kFloat32));
+  EXPECT_EQ(CpuKernels()->Gemm(a, b5, c, 1.0f, 0.0f).code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace dtensor

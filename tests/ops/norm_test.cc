@@ -1,0 +1,246 @@
+// LayerNorm / RmsNorm on the CPU backend against float64 references, and their backward
+// against central finite differences of the float64 forward (L = sum(y * R)).
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dtensor/ops/ops.h"
+#include "gtest/gtest.h"
+#include "tests/testing/test_util.h"
+
+namespace dtensor {
+namespace {
+
+using testing::Unwrap;
+using testing::Values;
+
+constexpr DType kFloatTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+
+struct RefNorm {
+  std::vector<double> y, mean, rstd;
+};
+
+// LayerNorm (rms = false; b may be empty for no bias) or RmsNorm of row-major [rows, c].
+RefNorm RefForward(const std::vector<double>& x, const std::vector<double>& w, const std::vector<double>& b, int64_t c,
+                   double eps, bool rms) {
+  const int64_t rows = static_cast<int64_t>(x.size()) / c;
+  RefNorm o;
+  o.y.resize(x.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    const double* xr = &x[r * c];
+    double mu = 0;
+    if (!rms) {
+      for (int64_t i = 0; i < c; ++i) mu += xr[i];
+      mu /= static_cast<double>(c);
+    }
+    double var = 0;
+    for (int64_t i = 0; i < c; ++i) var += (xr[i] - mu) * (xr[i] - mu);
+    var /= static_cast<double>(c);
+    const double rs = 1.0 / std::sqrt(var + eps);
+    for (int64_t i = 0; i < c; ++i) o.y[r * c + i] = (xr[i] - mu) * rs * w[i] + (b.empty() ? 0.0 : b[i]);
+    o.mean.push_back(mu);
+    o.rstd.push_back(rs);
+  }
+  return o;
+}
+
+double Dot(const std::vector<double>& a, const std::vector<double>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Up to `max` indices of [0, n), evenly spread, first and last included.
+std::vector<size_t> Sample(size_t n, size_t max) {
+  std::vector<size_t> idx;
+  if (n <= max) {
+    for (size_t i = 0; i < n; ++i) idx.push_back(i);
+  } else {
+    for (size_t k = 0; k < max; ++k) idx.push_back(k * (n - 1) / (max - 1));
+  }
+  return idx;
+}
+
+// Compares analytic[i] with the central difference of f at x along i, for i in idx.
+void ExpectGradMatchesFd(const std::function<double(const std::vector<double>&)>& f, std::vector<double> x,
+                         const std::vector<double>& analytic, const std::vector<size_t>& idx, testing::Tolerance tol,
+                         const std::string& what) {
+  std::vector<double> got, fd;
+  const double h = 1e-4;
+  for (size_t i : idx) {
+    const double orig = x[i];
+    x[i] = orig + h;
+    const double fp = f(x);
+    x[i] = orig - h;
+    const double fm = f(x);
+    x[i] = orig;
+    fd.push_back((fp - fm) / (2 * h));
+    got.push_back(analytic[i]);
+  }
+  testing::ExpectNear(got, fd, tol, what);
+}
+
+std::string What(const char* op, DType d, int64_t rows, int64_t c, bool bias) {
+  return std::string(op) + " " + std::string(DTypeName(d)) + " rows " + std::to_string(rows) + " C " +
+         std::to_string(c) + (bias ? " bias" : "");
+}
+
+// Backward tolerances: kernels compute in float32 and round the gradient once.
+testing::Tolerance GradTol(DType d) { return d == DType::kFloat32 ? testing::Tolerance{2e-4, 2e-4} : testing::Tol(d); }
+
+struct Case {
+  int64_t rows, c;
+};
+constexpr Case kCases[] = {{1, 1}, {3, 5}, {17, 127}, {1, 768}, {64, 768}, {5, 3}};
+
+TEST(CpuNormTest, LayerNormForwardMatchesReference) {
+  for (DType d : kFloatTypes) {
+    for (const Case& k : kCases) {
+      for (bool bias : {true, false}) {
+        const Tensor x = testing::Random({k.rows, k.c}, d, 1, -2.0, 3.0);
+        const Tensor w = testing::Random({k.c}, d, 2, 0.5, 1.5);
+        const Tensor b = bias ? testing::Random({k.c}, d, 3) : Tensor();
+        const NormOutput o = Unwrap(LayerNorm(x, w, b, 1e-5f));
+        const RefNorm ref =
+            RefForward(Values(x), Values(w), bias ? Values(b) : std::vector<double>{}, k.c, 1e-5, false);
+        const std::string what = What("LayerNorm", d, k.rows, k.c, bias);
+        ASSERT_EQ(o.mean.dtype(), DType::kFloat32);
+        testing::ExpectNear(Values(o.y), ref.y, testing::Tol(d), what + " y");
+        testing::ExpectNear(Values(o.mean), ref.mean, {1e-5, 1e-6}, what + " mean");
+        testing::ExpectNear(Values(o.rstd), ref.rstd, {1e-4, 1e-6}, what + " rstd");
+      }
+    }
+  }
+}
+
+TEST(CpuNormTest, LayerNormLargeOffsetIsStable) {
+  // A large common offset: a one-pass E[x^2] - E[x]^2 variance would lose most digits.
+  std::vector<double> xv;
+  for (int i = 0; i < 3 * 768; ++i) xv.push_back(1000.0 + std::sin(0.37 * i));
+  const Tensor x = testing::FromDoubles(xv, {3, 768}, DType::kFloat32);
+  const Tensor w = testing::Random({768}, DType::kFloat32, 5, 0.5, 1.5);
+  const NormOutput o = Unwrap(LayerNorm(x, w, Tensor()));
+  const RefNorm ref = RefForward(Values(x), Values(w), {}, 768, 1e-5, false);
+  testing::ExpectNear(Values(o.y), ref.y, {2e-3, 2e-3}, "offset y");
+  testing::ExpectNear(Values(o.rstd), ref.rstd, {2e-3, 0}, "offset rstd");
+}
+
+TEST(CpuNormTest, LayerNormLeadingDimsAndNonContiguous) {
+  const Tensor x = testing::NonContiguous(testing::Random({2, 3, 7}, DType::kFloat32, 7));
+  ASSERT_FALSE(x.is_contiguous());
+  const Tensor w = testing::Random({7}, DType::kFloat32, 8, 0.5, 1.5);
+  const Tensor b = testing::Random({7}, DType::kFloat32, 9);
+  const NormOutput o = Unwrap(LayerNorm(x, w, b));
+  ASSERT_EQ(o.y.shape(), x.shape());
+  ASSERT_EQ(o.mean.numel(), 6);
+  const RefNorm ref = RefForward(Values(x), Values(w), Values(b), 7, 1e-5, false);
+  testing::ExpectNear(Values(o.y), ref.y, testing::Tol(DType::kFloat32), "nc y");
+  // Backward through the strided views too.
+  const Tensor dy = testing::NonContiguous(testing::Random({2, 3, 7}, DType::kFloat32, 10));
+  const NormGrads g = Unwrap(LayerNormBackward(dy, x, w, o, true));
+  const std::vector<double> rv = Values(dy);
+  const std::vector<double> wv = Values(w), bv = Values(b);
+  ExpectGradMatchesFd([&](const std::vector<double>& xs) { return Dot(RefForward(xs, wv, bv, 7, 1e-5, false).y, rv); },
+                      Values(x), Values(g.dx), Sample(42, 42), GradTol(DType::kFloat32), "nc dx");
+}
+
+TEST(CpuNormTest, LayerNormBackwardMatchesFiniteDifferences) {
+  for (DType d : kFloatTypes) {
+    for (const Case& k : kCases) {
+      for (bool bias : {true, false}) {
+        const Tensor x = testing::Random({k.rows, k.c}, d, 11, -2.0, 3.0);
+        const Tensor w = testing::Random({k.c}, d, 12, 0.5, 1.5);
+        const Tensor b = bias ? testing::Random({k.c}, d, 13) : Tensor();
+        const Tensor dy = testing::Random({k.rows, k.c}, d, 14);
+        const NormOutput o = Unwrap(LayerNorm(x, w, b));
+        const NormGrads g = Unwrap(LayerNormBackward(dy, x, w, o, bias));
+        ASSERT_EQ(g.dbias.defined(), bias);
+        const std::vector<double> xv = Values(x), wv = Values(w), bv = bias ? Values(b) : std::vector<double>{};
+        const std::vector<double> rv = Values(dy);
+        const std::string what = What("LayerNormBackward", d, k.rows, k.c, bias);
+        const testing::Tolerance tol = GradTol(d);
+        ExpectGradMatchesFd(
+            [&](const std::vector<double>& xs) { return Dot(RefForward(xs, wv, bv, k.c, 1e-5, false).y, rv); }, xv,
+            Values(g.dx), Sample(xv.size(), 150), tol, what + " dx");
+        ExpectGradMatchesFd(
+            [&](const std::vector<double>& ws) { return Dot(RefForward(xv, ws, bv, k.c, 1e-5, false).y, rv); }, wv,
+            Values(g.dweight), Sample(wv.size(), 60), tol, what + " dweight");
+        if (bias) {
+          ExpectGradMatchesFd(
+              [&](const std::vector<double>& bs) { return Dot(RefForward(xv, wv, bs, k.c, 1e-5, false).y, rv); }, bv,
+              Values(g.dbias), Sample(bv.size(), 60), tol, what + " dbias");
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuNormTest, LayerNormBackwardIsDeterministic) {
+  // Weight/bias gradients sum per fixed row block, so repeated calls agree bit for bit.
+  const Tensor x = testing::Random({300, 257}, DType::kFloat32, 21);
+  const Tensor w = testing::Random({257}, DType::kFloat32, 22);
+  const Tensor b = testing::Random({257}, DType::kFloat32, 23);
+  const Tensor dy = testing::Random({300, 257}, DType::kFloat32, 24);
+  const NormOutput o = Unwrap(LayerNorm(x, w, b));
+  const NormGrads g1 = Unwrap(LayerNormBackward(dy, x, w, o));
+  const NormGrads g2 = Unwrap(LayerNormBackward(dy, x, w, o));
+  EXPECT_EQ(Values(g1.dweight), Values(g2.dweight));
+  EXPECT_EQ(Values(g1.dbias), Values(g2.dbias));
+  EXPECT_EQ(Values(g1.dx), Values(g2.dx));
+  // dbias is the column sum of dy.
+  std::vector<double> colsum(257, 0.0);
+  const std::vector<double> dv = Values(dy);
+  for (size_t i = 0; i < dv.size(); ++i) colsum[i % 257] += dv[i];
+  testing::ExpectNear(Values(g1.dbias), colsum, {1e-5, 1e-4}, "dbias = sum(dy)");
+}
+
+TEST(CpuNormTest, RmsNormForwardMatchesReference) {
+  for (DType d : kFloatTypes) {
+    for (const Case& k : kCases) {
+      const Tensor x = testing::Random({k.rows, k.c}, d, 31, -2.0, 3.0);
+      const Tensor w = testing::Random({k.c}, d, 32, 0.5, 1.5);
+      const NormOutput o = Unwrap(RmsNorm(x, w, 1e-6f));
+      const RefNorm ref = RefForward(Values(x), Values(w), {}, k.c, 1e-6, true);
+      const std::string what = What("RmsNorm", d, k.rows, k.c, false);
+      testing::ExpectNear(Values(o.y), ref.y, testing::Tol(d), what + " y");
+      testing::ExpectNear(Values(o.rstd), ref.rstd, {1e-4, 1e-6}, what + " rstd");
+    }
+  }
+}
+
+TEST(CpuNormTest, RmsNormBackwardMatchesFiniteDifferences) {
+  for (DType d : kFloatTypes) {
+    for (const Case& k : kCases) {
+      const Tensor x = testing::Random({k.rows, k.c}, d, 41, -2.0, 3.0);
+      const Tensor w = testing::Random({k.c}, d, 42, 0.5, 1.5);
+      const Tensor dy = testing::Random({k.rows, k.c}, d, 43);
+      const NormOutput o = Unwrap(RmsNorm(x, w, 1e-6f));
+      const NormGrads g = Unwrap(RmsNormBackward(dy, x, w, o));
+      EXPECT_FALSE(g.dbias.defined());
+      const std::vector<double> xv = Values(x), wv = Values(w), rv = Values(dy);
+      const std::string what = What("RmsNormBackward", d, k.rows, k.c, false);
+      const testing::Tolerance tol = GradTol(d);
+      ExpectGradMatchesFd(
+          [&](const std::vector<double>& xs) { return Dot(RefForward(xs, wv, {}, k.c, 1e-6, true).y, rv); }, xv,
+          Values(g.dx), Sample(xv.size(), 150), tol, what + " dx");
+      ExpectGradMatchesFd(
+          [&](const std::vector<double>& ws) { return Dot(RefForward(xv, ws, {}, k.c, 1e-6, true).y, rv); }, wv,
+          Values(g.dweight), Sample(wv.size(), 60), tol, what + " dweight");
+    }
+  }
+}
+
+TEST(CpuNormTest, EmptyRowsGiveZeroParameterGradients) {
+  const Tensor x = Unwrap(Zeros({0, 5}, DType::kFloat32));
+  const Tensor w = testing::Random({5}, DType::kFloat32, 51);
+  const Tensor b = testing::Random({5}, DType::kFloat32, 52);
+  const NormOutput o = Unwrap(LayerNorm(x, w, b));
+  EXPECT_EQ(o.y.numel(), 0);
+  const NormGrads g = Unwrap(LayerNormBackward(x, x, w, o));
+  EXPECT_EQ(Values(g.dweight), std::vector<double>(5, 0.0));
+  EXPECT_EQ(Values(g.dbias), std::vector<double>(5, 0.0));
+}
+
+}  // namespace
+}  // namespace dtensor
