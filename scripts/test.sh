@@ -3,6 +3,7 @@
 # and runs the whole test suite. This is the README's test command and what CI runs.
 #   bash scripts/test.sh              # build in ./build, run all tests
 #   BUILD_DIR=/tmp/b bash scripts/test.sh
+#   DTENSOR_SKIP_CLANG=1 bash scripts/test.sh   # skip the second (clang, CPU-only) build
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -22,3 +23,13 @@ git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format --dry-run -Werror
 
 echo "[test] ctest"
 ctest --test-dir "$build_dir" -j "$jobs" --output-on-failure --timeout 900
+
+# The second supported compiler, and the CPU-only configuration: clang 14 with DTENSOR_CUDA=OFF
+# must build warning-free (-Werror) and pass the CPU suite.
+if [ "${DTENSOR_SKIP_CLANG:-0}" != "1" ]; then
+  echo "[test] clang 14, CPU-only build"
+  cmake -S . -B "${build_dir}-clang" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CXX_COMPILER=clang++ -DDTENSOR_CUDA=OFF
+  cmake --build "${build_dir}-clang" -j "$jobs"
+  ctest --test-dir "${build_dir}-clang" -j "$jobs" --output-on-failure --timeout 900 -L unit
+fi
