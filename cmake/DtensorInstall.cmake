@@ -6,7 +6,7 @@ include(CMakePackageConfigHelpers)
 include(GNUInstallDirs)
 
 get_property(dtensor_libs GLOBAL PROPERTY DTENSOR_LIBRARIES)
-set(dtensor_export_targets dtensor dtensor_openblas ${dtensor_libs})
+set(dtensor_export_targets dtensor dtensor_collectives_all dtensor_openblas ${dtensor_libs})
 if(DTENSOR_HAVE_CUDA)
   list(APPEND dtensor_export_targets dtensor_nccl)
 endif()

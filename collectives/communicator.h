@@ -1,0 +1,120 @@
+// Communicator: collectives over a group of ranks, on Tensors of any dtype and device.
+//
+//   std::vector<std::unique_ptr<Communicator>> comms = ...;   // e.g. MakeThreadGroup(4)
+//   Communicator& comm = *comms[rank];                          // one per rank (thread or process)
+//   DT_RETURN_IF_ERROR(comm.AllReduce(grad, grad, CommReduceOp::kAvg));      // in place
+//   DT_ASSIGN_OR_RETURN(auto work, comm.AllGatherAsync(shard, full));        // overlap...
+//   ...compute...
+//   DT_RETURN_IF_ERROR(work->Wait());                                        // ...then wait
+//
+// One argument order for every collective, as NCCL: (input, output, [op], [root | peer]).
+// Counts are elements, never bytes, and come from the tensors:
+//   AllReduce       input [n]        -> output [n]               (in place allowed)
+//   AllGather       input [n]        -> output [size * n]        (rank r's block at r * n)
+//   ReduceScatter   input [size * n] -> output [n]               (rank r gets block r)
+//   AllToAll        input [size * n] -> output [size * n]        (block j goes to rank j)
+//   Broadcast       tensor [n], root                              (in place)
+//   Send / Recv     tensor [n], peer
+// Tensors must be contiguous, of one dtype and on the communicator's device; "[n]" means any
+// shape with n elements (blocks are along the flat, row-major order, which is dim 0 for a
+// contiguous tensor). The *V variants take per-rank counts for torch.chunk-style uneven shards.
+// Every blocking call honours the communicator's timeout and then returns DeadlineExceeded
+// naming the operation, this rank and the peer it waited for; a peer that is gone gives
+// Unavailable (sooner, where the transport can tell). Mismatched calls across ranks are a
+// usage error; with DTENSOR_DEBUG=1 they are detected and reported with both sides' calls.
+#ifndef DTENSOR_COLLECTIVES_COMMUNICATOR_H_
+#define DTENSOR_COLLECTIVES_COMMUNICATOR_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "dtensor/tensor/tensor.h"
+
+namespace dtensor {
+
+// Reductions of AllReduce / ReduceScatter. kAvg divides the sum by the group size.
+enum class CommReduceOp : uint8_t { kSum, kAvg, kMax, kMin, kProduct };
+
+// "sum", "avg", "max", "min", "product".
+const char* CommReduceOpName(CommReduceOp op);
+
+// A pending collective. Wait() returns the collective's status; after it returns, the output
+// tensors hold the result and the inputs may be reused.
+class Work {
+ public:
+  virtual ~Work() = default;
+  virtual absl::Status Wait() = 0;
+  // Non-blocking: true once Wait() would return at once.
+  virtual bool IsCompleted() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // The device whose tensors this communicator moves (CPU for threads and ucx).
+  virtual Device device() const = 0;
+  // Name of the transport: "threads", "ucx" or "nccl".
+  virtual const char* backend() const = 0;
+
+  // Timeout of every blocking call (default 300 s, or DTENSOR_TIMEOUT_S from the environment).
+  virtual void SetTimeout(absl::Duration timeout) = 0;
+  virtual absl::Duration timeout() const = 0;
+
+  // ---- Asynchronous collectives (the synchronous forms below wait on these) ----
+  virtual absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const Tensor& input, const Tensor& output,
+                                                               CommReduceOp op) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const Tensor& input, const Tensor& output) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const Tensor& input, const Tensor& output,
+                                                                   CommReduceOp op) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Work>> AllToAllAsync(const Tensor& input, const Tensor& output) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(const Tensor& tensor, int root) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Work>> SendAsync(const Tensor& tensor, int peer) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Work>> RecvAsync(const Tensor& tensor, int peer) = 0;
+  // Uneven variants. counts[r] is rank r's element count (torch.chunk shards may be empty).
+  //   AllGatherV:     input [counts[rank]] -> output [sum(counts)], rank r's block at prefix(r)
+  //   ReduceScatterV: input [sum(counts)]  -> output [counts[rank]]
+  //   AllToAllV:      input [sum(send_counts)] -> output [sum(recv_counts)]; send_counts[j]
+  //                   elements go to rank j, recv_counts[j] come from rank j.
+  virtual absl::StatusOr<std::unique_ptr<Work>> AllGatherVAsync(const Tensor& input, const Tensor& output,
+                                                                absl::Span<const int64_t> counts) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Work>> ReduceScatterVAsync(const Tensor& input, const Tensor& output,
+                                                                    absl::Span<const int64_t> counts,
+                                                                    CommReduceOp op) = 0;
+  virtual absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(const Tensor& input, const Tensor& output,
+                                                               absl::Span<const int64_t> send_counts,
+                                                               absl::Span<const int64_t> recv_counts) = 0;
+  virtual absl::Status Barrier() = 0;
+
+  // Sub-communicators: ranks calling with the same color form a group ordered by (key, rank);
+  // a negative color joins no group and gets nullptr. Collective over this communicator.
+  virtual absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) = 0;
+
+  // ---- Synchronous forms ----
+  absl::Status AllReduce(const Tensor& input, const Tensor& output, CommReduceOp op);
+  absl::Status AllGather(const Tensor& input, const Tensor& output);
+  absl::Status ReduceScatter(const Tensor& input, const Tensor& output, CommReduceOp op);
+  absl::Status AllToAll(const Tensor& input, const Tensor& output);
+  absl::Status Broadcast(const Tensor& tensor, int root);
+  absl::Status Send(const Tensor& tensor, int peer);
+  absl::Status Recv(const Tensor& tensor, int peer);
+  absl::Status AllGatherV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> counts);
+  absl::Status ReduceScatterV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> counts,
+                              CommReduceOp op);
+  absl::Status AllToAllV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> send_counts,
+                         absl::Span<const int64_t> recv_counts);
+};
+
+// The timeout a new communicator starts with: DTENSOR_TIMEOUT_S seconds if set and valid,
+// else 300 s.
+absl::Duration DefaultTimeout();
+
+}  // namespace dtensor
+
+#endif  // DTENSOR_COLLECTIVES_COMMUNICATOR_H_

@@ -1,0 +1,412 @@
+// dtrun: starts the local ranks of a multi-process run, torchrun style.
+//
+//   dtrun --nproc-per-node 4 ./train --steps 100
+//   dtrun --nproc-per-node 8 --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --master-port 29500 ./train
+//
+// Each rank gets RANK (node_rank * nproc + local rank), WORLD_SIZE, LOCAL_RANK,
+// LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (127.0.0.1 and a free port on a single node).
+// Every line a rank writes to stdout/stderr is copied to dtrun's stdout/stderr prefixed
+// "[rank R] ", one write per line (a last line without newline gets one; lines over 64 KiB are
+// split). SIGINT/SIGTERM/SIGHUP are forwarded to the ranks. When a rank
+// fails (non-zero exit or a signal), the others get SIGTERM, then SIGKILL after the grace period.
+// Exit status: 0 if all ranks succeed, else the first failure's code (128 + signal for a
+// signal); 2 for usage errors. Each rank runs in its own process group (so the signal reaches
+// its children too) and dies with dtrun (PR_SET_PDEATHSIG).
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+extern char** environ;
+
+namespace {
+
+constexpr char kUsage[] =
+    "usage: dtrun --nproc-per-node N [--nnodes M --node-rank K] [--master-addr A] [--master-port P]\n"
+    "             [--grace-period-s S] [--] PROGRAM [ARGS...]\n"
+    "  --nproc-per-node N  ranks to start on this node (required, >= 1)\n"
+    "  --nnodes M          nodes in the run (default 1)\n"
+    "  --node-rank K       this node's index, 0..M-1 (default 0)\n"
+    "  --master-addr A     address of rank 0's store (default 127.0.0.1)\n"
+    "  --master-port P     its port (default: a free port when M == 1, else 29500)\n"
+    "  --grace-period-s S  seconds between SIGTERM and SIGKILL when stopping ranks (default 5)\n";
+
+struct Options {
+  int nproc = 0;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = -1;
+  double grace_s = 5;
+  std::vector<std::string> command;
+};
+
+int UsageError(const std::string& msg) {
+  std::fprintf(stderr, "dtrun: error: %s\n%s", msg.c_str(), kUsage);
+  return 2;
+}
+
+// Parses argv into `opt`; returns -1 to go on, else an exit code.
+int ParseArgs(int argc, char** argv, Options& opt) {
+  bool have_nproc = false;
+  int i = 1;
+  for (; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--") {
+      ++i;
+      break;
+    }
+    if (arg == "-h" || arg == "--help") {
+      std::fputs(kUsage, stdout);
+      return 0;
+    }
+    if (arg.rfind("--", 0) != 0) break;  // the program
+    std::string value;
+    const size_t eq = arg.find('=');
+    if (eq != std::string::npos) {
+      value = arg.substr(eq + 1);
+      arg = arg.substr(0, eq);
+    } else {
+      if (i + 1 >= argc) return UsageError(absl::StrCat(arg, " needs a value"));
+      value = argv[++i];
+    }
+    auto int_opt = [&](int lo, int hi, int& out) -> bool {
+      return absl::SimpleAtoi(value, &out) && out >= lo && out <= hi;
+    };
+    bool ok = true;
+    if (arg == "--nproc-per-node" || arg == "--nproc_per_node") {
+      ok = int_opt(1, 4096, opt.nproc);
+      have_nproc = true;
+    } else if (arg == "--nnodes") {
+      ok = int_opt(1, 1 << 16, opt.nnodes);
+    } else if (arg == "--node-rank" || arg == "--node_rank") {
+      ok = int_opt(0, 1 << 16, opt.node_rank);
+    } else if (arg == "--master-addr" || arg == "--master_addr") {
+      ok = !value.empty();
+      opt.master_addr = value;
+    } else if (arg == "--master-port" || arg == "--master_port") {
+      ok = int_opt(1, 65535, opt.master_port);
+    } else if (arg == "--grace-period-s") {
+      ok = absl::SimpleAtod(value, &opt.grace_s) && opt.grace_s >= 0 && opt.grace_s <= 3600;
+    } else {
+      return UsageError(absl::StrCat("unknown option ", arg));
+    }
+    if (!ok) return UsageError(absl::StrCat("bad value '", value, "' for ", arg));
+  }
+  for (; i < argc; ++i) opt.command.emplace_back(argv[i]);
+  if (!have_nproc) return UsageError("--nproc-per-node is required");
+  if (opt.command.empty()) return UsageError("no program given");
+  if (opt.node_rank >= opt.nnodes) {
+    return UsageError(absl::StrCat("--node-rank ", opt.node_rank, " is not below --nnodes ", opt.nnodes));
+  }
+  if (static_cast<int64_t>(opt.nnodes) * opt.nproc > (1 << 24)) return UsageError("world size too large");
+  return -1;
+}
+
+// A free TCP port on `addr`, or -1. (It could be taken again before rank 0 binds it; fine for
+// a single node where nothing else races for ports in practice.)
+int FreePort(const std::string& addr) {
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  if (inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  socklen_t len = sizeof(sa);
+  int port = -1;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0) {
+    port = ntohs(sa.sin_port);
+  }
+  close(fd);
+  return port;
+}
+
+int g_signal_pipe = -1;
+void OnSignal(int sig) {
+  const int saved = errno;
+  const unsigned char b = static_cast<unsigned char>(sig);
+  [[maybe_unused]] const ssize_t n = write(g_signal_pipe, &b, 1);
+  errno = saved;
+}
+
+void WriteAll(int fd, const std::string& s) {
+  size_t done = 0;
+  for (int tries = 0; done < s.size() && tries < 1000; ++tries) {
+    const ssize_t n = write(fd, s.data() + done, s.size() - done);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+    } else if (n < 0 && errno != EINTR && errno != EAGAIN) {
+      return;  // our own output is gone; keep supervising the ranks
+    }
+  }
+}
+
+// One output stream of one rank: bytes are forwarded line by line with the rank's prefix.
+struct Stream {
+  int fd = -1;     // read end, -1 once closed
+  int out_fd = 1;  // dtrun's stdout or stderr
+  std::string prefix;
+  std::string partial;
+
+  void Emit(const char* data, size_t n) {
+    std::string line;
+    line.reserve(prefix.size() + n + 1);
+    line += prefix;
+    line.append(data, n);
+    if (line.back() != '\n') line += '\n';
+    WriteAll(out_fd, line);
+  }
+  // Returns false at EOF.
+  bool Pump() {
+    char buf[1 << 16];
+    const ssize_t n = read(fd, buf, sizeof(buf));
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
+    if (n <= 0) {
+      Flush();
+      close(fd);
+      fd = -1;
+      return false;
+    }
+    partial.append(buf, static_cast<size_t>(n));
+    size_t start = 0;
+    for (size_t nl; (nl = partial.find('\n', start)) != std::string::npos; start = nl + 1) {
+      Emit(partial.data() + start, nl - start + 1);
+    }
+    partial.erase(0, start);
+    if (partial.size() >= (1 << 16)) Flush();  // bound memory for endless lines
+    return true;
+  }
+  void Flush() {
+    if (!partial.empty()) Emit(partial.data(), partial.size());
+    partial.clear();
+  }
+};
+
+struct Rank {
+  int global_rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  Stream out, err;
+};
+
+std::string DescribeStatus(int status) {
+  if (WIFSIGNALED(status))
+    return absl::StrCat("was killed by signal ", WTERMSIG(status), " (", strsignal(WTERMSIG(status)), ")");
+  return absl::StrCat("exited with code ", WEXITSTATUS(status));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options opt;
+  if (const int rc = ParseArgs(argc, argv, opt); rc >= 0) return rc;
+  if (opt.master_port < 0) {
+    opt.master_port = opt.nnodes == 1 ? FreePort(opt.master_addr) : 29500;
+    if (opt.master_port < 0) {
+      std::fprintf(stderr, "dtrun: error: cannot find a free port on %s\n", opt.master_addr.c_str());
+      return 1;
+    }
+  }
+  const int world = opt.nnodes * opt.nproc;
+
+  int sig_pipe[2];
+  if (pipe2(sig_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    std::perror("dtrun: pipe");
+    return 1;
+  }
+  g_signal_pipe = sig_pipe[1];
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = SA_RESTART;
+  for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD}) sigaction(sig, &sa, nullptr);
+  std::signal(SIGPIPE, SIG_IGN);
+
+  // The environment every rank shares, minus the variables we set per rank.
+  std::vector<std::string> base_env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string kv = *e;
+    const std::string name = kv.substr(0, kv.find('='));
+    if (name == "RANK" || name == "WORLD_SIZE" || name == "LOCAL_RANK" || name == "LOCAL_WORLD_SIZE" ||
+        name == "MASTER_ADDR" || name == "MASTER_PORT") {
+      continue;
+    }
+    base_env.push_back(kv);
+  }
+  std::vector<char*> child_argv;
+  for (std::string& a : opt.command) child_argv.push_back(a.data());
+  child_argv.push_back(nullptr);
+
+  const pid_t self = getpid();
+  std::vector<Rank> ranks(opt.nproc);
+  int first_failure = 0;
+  int received_signal = 0;
+  bool stopping = false;
+  absl::Time kill_at = absl::InfiniteFuture();
+
+  auto signal_all = [&](int sig) {
+    for (Rank& r : ranks) {
+      if (r.running) kill(-r.pid, sig);
+    }
+  };
+  auto stop_all = [&] {
+    if (stopping) return;
+    stopping = true;
+    signal_all(SIGTERM);
+    kill_at = absl::Now() + absl::Seconds(opt.grace_s);
+  };
+
+  for (int local = 0; local < opt.nproc; ++local) {
+    Rank& r = ranks[local];
+    r.global_rank = opt.node_rank * opt.nproc + local;
+    std::vector<std::string> env = base_env;
+    env.push_back(absl::StrCat("RANK=", r.global_rank));
+    env.push_back(absl::StrCat("WORLD_SIZE=", world));
+    env.push_back(absl::StrCat("LOCAL_RANK=", local));
+    env.push_back(absl::StrCat("LOCAL_WORLD_SIZE=", opt.nproc));
+    env.push_back(absl::StrCat("MASTER_ADDR=", opt.master_addr));
+    env.push_back(absl::StrCat("MASTER_PORT=", opt.master_port));
+    std::vector<char*> envp;
+    for (std::string& kv : env) envp.push_back(kv.data());
+    envp.push_back(nullptr);
+    int out_pipe[2], err_pipe[2];
+    if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) {
+      std::perror("dtrun: pipe");
+      stop_all();
+      first_failure = 1;
+      break;
+    }
+    const std::string exec_error = absl::StrCat("dtrun: cannot execute ", opt.command[0], ": ");
+    const pid_t pid = fork();
+    if (pid == 0) {
+      // Child: async-signal-safe calls only, up to exec.
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != self) _exit(127);  // dtrun died before prctl
+      dup2(out_pipe[1], 1);
+      dup2(err_pipe[1], 2);
+      struct sigaction dfl {};
+      dfl.sa_handler = SIG_DFL;
+      for (int sig : {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE}) sigaction(sig, &dfl, nullptr);
+      execvpe(child_argv[0], child_argv.data(), envp.data());
+      const char* why = strerror(errno);
+      [[maybe_unused]] ssize_t n = write(2, exec_error.data(), exec_error.size());
+      n = write(2, why, strlen(why));
+      n = write(2, "\n", 1);
+      _exit(127);
+    }
+    close(out_pipe[1]);
+    close(err_pipe[1]);
+    if (pid < 0) {
+      std::perror("dtrun: fork");
+      close(out_pipe[0]);
+      close(err_pipe[0]);
+      stop_all();
+      first_failure = 1;
+      break;
+    }
+    setpgid(pid, pid);  // also here, so that kill(-pid) works before the child runs
+    r.pid = pid;
+    r.running = true;
+    const std::string prefix = absl::StrCat("[rank ", r.global_rank, "] ");
+    r.out = Stream{out_pipe[0], 1, prefix, {}};
+    r.err = Stream{err_pipe[0], 2, prefix, {}};
+  }
+
+  absl::Time all_exited_at = absl::InfiniteFuture();
+  std::vector<pollfd> pfds;
+  std::vector<Stream*> streams;
+  for (;;) {
+    // Reap.
+    for (Rank& r : ranks) {
+      if (!r.running) continue;
+      int status = 0;
+      const pid_t p = waitpid(r.pid, &status, WNOHANG);
+      if (p != r.pid) continue;
+      r.running = false;
+      const int code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+      if (code != 0 && first_failure == 0) {
+        first_failure = code;
+        if (!stopping) {
+          std::fprintf(stderr, "dtrun: rank %d %s; stopping the other ranks\n", r.global_rank,
+                       DescribeStatus(status).c_str());
+        }
+        stop_all();
+      }
+    }
+    bool any_running = false, any_open = false;
+    for (const Rank& r : ranks) {
+      any_running |= r.running;
+      any_open |= r.out.fd >= 0 || r.err.fd >= 0;
+    }
+    const absl::Time now = absl::Now();
+    if (!any_running && all_exited_at == absl::InfiniteFuture()) all_exited_at = now;
+    // Done when every rank is reaped and its output drained (grandchildren that keep the pipes
+    // open get one second).
+    if (!any_running && (!any_open || now - all_exited_at > absl::Seconds(1))) break;
+    if (any_running && now >= kill_at) {
+      signal_all(SIGKILL);
+      kill_at = absl::InfiniteFuture();
+    }
+
+    pfds.clear();
+    streams.clear();
+    pfds.push_back({sig_pipe[0], POLLIN, 0});
+    for (Rank& r : ranks) {
+      for (Stream* s : {&r.out, &r.err}) {
+        if (s->fd < 0) continue;
+        pfds.push_back({s->fd, POLLIN, 0});
+        streams.push_back(s);
+      }
+    }
+    int wait_ms = 100;
+    if (kill_at != absl::InfiniteFuture()) {
+      wait_ms = static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(kill_at - now) + 1, 0, 100));
+    }
+    if (poll(pfds.data(), pfds.size(), wait_ms) < 0 && errno != EINTR) break;
+    if (pfds[0].revents & POLLIN) {
+      unsigned char sigs[64];
+      const ssize_t n = read(sig_pipe[0], sigs, sizeof(sigs));
+      for (ssize_t k = 0; k < n; ++k) {
+        const int sig = sigs[k];
+        if (sig == SIGCHLD) continue;
+        if (received_signal == 0) received_signal = sig;
+        signal_all(sig);
+        if (!stopping) {
+          stopping = true;
+          kill_at = absl::Now() + absl::Seconds(opt.grace_s);
+        }
+      }
+    }
+    for (size_t k = 1; k < pfds.size(); ++k) {
+      if (pfds[k].revents != 0) streams[k - 1]->Pump();
+    }
+  }
+  for (Rank& r : ranks) {
+    for (Stream* s : {&r.out, &r.err}) {
+      if (s->fd >= 0) {
+        s->Flush();
+        close(s->fd);
+      }
+    }
+  }
+  if (first_failure != 0) return first_failure;
+  return received_signal != 0 ? 128 + received_signal : 0;
+}

@@ -1,0 +1,57 @@
+// Rendezvous: who am I in a multi-process run, and where is the master's store.
+//
+// Launchers describe each process through environment variables; LaunchInfoFromEnv() reads
+// the three common schemes, and ConnectStore() joins the run's TCP store (rank 0 hosts it):
+//
+//   DT_ASSIGN_OR_RETURN(LaunchInfo info, LaunchInfoFromEnv());
+//   DT_ASSIGN_OR_RETURN(auto store, ConnectStore(info, absl::Seconds(60)));
+//   DT_ASSIGN_OR_RETURN(int64_t n, store->Add("joined", 1));
+//
+// Schemes, tried in this order (the first whose rank variable is set wins):
+//   torchrun / dtrun: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+//   Open MPI:         OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE
+//   Slurm (srun):     SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID and
+//                     SLURM_NTASKS_PER_NODE or SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE
+//                     ("4(x2),3" form); the master defaults to the first host of
+//                     SLURM_STEP_NODELIST / SLURM_NODELIST.
+// In every scheme MASTER_ADDR / MASTER_PORT override the master (defaults 127.0.0.1 and 29500;
+// port 0, "any free port", when the world has one rank). LOCAL_* default to a single node
+// (local rank = rank). With none of the rank variables set, the process is a world of one.
+// Errors are InvalidArgument naming the variable and its value.
+#ifndef DTENSOR_COLLECTIVES_STORE_RENDEZVOUS_H_
+#define DTENSOR_COLLECTIVES_STORE_RENDEZVOUS_H_
+
+#include <map>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "collectives/store/tcp_store.h"
+
+namespace dtensor {
+
+inline constexpr int kDefaultMasterPort = 29500;
+
+struct LaunchInfo {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;
+  std::string scheme = "none";  // "torchrun", "ompi", "slurm" or "none"
+};
+
+// From an explicit environment (for tests) or from the process environment.
+absl::StatusOr<LaunchInfo> LaunchInfoFromEnv(const std::map<std::string, std::string>& env);
+absl::StatusOr<LaunchInfo> LaunchInfoFromEnv();
+
+// Connects to the run's store at master_addr:master_port within `timeout` (also the timeout of
+// every later call). Rank 0 first starts the server there and the returned client owns it, so
+// rank 0 should outlive the other ranks' use of the store (e.g. end with a store barrier).
+absl::StatusOr<std::unique_ptr<StoreClient>> ConnectStore(const LaunchInfo& info, absl::Duration timeout);
+
+}  // namespace dtensor
+
+#endif  // DTENSOR_COLLECTIVES_STORE_RENDEZVOUS_H_

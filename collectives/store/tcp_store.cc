@@ -1,0 +1,667 @@
+#include "collectives/store/tcp_store.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor {
+
+// ---- Wire protocol ----
+// Request:  u32 magic | u8 op | u32 field_count | field_count x (u64 length | bytes)
+// Response: u8 status (an absl::StatusCode) | u64 length | bytes (value, or error message)
+// All integers little-endian. SET (key, value); GET (key) -> value; ADD (key, i64 delta) ->
+// i64 new value; WAIT (key...) -> empty. GET and WAIT are answered once their keys exist.
+namespace {
+
+constexpr uint32_t kMagic = 0x31535444;  // "DTS1"
+constexpr uint8_t kOpSet = 1;
+constexpr uint8_t kOpGet = 2;
+constexpr uint8_t kOpAdd = 3;
+constexpr uint8_t kOpWait = 4;
+constexpr size_t kRequestHeader = 9;
+constexpr size_t kResponseHeader = 9;
+
+void PutU32(std::string& out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void PutU64(std::string& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+uint64_t GetLE(const char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+  return v;
+}
+
+std::string EncodeResponse(absl::StatusCode code, std::string_view payload) {
+  std::string out;
+  out.reserve(kResponseHeader + payload.size());
+  out.push_back(static_cast<char>(code));
+  PutU64(out, payload.size());
+  out.append(payload);
+  return out;
+}
+
+std::string EncodeI64(int64_t v) {
+  std::string s;
+  PutU64(s, static_cast<uint64_t>(v));
+  return s;
+}
+
+// A key for error messages: printable, at most ~80 characters.
+std::string Printable(std::string_view key) {
+  std::string out = "'";
+  for (size_t i = 0; i < key.size() && i < 80; ++i) {
+    const unsigned char c = static_cast<unsigned char>(key[i]);
+    if (c >= 0x20 && c < 0x7f) {
+      out.push_back(static_cast<char>(c));
+    } else {
+      static const char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out.push_back(kHex[c >> 4]);
+      out.push_back(kHex[c & 15]);
+    }
+  }
+  if (key.size() > 80) out += "...";
+  return out + "'";
+}
+
+std::string Errno(int err) { return std::strerror(err); }
+
+absl::Status CheckKey(std::string_view key) {
+  if (key.empty() || static_cast<int64_t>(key.size()) > kStoreMaxKeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("[TcpStore] key ", Printable(key), " has ", key.size(),
+                                                   " bytes; keys must have 1..", kStoreMaxKeyBytes));
+  }
+  return absl::OkStatus();
+}
+
+// Resolves host:port (numeric or name) to socket addresses, IPv4 first.
+absl::StatusOr<std::vector<std::pair<sockaddr_storage, socklen_t>>> Resolve(const std::string& host, int port,
+                                                                            bool passive) {
+  if (port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("[TcpStore] port ", port, " is outside 0..65535"));
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  if (passive) hints.ai_flags = AI_PASSIVE;
+  addrinfo* res = nullptr;
+  const std::string port_str = std::to_string(port);
+  const int rc = getaddrinfo(host.c_str(), port_str.c_str(), &hints, &res);
+  if (rc != 0) {
+    return absl::UnavailableError(absl::StrCat("[TcpStore] cannot resolve '", host, "': ", gai_strerror(rc)));
+  }
+  std::vector<std::pair<sockaddr_storage, socklen_t>> out;
+  for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+    sockaddr_storage ss{};
+    std::memcpy(&ss, a->ai_addr, a->ai_addrlen);
+    out.emplace_back(ss, a->ai_addrlen);
+  }
+  freeaddrinfo(res);
+  std::stable_sort(out.begin(), out.end(), [](const auto& x, const auto& y) {
+    return x.first.ss_family == AF_INET && y.first.ss_family != AF_INET;
+  });
+  if (out.empty()) return absl::UnavailableError(absl::StrCat("[TcpStore] '", host, "' has no address"));
+  return out;
+}
+
+int MillisUntil(absl::Time deadline) {
+  const absl::Duration left = deadline - absl::Now();
+  if (left <= absl::ZeroDuration()) return 0;
+  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1 << 30));
+}
+
+}  // namespace
+
+// ---- Server ----
+
+namespace {
+
+struct Conn {
+  int fd = -1;
+  std::string in;   // bytes received, not yet parsed
+  std::string out;  // bytes to send
+  size_t out_sent = 0;
+  bool closing = false;  // close once `out` is sent; read nothing more
+  // A parked GET (one key) or WAIT (its keys), answered once every key exists.
+  uint8_t pending_op = 0;
+  std::vector<std::string> pending_keys;
+};
+
+// Outcome of parsing the front of a connection's input.
+enum class Parse { kNeedMore, kMessage, kDrop, kErrorAndClose };
+
+struct Request {
+  uint8_t op = 0;
+  std::vector<std::string> fields;
+  size_t consumed = 0;
+};
+
+// Parses one request from `in`, checking every bound as soon as its header bytes are there, so
+// an oversize message is rejected before its body is buffered.
+Parse ParseRequest(const std::string& in, Request& req, std::string& error) {
+  if (in.size() >= 4 && GetLE(in.data(), 4) != kMagic) {
+    error = "bad magic";
+    return Parse::kDrop;
+  }
+  if (in.size() < kRequestHeader) return Parse::kNeedMore;
+  const uint8_t op = static_cast<uint8_t>(in[4]);
+  const uint64_t count = GetLE(in.data() + 5, 4);
+  bool count_ok = false;
+  switch (op) {
+    case kOpSet:
+    case kOpAdd:
+      count_ok = count == 2;
+      break;
+    case kOpGet:
+      count_ok = count == 1;
+      break;
+    case kOpWait:
+      count_ok = count >= 1 && count <= static_cast<uint64_t>(kStoreMaxWaitKeys);
+      break;
+    default:
+      error = absl::StrCat("unknown op ", op);
+      return Parse::kDrop;
+  }
+  if (!count_ok) {
+    error = absl::StrCat("op ", op, " with ", count, " fields");
+    return Parse::kDrop;
+  }
+  size_t pos = kRequestHeader;
+  std::vector<std::pair<size_t, size_t>> spans;
+  for (uint64_t i = 0; i < count; ++i) {
+    if (in.size() < pos + 8) return Parse::kNeedMore;
+    const uint64_t len = GetLE(in.data() + pos, 8);
+    pos += 8;
+    const bool is_value = (op == kOpSet && i == 1);
+    const bool is_delta = (op == kOpAdd && i == 1);
+    if (is_delta && len != 8) {
+      error = absl::StrCat("ADD delta of ", len, " bytes (want 8)");
+      return Parse::kErrorAndClose;
+    }
+    if (!is_value && !is_delta && (len == 0 || len > static_cast<uint64_t>(kStoreMaxKeyBytes))) {
+      error = absl::StrCat("key of ", len, " bytes; keys must have 1..", kStoreMaxKeyBytes);
+      return Parse::kErrorAndClose;
+    }
+    if (is_value && len > static_cast<uint64_t>(kStoreMaxValueBytes)) {
+      error = absl::StrCat("value of ", len, " bytes exceeds ", kStoreMaxValueBytes);
+      return Parse::kErrorAndClose;
+    }
+    if (in.size() < pos + len) return Parse::kNeedMore;
+    spans.emplace_back(pos, len);
+    pos += len;
+  }
+  req.op = op;
+  req.fields.clear();
+  for (const auto& [start, len] : spans) req.fields.emplace_back(in, start, len);
+  req.consumed = pos;
+  return Parse::kMessage;
+}
+
+}  // namespace
+
+struct StoreServer::State {
+  std::unordered_map<std::string, std::string> data;
+  std::map<int, Conn> conns;  // by fd
+  bool stop = false;
+
+  // Answers `c`'s parked request if all its keys exist now.
+  void TryAnswer(Conn& c) {
+    if (c.pending_op == 0) return;
+    for (const std::string& k : c.pending_keys) {
+      if (!data.contains(k)) return;
+    }
+    c.out += EncodeResponse(absl::StatusCode::kOk, c.pending_op == kOpGet ? data[c.pending_keys[0]] : "");
+    c.pending_op = 0;
+    c.pending_keys.clear();
+  }
+  void WakeWaiters() {
+    for (auto& [fd, c] : conns) TryAnswer(c);
+  }
+
+  // Executes one request; may park it.
+  void Execute(Conn& c, Request& req) {
+    switch (req.op) {
+      case kOpSet:
+        data[req.fields[0]] = std::move(req.fields[1]);
+        c.out += EncodeResponse(absl::StatusCode::kOk, "");
+        WakeWaiters();
+        return;
+      case kOpAdd: {
+        const int64_t delta = static_cast<int64_t>(GetLE(req.fields[1].data(), 8));
+        int64_t current = 0;
+        auto it = data.find(req.fields[0]);
+        if (it != data.end() && !absl::SimpleAtoi(it->second, &current)) {
+          c.out += EncodeResponse(absl::StatusCode::kFailedPrecondition,
+                                  absl::StrCat("key ", Printable(req.fields[0]), " holds a non-integer value"));
+          return;
+        }
+        int64_t next = 0;
+        if (__builtin_add_overflow(current, delta, &next)) {
+          c.out += EncodeResponse(absl::StatusCode::kOutOfRange, absl::StrCat("counter ", Printable(req.fields[0]),
+                                                                              " overflows: ", current, " + ", delta));
+          return;
+        }
+        data[req.fields[0]] = std::to_string(next);
+        c.out += EncodeResponse(absl::StatusCode::kOk, EncodeI64(next));
+        WakeWaiters();
+        return;
+      }
+      case kOpGet:
+      case kOpWait:
+        c.pending_op = req.op;
+        c.pending_keys = std::move(req.fields);
+        TryAnswer(c);
+        return;
+      default:
+        return;  // unreachable: ParseRequest validated the op
+    }
+  }
+
+  // Parses and executes what `c` has buffered, one request at a time (a parked request blocks
+  // the ones behind it).
+  void Process(Conn& c) {
+    while (!c.closing && c.pending_op == 0) {
+      Request req;
+      std::string error;
+      const Parse p = ParseRequest(c.in, req, error);
+      if (p == Parse::kNeedMore) return;
+      if (p == Parse::kDrop) {
+        c.closing = true;
+        c.out.clear();
+        c.out_sent = 0;
+        return;
+      }
+      if (p == Parse::kErrorAndClose) {
+        c.out += EncodeResponse(absl::StatusCode::kInvalidArgument, error);
+        c.closing = true;
+        c.in.clear();
+        return;
+      }
+      c.in.erase(0, req.consumed);
+      Execute(c, req);
+    }
+  }
+};
+
+absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host, int port) {
+  DT_ASSIGN_OR_RETURN(auto addrs, Resolve(host, port, /*passive=*/true));
+  std::string last_error;
+  for (auto& [addr, len] : addrs) {
+    const int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) {
+      last_error = Errno(errno);
+      continue;
+    }
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || listen(fd, 512) != 0) {
+      last_error = Errno(errno);
+      close(fd);
+      continue;
+    }
+    sockaddr_storage bound{};
+    socklen_t bound_len = sizeof(bound);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &bound_len);
+    const int actual_port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                                        : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    int wake[2];
+    if (pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+      const int err = errno;
+      close(fd);
+      return absl::UnavailableError(absl::StrCat("[TcpStore] pipe: ", Errno(err)));
+    }
+    std::unique_ptr<StoreServer> server(new StoreServer(host, actual_port, fd, wake[0], wake[1]));
+    server->thread_ = std::thread([s = server.get()] { s->Loop(); });
+    return server;
+  }
+  return absl::UnavailableError(absl::StrCat("[TcpStore] cannot listen on ", host, ":", port, ": ", last_error));
+}
+
+StoreServer::StoreServer(std::string host, int port, int listen_fd, int wake_read_fd, int wake_write_fd)
+    : host_(std::move(host)),
+      port_(port),
+      listen_fd_(listen_fd),
+      wake_read_fd_(wake_read_fd),
+      wake_write_fd_(wake_write_fd),
+      state_(std::make_unique<State>()) {}
+
+StoreServer::~StoreServer() {
+  const char b = 1;
+  while (write(wake_write_fd_, &b, 1) < 0 && errno == EINTR) {
+  }
+  if (thread_.joinable()) thread_.join();
+  for (auto& [fd, c] : state_->conns) close(fd);
+  close(listen_fd_);
+  close(wake_read_fd_);
+  close(wake_write_fd_);
+}
+
+void StoreServer::Loop() {
+  State& st = *state_;
+  std::vector<pollfd> pfds;
+  std::vector<char> buf(1 << 16);
+  for (;;) {
+    pfds.clear();
+    pfds.push_back({wake_read_fd_, POLLIN, 0});
+    pfds.push_back({listen_fd_, POLLIN, 0});
+    for (auto& [fd, c] : st.conns) {
+      short events = c.closing ? 0 : POLLIN;
+      if (c.out_sent < c.out.size()) events |= POLLOUT;
+      pfds.push_back({fd, events, 0});
+    }
+    if (poll(pfds.data(), pfds.size(), -1) < 0) {
+      if (errno == EINTR) continue;
+      return;  // cannot happen with valid fds; the destructor still cleans up
+    }
+    if (pfds[0].revents != 0) return;  // shutdown
+    if (pfds[1].revents & POLLIN) {
+      for (int i = 0; i < 64; ++i) {
+        const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) break;
+        if (static_cast<int>(st.conns.size()) >= kStoreMaxClients) {
+          close(fd);
+          continue;
+        }
+        const int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        st.conns[fd].fd = fd;
+      }
+    }
+    std::vector<int> dead;
+    for (size_t i = 2; i < pfds.size(); ++i) {
+      const int fd = pfds[i].fd;
+      auto it = st.conns.find(fd);
+      if (it == st.conns.end()) continue;
+      Conn& c = it->second;
+      const short rev = pfds[i].revents;
+      if (rev & (POLLERR | POLLNVAL)) {
+        dead.push_back(fd);
+        continue;
+      }
+      if ((rev & (POLLIN | POLLHUP)) && !c.closing) {
+        const ssize_t n = read(fd, buf.data(), buf.size());
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+          dead.push_back(fd);
+          continue;
+        }
+        if (n > 0) {
+          c.in.append(buf.data(), static_cast<size_t>(n));
+          // A client must not pipeline past a parked request; bound what it may buffer.
+          if (c.pending_op != 0 && c.in.size() > (1u << 20)) {
+            dead.push_back(fd);
+            continue;
+          }
+          st.Process(c);
+        }
+      } else if ((rev & POLLHUP) && c.closing && c.out_sent >= c.out.size()) {
+        dead.push_back(fd);
+        continue;
+      }
+    }
+    // Sends (also for connections answered by another connection's SET/ADD above).
+    for (auto& [fd, c] : st.conns) {
+      if (c.pending_op == 0 && !c.closing && !c.in.empty()) st.Process(c);  // requests behind a parked one
+      while (c.out_sent < c.out.size()) {
+        const ssize_t n = send(fd, c.out.data() + c.out_sent, c.out.size() - c.out_sent, MSG_NOSIGNAL);
+        if (n > 0) {
+          c.out_sent += static_cast<size_t>(n);
+          continue;
+        }
+        if (n < 0 && (errno == EAGAIN || errno == EINTR)) break;
+        dead.push_back(fd);
+        break;
+      }
+      if (c.out_sent >= c.out.size()) {
+        c.out.clear();
+        c.out_sent = 0;
+        if (c.closing) dead.push_back(fd);
+      }
+    }
+    std::sort(dead.begin(), dead.end());
+    dead.erase(std::unique(dead.begin(), dead.end()), dead.end());
+    for (const int fd : dead) {
+      close(fd);
+      st.conns.erase(fd);
+    }
+  }
+}
+
+// ---- Client ----
+
+StoreClient::StoreClient(std::string host, int port, absl::Duration timeout)
+    : host_(std::move(host)), port_(port), timeout_(timeout) {}
+
+StoreClient::~StoreClient() {
+  Close();
+  server_.reset();
+}
+
+absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Connect(const std::string& host, int port,
+                                                                  absl::Duration timeout) {
+  if (port <= 0 || port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("[TcpStore] port ", port, " is outside 1..65535"));
+  }
+  std::unique_ptr<StoreClient> client(new StoreClient(host, port, timeout));
+  std::lock_guard<std::mutex> lock(client->mu_);
+  DT_RETURN_IF_ERROR(client->EnsureConnected(absl::Now() + timeout));
+  return client;
+}
+
+void StoreClient::AdoptServer(std::unique_ptr<StoreServer> server) {
+  std::lock_guard<std::mutex> lock(mu_);
+  server_ = std::move(server);
+}
+
+void StoreClient::SetTimeout(absl::Duration timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  timeout_ = timeout;
+}
+
+absl::Duration StoreClient::timeout() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return timeout_;
+}
+
+void StoreClient::Close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  CloseLocked();
+}
+
+void StoreClient::CloseLocked() {
+  if (fd_ >= 0) close(fd_);
+  fd_ = -1;
+}
+
+absl::Status StoreClient::EnsureConnected(absl::Time deadline) {
+  if (fd_ >= 0) return absl::OkStatus();
+  DT_ASSIGN_OR_RETURN(auto addrs, Resolve(host_, port_, /*passive=*/false));
+  std::string last_error = "timed out";
+  absl::Duration backoff = absl::Milliseconds(10);
+  // Bounded by the deadline: each attempt waits at most until it.
+  for (;;) {
+    for (auto& [addr, len] : addrs) {
+      const int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+      if (fd < 0) {
+        last_error = Errno(errno);
+        continue;
+      }
+      int rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), len);
+      int err = rc == 0 ? 0 : errno;
+      if (rc != 0 && err == EINPROGRESS) {
+        pollfd p{fd, POLLOUT, 0};
+        const int pr = poll(&p, 1, MillisUntil(deadline));
+        if (pr <= 0) {
+          err = pr == 0 ? ETIMEDOUT : errno;
+        } else {
+          socklen_t elen = sizeof(err);
+          getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen);
+        }
+      }
+      if (err == 0) {
+        const int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        fd_ = fd;
+        return absl::OkStatus();
+      }
+      last_error = Errno(err);
+      close(fd);
+    }
+    const absl::Time now = absl::Now();
+    if (now >= deadline) break;
+    absl::SleepFor(std::min(backoff, deadline - now));
+    backoff = std::min(backoff * 2, absl::Milliseconds(200));
+  }
+  return absl::UnavailableError(absl::StrCat("[TcpStore] cannot connect to ", host_, ":", port_, " within ",
+                                             absl::FormatDuration(timeout_), ": ", last_error));
+}
+
+absl::StatusOr<std::string> StoreClient::Call(uint8_t op, absl::Span<const std::string_view> fields,
+                                              const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const absl::Time deadline = absl::Now() + timeout_;
+  const std::string where = absl::StrCat(host_, ":", port_);
+  DT_RETURN_IF_ERROR(EnsureConnected(deadline));
+  auto timed_out = [&] {
+    CloseLocked();  // the response may still come: never reuse this connection
+    return absl::DeadlineExceededError(
+        absl::StrCat("[TcpStore] ", what, " timed out after ", absl::FormatDuration(timeout_), " waiting on ", where));
+  };
+  auto broken = [&](const std::string& why) {
+    CloseLocked();
+    return absl::UnavailableError(absl::StrCat("[TcpStore] ", what, ": connection to ", where, " ", why));
+  };
+
+  std::string header;
+  PutU32(header, kMagic);
+  header.push_back(static_cast<char>(op));
+  PutU32(header, static_cast<uint32_t>(fields.size()));
+  // Sends header, then each field's length and bytes, without copying large values.
+  auto send_all = [&](std::string_view bytes) -> int {  // 0 ok, 1 timeout, 2 broken
+    size_t sent = 0;
+    while (sent < bytes.size()) {
+      const ssize_t n = send(fd_, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+      if (n > 0) {
+        sent += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno != EAGAIN) return 2;
+      pollfd p{fd_, POLLOUT, 0};
+      const int pr = poll(&p, 1, MillisUntil(deadline));
+      if (pr == 0) return 1;
+      if (pr < 0 && errno != EINTR) return 2;
+    }
+    return 0;
+  };
+  auto check = [&](int rc) -> absl::Status {
+    if (rc == 1) return timed_out();
+    if (rc == 2) return broken(absl::StrCat("failed: ", Errno(errno)));
+    return absl::OkStatus();
+  };
+  DT_RETURN_IF_ERROR(check(send_all(header)));
+  for (std::string_view f : fields) {
+    std::string len;
+    PutU64(len, f.size());
+    DT_RETURN_IF_ERROR(check(send_all(len)));
+    DT_RETURN_IF_ERROR(check(send_all(f)));
+  }
+
+  auto recv_all = [&](char* dst, size_t n) -> int {  // 0 ok, 1 timeout, 2 broken, 3 closed
+    size_t got = 0;
+    while (got < n) {
+      const ssize_t r = recv(fd_, dst + got, n - got, 0);
+      if (r > 0) {
+        got += static_cast<size_t>(r);
+        continue;
+      }
+      if (r == 0) return 3;
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN) return 2;
+      pollfd p{fd_, POLLIN, 0};
+      const int pr = poll(&p, 1, MillisUntil(deadline));
+      if (pr == 0) return 1;
+      if (pr < 0 && errno != EINTR) return 2;
+    }
+    return 0;
+  };
+  auto check_recv = [&](int rc) -> absl::Status {
+    if (rc == 3) return broken("was closed by the server");
+    return check(rc);
+  };
+  char head[kResponseHeader];
+  DT_RETURN_IF_ERROR(check_recv(recv_all(head, sizeof(head))));
+  const uint8_t code = static_cast<uint8_t>(head[0]);
+  const uint64_t len = GetLE(head + 1, 8);
+  if (len > static_cast<uint64_t>(kStoreMaxValueBytes) + 4096 || code > 16) {
+    return broken("sent a malformed response");
+  }
+  std::string payload(len, '\0');
+  DT_RETURN_IF_ERROR(check_recv(recv_all(payload.data(), len)));
+  if (code != 0) {
+    return absl::Status(static_cast<absl::StatusCode>(code), absl::StrCat("[TcpStore] ", what, ": ", payload));
+  }
+  return payload;
+}
+
+absl::Status StoreClient::Set(std::string_view key, std::string_view value) {
+  DT_RETURN_IF_ERROR(CheckKey(key));
+  if (static_cast<int64_t>(value.size()) > kStoreMaxValueBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("[TcpStore] Set(", Printable(key), "): value of ", value.size(),
+                                                   " bytes exceeds ", kStoreMaxValueBytes));
+  }
+  const std::string_view fields[] = {key, value};
+  return Call(kOpSet, fields, absl::StrCat("Set(", Printable(key), ")")).status();
+}
+
+absl::StatusOr<std::string> StoreClient::Get(std::string_view key) {
+  DT_RETURN_IF_ERROR(CheckKey(key));
+  const std::string_view fields[] = {key};
+  return Call(kOpGet, fields, absl::StrCat("Get(", Printable(key), ")"));
+}
+
+absl::StatusOr<int64_t> StoreClient::Add(std::string_view key, int64_t delta) {
+  DT_RETURN_IF_ERROR(CheckKey(key));
+  const std::string d = EncodeI64(delta);
+  const std::string_view fields[] = {key, d};
+  const std::string what = absl::StrCat("Add(", Printable(key), ", ", delta, ")");
+  DT_ASSIGN_OR_RETURN(std::string r, Call(kOpAdd, fields, what));
+  if (r.size() != 8) return absl::UnavailableError(absl::StrCat("[TcpStore] ", what, ": malformed response"));
+  return static_cast<int64_t>(GetLE(r.data(), 8));
+}
+
+absl::Status StoreClient::Wait(absl::Span<const std::string> keys) {
+  if (keys.empty() || static_cast<int>(keys.size()) > kStoreMaxWaitKeys) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("[TcpStore] Wait: ", keys.size(), " keys; must be 1..", kStoreMaxWaitKeys));
+  }
+  std::vector<std::string_view> fields;
+  for (const std::string& k : keys) {
+    DT_RETURN_IF_ERROR(CheckKey(k));
+    fields.push_back(k);
+  }
+  std::string what = absl::StrCat("Wait(", Printable(keys[0]));
+  if (keys.size() > 1) absl::StrAppend(&what, " and ", keys.size() - 1, " more");
+  what += ")";
+  return Call(kOpWait, fields, what).status();
+}
+
+}  // namespace dtensor

@@ -1,0 +1,123 @@
+// TCP key-value store: how the ranks of a multi-process run find each other.
+//
+// One process (rank 0, "the master") runs a StoreServer; every rank, the master included,
+// talks to it through a StoreClient. Transports publish their addresses through it (UCX worker
+// addresses, the NCCL unique id), and it doubles as a slow barrier.
+//
+//   DT_ASSIGN_OR_RETURN(auto server, StoreServer::Start("127.0.0.1", 0));      // rank 0 only
+//   DT_ASSIGN_OR_RETURN(auto store, StoreClient::Connect("127.0.0.1", server->port(),
+//                                                        absl::Seconds(30)));
+//   DT_RETURN_IF_ERROR(store->Set("nccl/id", id_bytes));
+//   DT_ASSIGN_OR_RETURN(std::string id, store->Get("nccl/id"));   // blocks until it is set
+//   DT_ASSIGN_OR_RETURN(int64_t arrived, store->Add("barrier/0", 1));
+//
+// Keys are 1..4 KiB of arbitrary bytes, values up to 64 MiB. Add() keeps its counter as a
+// decimal string, so Get() of a counter returns e.g. "4". Values are never deleted.
+//
+// Errors: InvalidArgument for keys/values out of bounds; DeadlineExceeded when a call did not
+// finish within the client's timeout (names the key and the server's address); Unavailable when
+// the server cannot be reached or the connection breaks. After an error the client reconnects
+// on its next call. The wire protocol is private to tcp_store.cc (both ends are built from it).
+#ifndef DTENSOR_COLLECTIVES_STORE_TCP_STORE_H_
+#define DTENSOR_COLLECTIVES_STORE_TCP_STORE_H_
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace dtensor {
+
+// Bounds enforced by both ends; a server receiving more drops that connection after an error.
+inline constexpr int64_t kStoreMaxKeyBytes = 4096;
+inline constexpr int64_t kStoreMaxValueBytes = int64_t{64} << 20;
+inline constexpr int kStoreMaxWaitKeys = 1024;  // keys per Wait()
+inline constexpr int kStoreMaxClients = 1024;   // connections a server holds at once
+
+// Serves one store from a background thread (one poll loop; blocked Get/Wait calls are parked
+// in the server, not in threads). Binds only the given address. Destruction stops the thread and
+// closes every connection; clients still blocked then get Unavailable.
+class StoreServer {
+ public:
+  // host: a numeric address or a name that resolves locally (e.g. "127.0.0.1", "localhost").
+  // port 0 picks a free port; port() reports it.
+  static absl::StatusOr<std::unique_ptr<StoreServer>> Start(const std::string& host, int port);
+  ~StoreServer();
+  StoreServer(const StoreServer&) = delete;
+  StoreServer& operator=(const StoreServer&) = delete;
+
+  const std::string& host() const { return host_; }
+  int port() const { return port_; }
+
+  struct State;  // private to tcp_store.cc
+
+ private:
+  StoreServer(std::string host, int port, int listen_fd, int wake_read_fd, int wake_write_fd);
+  void Loop();
+
+  std::string host_;
+  int port_;
+  int listen_fd_;
+  int wake_read_fd_;
+  int wake_write_fd_;
+  std::unique_ptr<State> state_;
+  std::thread thread_;
+};
+
+// A connection to a StoreServer. Thread-safe (calls are serialized on one connection).
+class StoreClient {
+ public:
+  // Connects, retrying until `timeout` while the server is not up yet (ranks start in any
+  // order). `timeout` also becomes the timeout of every later call.
+  static absl::StatusOr<std::unique_ptr<StoreClient>> Connect(const std::string& host, int port,
+                                                              absl::Duration timeout);
+  ~StoreClient();
+  StoreClient(const StoreClient&) = delete;
+  StoreClient& operator=(const StoreClient&) = delete;
+
+  // Sets key to value (overwriting), and wakes every Get/Wait blocked on it.
+  absl::Status Set(std::string_view key, std::string_view value);
+  // The value of key, waiting up to timeout() for some rank to set it.
+  absl::StatusOr<std::string> Get(std::string_view key);
+  // Atomically adds delta to the counter at key (absent counts as 0) and returns the new value.
+  // FailedPrecondition if the key holds something that is not a decimal int64.
+  absl::StatusOr<int64_t> Add(std::string_view key, int64_t delta);
+  // Waits up to timeout() until every key exists (1..kStoreMaxWaitKeys keys).
+  absl::Status Wait(absl::Span<const std::string> keys);
+  // Closes the connection; a later call reconnects. Idempotent.
+  void Close();
+
+  void SetTimeout(absl::Duration timeout);
+  absl::Duration timeout() const;
+  const std::string& host() const { return host_; }
+  int port() const { return port_; }
+
+  // Makes this client own `server` (the master's store); it is shut down after this client's
+  // connection is closed, on destruction.
+  void AdoptServer(std::unique_ptr<StoreServer> server);
+
+ private:
+  StoreClient(std::string host, int port, absl::Duration timeout);
+  // Sends one request and reads its response; `what` names the call in errors.
+  absl::StatusOr<std::string> Call(uint8_t op, absl::Span<const std::string_view> fields, const std::string& what);
+  absl::Status EnsureConnected(absl::Time deadline);
+  void CloseLocked();
+
+  const std::string host_;
+  const int port_;
+  mutable std::mutex mu_;
+  absl::Duration timeout_;
+  int fd_ = -1;
+  std::unique_ptr<StoreServer> server_;  // destroyed after fd_ is closed
+};
+
+}  // namespace dtensor
+
+#endif  // DTENSOR_COLLECTIVES_STORE_TCP_STORE_H_

@@ -1,0 +1,952 @@
+#include "collectives/threads/threads_communicator.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor {
+namespace internal {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Reductions: out[i] = in_0[i] (op) in_1[i] (op) ... in rank order, so every rank that reads a
+// block gets the same bits. Chunks are loaded from every source before they are stored, which
+// makes dst == one of the sources (in place) safe.
+
+constexpr int64_t kChunk = 512;
+
+template <typename T, typename A, typename Load, typename Combine, typename Store>
+void ReduceChunks(absl::Span<const char* const> srcs, int64_t begin, int64_t n, char* dst, Load load, Combine combine,
+                  Store store) {
+  A acc[kChunk];
+  T* d = reinterpret_cast<T*>(dst);
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t m = std::min(kChunk, n - c);
+    const T* s0 = reinterpret_cast<const T*>(srcs[0]) + begin + c;
+    for (int64_t i = 0; i < m; ++i) acc[i] = load(s0[i]);
+    for (size_t j = 1; j < srcs.size(); ++j) {
+      const T* s = reinterpret_cast<const T*>(srcs[j]) + begin + c;
+      for (int64_t i = 0; i < m; ++i) acc[i] = combine(acc[i], load(s[i]));
+    }
+    for (int64_t i = 0; i < m; ++i) d[c + i] = store(acc[i]);
+  }
+}
+
+template <typename T>
+void ReduceFloat(CommReduceOp op, absl::Span<const char* const> srcs, int64_t begin, int64_t n, char* dst) {
+  auto load = [](T v) { return static_cast<float>(v); };
+  auto store = [](float v) { return T(v); };
+  switch (op) {
+    case CommReduceOp::kSum:
+      ReduceChunks<T, float>(
+          srcs, begin, n, dst, load, [](float a, float b) { return a + b; }, store);
+      return;
+    case CommReduceOp::kAvg: {
+      const float size = static_cast<float>(srcs.size());
+      ReduceChunks<T, float>(
+          srcs, begin, n, dst, load, [](float a, float b) { return a + b; }, [&](float v) { return T(v / size); });
+      return;
+    }
+    case CommReduceOp::kMax:  // NaN wins, as torch.maximum
+      ReduceChunks<T, float>(
+          srcs, begin, n, dst, load, [](float a, float b) { return (std::isnan(a) || a > b) ? a : b; }, store);
+      return;
+    case CommReduceOp::kMin:
+      ReduceChunks<T, float>(
+          srcs, begin, n, dst, load, [](float a, float b) { return (std::isnan(a) || a < b) ? a : b; }, store);
+      return;
+    case CommReduceOp::kProduct:
+      ReduceChunks<T, float>(
+          srcs, begin, n, dst, load, [](float a, float b) { return a * b; }, store);
+      return;
+  }
+}
+
+// Integers: sums and products wrap (computed in uint64, then truncated), avg truncates.
+template <typename T>
+void ReduceInt(CommReduceOp op, absl::Span<const char* const> srcs, int64_t begin, int64_t n, char* dst) {
+  auto load_u = [](T v) { return static_cast<uint64_t>(static_cast<int64_t>(v)); };
+  auto store_u = [](uint64_t v) { return static_cast<T>(static_cast<int64_t>(v)); };
+  auto load_s = [](T v) { return static_cast<int64_t>(v); };
+  auto store_s = [](int64_t v) { return static_cast<T>(v); };
+  switch (op) {
+    case CommReduceOp::kSum:
+      ReduceChunks<T, uint64_t>(
+          srcs, begin, n, dst, load_u, [](uint64_t a, uint64_t b) { return a + b; }, store_u);
+      return;
+    case CommReduceOp::kAvg: {
+      const int64_t size = static_cast<int64_t>(srcs.size());
+      ReduceChunks<T, uint64_t>(
+          srcs, begin, n, dst, load_u, [](uint64_t a, uint64_t b) { return a + b; },
+          [&](uint64_t v) { return static_cast<T>(static_cast<int64_t>(v) / size); });
+      return;
+    }
+    case CommReduceOp::kMax:
+      ReduceChunks<T, int64_t>(
+          srcs, begin, n, dst, load_s, [](int64_t a, int64_t b) { return std::max(a, b); }, store_s);
+      return;
+    case CommReduceOp::kMin:
+      ReduceChunks<T, int64_t>(
+          srcs, begin, n, dst, load_s, [](int64_t a, int64_t b) { return std::min(a, b); }, store_s);
+      return;
+    case CommReduceOp::kProduct:
+      ReduceChunks<T, uint64_t>(
+          srcs, begin, n, dst, load_u, [](uint64_t a, uint64_t b) { return a * b; }, store_u);
+      return;
+  }
+}
+
+// bool: sum / max are "or", min / product are "and" (avg is rejected before).
+void ReduceBool(CommReduceOp op, absl::Span<const char* const> srcs, int64_t begin, int64_t n, char* dst) {
+  auto id = [](bool v) { return v; };
+  if (op == CommReduceOp::kMin || op == CommReduceOp::kProduct) {
+    ReduceChunks<bool, bool>(
+        srcs, begin, n, dst, id, [](bool a, bool b) { return a && b; }, id);
+  } else {
+    ReduceChunks<bool, bool>(
+        srcs, begin, n, dst, id, [](bool a, bool b) { return a || b; }, id);
+  }
+}
+
+// Reduces elements [begin, begin + n) of every source into dst[0, n). Precondition: the dtype
+// and op passed CheckReduction.
+void Reduce(DType dtype, CommReduceOp op, absl::Span<const char* const> srcs, int64_t begin, int64_t n, char* dst) {
+  if (n <= 0) return;
+  switch (dtype) {
+    case DType::kFloat32:
+      return ReduceFloat<float>(op, srcs, begin, n, dst);
+    case DType::kBFloat16:
+      return ReduceFloat<BFloat16>(op, srcs, begin, n, dst);
+    case DType::kFloat16:
+      return ReduceFloat<Float16>(op, srcs, begin, n, dst);
+    case DType::kInt32:
+      return ReduceInt<int32_t>(op, srcs, begin, n, dst);
+    case DType::kInt64:
+      return ReduceInt<int64_t>(op, srcs, begin, n, dst);
+    case DType::kBool:
+      return ReduceBool(op, srcs, begin, n, dst);
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      return;
+  }
+}
+
+void Copy(char* dst, const char* src, int64_t bytes) {
+  if (bytes > 0 && dst != src) std::memcpy(dst, src, static_cast<size_t>(bytes));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Deadlines on the steady clock; an enormous timeout means "wait forever".
+
+class Deadline {
+ public:
+  explicit Deadline(absl::Duration timeout)
+      : infinite_(timeout >= absl::Hours(24 * 365 * 100)),
+        at_(std::chrono::steady_clock::now() +
+            (infinite_ ? std::chrono::nanoseconds(0)
+                       : absl::ToChronoNanoseconds(std::max(timeout, absl::ZeroDuration())))) {}
+  bool Expired() const { return !infinite_ && std::chrono::steady_clock::now() >= at_; }
+  void WaitOn(std::condition_variable& cv, std::unique_lock<std::mutex>& lock) const {
+    if (infinite_) {
+      cv.wait(lock);
+    } else {
+      cv.wait_until(lock, at_);
+    }
+  }
+
+ private:
+  bool infinite_;
+  std::chrono::steady_clock::time_point at_;
+};
+
+constexpr int kSpins = 200;
+
+// ---------------------------------------------------------------------------------------------
+// One rank's collective call, published in shared memory for its peers.
+
+enum class CallKind : uint8_t {
+  kAllReduce,
+  kAllGather,
+  kReduceScatter,
+  kAllToAll,
+  kBroadcast,
+  kAllGatherV,
+  kReduceScatterV,
+  kAllToAllV,
+  kBarrier,
+  kSplit,
+};
+
+const char* CallName(CallKind k) {
+  switch (k) {
+    case CallKind::kAllReduce:
+      return "AllReduce";
+    case CallKind::kAllGather:
+      return "AllGather";
+    case CallKind::kReduceScatter:
+      return "ReduceScatter";
+    case CallKind::kAllToAll:
+      return "AllToAll";
+    case CallKind::kBroadcast:
+      return "Broadcast";
+    case CallKind::kAllGatherV:
+      return "AllGatherV";
+    case CallKind::kReduceScatterV:
+      return "ReduceScatterV";
+    case CallKind::kAllToAllV:
+      return "AllToAllV";
+    case CallKind::kBarrier:
+      return "Barrier";
+    case CallKind::kSplit:
+      return "Split";
+  }
+  return "?";
+}
+
+class ThreadGroup;
+
+struct Call {
+  CallKind kind = CallKind::kBarrier;
+  DType dtype = DType::kFloat32;
+  CommReduceOp op = CommReduceOp::kSum;
+  int64_t numel = 0;  // input elements (the tensor's for Broadcast)
+  int root = -1;
+  const char* in = nullptr;  // the input, or this rank's staged copy of it
+  char* out = nullptr;
+  std::vector<int64_t> counts;       // *V counts; AllToAllV: send counts
+  std::vector<int64_t> recv_counts;  // AllToAllV
+  int color = -1;
+  int key = 0;
+  std::shared_ptr<ThreadGroup> split;  // Split: the new group, set by its first member
+
+  bool Reduces() const {
+    return kind == CallKind::kAllReduce || kind == CallKind::kReduceScatter || kind == CallKind::kReduceScatterV;
+  }
+  bool HasData() const { return kind != CallKind::kBarrier && kind != CallKind::kSplit; }
+};
+
+std::string Describe(const Call& c) {
+  std::string s = absl::StrCat(CallName(c.kind), "(");
+  if (c.HasData()) absl::StrAppend(&s, DTypeName(c.dtype));
+  switch (c.kind) {
+    case CallKind::kAllGatherV:
+    case CallKind::kReduceScatterV:
+      absl::StrAppend(&s, ", counts [", absl::StrJoin(c.counts, ", "), "]");
+      break;
+    case CallKind::kAllToAllV:
+      absl::StrAppend(&s, ", send [", absl::StrJoin(c.counts, ", "), "], recv [", absl::StrJoin(c.recv_counts, ", "),
+                      "]");
+      break;
+    case CallKind::kBarrier:
+    case CallKind::kSplit:
+      break;
+    default:
+      absl::StrAppend(&s, ", ", c.numel, " elements");
+  }
+  if (c.Reduces()) absl::StrAppend(&s, ", ", CommReduceOpName(c.op));
+  if (c.kind == CallKind::kBroadcast) absl::StrAppend(&s, ", root ", c.root);
+  return s + ")";
+}
+
+// Whether two ranks' calls belong to one collective (AllToAllV's counts are checked pairwise).
+bool SameCall(const Call& a, const Call& b) {
+  if (a.kind != b.kind) return false;
+  if (!a.HasData()) return true;
+  if (a.dtype != b.dtype) return false;
+  if (a.Reduces() && a.op != b.op) return false;
+  switch (a.kind) {
+    case CallKind::kAllGatherV:
+    case CallKind::kReduceScatterV:
+      return a.counts == b.counts;
+    case CallKind::kAllToAllV:
+      return true;
+    case CallKind::kBroadcast:
+      return a.numel == b.numel && a.root == b.root;
+    default:
+      return a.numel == b.numel;
+  }
+}
+
+// A posted Send or Recv.
+struct P2POp {
+  Tensor tensor;
+  bool matched = false;  // guarded by the group's mutex; once true, a copy is under way or done
+  std::atomic<bool> done{false};
+  absl::Status status;  // written before done is set
+};
+
+// ---------------------------------------------------------------------------------------------
+// The state one group's communicators share.
+
+class ThreadGroup {
+ public:
+  ThreadGroup(int size, bool debug)
+      : size_(size),
+        debug_(debug),
+        slots_(2 * static_cast<size_t>(size)),
+        arrived_(static_cast<size_t>(size)),
+        gone_(static_cast<size_t>(size)),
+        channels_(static_cast<size_t>(size) * static_cast<size_t>(size)) {}
+
+  int size() const { return size_; }
+  bool debug() const { return debug_; }
+  // Slots alternate between consecutive collectives: a rank can only reuse a slot after
+  // every rank has entered the next collective, i.e. finished reading it.
+  Call& slot(uint64_t seq, int rank) {
+    return slots_[(seq & 1) * static_cast<size_t>(size_) + static_cast<size_t>(rank)];
+  }
+
+  // Fails fast when the group failed before or `peer` (every rank when -1) has left.
+  absl::Status CheckUsable(int rank, const char* op, int peer) {
+    if (failed_.load(std::memory_order_acquire)) {
+      std::lock_guard<std::mutex> lock(mu_);
+      return absl::Status(failure_.code(),
+                          absl::StrCat("[", op, "] rank ", rank, ": the group failed earlier: ", failure_.message()));
+    }
+    for (int j = 0; j < size_; ++j) {
+      if ((peer < 0 || j == peer) && gone_[static_cast<size_t>(j)].load(std::memory_order_acquire)) {
+        return absl::UnavailableError(absl::StrCat("[", op, "] rank ", rank, ": rank ", j,
+                                                   " has left the group (its communicator was destroyed)"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Marks `rank` as arrived at barrier `target` and waits until every rank has.
+  absl::Status Arrive(int rank, uint64_t target, const char* op, absl::Duration timeout) {
+    arrived_[static_cast<size_t>(rank)].store(target, std::memory_order_seq_cst);
+    if (waiters_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      cv_.notify_all();
+    }
+    for (int i = 0; i < kSpins; ++i) {
+      if (AllArrived(target)) return absl::OkStatus();
+      if (failed_.load(std::memory_order_acquire)) break;
+      if (i >= 20) std::this_thread::yield();
+    }
+    const Deadline deadline(timeout);
+    waiters_.fetch_add(1, std::memory_order_seq_cst);
+    absl::Status result;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!AllArrived(target)) {
+        std::vector<int> missing;
+        int gone = -1;
+        for (int j = 0; j < size_; ++j) {
+          if (arrived_[static_cast<size_t>(j)].load(std::memory_order_acquire) < target) {
+            missing.push_back(j);
+            if (gone < 0 && gone_[static_cast<size_t>(j)].load(std::memory_order_acquire)) gone = j;
+          }
+        }
+        if (failed_.load(std::memory_order_acquire)) {
+          result = absl::Status(failure_.code(), absl::StrCat("[", op, "] rank ", rank, " stopped waiting for rank(s) ",
+                                                              absl::StrJoin(missing, ", "), ": ", failure_.message()));
+          break;
+        }
+        if (gone >= 0) {
+          result = absl::UnavailableError(absl::StrCat("[", op, "] rank ", rank, " was waiting for rank ", gone,
+                                                       ", which has left the group (its communicator was destroyed)"));
+          FailLocked(result);
+          break;
+        }
+        if (deadline.Expired()) {
+          result = absl::DeadlineExceededError(absl::StrCat("[", op, "] rank ", rank, " timed out after ",
+                                                            absl::FormatDuration(timeout), " waiting for rank(s) ",
+                                                            absl::StrJoin(missing, ", ")));
+          FailLocked(result);
+          break;
+        }
+        deadline.WaitOn(cv_, lock);
+      }
+    }
+    waiters_.fetch_sub(1, std::memory_order_seq_cst);
+    return result;
+  }
+
+  void MarkGone(int rank) {
+    std::lock_guard<std::mutex> lock(mu_);
+    gone_[static_cast<size_t>(rank)].store(true, std::memory_order_release);
+    cv_.notify_all();
+  }
+
+  // Posts a Send (src -> dst) or a Recv; the side that completes a pair does the copy.
+  void Post(int src, int dst, bool is_send, const std::shared_ptr<P2POp>& op) {
+    std::shared_ptr<P2POp> send, recv;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      Channel& ch = channel(src, dst);
+      (is_send ? ch.sends : ch.recvs).push_back(op);
+      if (ch.sends.empty() || ch.recvs.empty()) return;
+      send = std::move(ch.sends.front());
+      recv = std::move(ch.recvs.front());
+      ch.sends.pop_front();
+      ch.recvs.pop_front();
+      send->matched = recv->matched = true;
+    }
+    const Tensor& s = send->tensor;
+    const Tensor& r = recv->tensor;
+    if (s.dtype() != r.dtype() || s.numel() != r.numel()) {
+      const std::string what =
+          absl::StrCat("rank ", src, " sent ", s.numel(), " ", DTypeName(s.dtype()), " elements to rank ", dst,
+                       ", which expected ", r.numel(), " ", DTypeName(r.dtype()), " elements");
+      send->status = absl::InvalidArgumentError(absl::StrCat("[Send] ", what));
+      recv->status = absl::InvalidArgumentError(absl::StrCat("[Recv] ", what));
+    } else {
+      Copy(static_cast<char*>(r.raw_data()), static_cast<const char*>(s.raw_data()), static_cast<int64_t>(s.nbytes()));
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    send->done.store(true, std::memory_order_release);
+    recv->done.store(true, std::memory_order_release);
+    cv_.notify_all();
+  }
+
+  // Waits for a posted op of `rank` with `peer`; withdraws it on failure.
+  absl::Status WaitP2P(int rank, int peer, int src, int dst, bool is_send, P2POp& op, absl::Duration timeout) {
+    const char* name = is_send ? "Send" : "Recv";
+    for (int i = 0; i < kSpins; ++i) {
+      if (op.done.load(std::memory_order_acquire)) return op.status;
+      if (i >= 20) std::this_thread::yield();
+    }
+    const Deadline deadline(timeout);
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!op.done.load(std::memory_order_acquire)) {
+      if (op.matched) {  // the copy is under way: it ends soon
+        cv_.wait(lock);
+        continue;
+      }
+      absl::Status error;
+      if (failed_.load(std::memory_order_acquire)) {
+        error = absl::Status(failure_.code(), absl::StrCat("[", name, "] rank ", rank, " stopped waiting for rank ",
+                                                           peer, ": ", failure_.message()));
+      } else if (gone_[static_cast<size_t>(peer)].load(std::memory_order_acquire)) {
+        error = absl::UnavailableError(absl::StrCat("[", name, "] rank ", rank, " was waiting for rank ", peer,
+                                                    ", which has left the group (its communicator was destroyed)"));
+      } else if (deadline.Expired()) {
+        error = absl::DeadlineExceededError(absl::StrCat("[", name, "] rank ", rank, " timed out after ",
+                                                         absl::FormatDuration(timeout), " waiting for rank ", peer));
+        FailLocked(error);
+      }
+      if (!error.ok()) {
+        auto& queue = is_send ? channel(src, dst).sends : channel(src, dst).recvs;
+        queue.erase(std::remove_if(queue.begin(), queue.end(), [&](const auto& p) { return p.get() == &op; }),
+                    queue.end());
+        return error;
+      }
+      deadline.WaitOn(cv_, lock);
+    }
+    return op.status;
+  }
+
+ private:
+  struct Channel {
+    std::deque<std::shared_ptr<P2POp>> sends, recvs;
+  };
+  Channel& channel(int src, int dst) {
+    return channels_[static_cast<size_t>(src) * static_cast<size_t>(size_) + static_cast<size_t>(dst)];
+  }
+
+  bool AllArrived(uint64_t target) const {
+    for (const auto& a : arrived_) {
+      if (a.load(std::memory_order_acquire) < target) return false;
+    }
+    return true;
+  }
+
+  // Records the group's first failure and wakes every waiter. Requires mu_.
+  void FailLocked(const absl::Status& status) {
+    if (!failed_.load(std::memory_order_relaxed)) {
+      failure_ = status;
+      failed_.store(true, std::memory_order_release);
+    }
+    cv_.notify_all();
+  }
+
+  const int size_;
+  const bool debug_;
+  std::vector<Call> slots_;                     // [2][size]; slot (seq, r) is written by rank r only
+  std::vector<std::atomic<uint64_t>> arrived_;  // barriers each rank has reached
+  std::vector<std::atomic<bool>> gone_;
+  std::atomic<int> waiters_{0};
+  std::atomic<bool> failed_{false};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  absl::Status failure_;           // guarded by mu_
+  std::vector<Channel> channels_;  // [src][dst], guarded by mu_
+};
+
+// ---------------------------------------------------------------------------------------------
+// Validation (local to one rank).
+
+absl::Status CheckTensor(const char* op, int rank, const char* name, const Tensor& t) {
+  if (!t.defined()) return InvalidArg(op, "rank ", rank, ": ", name, " is undefined");
+  if (!t.device().is_cpu()) {
+    return absl::UnimplementedError(
+        absl::StrCat("[", op, "] rank ", rank, ": ", name, " is on ", t.device().ToString(),
+                     "; the threads backend moves CPU tensors only (use the nccl backend)"));
+  }
+  if (!t.is_contiguous()) {
+    return InvalidArg(op, "rank ", rank, ": ", name, " is not contiguous (shape ", ShapeString(t.shape()), ", strides ",
+                      ShapeString(t.strides()), ")");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPair(const char* op, int rank, const Tensor& in, const Tensor& out) {
+  DT_RETURN_IF_ERROR(CheckTensor(op, rank, "input", in));
+  DT_RETURN_IF_ERROR(CheckTensor(op, rank, "output", out));
+  if (in.dtype() != out.dtype()) {
+    return InvalidArg(op, "rank ", rank, ": input is ", DTypeName(in.dtype()), " but output is ",
+                      DTypeName(out.dtype()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckReduction(const char* op, int rank, DType dtype, CommReduceOp rop) {
+  if (IsFloat8(dtype)) {
+    return absl::UnimplementedError(absl::StrCat("[", op, "] rank ", rank, ": cannot reduce ", DTypeName(dtype),
+                                                 " (a storage-only type); cast to a compute type first"));
+  }
+  if (dtype == DType::kBool && rop == CommReduceOp::kAvg) {
+    return InvalidArg(op, "rank ", rank, ": avg is not defined for bool");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckNumel(const char* op, int rank, const char* name, const Tensor& t, int64_t expected,
+                        const std::string& why) {
+  if (t.numel() != expected) {
+    return InvalidArg(op, "rank ", rank, ": ", name, " has ", t.numel(), " elements, expected ", expected, " (", why,
+                      ")");
+  }
+  return absl::OkStatus();
+}
+
+// Checks per-rank counts; returns their sum.
+absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, absl::Span<const int64_t> counts,
+                                    int size) {
+  if (static_cast<int64_t>(counts.size()) != size) {
+    return InvalidArg(op, "rank ", rank, ": ", name, " has ", counts.size(), " entries, expected ", size,
+                      " (one per rank)");
+  }
+  int64_t sum = 0;
+  for (size_t j = 0; j < counts.size(); ++j) {
+    if (counts[j] < 0) return InvalidArg(op, "rank ", rank, ": ", name, "[", j, "] is ", counts[j]);
+    sum += counts[j];
+  }
+  return sum;
+}
+
+absl::Status CheckPeer(const char* op, int rank, const char* what, int peer, int size) {
+  if (peer < 0 || peer >= size) {
+    return InvalidArg(op, "rank ", rank, ": ", what, " ", peer, " is out of range for a group of size ", size);
+  }
+  return absl::OkStatus();
+}
+
+bool Overlap(const Tensor& a, const Tensor& b) {
+  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const char* pa = static_cast<const char*>(a.raw_data());
+  const char* pb = static_cast<const char*>(b.raw_data());
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
+const char* Bytes(const Tensor& t) { return static_cast<const char*>(t.raw_data()); }
+char* MutableBytes(const Tensor& t) { return static_cast<char*>(t.raw_data()); }
+
+class CompletedWork final : public Work {
+ public:
+  explicit CompletedWork(absl::Status status) : status_(std::move(status)) {}
+  absl::Status Wait() override { return status_; }
+  bool IsCompleted() override { return true; }
+
+ private:
+  absl::Status status_;
+};
+
+absl::StatusOr<std::unique_ptr<Work>> Done(absl::Status status) {
+  return std::unique_ptr<Work>(std::make_unique<CompletedWork>(std::move(status)));
+}
+
+class P2PWork final : public Work {
+ public:
+  P2PWork(std::shared_ptr<ThreadGroup> group, std::shared_ptr<P2POp> op, int rank, int peer, bool is_send,
+          absl::Duration timeout)
+      : group_(std::move(group)), op_(std::move(op)), rank_(rank), peer_(peer), is_send_(is_send), timeout_(timeout) {}
+  absl::Status Wait() override {
+    if (!waited_) {
+      result_ =
+          group_->WaitP2P(rank_, peer_, is_send_ ? rank_ : peer_, is_send_ ? peer_ : rank_, is_send_, *op_, timeout_);
+      waited_ = true;
+    }
+    return result_;
+  }
+  bool IsCompleted() override { return waited_ || op_->done.load(std::memory_order_acquire); }
+
+ private:
+  std::shared_ptr<ThreadGroup> group_;
+  std::shared_ptr<P2POp> op_;
+  int rank_, peer_;
+  bool is_send_;
+  absl::Duration timeout_;
+  bool waited_ = false;
+  absl::Status result_;
+};
+
+// ---------------------------------------------------------------------------------------------
+
+class ThreadsCommunicator final : public Communicator {
+ public:
+  ThreadsCommunicator(std::shared_ptr<ThreadGroup> group, int rank, absl::Duration timeout)
+      : group_(std::move(group)), rank_(rank), timeout_(timeout) {}
+  ~ThreadsCommunicator() override { group_->MarkGone(rank_); }
+
+  int rank() const override { return rank_; }
+  int size() const override { return group_->size(); }
+  Device device() const override { return Device::Cpu(); }
+  const char* backend() const override { return "threads"; }
+  void SetTimeout(absl::Duration timeout) override { timeout_ = timeout; }
+  absl::Duration timeout() const override { return timeout_; }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const Tensor& input, const Tensor& output,
+                                                       CommReduceOp op) override {
+    constexpr const char* kOp = "AllReduce";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input"));
+    DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
+    Call call = NewCall(CallKind::kAllReduce, input, output);
+    call.op = op;
+    call.in = Stage(input, output, Bytes(output));
+    return Done(RunAllReduce(std::move(call)));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const Tensor& input, const Tensor& output) override {
+    constexpr const char* kOp = "AllGather";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, size() * input.numel(),
+                                  absl::StrCat("size ", size(), " x input ", input.numel())));
+    Call call = NewCall(CallKind::kAllGather, input, output);
+    call.in = Stage(input, output, Bytes(output) + rank_ * static_cast<int64_t>(input.nbytes()));
+    return Done(RunGather(std::move(call)));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherVAsync(const Tensor& input, const Tensor& output,
+                                                        absl::Span<const int64_t> counts) override {
+    constexpr const char* kOp = "AllGatherV";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    DT_ASSIGN_OR_RETURN(const int64_t total, CheckCounts(kOp, rank_, "counts", counts, size()));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, counts[static_cast<size_t>(rank_)],
+                                  absl::StrCat("counts[", rank_, "]")));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, total, "sum of counts"));
+    Call call = NewCall(CallKind::kAllGatherV, input, output);
+    call.counts.assign(counts.begin(), counts.end());
+    call.in = Stage(input, output, Bytes(output) + Prefix(counts, rank_) * ElementSizeOf(input));
+    return Done(RunGather(std::move(call)));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const Tensor& input, const Tensor& output,
+                                                           CommReduceOp op) override {
+    constexpr const char* kOp = "ReduceScatter";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, size() * output.numel(),
+                                  absl::StrCat("size ", size(), " x output ", output.numel())));
+    DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
+    Call call = NewCall(CallKind::kReduceScatter, input, output);
+    call.op = op;
+    call.in = StageForScatter(input, output, rank_ * output.numel());
+    return Done(RunReduceScatter(std::move(call)));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterVAsync(const Tensor& input, const Tensor& output,
+                                                            absl::Span<const int64_t> counts,
+                                                            CommReduceOp op) override {
+    constexpr const char* kOp = "ReduceScatterV";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    DT_ASSIGN_OR_RETURN(const int64_t total, CheckCounts(kOp, rank_, "counts", counts, size()));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, total, "sum of counts"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, counts[static_cast<size_t>(rank_)],
+                                  absl::StrCat("counts[", rank_, "]")));
+    DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
+    Call call = NewCall(CallKind::kReduceScatterV, input, output);
+    call.op = op;
+    call.counts.assign(counts.begin(), counts.end());
+    call.in = StageForScatter(input, output, Prefix(counts, rank_));
+    return Done(RunReduceScatter(std::move(call)));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllAsync(const Tensor& input, const Tensor& output) override {
+    constexpr const char* kOp = "AllToAll";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    if (input.numel() % size() != 0) {
+      return InvalidArg(kOp, "rank ", rank_, ": input has ", input.numel(),
+                        " elements, not a multiple of the group size ", size());
+    }
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input"));
+    Call call = NewCall(CallKind::kAllToAll, input, output);
+    call.in = Stage(input, output, nullptr);
+    return Done(RunAllToAll(std::move(call)));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(const Tensor& input, const Tensor& output,
+                                                       absl::Span<const int64_t> send_counts,
+                                                       absl::Span<const int64_t> recv_counts) override {
+    constexpr const char* kOp = "AllToAllV";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    DT_ASSIGN_OR_RETURN(const int64_t sent, CheckCounts(kOp, rank_, "send_counts", send_counts, size()));
+    DT_ASSIGN_OR_RETURN(const int64_t received, CheckCounts(kOp, rank_, "recv_counts", recv_counts, size()));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, sent, "sum of send_counts"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, received, "sum of recv_counts"));
+    Call call = NewCall(CallKind::kAllToAllV, input, output);
+    call.counts.assign(send_counts.begin(), send_counts.end());
+    call.recv_counts.assign(recv_counts.begin(), recv_counts.end());
+    call.in = Stage(input, output, nullptr);
+    return Done(RunAllToAll(std::move(call)));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(const Tensor& tensor, int root) override {
+    constexpr const char* kOp = "Broadcast";
+    DT_RETURN_IF_ERROR(CheckTensor(kOp, rank_, "tensor", tensor));
+    DT_RETURN_IF_ERROR(CheckPeer(kOp, rank_, "root", root, size()));
+    Call call = NewCall(CallKind::kBroadcast, tensor, tensor);
+    call.root = root;
+    return Done(RunBroadcast(std::move(call)));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> SendAsync(const Tensor& tensor, int peer) override {
+    return PostP2P("Send", tensor, peer, /*is_send=*/true);
+  }
+  absl::StatusOr<std::unique_ptr<Work>> RecvAsync(const Tensor& tensor, int peer) override {
+    return PostP2P("Recv", tensor, peer, /*is_send=*/false);
+  }
+
+  absl::Status Barrier() override {
+    Call call;
+    call.kind = CallKind::kBarrier;
+    return Begin("Barrier", std::move(call));
+  }
+
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    Call call;
+    call.kind = CallKind::kSplit;
+    call.color = color;
+    call.key = key;
+    DT_RETURN_IF_ERROR(Begin("Split", std::move(call)));
+    std::vector<int> members;  // my color's ranks ordered by (key, rank)
+    if (color >= 0) {
+      for (int j = 0; j < size(); ++j) {
+        if (group_->slot(seq_, j).color == color) members.push_back(j);
+      }
+      std::stable_sort(members.begin(), members.end(),
+                       [&](int a, int b) { return group_->slot(seq_, a).key < group_->slot(seq_, b).key; });
+      if (members.front() == rank_) {
+        group_->slot(seq_, rank_).split =
+            std::make_shared<ThreadGroup>(static_cast<int>(members.size()), group_->debug());
+      }
+    }
+    DT_RETURN_IF_ERROR(Sync("Split"));
+    if (color < 0) return std::unique_ptr<Communicator>();
+    const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
+    return std::unique_ptr<Communicator>(
+        std::make_unique<ThreadsCommunicator>(group_->slot(seq_, members.front()).split, new_rank, timeout_));
+  }
+
+ private:
+  static int64_t ElementSizeOf(const Tensor& t) { return static_cast<int64_t>(ElementSize(t.dtype())); }
+  static int64_t Prefix(absl::Span<const int64_t> counts, int upto) {
+    int64_t p = 0;
+    for (int j = 0; j < upto; ++j) p += counts[static_cast<size_t>(j)];
+    return p;
+  }
+  // Elements [Block(n, r), Block(n, r + 1)) are reduced by rank r.
+  int64_t BlockStart(int64_t n, int r) const { return n * r / size(); }
+
+  Call NewCall(CallKind kind, const Tensor& in, const Tensor& out) const {
+    Call call;
+    call.kind = kind;
+    call.dtype = in.dtype();
+    call.numel = in.numel();
+    call.in = Bytes(in);
+    call.out = MutableBytes(out);
+    return call;
+  }
+
+  // The input pointer to publish: the input itself when it does not overlap the output or
+  // starts exactly at `in_place` (the aliasing the algorithm supports), else a private copy.
+  const char* Stage(const Tensor& in, const Tensor& out, const char* in_place) {
+    if (!Overlap(in, out) || Bytes(in) == in_place) return Bytes(in);
+    staging_.assign(Bytes(in), Bytes(in) + in.nbytes());
+    return staging_.data();
+  }
+  // ReduceScatter(V): output may be exactly this rank's block of the input.
+  const char* StageForScatter(const Tensor& in, const Tensor& out, int64_t block_start) {
+    return Stage(in, out, Bytes(out) == Bytes(in) + block_start * ElementSizeOf(in) ? Bytes(in) : nullptr);
+  }
+
+  absl::Status Sync(const char* op) { return group_->Arrive(rank_, ++epoch_, op, timeout_); }
+
+  // Publishes `call`, waits for every rank's, and checks that they match (every rank reaches
+  // the same verdict from the same slots).
+  absl::Status Begin(const char* op, Call call) {
+    DT_RETURN_IF_ERROR(group_->CheckUsable(rank_, op, -1));
+    ++seq_;
+    group_->slot(seq_, rank_) = std::move(call);
+    DT_RETURN_IF_ERROR(Sync(op));
+    const Call& first = group_->slot(seq_, 0);
+    for (int j = 1; j < size(); ++j) {
+      const Call& other = group_->slot(seq_, j);
+      if (!SameCall(first, other)) {
+        return InvalidArg("Debug", "rank 0 called ", Describe(first), " but rank ", j, " called ", Describe(other));
+      }
+    }
+    if (first.kind == CallKind::kAllToAllV) {
+      for (int i = 0; i < size(); ++i) {
+        for (int j = 0; j < size(); ++j) {
+          const int64_t sends = group_->slot(seq_, i).counts[static_cast<size_t>(j)];
+          const int64_t expects = group_->slot(seq_, j).recv_counts[static_cast<size_t>(i)];
+          if (sends != expects) {
+            return InvalidArg("Debug", "in AllToAllV rank ", i, " sends ", sends, " elements to rank ", j, " but rank ",
+                              j, " expects ", expects, " from rank ", i);
+          }
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  const Call& Peer(int j) const { return group_->slot(seq_, j); }
+  std::vector<const char*> Inputs() const {
+    std::vector<const char*> in(static_cast<size_t>(size()));
+    for (int j = 0; j < size(); ++j) in[static_cast<size_t>(j)] = Peer(j).in;
+    return in;
+  }
+
+  // Rank r reduces block r of every input into its output, then everyone copies the rest.
+  absl::Status RunAllReduce(Call call) {
+    const char* op = "AllReduce";
+    const DType dtype = call.dtype;
+    const CommReduceOp rop = call.op;
+    const int64_t n = call.numel;
+    const int64_t es = static_cast<int64_t>(ElementSize(dtype));
+    char* out = call.out;
+    DT_RETURN_IF_ERROR(Begin(op, std::move(call)));
+    const int64_t begin = BlockStart(n, rank_), end = BlockStart(n, rank_ + 1);
+    Reduce(dtype, rop, Inputs(), begin, end - begin, out + begin * es);
+    DT_RETURN_IF_ERROR(Sync(op));
+    for (int j = 0; j < size(); ++j) {
+      if (j == rank_) continue;
+      const int64_t b = BlockStart(n, j), e = BlockStart(n, j + 1);
+      Copy(out + b * es, Peer(j).out + b * es, (e - b) * es);
+    }
+    return Sync(op);  // nobody reads this rank's buffers any more
+  }
+
+  // AllGather(V): every rank copies every block into its own output.
+  absl::Status RunGather(Call call) {
+    const char* op = CallName(call.kind);
+    const bool uneven = call.kind == CallKind::kAllGatherV;
+    const int64_t es = static_cast<int64_t>(ElementSize(call.dtype));
+    const int64_t n = call.numel;
+    char* out = call.out;
+    DT_RETURN_IF_ERROR(Begin(op, std::move(call)));
+    int64_t offset = 0;
+    for (int j = 0; j < size(); ++j) {
+      const int64_t count = uneven ? Peer(j).counts[static_cast<size_t>(j)] : n;
+      Copy(out + offset * es, Peer(j).in, count * es);
+      offset += count;
+    }
+    return Sync(op);
+  }
+
+  // ReduceScatter(V): rank r reduces its block of every input into its output.
+  absl::Status RunReduceScatter(Call call) {
+    const char* op = CallName(call.kind);
+    const bool uneven = call.kind == CallKind::kReduceScatterV;
+    const DType dtype = call.dtype;
+    const CommReduceOp rop = call.op;
+    const int64_t begin = uneven ? Prefix(call.counts, rank_) : call.numel / size() * rank_;
+    const int64_t count = uneven ? call.counts[static_cast<size_t>(rank_)] : call.numel / size();
+    char* out = call.out;
+    DT_RETURN_IF_ERROR(Begin(op, std::move(call)));
+    Reduce(dtype, rop, Inputs(), begin, count, out);
+    return Sync(op);
+  }
+
+  // AllToAll(V): rank r copies block r of every peer's input.
+  absl::Status RunAllToAll(Call call) {
+    const char* op = CallName(call.kind);
+    const bool uneven = call.kind == CallKind::kAllToAllV;
+    const int64_t es = static_cast<int64_t>(ElementSize(call.dtype));
+    const int64_t n = call.numel / size();
+    char* out = call.out;
+    DT_RETURN_IF_ERROR(Begin(op, std::move(call)));
+    int64_t offset = 0;
+    for (int j = 0; j < size(); ++j) {
+      const Call& peer = Peer(j);
+      const int64_t from = uneven ? Prefix(peer.counts, rank_) : n * rank_;
+      const int64_t count = uneven ? peer.counts[static_cast<size_t>(rank_)] : n;
+      Copy(out + offset * es, peer.in + from * es, count * es);
+      offset += count;
+    }
+    return Sync(op);
+  }
+
+  absl::Status RunBroadcast(Call call) {
+    const char* op = "Broadcast";
+    const int root = call.root;
+    const int64_t bytes = call.numel * static_cast<int64_t>(ElementSize(call.dtype));
+    char* out = call.out;
+    DT_RETURN_IF_ERROR(Begin(op, std::move(call)));
+    if (rank_ != root) Copy(out, Peer(root).in, bytes);
+    return Sync(op);
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> PostP2P(const char* op, const Tensor& tensor, int peer, bool is_send) {
+    DT_RETURN_IF_ERROR(CheckTensor(op, rank_, "tensor", tensor));
+    DT_RETURN_IF_ERROR(CheckPeer(op, rank_, "peer", peer, size()));
+    if (peer == rank_) return InvalidArg(op, "rank ", rank_, ": peer is this rank (", peer, ")");
+    DT_RETURN_IF_ERROR(group_->CheckUsable(rank_, op, peer));
+    auto p2p = std::make_shared<P2POp>();
+    p2p->tensor = tensor;
+    group_->Post(is_send ? rank_ : peer, is_send ? peer : rank_, is_send, p2p);
+    return std::unique_ptr<Work>(std::make_unique<P2PWork>(group_, std::move(p2p), rank_, peer, is_send, timeout_));
+  }
+
+  std::shared_ptr<ThreadGroup> group_;
+  int rank_;
+  absl::Duration timeout_;
+  uint64_t epoch_ = 0;  // barriers passed (all ranks of the group pass the same ones)
+  uint64_t seq_ = 0;    // collectives begun
+  std::vector<char> staging_;
+};
+
+}  // namespace
+}  // namespace internal
+
+absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeThreadGroup(int world_size, absl::Duration timeout) {
+  if (world_size < 1) return InvalidArg("MakeThreadGroup", "world_size must be >= 1, got ", world_size);
+  const char* env = std::getenv("DTENSOR_DEBUG");
+  const bool debug = env != nullptr && std::string(env) == "1";
+  auto group = std::make_shared<internal::ThreadGroup>(world_size, debug);
+  std::vector<std::unique_ptr<Communicator>> comms;
+  comms.reserve(static_cast<size_t>(world_size));
+  for (int r = 0; r < world_size; ++r) {
+    comms.push_back(std::make_unique<internal::ThreadsCommunicator>(group, r, timeout));
+  }
+  return comms;
+}
+
+}  // namespace dtensor

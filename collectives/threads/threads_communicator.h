@@ -1,0 +1,64 @@
+// The "threads" backend: a group of ranks that are threads of one process, moving CPU tensors
+// through shared memory.
+//
+//   DT_ASSIGN_OR_RETURN(auto comms, MakeThreadGroup(4, absl::Seconds(30)));
+//   std::vector<std::thread> threads;
+//   for (int r = 0; r < 4; ++r) {
+//     threads.emplace_back([&, r] { Status s = comms[r]->AllReduce(grad[r], grad[r], CommReduceOp::kSum); });
+//   }
+//   for (auto& t : threads) t.join();
+//
+// Communicator r belongs to the one thread that runs rank r (it is not thread safe); the
+// group's shared state is owned jointly by its communicators (no global state). Destroying a
+// communicator marks its rank gone: peers waiting for it get Unavailable naming it.
+//
+// Algorithms: every rank publishes pointers to its buffers, then reads its share straight
+// from its peers' buffers (AllReduce: rank r reduces block r of all inputs into its output,
+// then every rank copies the other blocks; AllGather / AllToAll / Broadcast: each rank copies
+// what it needs). Reductions run in float32 for bfloat16 / float16 (rounded once), exactly
+// (wrapping) for int32 / int64, with kAvg on integers dividing the sum by the group size
+// with truncation toward zero; bool uses or (sum, max) and and (min, product), avg on bool
+// is InvalidArgument; float8 tensors can be moved but not reduced (Unimplemented). Max / min
+// propagate NaN like torch. In-place calls (input == output, or AllGather input == its own
+// output block, ReduceScatter output == its own input block) work; other overlaps of input
+// and output are staged through a private copy.
+//
+// Calls are checked across ranks on every collective (shared memory makes it free, so it is
+// always on, DTENSOR_DEBUG or not): mismatched ops, dtypes, counts, reductions or roots give
+// InvalidArgument on every rank, e.g. "[Debug] rank 0 called AllReduce(float32, 12 elements,
+// sum) but rank 2 called AllGather(float32, 3 elements)".
+//
+// Async forms: collectives run eagerly inside the *Async call and return a completed Work
+// (no overlap with compute on this backend). SendAsync / RecvAsync post the message and
+// return at once; the copy happens when the matching Recv / Send is posted (by whichever
+// side comes second), and Wait() waits for it. A blocking Send waits until it is received,
+// so two ranks that both Send before they Recv deadlock (until the timeout): use SendAsync.
+// Messages between one pair of ranks match in posting order.
+//
+// Failures: a wait past the timeout gives DeadlineExceeded naming the missing ranks; it
+// marks the group failed, and every later call on the group (and every rank still waiting in
+// it) fails at once with the same code. After such a failure, buffers passed to the failed
+// call may still be read by slower peers until they notice: treat the group as dead.
+// Validation errors (InvalidArgument / Unimplemented, messages "[Op] rank r: ...") are local
+// and leave the group usable; the other ranks of that collective will then time out.
+#ifndef DTENSOR_COLLECTIVES_THREADS_THREADS_COMMUNICATOR_H_
+#define DTENSOR_COLLECTIVES_THREADS_THREADS_COMMUNICATOR_H_
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "collectives/communicator.h"
+
+namespace dtensor {
+
+// world_size communicators of one group; element r has rank r. world_size >= 1 (else
+// InvalidArgument). DTENSOR_DEBUG=1 in the environment is recorded (see above: the checks
+// are always on here).
+absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeThreadGroup(int world_size,
+                                                                           absl::Duration timeout = DefaultTimeout());
+
+}  // namespace dtensor
+
+#endif  // DTENSOR_COLLECTIVES_THREADS_THREADS_COMMUNICATOR_H_

@@ -1,0 +1,286 @@
+// dtrun end to end: runs the real launcher on the test rank program (dtrun_test_child) and checks
+// the environment, output prefixes, exit codes, that no rank outlives a failure or dtrun, and a
+// store rendezvous across 4 processes.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+#if !defined(DTRUN_PATH) || !defined(DTRUN_TEST_CHILD_PATH)
+#error "tests/CMakeLists.txt defines DTRUN_PATH and DTRUN_TEST_CHILD_PATH"
+#endif
+
+namespace {
+
+struct RunResult {
+  int code = -1;  // exit code, 128 + signal if killed, -1 if it had to be killed by the test
+  std::string out, err;
+  absl::Duration took;
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = "/tmp/dtrun_test_XXXXXX";
+    path_ = mkdtemp(tmpl.data()) ? tmpl : "";
+  }
+  ~TempDir() {
+    if (!path_.empty()) std::system(("rm -rf '" + path_ + "'").c_str());
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// Runs dtrun with `args`; `during(pid)` runs once it started (e.g. to signal it). Bounded: after
+// 60 s the test kills dtrun's process group.
+RunResult RunDtrun(const std::vector<std::string>& args, const std::function<void(pid_t)>& during = nullptr) {
+  TempDir dir;
+  const std::string out_path = dir.path() + "/out", err_path = dir.path() + "/err";
+  std::vector<std::string> argv_s = {DTRUN_PATH};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const absl::Time start = absl::Now();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    dup2(out, 1);
+    dup2(err, 2);
+    execv(argv[0], argv.data());
+    _exit(126);
+  }
+  RunResult run;
+  if (pid < 0) return run;
+  if (during) during(pid);
+  int status = 0;
+  bool done = false;
+  for (int i = 0; i < 6000 && !done; ++i) {  // 60 s
+    done = waitpid(pid, &status, WNOHANG) == pid;
+    if (!done) usleep(10 * 1000);
+  }
+  if (!done) {
+    kill(-pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  } else {
+    run.code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+  }
+  run.took = absl::Now() - start;
+  run.out = ReadFile(out_path);
+  run.err = ReadFile(err_path);
+  return run;
+}
+
+std::vector<std::string> Lines(const std::string& s) {
+  std::vector<std::string> out = absl::StrSplit(s, '\n', absl::SkipEmpty());
+  return out;
+}
+
+// Alive = exists and is not a zombie (orphans may wait a while for their reaper).
+bool Alive(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
+  if (!f) return false;
+  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const size_t paren = stat.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= stat.size()) return false;
+  const char state = stat[paren + 2];
+  return state != 'Z' && state != 'X';
+}
+
+std::vector<pid_t> ReadPids(const std::string& dir, int n) {
+  std::vector<pid_t> pids;
+  for (int r = 0; r < n; ++r) {
+    const std::string s = ReadFile(dir + "/" + std::to_string(r) + ".pid");
+    if (!s.empty()) pids.push_back(std::atoi(s.c_str()));
+  }
+  return pids;
+}
+
+// Waits (bounded) until `n` pid files exist in dir.
+bool WaitForPids(const std::string& dir, int n) {
+  for (int i = 0; i < 1000; ++i) {
+    if (static_cast<int>(ReadPids(dir, n).size()) == n) return true;
+    usleep(10 * 1000);
+  }
+  return false;
+}
+
+void ExpectAllGone(const std::vector<pid_t>& pids) {
+  for (pid_t p : pids) {
+    bool alive = true;
+    for (int i = 0; i < 300 && alive; ++i) {  // up to 3 s for PDEATHSIG kills to land
+      alive = Alive(p);
+      if (alive) usleep(10 * 1000);
+    }
+    EXPECT_FALSE(alive) << "rank process " << p << " was left behind";
+    if (alive) kill(p, SIGKILL);
+  }
+}
+
+TEST(DtrunTest, SetsTheLaunchEnvironment) {
+  RunResult run = RunDtrun({"--nproc-per-node", "3", DTRUN_TEST_CHILD_PATH, "env"});
+  ASSERT_EQ(run.code, 0) << run.err;
+  std::set<std::string> lines;
+  std::string port;
+  for (const std::string& line : Lines(run.out)) {
+    lines.insert(line);
+    port = line.substr(line.rfind(' ') + 1);
+  }
+  ASSERT_EQ(lines.size(), 3u) << run.out;
+  EXPECT_GT(std::atoi(port.c_str()), 0);
+  for (int r = 0; r < 3; ++r) {
+    const std::string want = "[rank " + std::to_string(r) + "] env " + std::to_string(r) + " 3 " + std::to_string(r) +
+                             " 3 127.0.0.1 " + port;
+    EXPECT_TRUE(lines.count(want)) << "missing '" << want << "' in:\n" << run.out;
+  }
+}
+
+TEST(DtrunTest, MultiNodeRanks) {
+  RunResult run = RunDtrun({"--nproc-per-node=2", "--nnodes", "3", "--node-rank", "1", "--master-addr", "10.0.0.9",
+                            "--master-port", "1234", "--", DTRUN_TEST_CHILD_PATH, "env"});
+  ASSERT_EQ(run.code, 0) << run.err;
+  std::set<std::string> lines;
+  for (const std::string& line : Lines(run.out)) lines.insert(line);
+  EXPECT_EQ(lines, (std::set<std::string>{"[rank 2] env 2 6 0 2 10.0.0.9 1234", "[rank 3] env 3 6 1 2 10.0.0.9 1234"}))
+      << run.out;
+}
+
+TEST(DtrunTest, PrefixesEveryLineOfStdoutAndStderr) {
+  RunResult run = RunDtrun({"--nproc-per-node", "4", DTRUN_TEST_CHILD_PATH, "print"});
+  ASSERT_EQ(run.code, 0) << run.err;
+  std::multiset<std::string> out, err;
+  for (const std::string& line : Lines(run.out)) out.insert(line);
+  for (const std::string& line : Lines(run.err)) err.insert(line);
+  std::multiset<std::string> want_out, want_err;
+  for (int r = 0; r < 4; ++r) {
+    const std::string p = "[rank " + std::to_string(r) + "] ";
+    want_out.insert(p + "hello from " + std::to_string(r));
+    want_out.insert(p + "partial from " + std::to_string(r));  // flushed with a newline at exit
+    want_err.insert(p + "warning from " + std::to_string(r));
+  }
+  EXPECT_EQ(out, want_out) << run.out;
+  EXPECT_EQ(err, want_err) << run.err;
+  EXPECT_EQ(run.out.back(), '\n');
+}
+
+TEST(DtrunTest, FailingRankStopsTheOthersAndItsCodeIsReturned) {
+  TempDir dir;
+  RunResult run =
+      RunDtrun({"--nproc-per-node", "3", "--grace-period-s", "5", DTRUN_TEST_CHILD_PATH, "fail", "1", "7", dir.path()});
+  EXPECT_EQ(run.code, 7) << run.err;
+  EXPECT_LT(run.took, absl::Seconds(4)) << "sleeping ranks were not stopped promptly";
+  EXPECT_NE(run.err.find("rank 1 exited with code 7"), std::string::npos) << run.err;
+  const std::vector<pid_t> pids = ReadPids(dir.path(), 3);
+  EXPECT_EQ(pids.size(), 3u);
+  ExpectAllGone(pids);
+}
+
+TEST(DtrunTest, RanksIgnoringSigtermAreKilledAfterTheGracePeriod) {
+  TempDir dir;
+  RunResult run = RunDtrun({"--nproc-per-node", "3", "--grace-period-s", "1", DTRUN_TEST_CHILD_PATH, "fail", "2", "3",
+                            dir.path(), "ignore-term"});
+  EXPECT_EQ(run.code, 3) << run.err;
+  EXPECT_GE(run.took, absl::Milliseconds(1100));  // 200 ms before the failure + 1 s grace
+  EXPECT_LT(run.took, absl::Seconds(5));
+  const std::vector<pid_t> pids = ReadPids(dir.path(), 3);
+  EXPECT_EQ(pids.size(), 3u);
+  ExpectAllGone(pids);
+}
+
+TEST(DtrunTest, RankKilledBySignalGives128PlusSignal) {
+  TempDir dir;
+  RunResult run =
+      RunDtrun({"--nproc-per-node", "2", DTRUN_TEST_CHILD_PATH, "fail", "0", std::to_string(-SIGUSR1), dir.path()});
+  EXPECT_EQ(run.code, 128 + SIGUSR1) << run.err;
+  EXPECT_LT(run.took, absl::Seconds(4));
+  ExpectAllGone(ReadPids(dir.path(), 2));
+}
+
+TEST(DtrunTest, SigtermIsForwardedAndNoRankIsLeft) {
+  TempDir dir;
+  std::vector<pid_t> pids;
+  RunResult run = RunDtrun({"--nproc-per-node", "3", DTRUN_TEST_CHILD_PATH, "sleep", dir.path()}, [&](pid_t dtrun) {
+    ASSERT_TRUE(WaitForPids(dir.path(), 3));
+    pids = ReadPids(dir.path(), 3);
+    kill(dtrun, SIGTERM);
+  });
+  EXPECT_EQ(run.code, 128 + SIGTERM) << run.err;
+  EXPECT_LT(run.took, absl::Seconds(10));
+  EXPECT_EQ(pids.size(), 3u);
+  ExpectAllGone(pids);
+}
+
+TEST(DtrunTest, KillingDtrunKillsTheRanks) {
+  TempDir dir;
+  std::vector<pid_t> pids;
+  RunResult run = RunDtrun({"--nproc-per-node", "2", DTRUN_TEST_CHILD_PATH, "sleep", dir.path()}, [&](pid_t dtrun) {
+    ASSERT_TRUE(WaitForPids(dir.path(), 2));
+    pids = ReadPids(dir.path(), 2);
+    kill(dtrun, SIGKILL);  // no chance to clean up: PR_SET_PDEATHSIG must do it
+  });
+  EXPECT_EQ(run.code, 128 + SIGKILL);
+  EXPECT_EQ(pids.size(), 2u);
+  ExpectAllGone(pids);
+}
+
+TEST(DtrunTest, UsageErrorsExitWith2) {
+  const std::vector<std::vector<std::string>> bad = {
+      {},
+      {DTRUN_TEST_CHILD_PATH},                            // no --nproc-per-node
+      {"--nproc-per-node", "2"},                          // no program
+      {"--nproc-per-node", "0", DTRUN_TEST_CHILD_PATH},   // bad count
+      {"--nproc-per-node", "x", DTRUN_TEST_CHILD_PATH},   //
+      {"--nproc-per-node", "1", "--bogus", "1", "prog"},  // unknown option
+      {"--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2", "prog"},
+      {"--nproc-per-node", "1", "--master-port", "99999", "prog"},
+      {"--nproc-per-node"},  // missing value
+  };
+  for (const auto& args : bad) {
+    RunResult run = RunDtrun(args);
+    EXPECT_EQ(run.code, 2) << testing::PrintToString(args);
+    EXPECT_NE(run.err.find("usage: dtrun"), std::string::npos) << run.err;
+  }
+  EXPECT_EQ(RunDtrun({"--help"}).code, 0);
+}
+
+TEST(DtrunTest, MissingProgramGives127) {
+  RunResult run = RunDtrun({"--nproc-per-node", "2", "/nonexistent/program"});
+  EXPECT_EQ(run.code, 127);
+  EXPECT_NE(run.err.find("] dtrun: cannot execute /nonexistent/program"), std::string::npos) << run.err;
+}
+
+TEST(DtrunTest, StoreRendezvousAcrossFourProcesses) {
+  RunResult run = RunDtrun({"--nproc-per-node", "4", DTRUN_TEST_CHILD_PATH, "store"});
+  ASSERT_EQ(run.code, 0) << run.out << run.err;
+  std::set<std::string> lines;
+  for (const std::string& line : Lines(run.out)) lines.insert(line);
+  EXPECT_EQ(lines, (std::set<std::string>{"[rank 0] counter 4", "[rank 1] counter 4", "[rank 2] counter 4",
+                                          "[rank 3] counter 4"}))
+      << run.out << run.err;
+}
+
+}  // namespace

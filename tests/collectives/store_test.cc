@@ -1,0 +1,414 @@
+// TCP store: semantics across clients and threads, timeouts, and robustness against raw
+// malformed traffic (the server must keep serving well-behaved clients).
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "collectives/store/tcp_store.h"
+#include "gtest/gtest.h"
+
+namespace dtensor {
+namespace {
+
+std::unique_ptr<StoreServer> StartServer(const std::string& host = "127.0.0.1") {
+  auto server = StoreServer::Start(host, 0);
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? std::move(*server) : nullptr;
+}
+
+std::unique_ptr<StoreClient> ConnectTo(const StoreServer& server, absl::Duration timeout = absl::Seconds(10)) {
+  auto client = StoreClient::Connect(server.host(), server.port(), timeout);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? std::move(*client) : nullptr;
+}
+
+// ---- Raw socket helpers speaking (or abusing) the wire protocol ----
+int RawConnect(int port, const char* addr = "127.0.0.1") {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, addr, &sa.sin_addr);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+void Le(std::string& s, uint64_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) s.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+std::string Header(uint8_t op, uint32_t nfields, uint32_t magic = 0x31535444) {
+  std::string s;
+  Le(s, magic, 4);
+  s.push_back(static_cast<char>(op));
+  Le(s, nfields, 4);
+  return s;
+}
+void SendRaw(int fd, const std::string& bytes) {
+  ASSERT_EQ(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size()));
+}
+// Reads until the server closes the connection (or 5 s pass); returns what came, and whether it closed.
+std::pair<std::string, bool> ReadUntilClosed(int fd) {
+  std::string got;
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (absl::Now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    char buf[4096];
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) return {got, true};
+    got.append(buf, static_cast<size_t>(n));
+  }
+  return {got, false};
+}
+
+void ExpectServerHealthy(const StoreServer& server, const std::string& key) {
+  auto c = ConnectTo(server, absl::Seconds(5));
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->Set(key, "alive").ok());
+  auto v = c->Get(key);
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, "alive");
+}
+
+TEST(TcpStoreTest, SetGetAcrossThreadsAndBinarySafe) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  EXPECT_GT(server->port(), 0);
+  std::string binary_key("k\0\xff", 3);
+  std::string big(3 << 20, '\0');
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<char>((i * 2654435761u) >> 13);
+  std::thread writer([&] {
+    auto c = ConnectTo(*server);
+    ASSERT_NE(c, nullptr);
+    EXPECT_TRUE(c->Set("a", "1").ok());
+    EXPECT_TRUE(c->Set("a", "2").ok());  // overwrites
+    EXPECT_TRUE(c->Set("empty", "").ok());
+    EXPECT_TRUE(c->Set(binary_key, std::string("v\0v", 3)).ok());
+    EXPECT_TRUE(c->Set("big", big).ok());
+  });
+  writer.join();
+  auto c = ConnectTo(*server);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->Get("a").value_or("?"), "2");
+  EXPECT_EQ(c->Get("empty").value_or("?"), "");
+  EXPECT_EQ(c->Get(binary_key).value_or("?"), std::string("v\0v", 3));
+  auto got = c->Get("big");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(*got == big);
+}
+
+TEST(TcpStoreTest, BlockingGetAndWaitReleasedByLaterSet) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  std::atomic<bool> set_done{false};
+  std::string got;
+  absl::Status wait_status = absl::UnknownError("not run");
+  std::thread getter([&] {
+    auto c = ConnectTo(*server);
+    auto v = c->Get("later");
+    EXPECT_TRUE(set_done.load()) << "Get returned before the key was set";
+    got = v.value_or("error: " + v.status().ToString());
+  });
+  std::thread waiter([&] {
+    auto c = ConnectTo(*server);
+    wait_status = c->Wait({"later", "later2"});
+    EXPECT_TRUE(set_done.load());
+  });
+  absl::SleepFor(absl::Milliseconds(150));
+  auto c = ConnectTo(*server);
+  set_done = true;
+  ASSERT_TRUE(c->Set("later", "value").ok());
+  ASSERT_TRUE(c->Set("later2", "x").ok());
+  getter.join();
+  waiter.join();
+  EXPECT_EQ(got, "value");
+  EXPECT_TRUE(wait_status.ok()) << wait_status;
+}
+
+TEST(TcpStoreTest, ConcurrentAddsGiveExactTotalsAndDistinctResults) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  constexpr int kClients = 12, kAdds = 150;
+  std::vector<std::vector<int64_t>> results(kClients);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kClients; ++t) {
+    threads.emplace_back([&, t] {
+      auto c = ConnectTo(*server);
+      ASSERT_NE(c, nullptr);
+      for (int i = 0; i < kAdds; ++i) {
+        auto v = c->Add("ones", 1);
+        ASSERT_TRUE(v.ok()) << v.status();
+        results[t].push_back(*v);
+        ASSERT_TRUE(c->Add("weighted", t + 1).ok());
+        ASSERT_TRUE(c->Add("mixed", (i % 2 == 0) ? 5 : -3).ok());
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  std::set<int64_t> seen;
+  for (const auto& r : results) seen.insert(r.begin(), r.end());
+  // Every increment observed a distinct value: exactly 1..N.
+  ASSERT_EQ(seen.size(), static_cast<size_t>(kClients * kAdds));
+  EXPECT_EQ(*seen.begin(), 1);
+  EXPECT_EQ(*seen.rbegin(), kClients * kAdds);
+  auto c = ConnectTo(*server);
+  int64_t weighted = 0, mixed = 0;
+  for (int t = 0; t < kClients; ++t) {
+    weighted += int64_t{kAdds} * (t + 1);
+    for (int i = 0; i < kAdds; ++i) mixed += (i % 2 == 0) ? 5 : -3;
+  }
+  EXPECT_EQ(c->Add("weighted", 0).value_or(-1), weighted);
+  EXPECT_EQ(c->Get("weighted").value_or("?"), std::to_string(weighted));  // counters are decimal
+  EXPECT_EQ(c->Add("mixed", 0).value_or(-1), mixed);
+}
+
+TEST(TcpStoreTest, AddOnNonIntegerAndOverflowFailWithoutBreakingTheConnection) {
+  auto server = StartServer();
+  auto c = ConnectTo(*server);
+  ASSERT_TRUE(c->Set("text", "hello").ok());
+  EXPECT_EQ(c->Add("text", 1).status().code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(c->Add("big", std::numeric_limits<int64_t>::max()).ok());
+  EXPECT_EQ(c->Add("big", 1).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(c->Add("neg", -7).value_or(0), -7);
+}
+
+TEST(TcpStoreTest, TimeoutsNameKeyAndAddressAndClientRecovers) {
+  auto server = StartServer();
+  auto c = ConnectTo(*server, absl::Milliseconds(150));
+  ASSERT_NE(c, nullptr);
+  const absl::Time start = absl::Now();
+  auto v = c->Get("never/set");
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_EQ(v.status().code(), absl::StatusCode::kDeadlineExceeded) << v.status();
+  EXPECT_NE(v.status().message().find("never/set"), absl::string_view::npos) << v.status();
+  EXPECT_NE(v.status().message().find("127.0.0.1:" + std::to_string(server->port())), absl::string_view::npos)
+      << v.status();
+  EXPECT_GE(took, absl::Milliseconds(140));
+  EXPECT_LT(took, absl::Seconds(3));
+  EXPECT_EQ(c->Wait({"a", "never"}).code(), absl::StatusCode::kDeadlineExceeded);
+  // A later call works (on a fresh connection), and a key set meanwhile is seen.
+  ASSERT_TRUE(c->Set("never/set", "now").ok());
+  EXPECT_EQ(c->Get("never/set").value_or("?"), "now");
+}
+
+TEST(TcpStoreTest, ClientRejectsBadKeysAndSizes) {
+  auto server = StartServer();
+  auto c = ConnectTo(*server);
+  EXPECT_EQ(c->Set("", "v").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->Get(std::string(kStoreMaxKeyBytes + 1, 'k')).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(c->Set(std::string(kStoreMaxKeyBytes, 'k'), "max key").ok());
+  EXPECT_EQ(c->Set("v", std::string(kStoreMaxValueBytes + 1, 'x')).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->Wait({}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(StoreClient::Connect("127.0.0.1", 70000, absl::Seconds(1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(c->Get(std::string(kStoreMaxKeyBytes, 'k')).value_or("?"), "max key");
+}
+
+TEST(TcpStoreTest, OversizeRawMessagesGetAnErrorAndTheServerKeepsServing) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  struct Case {
+    const char* name;
+    std::string bytes;
+  };
+  std::vector<Case> cases;
+  {
+    std::string s = Header(1, 2);
+    Le(s, kStoreMaxKeyBytes + 1, 8);  // key too long (body never sent)
+    cases.push_back({"long key", s});
+  }
+  {
+    std::string s = Header(1, 2);
+    Le(s, 1, 8);
+    s += "k";
+    Le(s, uint64_t{1} << 62, 8);  // value far too long
+    cases.push_back({"huge value", s});
+  }
+  {
+    std::string s = Header(2, 1);
+    Le(s, 0, 8);  // empty key
+    cases.push_back({"empty key", s});
+  }
+  {
+    std::string s = Header(3, 2);
+    Le(s, 1, 8);
+    s += "k";
+    Le(s, 3, 8);  // ADD delta not 8 bytes
+    cases.push_back({"short delta", s});
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int fd = RawConnect(server->port());
+    ASSERT_GE(fd, 0);
+    SendRaw(fd, c.bytes);
+    auto [reply, closed] = ReadUntilClosed(fd);
+    close(fd);
+    EXPECT_TRUE(closed);
+    ASSERT_GE(reply.size(), 9u);
+    EXPECT_EQ(static_cast<int>(reply[0]), static_cast<int>(absl::StatusCode::kInvalidArgument));
+    ExpectServerHealthy(*server, c.name);
+  }
+}
+
+TEST(TcpStoreTest, MalformedRawMessagesDropOnlyThatClient) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  // A healthy client holds a parked Get across all the abuse below.
+  std::string parked;
+  std::thread getter([&] {
+    auto c = ConnectTo(*server);
+    parked = c->Get("after-abuse").value_or("error");
+  });
+  std::vector<std::pair<const char*, std::string>> cases = {
+      {"bad magic", Header(1, 2, 0xdeadbeef)},
+      {"bad op", Header(99, 1)},
+      {"zero op", Header(0, 1)},
+      {"wrong field count", Header(1, 7)},
+      {"too many wait keys", Header(4, kStoreMaxWaitKeys + 1)},
+  };
+  for (const auto& [name, bytes] : cases) {
+    SCOPED_TRACE(name);
+    const int fd = RawConnect(server->port());
+    ASSERT_GE(fd, 0);
+    SendRaw(fd, bytes + std::string(64, 'x'));
+    auto [reply, closed] = ReadUntilClosed(fd);
+    close(fd);
+    EXPECT_TRUE(closed);
+    EXPECT_TRUE(reply.empty());
+  }
+  // Random garbage, half-sent messages abandoned mid-way, and an idle half-message left open.
+  std::mt19937 rng(1234);
+  for (int i = 0; i < 100; ++i) {
+    const int fd = RawConnect(server->port());
+    ASSERT_GE(fd, 0);
+    std::string junk(1 + rng() % 300, '\0');
+    for (char& ch : junk) ch = static_cast<char>(rng());
+    if (i % 3 == 0) junk = Header(1 + rng() % 4, 1 + rng() % 2) + junk.substr(0, junk.size() % 13);
+    SendRaw(fd, junk);
+    close(fd);
+  }
+  const int idle = RawConnect(server->port());
+  ASSERT_GE(idle, 0);
+  {
+    std::string s = Header(1, 2);
+    Le(s, 5, 8);
+    s += "ke";  // stops mid-key and stays connected
+    SendRaw(idle, s);
+  }
+  ExpectServerHealthy(*server, "healthy");
+  auto c = ConnectTo(*server);
+  ASSERT_TRUE(c->Set("after-abuse", "ok").ok());
+  getter.join();
+  EXPECT_EQ(parked, "ok");
+  close(idle);
+}
+
+TEST(TcpStoreTest, ManyClientsAtOnce) {
+  auto server = StartServer();
+  constexpr int kClients = 64;
+  std::vector<std::unique_ptr<StoreClient>> clients;
+  for (int i = 0; i < kClients; ++i) {
+    clients.push_back(ConnectTo(*server));
+    ASSERT_NE(clients.back(), nullptr);
+  }
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  // (absl::StrCat rather than "k" + std::to_string(i): g++ 12 -Wrestrict false positive.)
+  std::vector<std::string> keys;
+  for (int j = 0; j < kClients; ++j) keys.push_back(absl::StrCat("k", j));
+  for (int i = 0; i < kClients; ++i) {
+    threads.emplace_back([&, i] {
+      // Everyone waits for everyone: all 64 are parked in the server at once.
+      if (!clients[i]->Set(keys[i], absl::StrCat(i)).ok()) return;
+      const int next = (i + 1) % kClients;
+      if (clients[i]->Wait(keys).ok() && clients[i]->Get(keys[next]).value_or("") == absl::StrCat(next)) ++ok;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), kClients);
+}
+
+TEST(TcpStoreTest, ConnectRetriesUntilTheServerComesUp) {
+  int port = 0;
+  {
+    auto probe = StartServer();
+    port = probe->port();
+  }
+  absl::Status status = absl::UnknownError("not run");
+  std::thread client([&] {
+    auto c = StoreClient::Connect("127.0.0.1", port, absl::Seconds(10));
+    status = c.ok() ? c.value()->Set("x", "y") : c.status();
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  auto server = StoreServer::Start("127.0.0.1", port);
+  ASSERT_TRUE(server.ok()) << server.status();
+  client.join();
+  EXPECT_TRUE(status.ok()) << status;
+}
+
+TEST(TcpStoreTest, ConnectToNothingIsUnavailableAfterTheTimeout) {
+  int port = 0;
+  {
+    auto probe = StartServer();
+    port = probe->port();
+  }
+  const absl::Time start = absl::Now();
+  auto c = StoreClient::Connect("127.0.0.1", port, absl::Milliseconds(300));
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable) << c.status();
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(290));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_NE(c.status().message().find(std::to_string(port)), absl::string_view::npos);
+}
+
+TEST(TcpStoreTest, ServerBindsOnlyTheGivenAddress) {
+  // 127.0.0.0/8 is all loopback on Linux: a server on 127.0.0.2 is not reachable via 127.0.0.1.
+  auto server = StartServer("127.0.0.2");
+  ASSERT_NE(server, nullptr);
+  EXPECT_EQ(RawConnect(server->port(), "127.0.0.1"), -1);
+  auto wrong = StoreClient::Connect("127.0.0.1", server->port(), absl::Milliseconds(100));
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kUnavailable);
+  auto right = StoreClient::Connect("127.0.0.2", server->port(), absl::Seconds(5));
+  ASSERT_TRUE(right.ok()) << right.status();
+  EXPECT_TRUE((*right)->Set("a", "b").ok());
+}
+
+TEST(TcpStoreTest, ServerShutdownReleasesBlockedClients) {
+  auto server = StartServer();
+  auto c = ConnectTo(*server, absl::Seconds(30));
+  absl::Status status;
+  std::thread getter([&] { status = c->Get("never").status(); });
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time start = absl::Now();
+  server.reset();
+  getter.join();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+}
+
+TEST(TcpStoreTest, ClientOwnsAdoptedServer) {
+  auto server = StartServer();
+  const int port = server->port();
+  auto c = ConnectTo(*server);
+  c->AdoptServer(std::move(server));
+  ASSERT_TRUE(c->Set("a", "1").ok());
+  c.reset();  // closes the connection, then stops the server
+  EXPECT_EQ(RawConnect(port), -1);
+}
+
+}  // namespace
+}  // namespace dtensor
