@@ -3,6 +3,7 @@
 // against central finite differences.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <numbers>
 #include <string>
@@ -311,6 +312,122 @@ TEST(CpuElementwiseTest, Float32ExpAndTanhWithinFewUlp) {
   const testing::Tolerance three_ulp = {3.6e-7, 1e-37};
   testing::ExpectNear(testing::Values(Unwrap(Exp(te))), re, three_ulp, "exp");
   testing::ExpectNear(testing::Values(Unwrap(Tanh(tt))), rt, three_ulp, "tanh");
+}
+
+// Float64 gelu (tanh approximation) and its derivative in the sigmoid form 0.5 (1 + tanh(u)) =
+// 1 / (1 + e^{-2u}), accurate in the left tail where 1 + tanh(u) cancels.
+double RefGeluTail(double x) {
+  const double u = std::sqrt(2.0 / std::numbers::pi) * (x + 0.044715 * x * x * x);
+  return x / (1.0 + std::exp(-2.0 * u));
+}
+// gelu'(x) = s + x r with s the sigmoid; *scale = |s| + |x r|, the size of the terms (gelu'
+// crosses zero near x = -0.75, so its error is measured against the terms it sums).
+double RefGeluGrad(double x, double* scale) {
+  const double k = std::sqrt(2.0 / std::numbers::pi), c = 0.044715;
+  const double e = std::exp(-2.0 * k * (x + c * x * x * x));
+  const double s = 1.0 / (1.0 + e);
+  const double xr = 2.0 * x * s * (e * s) * k * (1.0 + 3.0 * c * x * x);
+  *scale = s + std::fabs(xr);
+  return s + xr;
+}
+
+// Dense float32 sweep of gelu and its derivative over [-10, 10] against float64. The kernel
+// computes the exponent argument t = 2 sqrt(2/pi) (x + 0.044715 x^3) in float, whose rounding
+// (a few ulp of t) is amplified by |t| in e^t: the bound is 4 ulp plus |t| * 3 ulp relative,
+// which is 4 ulp near 0 and for all x > 0 (where the sigmoid saturates).
+TEST(CpuElementwiseTest, GeluFloat32DenseSweep) {
+  const int64_t n = 400001;
+  std::vector<double> xs(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) xs[i] = -10.0 + 20.0 * static_cast<double>(i) / static_cast<double>(n - 1);
+  const Tensor x = testing::FromDoubles(xs, {n}, DType::kFloat32);
+  const Tensor dy = Unwrap(Ones({n}, DType::kFloat32));
+  const std::vector<double> xr = testing::Values(x);
+  const std::vector<double> y = testing::Values(Unwrap(Gelu(x)));
+  const std::vector<double> g = testing::Values(Unwrap(UnaryBackward(UnaryOp::kGelu, dy, x)));
+  const double ulp = std::ldexp(1.0, -24);
+  double worst_y = 0, worst_g = 0, worst_pos = 0;
+  int bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = xr[i];
+    const double t = std::fabs(2.0 * std::sqrt(2.0 / std::numbers::pi) * (v + 0.044715 * v * v * v));
+    double scale = 0;
+    const double ry = RefGeluTail(v), rg = RefGeluGrad(v, &scale);
+    const double ey = std::fabs(y[i] - ry) / (std::fabs(ry) * ulp + 1e-45);
+    const double eg = std::fabs(g[i] - rg) / (scale * ulp + 1e-45);
+    // Where gelu is below 1e-30 (x < -9.2) it may be flushed towards zero.
+    if (std::fabs(ry) < 1e-30) {
+      bad += std::fabs(y[i]) > 1e-30;
+      continue;
+    }
+    const double bound = 4.0 + 3.0 * t;
+    bad += (ey > bound) + (eg > bound + 4.0);
+    worst_y = std::max(worst_y, ey / bound);
+    worst_g = std::max(worst_g, eg / (bound + 4.0));
+    if (v >= 0) worst_pos = std::max(worst_pos, ey);
+  }
+  EXPECT_EQ(bad, 0) << "worst gelu error / bound " << worst_y << ", gelu' " << worst_g;
+  EXPECT_LE(worst_pos, 4.0) << "gelu ulp error for x >= 0";
+}
+
+TEST(CpuElementwiseTest, GeluLargeAndSpecialInputs) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> xv = {inf, -inf, std::nanf(""), 1e30f, -1e30f, 3e38f, -3e38f, 11.0f, -11.0f, 0.0f, -0.0f};
+  const Tensor x = Unwrap(Tensor::FromVector<float>(xv, {static_cast<int64_t>(xv.size())}));
+  const std::vector<double> y = testing::Values(Unwrap(Gelu(x)));
+  EXPECT_EQ(y[0], INFINITY);
+  EXPECT_EQ(y[1], 0.0);
+  EXPECT_TRUE(std::isnan(y[2]));
+  EXPECT_EQ(y[3], 1e30f);
+  EXPECT_EQ(y[4], 0.0);
+  EXPECT_EQ(y[5], 3e38f);
+  EXPECT_EQ(y[6], 0.0);
+  EXPECT_EQ(y[7], 11.0);
+  EXPECT_EQ(y[8], 0.0);
+  EXPECT_EQ(y[9], 0.0);
+  EXPECT_EQ(y[10], 0.0);
+  const Tensor dy = Unwrap(Ones({static_cast<int64_t>(xv.size())}, DType::kFloat32));
+  const std::vector<double> g = testing::Values(Unwrap(UnaryBackward(UnaryOp::kGelu, dy, x)));
+  EXPECT_EQ(g[0], 1.0);
+  EXPECT_EQ(g[1], 0.0);
+  EXPECT_TRUE(std::isnan(g[2]));
+  EXPECT_EQ(g[3], 1.0);
+  EXPECT_EQ(g[4], 0.0);
+  EXPECT_EQ(g[5], 1.0);
+  EXPECT_EQ(g[6], 0.0);
+  EXPECT_EQ(g[7], 1.0);
+  EXPECT_EQ(g[8], 0.0);
+  EXPECT_EQ(g[9], 0.5);
+}
+
+// bfloat16 / float16 exp, log, tanh and gelu on every one of the 65536 inputs (the CPU backend
+// answers large 16-bit inputs from a lookup table) equal the float32 op rounded to the 16-bit
+// type, contiguous and strided.
+TEST(CpuElementwiseTest, SixteenBitUnaryMatchesFloat32Rounded) {
+  for (DType d : {DType::kBFloat16, DType::kFloat16}) {
+    std::vector<uint16_t> bits(65536);
+    for (uint32_t b = 0; b < 65536; ++b) bits[b] = static_cast<uint16_t>(b);
+    Tensor x = Unwrap(Tensor::Empty({65536}, d));
+    std::memcpy(x.raw_data(), bits.data(), bits.size() * sizeof(uint16_t));
+    const Tensor x32 = Unwrap(Cast(x, DType::kFloat32));
+    for (UnaryOp op : {UnaryOp::kExp, UnaryOp::kLog, UnaryOp::kTanh, UnaryOp::kGelu}) {
+      const Tensor want = Unwrap(Cast(Unwrap(Unary(op, x32)), d));
+      for (bool strided : {false, true}) {
+        const Tensor in = strided ? testing::NonContiguous(x) : x;
+        const Tensor got = Unwrap(Contiguous(Unwrap(Unary(op, in))));
+        const auto* w = static_cast<const uint16_t*>(want.raw_data());
+        const auto* g = static_cast<const uint16_t*>(got.raw_data());
+        const std::vector<double> wv = testing::Values(want), gv = testing::Values(got);
+        int mismatches = 0, first = -1;
+        for (int i = 0; i < 65536; ++i) {
+          const bool same = w[i] == g[i] || (std::isnan(wv[i]) && std::isnan(gv[i]));
+          if (!same && first < 0) first = i;
+          mismatches += !same;
+        }
+        EXPECT_EQ(mismatches, 0) << DTypeName(d) << " " << Name(op) << (strided ? " strided" : "") << " first at bits "
+                                 << first;
+      }
+    }
+  }
 }
 
 TEST(CpuElementwiseTest, UnarySpecialValues) {

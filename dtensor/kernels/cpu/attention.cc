@@ -28,52 +28,6 @@ namespace {
 // Query rows per score block: bounds scratch to kQueryBlock * T floats per thread.
 constexpr int64_t kQueryBlock = 128;
 
-// Order-preserving map between float bits and int32 (its own inverse): comparing keys as
-// integers compares the floats, so a clamp needs no float compare.
-constexpr int32_t FloatKey(int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }
-
-// exp(x) for float, written so that GCC and clang vectorise the loops calling it: no libm call
-// (expf is not vectorised without -ffast-math) and no float compare (under the default
-// -ftrapping-math GCC will not if-convert one). x is clamped to [-88, 88.3] on integer keys;
-// x = n ln2 + r with |r| <= ln2/2; exp(r) by Cephes' degree-6 polynomial; 2^n is built in the
-// exponent bits, and n = -127 gives 0, so x below about -87.7 (-inf included) flushes to 0.
-// Within 1.5 ulp of exp on [-87.3, 88]; NaN gives NaN. Callers pass x <= ~0.
-inline float ExpF(float x) {
-  constexpr int32_t kLo = FloatKey(std::bit_cast<int32_t>(-88.0f));
-  constexpr int32_t kHi = FloatKey(std::bit_cast<int32_t>(88.3f));
-  const int32_t xi = std::bit_cast<int32_t>(x);
-  int32_t k = FloatKey(xi);
-  k = k < kLo ? kLo : k;
-  k = k > kHi ? kHi : k;
-  const float xc = std::bit_cast<float>(FloatKey(k));
-  const float shift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float t = xc * 1.44269504088896341f + shift;
-  const float n = t - shift;
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  // t's low mantissa bits hold n: read it as an integer without a float->int conversion.
-  const int32_t ni = std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(shift);
-  const int32_t yi = std::bit_cast<int32_t>(p * std::bit_cast<float>((ni + 127) << 23));
-  const int32_t nan_mask = (0x7f800000 - (xi & 0x7fffffff)) >> 31;  // all ones iff x is NaN
-  return std::bit_cast<float>(yi | (nan_mask & 0x7fc00000));
-}
-
-// max(row[0..n)) for n >= 1, as an integer max over FloatKey (so both compilers vectorise it
-// without fast-math). A NaN may or may not win; callers' sums of exp then turn NaN anyway.
-inline float RowMax(const float* row, int64_t n) {
-  constexpr int32_t kMinusInf = FloatKey(std::bit_cast<int32_t>(-std::numeric_limits<float>::infinity()));
-  int32_t k = kMinusInf;
-#pragma omp simd reduction(max : k)
-  for (int64_t i = 0; i < n; ++i) k = std::max(k, FloatKey(std::bit_cast<int32_t>(row[i])));
-  return std::bit_cast<float>(FloatKey(k));
-}
-
 // n values as float32: src itself for float, else converted into scratch.
 template <typename T>
 const float* AsF32(const T* src, int64_t n, std::vector<float>& scratch) {
@@ -148,11 +102,11 @@ void HeadForward(const float* q, const float* k, const float* v, int64_t t, int6
     for (int64_t i = 0; i < m; ++i) {
       float* row = s + i * r1;
       const int64_t n = r0 + i + 1;  // keys 0..r0+i are visible
-      const float mx = RowMax(row, n);
+      const float mx = RowMaxKeyed(row, n);
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t j = 0; j < n; ++j) {
-        row[j] = ExpF(row[j] - mx);
+        row[j] = ExpKeyClamped(row[j] - mx);
         sum += row[j];
       }
       const float inv = 1.0f / sum;
@@ -190,7 +144,7 @@ void HeadBackward(const float* dout, const float* q, const float* k, const float
       const int64_t n = r0 + i + 1;
       const float l = lse[r0 + i];
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) row[j] = ExpF(row[j] - l);
+      for (int64_t j = 0; j < n; ++j) row[j] = ExpKeyClamped(row[j] - l);
       for (int64_t j = n; j < r1; ++j) row[j] = 0.0f;
     }
     // dk and dv rows [0, r1) accumulate over blocks: the first block overwrites (beta 0); a

@@ -31,52 +31,6 @@ constexpr int64_t kSumBlock = 512;
 #define DT_ROW_CLONES
 #endif
 
-// Order-preserving map between float bits and int32 (its own inverse): comparing keys as
-// integers compares the floats, so a clamp needs no float compare.
-constexpr int32_t FloatKey(int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }
-
-// exp(x) for float, written so that GCC and clang vectorise the loops calling it: no libm call
-// (expf is not vectorised without -ffast-math) and no float compare (under the default
-// -ftrapping-math GCC will not if-convert one). x is clamped to [-88, 88.3] on integer keys;
-// x = n ln2 + r with |r| <= ln2/2; exp(r) by Cephes' degree-6 polynomial; 2^n is built in the
-// exponent bits, and n = -127 gives 0, so x below about -87.7 (-inf included) flushes to 0.
-// Within 1.5 ulp of exp on [-87.3, 88]; NaN gives NaN. Callers pass x <= ~0.
-inline float ExpF(float x) {
-  constexpr int32_t kLo = FloatKey(std::bit_cast<int32_t>(-88.0f));
-  constexpr int32_t kHi = FloatKey(std::bit_cast<int32_t>(88.3f));
-  const int32_t xi = std::bit_cast<int32_t>(x);
-  int32_t k = FloatKey(xi);
-  k = k < kLo ? kLo : k;
-  k = k > kHi ? kHi : k;
-  const float xc = std::bit_cast<float>(FloatKey(k));
-  const float shift = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float t = xc * 1.44269504088896341f + shift;
-  const float n = t - shift;
-  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  // t's low mantissa bits hold n: read it as an integer without a float->int conversion.
-  const int32_t ni = std::bit_cast<int32_t>(t) - std::bit_cast<int32_t>(shift);
-  const int32_t yi = std::bit_cast<int32_t>(p * std::bit_cast<float>((ni + 127) << 23));
-  const int32_t nan_mask = (0x7f800000 - (xi & 0x7fffffff)) >> 31;  // all ones iff x is NaN
-  return std::bit_cast<float>(yi | (nan_mask & 0x7fc00000));
-}
-
-// max(row[0..n)) for n >= 1, as an integer max over FloatKey (so both compilers vectorise it
-// without fast-math). A NaN may or may not win; callers' sums of exp then turn NaN anyway.
-inline float RowMax(const float* row, int64_t n) {
-  constexpr int32_t kMinusInf = FloatKey(std::bit_cast<int32_t>(-std::numeric_limits<float>::infinity()));
-  int32_t k = kMinusInf;
-#pragma omp simd reduction(max : k)
-  for (int64_t i = 0; i < n; ++i) k = std::max(k, FloatKey(std::bit_cast<int32_t>(row[i])));
-  return std::bit_cast<float>(FloatKey(k));
-}
-
 template <typename F>
 absl::Status VisitIndex(const char* op, DType t, F&& f) {
   switch (t) {
@@ -114,7 +68,7 @@ const float* RowF32(const T* src, int64_t n, float* scratch) {
 
 // logsumexp of row [V], V >= 1.
 DT_ROW_CLONES float LogSumExp(const float* row, int64_t v) {
-  const float m = RowMax(row, v);
+  const float m = RowMaxKeyed(row, v);
   if (std::isinf(m)) return m;  // all -inf (-inf), or an +inf logit (+inf)
   // float sums over blocks (vectorised), blocks summed in double: a plain float sum over
   // V = 50257 terms loses ~1e-5 relative.
@@ -123,7 +77,7 @@ DT_ROW_CLONES float LogSumExp(const float* row, int64_t v) {
     const int64_t e = std::min(v, b + kSumBlock);
     float bs = 0.0f;
 #pragma omp simd reduction(+ : bs)
-    for (int64_t i = b; i < e; ++i) bs += ExpF(row[i] - m);
+    for (int64_t i = b; i < e; ++i) bs += ExpKeyClamped(row[i] - m);
     s += bs;
   }
   return m + static_cast<float>(std::log(s));
@@ -132,7 +86,7 @@ DT_ROW_CLONES float LogSumExp(const float* row, int64_t v) {
 // d[j] = g * exp(row[j] - lse) for j < v: g times the softmax of the row.
 DT_ROW_CLONES void ScaledSoftmax(const float* row, int64_t v, float lse, float g, float* d) {
 #pragma omp simd
-  for (int64_t j = 0; j < v; ++j) d[j] = g * ExpF(row[j] - lse);
+  for (int64_t j = 0; j < v; ++j) d[j] = g * ExpKeyClamped(row[j] - lse);
 }
 
 template <typename T, typename I>
