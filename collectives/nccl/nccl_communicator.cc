@@ -1,0 +1,856 @@
+// The nccl backend (see nccl_communicator.h for the contract). Structure:
+//   NcclState        the ncclComm_t, the communication stream and the failure state, shared by
+//                    the communicator and its pending Works (a Work may outlive its
+//                    communicator); all polling with timeouts and ncclCommAbort live here.
+//   NcclWork         one launched call: its completion event and the tensors it keeps alive.
+//   NcclCommunicator validation ("[Op] rank r: ...") and the mapping of each call to NCCL.
+//
+// The NCCL communicator is created non-blocking (blocking = 0): any NCCL call may return
+// ncclInProgress, after which ncclCommGetAsyncError is polled until the communicator leaves
+// that state, before anything else is called on it. NCCL error codes map to absl codes as
+// ncclInvalidArgument -> InvalidArgument, ncclInvalidUsage -> FailedPrecondition,
+// ncclRemoteError / ncclSystemError -> Unavailable (a peer or the network is gone), the rest
+// -> Internal.
+#include "collectives/nccl/nccl_communicator.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "dtensor/kernels/cuda/cuda_common.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor {
+
+bool NcclBuilt() { return true; }
+
+namespace {
+
+using internal::DeviceGuard;
+using internal::ToStatus;
+
+// ---------------------------------------------------------------------------------------------
+// Owners of the raw CUDA / NCCL handles.
+
+struct StreamDeleter {
+  void operator()(cudaStream_t s) const {
+    if (s != nullptr) cudaStreamDestroy(s);
+  }
+};
+struct EventDeleter {
+  void operator()(cudaEvent_t e) const {
+    if (e != nullptr) cudaEventDestroy(e);  // fine while pending: released once it completes
+  }
+};
+// A healthy communicator is finalized (polled) before it gets here; a failed one is released
+// into ncclCommAbort instead (NcclState::Abort).
+struct CommDeleter {
+  void operator()(ncclComm_t c) const {
+    if (c != nullptr) ncclCommDestroy(c);
+  }
+};
+using StreamPtr = std::unique_ptr<CUstream_st, StreamDeleter>;
+using EventPtr = std::unique_ptr<CUevent_st, EventDeleter>;
+using CommPtr = std::unique_ptr<ncclComm, CommDeleter>;
+
+absl::StatusOr<EventPtr> NewEvent(const char* op, int device) {
+  cudaEvent_t e = nullptr;
+  DT_RETURN_IF_ERROR(ToStatus(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), op, device));
+  return EventPtr(e);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors.
+
+absl::StatusCode NcclCode(ncclResult_t r) {
+  switch (r) {
+    case ncclInvalidArgument:
+      return absl::StatusCode::kInvalidArgument;
+    case ncclInvalidUsage:
+      return absl::StatusCode::kFailedPrecondition;
+    case ncclRemoteError:
+    case ncclSystemError:
+      return absl::StatusCode::kUnavailable;
+    default:
+      return absl::StatusCode::kInternal;
+  }
+}
+
+// "[op] rank r (cuda:d): NCCL <error string>: <ncclGetLastError>"; OK for ncclSuccess.
+absl::Status NcclStatus(ncclResult_t r, const char* op, int rank, int device, ncclComm_t comm) {
+  if (r == ncclSuccess) return absl::OkStatus();
+  const char* last = ncclGetLastError(comm);
+  std::string msg = absl::StrCat("[", op, "] rank ", rank, " (cuda:", device, "): NCCL ", ncclGetErrorString(r));
+  if (last != nullptr && last[0] != '\0') absl::StrAppend(&msg, ": ", last);
+  return absl::Status(NcclCode(r), msg);
+}
+
+// Sleeps a little longer the longer a wait lasts: yields for the first ~100 us (collectives
+// of a few KiB finish in that time), then sleeps up to 1 ms.
+void Backoff(int iteration) {
+  if (iteration < 200) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(10 * std::min(100, iteration - 199)));
+  }
+}
+
+// Polls a non-blocking communicator until it leaves ncclInProgress or `deadline` passes
+// (then *timed_out is set and ncclInProgress returned). `first` is the result of the call
+// that started the work.
+ncclResult_t PollComm(ncclComm_t comm, ncclResult_t first, absl::Time deadline, bool* timed_out) {
+  *timed_out = false;
+  if (first != ncclInProgress) return first;
+  for (int i = 0;; ++i) {
+    ncclResult_t state = ncclInProgress;
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    if (r != ncclSuccess) return r;
+    if (state != ncclInProgress) return state;
+    if (absl::Now() >= deadline) {
+      *timed_out = true;
+      return ncclInProgress;
+    }
+    Backoff(i);
+  }
+}
+
+std::string WaitingFor(int peer, int size) {
+  return peer >= 0 ? absl::StrCat("rank ", peer)
+                   : absl::StrCat("all ", size, " ranks (NCCL cannot tell which is missing)");
+}
+
+// ---------------------------------------------------------------------------------------------
+// NcclState
+
+class NcclState : public std::enable_shared_from_this<NcclState> {
+ public:
+  // Takes a ready (initialized) communicator; creates the stream and the ordering event.
+  static absl::StatusOr<std::shared_ptr<NcclState>> Create(ncclComm_t raw, int device, absl::Duration timeout) {
+    CommPtr comm(raw);
+    const char* op = "MakeNcclCommunicator";
+    DeviceGuard guard(device);
+    if (!guard.ok()) return ToStatus(guard.error(), op, device);
+    int rank = 0, size = 0;
+    ncclResult_t r = ncclCommUserRank(comm.get(), &rank);
+    if (r == ncclSuccess) r = ncclCommCount(comm.get(), &size);
+    if (r != ncclSuccess) {
+      const absl::Status s = NcclStatus(r, op, rank, device, comm.get());
+      ncclCommAbort(comm.release());
+      return s;
+    }
+    cudaStream_t stream = nullptr;
+    absl::Status s = ToStatus(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), op, device);
+    StreamPtr stream_ptr(stream);
+    absl::StatusOr<EventPtr> ready = s.ok() ? NewEvent(op, device) : absl::StatusOr<EventPtr>(s);
+    if (!ready.ok()) {
+      ncclCommAbort(comm.release());
+      return ready.status();
+    }
+    return std::shared_ptr<NcclState>(
+        new NcclState(std::move(comm), std::move(stream_ptr), *std::move(ready), device, rank, size, timeout));
+  }
+
+  ~NcclState() {
+    DeviceGuard guard(device_);
+    if (comm_ != nullptr) {
+      // Flush outstanding work (polled, so a dead peer cannot hang the destructor), then
+      // destroy; abort if that fails or takes longer than the timeout.
+      bool timed_out = false;
+      const ncclResult_t r = PollComm(comm_.get(), ncclCommFinalize(comm_.get()), absl::Now() + timeout_, &timed_out);
+      if (r != ncclSuccess || timed_out) ncclCommAbort(comm_.release());
+      comm_.reset();
+    }
+    // scratch_ (and the stream, the event) are released after this body, once the
+    // communicator is gone.
+  }
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int device() const { return device_; }
+  absl::Duration timeout() const { return timeout_; }
+  void set_timeout(absl::Duration t) { timeout_ = t; }
+  ncclComm_t comm() const { return comm_.get(); }
+
+  // FailedPrecondition quoting the first failure, once the communicator is dead.
+  absl::Status CheckAlive(const char* op) const {
+    if (failure_.ok()) return absl::OkStatus();
+    return absl::FailedPreconditionError(absl::StrCat("[", op, "] rank ", rank_, " (cuda:", device_,
+                                                      "): the nccl communicator failed earlier: ", failure_.message()));
+  }
+
+  // Records the first failure, aborts the NCCL communicator and returns `s`.
+  absl::Status Fail(absl::Status s) {
+    if (failure_.ok()) failure_ = s;
+    if (comm_ != nullptr) {
+      DeviceGuard guard(device_);
+      ncclCommAbort(comm_.release());
+    }
+    return s;
+  }
+
+  // Makes the communication stream wait for everything queued so far on the calling thread's
+  // compute stream (cudaStreamPerThread). The device must be current.
+  absl::Status OrderAfterCompute(const char* op) {
+    DT_RETURN_IF_ERROR(ToStatus(cudaEventRecord(ready_.get(), cudaStreamPerThread), op, device_));
+    return ToStatus(cudaStreamWaitEvent(stream_.get(), ready_.get(), 0), op, device_);
+  }
+
+  // Copies `bytes` from src to dst on the communication stream, after the compute stream
+  // (a later Launch on this communicator is ordered after it).
+  absl::Status CopyOnStream(const char* op, void* dst, const void* src, size_t bytes) {
+    DT_RETURN_IF_ERROR(CheckAlive(op));
+    if (bytes == 0 || dst == src) return absl::OkStatus();
+    DeviceGuard guard(device_);
+    if (!guard.ok()) return ToStatus(guard.error(), op, device_);
+    DT_RETURN_IF_ERROR(OrderAfterCompute(op));
+    return ToStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_.get()), op, device_);
+  }
+
+  // A private contiguous copy of `t` made on the communication stream (for inputs that
+  // overlap outputs in ways NCCL does not allow). The caller keeps it alive in its Work.
+  absl::StatusOr<Tensor> StageCopy(const char* op, const Tensor& t) {
+    DT_ASSIGN_OR_RETURN(Tensor copy, Tensor::Empty(t.shape(), t.dtype(), Device::Cuda(device_)));
+    DT_RETURN_IF_ERROR(CopyOnStream(op, copy.raw_data(), t.raw_data(), t.nbytes()));
+    return copy;
+  }
+
+  // Settles the result of an NCCL call that enqueued work: polls ncclInProgress away; an
+  // error or the timeout kills the communicator.
+  absl::Status Settle(const char* op, int peer, ncclResult_t r) {
+    bool timed_out = false;
+    r = PollComm(comm_.get(), r, absl::Now() + timeout_, &timed_out);
+    if (timed_out) {
+      return Fail(absl::DeadlineExceededError(absl::StrCat(
+          "[", op, "] rank ", rank_, " (cuda:", device_, "): NCCL did not accept the call within ",
+          absl::FormatDuration(timeout_), " waiting for ", WaitingFor(peer, size_), "; communicator aborted")));
+    }
+    if (r != ncclSuccess) return Fail(NcclStatus(r, op, rank_, device_, comm_.get()));
+    return absl::OkStatus();
+  }
+
+  // Waits (host side) until `event` has completed, NCCL reports an error, or the timeout.
+  absl::Status WaitEvent(cudaEvent_t event, const char* op, int peer, absl::Duration timeout) {
+    DeviceGuard guard(device_);
+    if (!guard.ok()) return ToStatus(guard.error(), op, device_);
+    const absl::Time deadline = absl::Now() + timeout;
+    for (int i = 0;; ++i) {
+      const cudaError_t q = cudaEventQuery(event);
+      if (q == cudaSuccess) return absl::OkStatus();
+      if (q != cudaErrorNotReady) return Fail(ToStatus(q, op, device_));
+      DT_RETURN_IF_ERROR(CheckAlive(op));  // aborted by another Work of this communicator
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t r = ncclCommGetAsyncError(comm_.get(), &async);
+      if (r != ncclSuccess) return Fail(NcclStatus(r, op, rank_, device_, comm_.get()));
+      if (async != ncclSuccess && async != ncclInProgress) {
+        const absl::Status s = NcclStatus(async, op, rank_, device_, comm_.get());
+        return Fail(absl::Status(s.code(), absl::StrCat(s.message(), " (while waiting for ", WaitingFor(peer, size_),
+                                                        "; communicator aborted)")));
+      }
+      if (absl::Now() >= deadline) {
+        return Fail(absl::DeadlineExceededError(absl::StrCat(
+            "[", op, "] rank ", rank_, " (cuda:", device_, "): timed out after ", absl::FormatDuration(timeout),
+            " waiting for ", WaitingFor(peer, size_), "; communicator aborted")));
+      }
+      Backoff(i);
+    }
+  }
+
+  // Runs `enqueue(comm, stream)` (NCCL calls returning ncclResult_t) on the communication
+  // stream, after the compute stream, and returns a Work completing with it.
+  template <typename F>
+  absl::StatusOr<std::unique_ptr<Work>> Launch(const char* op, int peer, std::vector<Tensor> keep, F&& enqueue);
+
+  // A 1-element float32 buffer for Barrier.
+  absl::StatusOr<Tensor> Scratch() {
+    if (!scratch_.defined()) {
+      DT_ASSIGN_OR_RETURN(scratch_, Tensor::Empty({1}, DType::kFloat32, Device::Cuda(device_)));
+      DeviceGuard guard(device_);
+      DT_RETURN_IF_ERROR(ToStatus(cudaMemsetAsync(scratch_.raw_data(), 0, 4, cudaStreamPerThread), "Barrier", device_));
+    }
+    return scratch_;
+  }
+
+ private:
+  NcclState(CommPtr comm, StreamPtr stream, EventPtr ready, int device, int rank, int size, absl::Duration timeout)
+      : comm_(std::move(comm)),
+        stream_(std::move(stream)),
+        ready_(std::move(ready)),
+        device_(device),
+        rank_(rank),
+        size_(size),
+        timeout_(timeout) {}
+
+  CommPtr comm_;  // null once aborted
+  StreamPtr stream_;
+  EventPtr ready_;  // recorded on the compute stream before each call
+  const int device_;
+  const int rank_;
+  const int size_;
+  absl::Duration timeout_;
+  absl::Status failure_;  // the first fatal error
+  Tensor scratch_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// NcclWork
+
+class NcclWork final : public Work {
+ public:
+  NcclWork(std::shared_ptr<NcclState> state, EventPtr done, const char* op, int peer, absl::Duration timeout,
+           std::vector<Tensor> keep)
+      : state_(std::move(state)),
+        done_event_(std::move(done)),
+        op_(op),
+        peer_(peer),
+        timeout_(timeout),
+        keep_(std::move(keep)) {}
+
+  ~NcclWork() override {
+    if (done_event_ == nullptr) return;
+    DeviceGuard guard(state_->device());
+    if (!finished_) {
+      // Not waited for: blocks freed below must not be reused by compute-stream work before
+      // the collective is done with them.
+      cudaStreamWaitEvent(cudaStreamPerThread, done_event_.get(), 0);
+    } else if (!status_.ok() && cudaEventQuery(done_event_.get()) == cudaErrorNotReady) {
+      // Failed and (after the abort) possibly still touching its buffers: leak them rather
+      // than let the allocator hand them out again.
+      new std::vector<Tensor>(std::move(keep_));
+    }
+  }
+
+  absl::Status Wait() override {
+    if (finished_) return status_;
+    status_ = state_->WaitEvent(done_event_.get(), op_, peer_, timeout_);
+    finished_ = true;
+    if (status_.ok()) keep_.clear();  // done with the buffers; a failed Work keeps them (see ~NcclWork)
+    return status_;
+  }
+
+  bool IsCompleted() override {
+    if (finished_) return true;
+    DeviceGuard guard(state_->device());
+    const cudaError_t q = cudaEventQuery(done_event_.get());
+    if (q != cudaErrorNotReady) return true;  // done, or a CUDA error Wait() returns at once
+    if (!state_->CheckAlive(op_).ok()) return true;
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t r = ncclCommGetAsyncError(state_->comm(), &async);
+    return r != ncclSuccess || (async != ncclSuccess && async != ncclInProgress);
+  }
+
+ private:
+  std::shared_ptr<NcclState> state_;
+  EventPtr done_event_;
+  const char* op_;
+  int peer_;  // -1: every rank
+  absl::Duration timeout_;
+  std::vector<Tensor> keep_;
+  bool finished_ = false;
+  absl::Status status_;
+};
+
+template <typename F>
+absl::StatusOr<std::unique_ptr<Work>> NcclState::Launch(const char* op, int peer, std::vector<Tensor> keep,
+                                                        F&& enqueue) {
+  DT_RETURN_IF_ERROR(CheckAlive(op));
+  DeviceGuard guard(device_);
+  if (!guard.ok()) return ToStatus(guard.error(), op, device_);
+  DT_RETURN_IF_ERROR(OrderAfterCompute(op));
+  DT_RETURN_IF_ERROR(Settle(op, peer, enqueue(comm_.get(), stream_.get())));
+  DT_ASSIGN_OR_RETURN(EventPtr done, NewEvent(op, device_));
+  DT_RETURN_IF_ERROR(ToStatus(cudaEventRecord(done.get(), stream_.get()), op, device_));
+  return std::unique_ptr<Work>(
+      std::make_unique<NcclWork>(shared_from_this(), std::move(done), op, peer, timeout_, std::move(keep)));
+}
+
+// ncclGroupStart(); body(); ncclGroupEnd() — the group is closed even when body fails.
+template <typename F>
+ncclResult_t Grouped(F&& body) {
+  ncclResult_t r = ncclGroupStart();
+  if (r != ncclSuccess) return r;
+  const ncclResult_t first = body();
+  const ncclResult_t end = ncclGroupEnd();
+  return first != ncclSuccess ? first : end;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation and type mapping.
+
+// NCCL type that moves `dtype` (bytes for the storage-only types).
+ncclDataType_t MoveType(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return ncclFloat32;
+    case DType::kBFloat16:
+      return ncclBfloat16;
+    case DType::kFloat16:
+      return ncclFloat16;
+    case DType::kInt32:
+      return ncclInt32;
+    case DType::kInt64:
+      return ncclInt64;
+    case DType::kBool:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      return ncclUint8;
+  }
+  return ncclUint8;
+}
+
+struct Reduction {
+  ncclDataType_t type;
+  ncclRedOp_t op;
+};
+
+absl::StatusOr<Reduction> ReduceType(const char* op, int rank, DType dtype, CommReduceOp rop) {
+  if (IsFloat8(dtype)) {
+    return absl::UnimplementedError(absl::StrCat("[", op, "] rank ", rank, ": cannot reduce ", DTypeName(dtype),
+                                                 " (a storage-only type); cast to a compute type first"));
+  }
+  if (dtype == DType::kBool) {  // 0/1 bytes: or = max, and = min
+    switch (rop) {
+      case CommReduceOp::kSum:
+      case CommReduceOp::kMax:
+        return Reduction{ncclUint8, ncclMax};
+      case CommReduceOp::kMin:
+      case CommReduceOp::kProduct:
+        return Reduction{ncclUint8, ncclMin};
+      case CommReduceOp::kAvg:
+        break;
+    }
+    return InvalidArg(op, "rank ", rank, ": avg is not defined for bool");
+  }
+  switch (rop) {
+    case CommReduceOp::kSum:
+      return Reduction{MoveType(dtype), ncclSum};
+    case CommReduceOp::kAvg:
+      return Reduction{MoveType(dtype), ncclAvg};
+    case CommReduceOp::kMax:
+      return Reduction{MoveType(dtype), ncclMax};
+    case CommReduceOp::kMin:
+      return Reduction{MoveType(dtype), ncclMin};
+    case CommReduceOp::kProduct:
+      return Reduction{MoveType(dtype), ncclProd};
+  }
+  return InvalidArg(op, "rank ", rank, ": unknown reduction ", static_cast<int>(rop));
+}
+
+absl::Status CheckCount(const char* op, int rank, const char* name, const Tensor& t, int64_t expected,
+                        const std::string& why) {
+  if (t.numel() != expected) {
+    return InvalidArg(op, "rank ", rank, ": ", name, " has ", t.numel(), " elements, expected ", expected, " (", why,
+                      ")");
+  }
+  return absl::OkStatus();
+}
+
+// Checks per-rank counts; returns their sum.
+absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, absl::Span<const int64_t> counts,
+                                    int size) {
+  if (static_cast<int64_t>(counts.size()) != size) {
+    return InvalidArg(op, "rank ", rank, ": ", name, " has ", counts.size(), " entries, expected ", size,
+                      " (one per rank)");
+  }
+  int64_t sum = 0;
+  for (size_t j = 0; j < counts.size(); ++j) {
+    if (counts[j] < 0) return InvalidArg(op, "rank ", rank, ": ", name, "[", j, "] is ", counts[j]);
+    sum += counts[j];
+  }
+  return sum;
+}
+
+bool AllEqual(absl::Span<const int64_t> counts) {
+  return std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts[0]; });
+}
+
+// Byte range [begin, end) of a contiguous tensor.
+bool Overlap(const Tensor& a, const Tensor& b) {
+  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const char* a0 = static_cast<const char*>(a.raw_data());
+  const char* b0 = static_cast<const char*>(b.raw_data());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+const char* At(const Tensor& t, int64_t elements) {
+  return static_cast<const char*>(t.raw_data()) + elements * static_cast<int64_t>(ElementSize(t.dtype()));
+}
+char* MutAt(const Tensor& t, int64_t elements) {
+  return static_cast<char*>(t.raw_data()) + elements * static_cast<int64_t>(ElementSize(t.dtype()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// NcclCommunicator
+
+class NcclCommunicator final : public Communicator {
+ public:
+  explicit NcclCommunicator(std::shared_ptr<NcclState> state) : state_(std::move(state)) {}
+
+  int rank() const override { return state_->rank(); }
+  int size() const override { return state_->size(); }
+  Device device() const override { return Device::Cuda(state_->device()); }
+  const char* backend() const override { return "nccl"; }
+  void SetTimeout(absl::Duration timeout) override { state_->set_timeout(timeout); }
+  absl::Duration timeout() const override { return state_->timeout(); }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const Tensor& input, const Tensor& output,
+                                                       CommReduceOp op) override {
+    const char* kOp = "AllReduce";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
+    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "output", output, input.numel(), "same as input"));
+    DT_ASSIGN_OR_RETURN(const Reduction red, ReduceType(kOp, rank(), input.dtype(), op));
+    DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, input.raw_data() == output.raw_data()));
+    const size_t n = static_cast<size_t>(input.numel());
+    return state_->Launch(kOp, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
+      return n == 0 ? ncclSuccess : ncclAllReduce(in.raw_data(), output.raw_data(), n, red.type, red.op, comm, stream);
+    });
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const Tensor& input, const Tensor& output) override {
+    const char* kOp = "AllGather";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
+    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "output", output, size() * input.numel(), "group size * input"));
+    const bool in_place = input.raw_data() == At(output, rank() * input.numel());
+    DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, in_place));
+    const size_t n = static_cast<size_t>(input.numel());
+    const ncclDataType_t type = MoveType(input.dtype());
+    return state_->Launch(kOp, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
+      return n == 0 ? ncclSuccess : ncclAllGather(in.raw_data(), output.raw_data(), n, type, comm, stream);
+    });
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const Tensor& input, const Tensor& output,
+                                                           CommReduceOp op) override {
+    const char* kOp = "ReduceScatter";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
+    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "input", input, size() * output.numel(), "group size * output"));
+    DT_ASSIGN_OR_RETURN(const Reduction red, ReduceType(kOp, rank(), input.dtype(), op));
+    const bool in_place = output.raw_data() == At(input, rank() * output.numel());
+    DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, in_place));
+    const size_t n = static_cast<size_t>(output.numel());
+    return state_->Launch(kOp, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
+      return n == 0 ? ncclSuccess
+                    : ncclReduceScatter(in.raw_data(), output.raw_data(), n, red.type, red.op, comm, stream);
+    });
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllAsync(const Tensor& input, const Tensor& output) override {
+    const char* kOp = "AllToAll";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
+    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "output", output, input.numel(), "same as input"));
+    if (input.numel() % size() != 0) {
+      return InvalidArg(kOp, "rank ", rank(), ": input has ", input.numel(),
+                        " elements, not a multiple of the group size ", size());
+    }
+    const std::vector<int64_t> counts(static_cast<size_t>(size()), input.numel() / size());
+    return AllToAllImpl(kOp, input, output, counts, counts);
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(const Tensor& tensor, int root) override {
+    const char* kOp = "Broadcast";
+    DT_RETURN_IF_ERROR(CheckTensor(kOp, "tensor", tensor));
+    DT_RETURN_IF_ERROR(CheckPeer(kOp, "root", root));
+    const size_t n = static_cast<size_t>(tensor.numel());
+    const ncclDataType_t type = MoveType(tensor.dtype());
+    return state_->Launch(kOp, -1, {tensor}, [&](ncclComm_t comm, cudaStream_t stream) {
+      return n == 0 ? ncclSuccess : ncclBroadcast(tensor.raw_data(), tensor.raw_data(), n, type, root, comm, stream);
+    });
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> SendAsync(const Tensor& tensor, int peer) override {
+    return P2P("Send", tensor, peer, /*is_send=*/true);
+  }
+  absl::StatusOr<std::unique_ptr<Work>> RecvAsync(const Tensor& tensor, int peer) override {
+    return P2P("Recv", tensor, peer, /*is_send=*/false);
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherVAsync(const Tensor& input, const Tensor& output,
+                                                        absl::Span<const int64_t> counts) override {
+    const char* kOp = "AllGatherV";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
+    DT_ASSIGN_OR_RETURN(const int64_t total, CheckCounts(kOp, rank(), "counts", counts, size()));
+    const int64_t mine = counts[static_cast<size_t>(rank())];
+    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "input", input, mine, "counts[rank]"));
+    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "output", output, total, "sum of counts"));
+    const std::vector<int64_t> offsets = Prefix(counts);
+    const bool in_place = input.raw_data() == At(output, offsets[static_cast<size_t>(rank())]);
+    DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, in_place));
+    const ncclDataType_t type = MoveType(input.dtype());
+    if (AllEqual(counts)) {
+      return state_->Launch(kOp, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
+        return mine == 0
+                   ? ncclSuccess
+                   : ncclAllGather(in.raw_data(), output.raw_data(), static_cast<size_t>(mine), type, comm, stream);
+      });
+    }
+    // Own block: a copy on the communication stream; the others: grouped send / recv.
+    const int me = rank();
+    DT_RETURN_IF_ERROR(
+        state_->CopyOnStream(kOp, MutAt(output, offsets[static_cast<size_t>(me)]), in.raw_data(), in.nbytes()));
+    return state_->Launch(kOp, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
+      return Grouped([&]() -> ncclResult_t {
+        for (int j = 0; j < size(); ++j) {
+          if (j == me) continue;
+          const size_t uj = static_cast<size_t>(j);
+          if (mine > 0) {
+            const ncclResult_t r = ncclSend(in.raw_data(), static_cast<size_t>(mine), type, j, comm, stream);
+            if (r != ncclSuccess) return r;
+          }
+          if (counts[uj] > 0) {
+            const ncclResult_t r =
+                ncclRecv(MutAt(output, offsets[uj]), static_cast<size_t>(counts[uj]), type, j, comm, stream);
+            if (r != ncclSuccess) return r;
+          }
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterVAsync(const Tensor& input, const Tensor& output,
+                                                            absl::Span<const int64_t> counts,
+                                                            CommReduceOp op) override {
+    const char* kOp = "ReduceScatterV";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
+    DT_ASSIGN_OR_RETURN(const int64_t total, CheckCounts(kOp, rank(), "counts", counts, size()));
+    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "input", input, total, "sum of counts"));
+    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "output", output, counts[static_cast<size_t>(rank())], "counts[rank]"));
+    DT_ASSIGN_OR_RETURN(const Reduction red, ReduceType(kOp, rank(), input.dtype(), op));
+    const std::vector<int64_t> offsets = Prefix(counts);
+    const bool in_place = output.raw_data() == At(input, offsets[static_cast<size_t>(rank())]);
+    DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, in_place));
+    if (AllEqual(counts)) {
+      return state_->Launch(kOp, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
+        return output.numel() == 0
+                   ? ncclSuccess
+                   : ncclReduceScatter(in.raw_data(), output.raw_data(), static_cast<size_t>(output.numel()), red.type,
+                                       red.op, comm, stream);
+      });
+    }
+    // One ncclReduce per destination rank, grouped (root j receives block j in its output).
+    const int me = rank();
+    return state_->Launch(kOp, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
+      return Grouped([&]() -> ncclResult_t {
+        for (int j = 0; j < size(); ++j) {
+          const size_t uj = static_cast<size_t>(j);
+          if (counts[uj] == 0) continue;
+          // Only the root's recvbuff is written; the others pass their (valid) sendbuff.
+          const char* send = At(in, offsets[uj]);
+          void* recv = j == me ? output.raw_data() : const_cast<char*>(send);
+          const ncclResult_t r =
+              ncclReduce(send, recv, static_cast<size_t>(counts[uj]), red.type, red.op, j, comm, stream);
+          if (r != ncclSuccess) return r;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(const Tensor& input, const Tensor& output,
+                                                       absl::Span<const int64_t> send_counts,
+                                                       absl::Span<const int64_t> recv_counts) override {
+    const char* kOp = "AllToAllV";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
+    DT_ASSIGN_OR_RETURN(const int64_t sends, CheckCounts(kOp, rank(), "send_counts", send_counts, size()));
+    DT_ASSIGN_OR_RETURN(const int64_t recvs, CheckCounts(kOp, rank(), "recv_counts", recv_counts, size()));
+    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "input", input, sends, "sum of send_counts"));
+    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "output", output, recvs, "sum of recv_counts"));
+    return AllToAllImpl(kOp, input, output, send_counts, recv_counts);
+  }
+
+  absl::Status Barrier() override {
+    const char* kOp = "Barrier";
+    DT_RETURN_IF_ERROR(state_->CheckAlive(kOp));
+    DT_ASSIGN_OR_RETURN(Tensor scratch, state_->Scratch());
+    DT_ASSIGN_OR_RETURN(auto work, state_->Launch(kOp, -1, {scratch}, [&](ncclComm_t comm, cudaStream_t stream) {
+      return ncclAllReduce(scratch.raw_data(), scratch.raw_data(), 1, ncclFloat32, ncclSum, comm, stream);
+    }));
+    return work->Wait();  // host wait: every rank has reached the barrier when it returns
+  }
+
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    const char* kOp = "Split";
+    DT_RETURN_IF_ERROR(state_->CheckAlive(kOp));
+    const int device = state_->device();
+    DeviceGuard guard(device);
+    if (!guard.ok()) return ToStatus(guard.error(), kOp, device);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t child = nullptr;
+    const ncclResult_t r = ncclCommSplit(state_->comm(), color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config);
+    // The split is collective over this communicator: settle it there first, then the child.
+    absl::Status s = state_->Settle(kOp, -1, r);
+    bool timed_out = false;
+    ncclResult_t cr = ncclSuccess;
+    if (s.ok() && child != nullptr) {
+      cr = PollComm(child, ncclInProgress, absl::Now() + state_->timeout(), &timed_out);
+      if (timed_out) {
+        s = absl::DeadlineExceededError(absl::StrCat("[", kOp, "] rank ", rank(), " (cuda:", device,
+                                                     "): the new communicator (color ", color, ") did not form within ",
+                                                     absl::FormatDuration(state_->timeout())));
+      } else if (cr != ncclSuccess) {
+        s = NcclStatus(cr, kOp, rank(), device, child);
+      }
+    }
+    if (!s.ok()) {
+      if (child != nullptr) ncclCommAbort(child);
+      return s;
+    }
+    if (child == nullptr) return std::unique_ptr<Communicator>();  // negative color
+    DT_ASSIGN_OR_RETURN(auto state, NcclState::Create(child, device, state_->timeout()));
+    return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(std::move(state)));
+  }
+
+ private:
+  absl::Status CheckTensor(const char* op, const char* name, const Tensor& t) const {
+    if (!t.defined()) return InvalidArg(op, "rank ", rank(), ": ", name, " is undefined");
+    if (t.device() != device()) {
+      return InvalidArg(op, "rank ", rank(), ": ", name, " is on ", t.device().ToString(), "; this nccl communicator ",
+                        "moves ", device().ToString(), " tensors");
+    }
+    if (!t.is_contiguous()) {
+      return InvalidArg(op, "rank ", rank(), ": ", name, " is not contiguous (shape ", ShapeString(t.shape()),
+                        ", strides ", ShapeString(t.strides()), ")");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckPair(const char* op, const Tensor& in, const Tensor& out) const {
+    DT_RETURN_IF_ERROR(CheckTensor(op, "input", in));
+    DT_RETURN_IF_ERROR(CheckTensor(op, "output", out));
+    if (in.dtype() != out.dtype()) {
+      return InvalidArg(op, "rank ", rank(), ": input is ", DTypeName(in.dtype()), " but output is ",
+                        DTypeName(out.dtype()));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckPeer(const char* op, const char* what, int peer) const {
+    if (peer < 0 || peer >= size()) {
+      return InvalidArg(op, "rank ", rank(), ": ", what, " ", peer, " is out of range for a group of size ", size());
+    }
+    return absl::OkStatus();
+  }
+
+  // `input` itself, or a private copy when it overlaps `output` other than in the one
+  // in-place layout NCCL supports for the call.
+  absl::StatusOr<Tensor> Staged(const char* op, const Tensor& input, const Tensor& output, bool supported_in_place) {
+    if (supported_in_place || !Overlap(input, output)) return input;
+    DT_RETURN_IF_ERROR(state_->CheckAlive(op));
+    return state_->StageCopy(op, input);
+  }
+
+  static std::vector<int64_t> Prefix(absl::Span<const int64_t> counts) {
+    std::vector<int64_t> offsets(counts.size(), 0);
+    for (size_t j = 1; j < counts.size(); ++j) offsets[j] = offsets[j - 1] + counts[j - 1];
+    return offsets;
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllImpl(const char* op, const Tensor& input, const Tensor& output,
+                                                     absl::Span<const int64_t> send_counts,
+                                                     absl::Span<const int64_t> recv_counts) {
+    // Sends and receives of one group run concurrently: an overlapping input is staged.
+    DT_ASSIGN_OR_RETURN(Tensor in, Staged(op, input, output, /*supported_in_place=*/false));
+    const std::vector<int64_t> send_off = Prefix(send_counts);
+    const std::vector<int64_t> recv_off = Prefix(recv_counts);
+    const ncclDataType_t type = MoveType(input.dtype());
+    return state_->Launch(op, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
+      return Grouped([&]() -> ncclResult_t {
+        for (int j = 0; j < size(); ++j) {
+          const size_t uj = static_cast<size_t>(j);
+          if (send_counts[uj] > 0) {
+            const ncclResult_t r =
+                ncclSend(At(in, send_off[uj]), static_cast<size_t>(send_counts[uj]), type, j, comm, stream);
+            if (r != ncclSuccess) return r;
+          }
+          if (recv_counts[uj] > 0) {
+            const ncclResult_t r =
+                ncclRecv(MutAt(output, recv_off[uj]), static_cast<size_t>(recv_counts[uj]), type, j, comm, stream);
+            if (r != ncclSuccess) return r;
+          }
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> P2P(const char* op, const Tensor& tensor, int peer, bool is_send) {
+    DT_RETURN_IF_ERROR(CheckTensor(op, "tensor", tensor));
+    DT_RETURN_IF_ERROR(CheckPeer(op, "peer", peer));
+    if (peer == rank()) return InvalidArg(op, "rank ", rank(), ": peer is this rank (", peer, ")");
+    const size_t n = static_cast<size_t>(tensor.numel());
+    const ncclDataType_t type = MoveType(tensor.dtype());
+    return state_->Launch(op, peer, {tensor}, [&](ncclComm_t comm, cudaStream_t stream) {
+      if (n == 0) return ncclSuccess;
+      return is_send ? ncclSend(tensor.raw_data(), n, type, peer, comm, stream)
+                     : ncclRecv(tensor.raw_data(), n, type, peer, comm, stream);
+    });
+  }
+
+  std::shared_ptr<NcclState> state_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const LaunchInfo& info, StoreClient& store,
+                                                                   int device_index, absl::Duration timeout) {
+  const char* kOp = "MakeNcclCommunicator";
+  if (info.world_size < 1 || info.rank < 0 || info.rank >= info.world_size) {
+    return InvalidArg(kOp, "rank ", info.rank, " is not in a world of size ", info.world_size);
+  }
+  const int count = CudaDeviceCount();
+  if (device_index < 0 || device_index >= count) {
+    return absl::FailedPreconditionError(absl::StrCat("[", kOp, "] rank ", info.rank, ": cuda:", device_index,
+                                                      " is not a visible device (", count, " CUDA devices visible)"));
+  }
+
+  // The n-th communicator of this rank on this store meets the n-th of every other rank.
+  DT_ASSIGN_OR_RETURN(const int64_t n, store.Add(absl::StrCat("dtensor/nccl/created/", info.rank), 1));
+  const std::string key = absl::StrCat("dtensor/nccl/", n, "/id");
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  if (info.rank == 0) {
+    DT_RETURN_IF_ERROR(NcclStatus(ncclGetUniqueId(&id), kOp, info.rank, device_index, nullptr));
+    DT_RETURN_IF_ERROR(store.Set(key, std::string(id.internal, sizeof(id.internal))));
+  } else {
+    DT_ASSIGN_OR_RETURN(const std::string bytes, store.Get(key));
+    if (bytes.size() != sizeof(id.internal)) {
+      return absl::InternalError(absl::StrCat("[", kOp, "] rank ", info.rank, ": store key ", key, " holds ",
+                                              bytes.size(), " bytes, not an ncclUniqueId (", sizeof(id.internal), ")"));
+    }
+    std::memcpy(id.internal, bytes.data(), sizeof(id.internal));
+  }
+
+  DeviceGuard guard(device_index);
+  if (!guard.ok()) return ToStatus(guard.error(), kOp, device_index);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  const absl::Time deadline = absl::Now() + timeout;
+  bool timed_out = false;
+  const ncclResult_t started = ncclCommInitRankConfig(&comm, info.world_size, id, info.rank, &config);
+  const ncclResult_t r = comm != nullptr ? PollComm(comm, started, deadline, &timed_out) : started;
+  if (timed_out || r != ncclSuccess) {
+    const absl::Status s = timed_out
+                               ? absl::DeadlineExceededError(absl::StrCat(
+                                     "[", kOp, "] rank ", info.rank, " (cuda:", device_index, "): the NCCL group of ",
+                                     info.world_size, " ranks did not form within ", absl::FormatDuration(timeout),
+                                     " (are all ranks running, each on its own GPU?)"))
+                               : NcclStatus(r, kOp, info.rank, device_index, comm);
+    if (comm != nullptr) ncclCommAbort(comm);
+    return s;
+  }
+  DT_ASSIGN_OR_RETURN(auto state, NcclState::Create(comm, device_index, timeout));
+  return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(std::move(state)));
+}
+
+}  // namespace dtensor

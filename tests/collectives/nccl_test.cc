@@ -1,0 +1,479 @@
+// Tests of the nccl backend. Without a GPU (or in a build without CUDA/NCCL) only the
+// factory's clean FailedPrecondition is checked; everything else skips. With one GPU: a world
+// of one rank (every call's mapping, element counts against guard bytes, validation, Split,
+// Barrier, async lifetimes). With two or more GPUs: one thread per GPU forming one NCCL group
+// through an in-process TCP store, every collective against float64 / exact-integer
+// references computed here, sub-groups and a timeout that aborts the communicator.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "collectives/nccl/nccl_communicator.h"
+#include "collectives/store/rendezvous.h"
+#include "collectives/store/tcp_store.h"
+#include "dtensor/tensor/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/test_util.h"
+
+namespace dtensor {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Random;
+using testing::Unwrap;
+using testing::Values;
+using CommPtr = std::unique_ptr<Communicator>;
+
+constexpr DType kAllTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kInt32, DType::kInt64};
+
+#define SKIP_WITHOUT_GPUS(n)                                                                                      \
+  do {                                                                                                            \
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: the nccl backend needs a GPU";           \
+    if (CudaDeviceCount() < (n)) GTEST_SKIP() << "needs " << (n) << " GPUs, " << CudaDeviceCount() << " visible"; \
+  } while (false)
+
+// A store served in this process, and one client per rank.
+struct LocalStore {
+  std::unique_ptr<StoreServer> server;
+  explicit LocalStore() : server(Unwrap(StoreServer::Start("127.0.0.1", 0), "StoreServer")) {}
+  std::unique_ptr<StoreClient> Client() const {
+    return Unwrap(StoreClient::Connect("127.0.0.1", server->port(), absl::Seconds(60)), "Connect");
+  }
+};
+
+LaunchInfo World(int rank, int size) {
+  LaunchInfo info;
+  info.rank = rank;
+  info.world_size = size;
+  info.local_rank = rank;
+  info.local_world_size = size;
+  return info;
+}
+
+// Runs fn(rank, comm) on one thread per rank, rank r on cuda:r, after forming the group.
+void RunRanks(int world, const std::function<void(int, Communicator&)>& fn,
+              absl::Duration timeout = absl::Seconds(60)) {
+  LocalStore store;
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto client = store.Client();
+      if (client == nullptr) return;
+      auto comm = MakeNcclCommunicator(World(r, world), *client, r, timeout);
+      ASSERT_TRUE(comm.ok()) << comm.status();
+      EXPECT_EQ((*comm)->rank(), r);
+      EXPECT_EQ((*comm)->size(), world);
+      EXPECT_EQ((*comm)->device(), Device::Cuda(r));
+      EXPECT_STREQ((*comm)->backend(), "nccl");
+      fn(r, **comm);
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// A single-rank communicator on cuda:0.
+CommPtr SingleRank(LocalStore& store, std::unique_ptr<StoreClient>& client) {
+  client = store.Client();
+  if (client == nullptr) return nullptr;
+  return Unwrap(MakeNcclCommunicator(World(0, 1), *client, 0, absl::Seconds(60)), "MakeNcclCommunicator");
+}
+
+Tensor OnGpu(const Tensor& x, int device) { return Unwrap(To(x, Device::Cuda(device)), "To"); }
+
+// Rank r's deterministic input (integers in [-9, 9] for integer types, so products stay exact).
+Tensor Input(IntSpan shape, DType dtype, int rank, int salt) {
+  const bool integer = dtype == DType::kInt32 || dtype == DType::kInt64;
+  return Random(shape, dtype, static_cast<uint64_t>(1000 * salt + rank), integer ? -9.0 : -1.0, integer ? 9.0 : 1.0);
+}
+
+testing::Tolerance GroupTol(DType dtype, int world) {
+  testing::Tolerance t = testing::Tol(dtype);
+  t.rtol *= world;
+  t.atol *= world;
+  return t;
+}
+
+double Reduce(CommReduceOp op, const std::vector<double>& xs, bool integer) {
+  double acc = xs[0];
+  for (size_t i = 1; i < xs.size(); ++i) {
+    switch (op) {
+      case CommReduceOp::kSum:
+      case CommReduceOp::kAvg:
+        acc += xs[i];
+        break;
+      case CommReduceOp::kMax:
+        acc = std::max(acc, xs[i]);
+        break;
+      case CommReduceOp::kMin:
+        acc = std::min(acc, xs[i]);
+        break;
+      case CommReduceOp::kProduct:
+        acc *= xs[i];
+        break;
+    }
+  }
+  if (op == CommReduceOp::kAvg) {
+    const double n = static_cast<double>(xs.size());
+    acc = integer ? std::trunc(acc / n) : acc / n;
+  }
+  return acc;
+}
+
+// ---- Without a GPU: the factory fails cleanly ----
+
+TEST(NcclTest, FactoryWithoutGpuIsFailedPrecondition) {
+  if (NcclBuilt() && CudaDeviceCount() > 0) GTEST_SKIP() << "a CUDA device is visible; covered by the GPU tests";
+  LocalStore store;
+  auto client = store.Client();
+  ASSERT_NE(client, nullptr);
+  auto comm = MakeNcclCommunicator(World(0, 1), *client, 0, absl::Seconds(5));
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kFailedPrecondition) << comm.status();
+  EXPECT_THAT(comm.status().message(), HasSubstr("[MakeNcclCommunicator] rank 0"));
+  EXPECT_THAT(comm.status().message(), HasSubstr("cuda:0"));
+}
+
+TEST(NcclTest, FactoryRejectsBadDeviceAndRank) {
+  LocalStore store;
+  auto client = store.Client();
+  ASSERT_NE(client, nullptr);
+  auto comm = MakeNcclCommunicator(World(0, 1), *client, 1000, absl::Seconds(5));
+  ASSERT_FALSE(comm.ok());
+  EXPECT_EQ(comm.status().code(), absl::StatusCode::kFailedPrecondition) << comm.status();
+  EXPECT_THAT(comm.status().message(), HasSubstr("cuda:1000"));
+  if (!NcclBuilt()) return;
+  auto bad = MakeNcclCommunicator(World(3, 2), *client, 0, absl::Seconds(5));
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_THAT(bad.status().message(), HasSubstr("rank 3 is not in a world of size 2"));
+}
+
+// ---- One GPU: a world of one rank ----
+
+TEST(NcclTest, SingleRankCollectivesMoveExactlyTheirElements) {
+  SKIP_WITHOUT_GPUS(1);
+  LocalStore store;
+  std::unique_ptr<StoreClient> client;
+  CommPtr comm = SingleRank(store, client);
+  ASSERT_NE(comm, nullptr);
+  for (DType dtype : kAllTypes) {
+    for (int64_t n : {1, 3, 17, 127, 4099}) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " n=", n));
+      const Tensor x = OnGpu(Input({n}, dtype, 0, 1), 0);
+      const std::vector<double> xv = Values(x);
+      // Output: the first n elements of a buffer whose tail is a guard that must survive (a
+      // bytes-as-count bug would overwrite it).
+      const Tensor buf = OnGpu(Unwrap(Full({n + 64}, 7.0, dtype)), 0);
+      const Tensor out = Unwrap(buf.Narrow(0, 0, n));
+      for (CommReduceOp op :
+           {CommReduceOp::kSum, CommReduceOp::kAvg, CommReduceOp::kMax, CommReduceOp::kMin, CommReduceOp::kProduct}) {
+        ASSERT_TRUE(comm->AllReduce(x, out, op).ok()) << CommReduceOpName(op);
+        testing::ExpectNear(Values(out), xv, testing::Tol(dtype), CommReduceOpName(op));
+      }
+      ASSERT_TRUE(comm->AllGather(x, out).ok());
+      testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "AllGather");
+      ASSERT_TRUE(comm->ReduceScatter(x, out, CommReduceOp::kSum).ok());
+      testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "ReduceScatter");
+      ASSERT_TRUE(comm->AllToAll(x, out).ok());
+      testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "AllToAll");
+      ASSERT_TRUE(comm->AllGatherV(x, out, {n}).ok());
+      testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "AllGatherV");
+      ASSERT_TRUE(comm->ReduceScatterV(x, out, {n}, CommReduceOp::kMax).ok());
+      testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "ReduceScatterV");
+      ASSERT_TRUE(comm->AllToAllV(x, out, {n}, {n}).ok());
+      testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "AllToAllV");
+      ASSERT_TRUE(comm->Broadcast(out, 0).ok());
+      testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "Broadcast");
+      const std::vector<double> all = Values(buf);
+      for (int64_t i = n; i < n + 64; ++i) ASSERT_EQ(all[static_cast<size_t>(i)], 7.0) << "guard element " << i;
+    }
+  }
+}
+
+TEST(NcclTest, SingleRankInPlaceEmptyAndByteTypes) {
+  SKIP_WITHOUT_GPUS(1);
+  LocalStore store;
+  std::unique_ptr<StoreClient> client;
+  CommPtr comm = SingleRank(store, client);
+  ASSERT_NE(comm, nullptr);
+  // In place.
+  const Tensor x = OnGpu(Input({5, 7}, DType::kFloat32, 0, 2), 0);
+  const std::vector<double> xv = Values(x);
+  ASSERT_TRUE(comm->AllReduce(x, x, CommReduceOp::kAvg).ok());
+  testing::ExpectNear(Values(x), xv, testing::Tol(DType::kFloat32), "in place");
+  // Overlapping (shifted) input and output are staged, not raced.
+  const Tensor buf = OnGpu(Unwrap(Arange(20, DType::kFloat32)), 0);
+  const Tensor in = Unwrap(buf.Narrow(0, 0, 16)), out = Unwrap(buf.Narrow(0, 4, 16));
+  ASSERT_TRUE(comm->AllToAll(in, out).ok());
+  const std::vector<double> got = Values(buf);
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(got[static_cast<size_t>(4 + i)], i) << i;
+  // Empty tensors.
+  const Tensor e = Unwrap(Tensor::Empty({0}, DType::kFloat32, Device::Cuda(0)));
+  EXPECT_TRUE(comm->AllReduce(e, e, CommReduceOp::kSum).ok());
+  EXPECT_TRUE(comm->AllGather(e, e).ok());
+  EXPECT_TRUE(comm->Broadcast(e, 0).ok());
+  // bool reduces as or / and; float8 moves as bytes.
+  const Tensor b = OnGpu(testing::FromDoubles({1, 0, 1, 1, 0}, {5}, DType::kBool), 0);
+  const Tensor bo = Unwrap(Tensor::Empty({5}, DType::kBool, Device::Cuda(0)));
+  ASSERT_TRUE(comm->AllReduce(b, bo, CommReduceOp::kSum).ok());
+  EXPECT_EQ(Values(bo), Values(b));
+  ASSERT_TRUE(comm->AllReduce(b, bo, CommReduceOp::kProduct).ok());
+  EXPECT_EQ(Values(bo), Values(b));
+  const Tensor f8 = OnGpu(Unwrap(Cast(Input({9}, DType::kFloat32, 0, 3), DType::kFloat8E4M3)), 0);
+  const Tensor f8o = Unwrap(Tensor::Empty({9}, DType::kFloat8E4M3, Device::Cuda(0)));
+  ASSERT_TRUE(comm->AllGather(f8, f8o).ok());
+  EXPECT_EQ(Values(f8o), Values(f8));
+}
+
+TEST(NcclTest, SingleRankValidation) {
+  SKIP_WITHOUT_GPUS(1);
+  LocalStore store;
+  std::unique_ptr<StoreClient> client;
+  CommPtr comm = SingleRank(store, client);
+  ASSERT_NE(comm, nullptr);
+  const Tensor g = OnGpu(Input({4, 6}, DType::kFloat32, 0, 4), 0);
+  auto code_of = [](const absl::Status& s) { return s.code(); };
+  // CPU tensor.
+  absl::Status s = comm->AllReduce(Input({4, 6}, DType::kFloat32, 0, 4), g, CommReduceOp::kSum);
+  EXPECT_EQ(code_of(s), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("[AllReduce] rank 0: input is on cpu"));
+  // Non-contiguous.
+  s = comm->AllReduce(Unwrap(g.Transpose(0, 1)), g, CommReduceOp::kSum);
+  EXPECT_EQ(code_of(s), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("not contiguous"));
+  // Sizes and dtypes.
+  const Tensor small = Unwrap(Tensor::Empty({5}, DType::kFloat32, Device::Cuda(0)));
+  s = comm->AllGather(g, small);
+  EXPECT_EQ(code_of(s), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("output has 5 elements, expected 24"));
+  const Tensor half = Unwrap(Tensor::Empty({4, 6}, DType::kFloat16, Device::Cuda(0)));
+  s = comm->AllReduce(g, half, CommReduceOp::kSum);
+  EXPECT_THAT(s.message(), HasSubstr("input is float32 but output is float16"));
+  s = comm->AllGatherV(g, g, {24, 0});
+  EXPECT_THAT(s.message(), HasSubstr("counts has 2 entries, expected 1"));
+  s = comm->AllToAllV(g, g, {-1}, {24});
+  EXPECT_THAT(s.message(), HasSubstr("send_counts[0] is -1"));
+  // Reductions of byte types.
+  const Tensor b = Unwrap(Tensor::Empty({3}, DType::kBool, Device::Cuda(0)));
+  EXPECT_EQ(comm->AllReduce(b, b, CommReduceOp::kAvg).code(), absl::StatusCode::kInvalidArgument);
+  const Tensor f8 = Unwrap(Tensor::Empty({3}, DType::kFloat8E5M2, Device::Cuda(0)));
+  EXPECT_EQ(comm->ReduceScatter(f8, f8, CommReduceOp::kSum).code(), absl::StatusCode::kUnimplemented);
+  // Peers.
+  s = comm->Send(g, 0);
+  EXPECT_THAT(s.message(), HasSubstr("peer is this rank"));
+  s = comm->Broadcast(g, 1);
+  EXPECT_THAT(s.message(), HasSubstr("root 1 is out of range for a group of size 1"));
+  // Still usable after local errors.
+  EXPECT_TRUE(comm->Barrier().ok());
+}
+
+TEST(NcclTest, SingleRankAsyncSplitAndBarrier) {
+  SKIP_WITHOUT_GPUS(1);
+  LocalStore store;
+  std::unique_ptr<StoreClient> client;
+  CommPtr comm = SingleRank(store, client);
+  ASSERT_NE(comm, nullptr);
+  EXPECT_TRUE(comm->Barrier().ok());
+  // The collective is ordered after compute queued before it, and the Work keeps the input
+  // alive when the caller drops it.
+  std::unique_ptr<Work> work;
+  const Tensor out = Unwrap(Tensor::Empty({1 << 20}, DType::kFloat32, Device::Cuda(0)));
+  {
+    const Tensor x = Unwrap(Full({1 << 20}, 3.0, DType::kFloat32, Device::Cuda(0)));
+    auto w = comm->AllReduceAsync(x, out, CommReduceOp::kSum);
+    ASSERT_TRUE(w.ok()) << w.status();
+    work = *std::move(w);
+  }
+  const Tensor reuse = Unwrap(Full({1 << 20}, -1.0, DType::kFloat32, Device::Cuda(0)));  // may get x's block
+  ASSERT_TRUE(work->Wait().ok());
+  EXPECT_TRUE(work->IsCompleted());
+  const std::vector<double> v = Values(out);
+  EXPECT_TRUE(std::all_of(v.begin(), v.end(), [](double d) { return d == 3.0; }));
+  // Split.
+  auto child = comm->Split(0, 5);
+  ASSERT_TRUE(child.ok()) << child.status();
+  ASSERT_NE(*child, nullptr);
+  EXPECT_EQ((*child)->size(), 1);
+  EXPECT_EQ((*child)->rank(), 0);
+  EXPECT_TRUE((*child)->Barrier().ok());
+  auto none = comm->Split(-1, 0);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(*none, nullptr);
+  // Two communicators on one store get different NCCL ids.
+  auto second = MakeNcclCommunicator(World(0, 1), *client, 0, absl::Seconds(60));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_TRUE((*second)->Barrier().ok());
+}
+
+// ---- Several GPUs: one rank per GPU (threads of this process) ----
+
+int MultiWorld() { return std::min(CudaDeviceCount(), 4); }
+
+TEST(NcclTest, MultiRankReductions) {
+  SKIP_WITHOUT_GPUS(2);
+  const int world = MultiWorld();
+  RunRanks(world, [&](int rank, Communicator& comm) {
+    for (DType dtype : kAllTypes) {
+      const bool integer = dtype == DType::kInt32 || dtype == DType::kInt64;
+      const int64_t n = 127;
+      std::vector<std::vector<double>> inputs;
+      for (int r = 0; r < world; ++r) inputs.push_back(Values(Input({n * world}, dtype, r, 5)));
+      const Tensor x = OnGpu(Input({n * world}, dtype, rank, 5), rank);
+      const Tensor full = Unwrap(Tensor::Empty({n * world}, dtype, Device::Cuda(rank)));
+      const Tensor part = Unwrap(Tensor::Empty({n}, dtype, Device::Cuda(rank)));
+      for (CommReduceOp op :
+           {CommReduceOp::kSum, CommReduceOp::kAvg, CommReduceOp::kMax, CommReduceOp::kMin, CommReduceOp::kProduct}) {
+        std::vector<double> ref(static_cast<size_t>(n * world));
+        for (size_t i = 0; i < ref.size(); ++i) {
+          std::vector<double> xs;
+          for (int r = 0; r < world; ++r) xs.push_back(inputs[static_cast<size_t>(r)][i]);
+          ref[i] = Reduce(op, xs, integer);
+        }
+        const std::string what = absl::StrCat(DTypeName(dtype), " ", CommReduceOpName(op), " rank ", rank);
+        ASSERT_TRUE(comm.AllReduce(x, full, op).ok()) << what;
+        testing::ExpectNear(Values(full), ref, GroupTol(dtype, world), "AllReduce " + what);
+        ASSERT_TRUE(comm.ReduceScatter(x, part, op).ok()) << what;
+        const std::vector<double> block(ref.begin() + rank * n, ref.begin() + (rank + 1) * n);
+        testing::ExpectNear(Values(part), block, GroupTol(dtype, world), "ReduceScatter " + what);
+      }
+      // Uneven ReduceScatterV (one empty shard).
+      std::vector<int64_t> counts;
+      for (int r = 0; r < world; ++r) counts.push_back(r == 1 ? 0 : 3 + 5 * r);
+      int64_t total = 0, offset = 0;
+      for (int r = 0; r < world; ++r) total += counts[static_cast<size_t>(r)];
+      for (int r = 0; r < rank; ++r) offset += counts[static_cast<size_t>(r)];
+      const Tensor xv = Unwrap(x.Narrow(0, 0, total));
+      const Tensor mine = Unwrap(Tensor::Empty({counts[static_cast<size_t>(rank)]}, dtype, Device::Cuda(rank)));
+      ASSERT_TRUE(comm.ReduceScatterV(xv, mine, counts, CommReduceOp::kSum).ok());
+      std::vector<double> ref;
+      for (int64_t i = offset; i < offset + counts[static_cast<size_t>(rank)]; ++i) {
+        std::vector<double> xs;
+        for (int r = 0; r < world; ++r) xs.push_back(inputs[static_cast<size_t>(r)][static_cast<size_t>(i)]);
+        ref.push_back(Reduce(CommReduceOp::kSum, xs, integer));
+      }
+      testing::ExpectNear(Values(mine), ref, GroupTol(dtype, world), "ReduceScatterV");
+    }
+  });
+}
+
+TEST(NcclTest, MultiRankDataMovement) {
+  SKIP_WITHOUT_GPUS(2);
+  const int world = MultiWorld();
+  RunRanks(world, [&](int rank, Communicator& comm) {
+    const DType dtype = DType::kBFloat16;
+    const int64_t n = 17;
+    std::vector<std::vector<double>> inputs;
+    for (int r = 0; r < world; ++r) inputs.push_back(Values(Input({n * world}, dtype, r, 6)));
+    const Tensor x = OnGpu(Input({n * world}, dtype, rank, 6), rank);
+    const Tensor out = Unwrap(Tensor::Empty({n * world}, dtype, Device::Cuda(rank)));
+    // AllGather of the first n elements.
+    ASSERT_TRUE(comm.AllGather(Unwrap(x.Narrow(0, 0, n)), out).ok());
+    std::vector<double> ref;
+    for (int r = 0; r < world; ++r) {
+      ref.insert(ref.end(), inputs[static_cast<size_t>(r)].begin(), inputs[static_cast<size_t>(r)].begin() + n);
+    }
+    EXPECT_EQ(Values(out), ref) << "AllGather";
+    // AllToAll: block j of rank r goes to rank j at block r.
+    ASSERT_TRUE(comm.AllToAll(x, out).ok());
+    ref.clear();
+    for (int r = 0; r < world; ++r) {
+      const auto& in = inputs[static_cast<size_t>(r)];
+      ref.insert(ref.end(), in.begin() + rank * n, in.begin() + (rank + 1) * n);
+    }
+    EXPECT_EQ(Values(out), ref) << "AllToAll";
+    // AllGatherV with uneven (and one empty) shards: rank r contributes r + (r == 1 ? -1 : 2).
+    std::vector<int64_t> counts;
+    for (int r = 0; r < world; ++r) counts.push_back(r == 1 ? 0 : r + 2);
+    int64_t total = 0;
+    for (int64_t c : counts) total += c;
+    const Tensor gv = Unwrap(Tensor::Empty({total}, dtype, Device::Cuda(rank)));
+    ASSERT_TRUE(comm.AllGatherV(Unwrap(x.Narrow(0, 0, counts[static_cast<size_t>(rank)])), gv, counts).ok());
+    ref.clear();
+    for (int r = 0; r < world; ++r) {
+      const auto& in = inputs[static_cast<size_t>(r)];
+      ref.insert(ref.end(), in.begin(), in.begin() + counts[static_cast<size_t>(r)]);
+    }
+    EXPECT_EQ(Values(gv), ref) << "AllGatherV";
+    // AllToAllV: rank r sends (r + j) % 3 elements to rank j.
+    std::vector<int64_t> send, recv;
+    for (int j = 0; j < world; ++j) {
+      send.push_back((rank + j) % 3);
+      recv.push_back((j + rank) % 3);
+    }
+    int64_t sends = 0, recvs = 0;
+    for (int j = 0; j < world; ++j) sends += send[static_cast<size_t>(j)], recvs += recv[static_cast<size_t>(j)];
+    const Tensor av = Unwrap(Tensor::Empty({recvs}, dtype, Device::Cuda(rank)));
+    ASSERT_TRUE(comm.AllToAllV(Unwrap(x.Narrow(0, 0, sends)), av, send, recv).ok());
+    ref.clear();
+    for (int r = 0; r < world; ++r) {  // from rank r: its block for me, at its prefix of sends
+      int64_t off = 0;
+      for (int j = 0; j < rank; ++j) off += (r + j) % 3;
+      const auto& in = inputs[static_cast<size_t>(r)];
+      ref.insert(ref.end(), in.begin() + off, in.begin() + off + (r + rank) % 3);
+    }
+    EXPECT_EQ(Values(av), ref) << "AllToAllV";
+    // Broadcast from the last rank.
+    const Tensor b = OnGpu(Input({n}, dtype, rank, 7), rank);
+    ASSERT_TRUE(comm.Broadcast(b, world - 1).ok());
+    EXPECT_EQ(Values(b), Values(Input({n}, dtype, world - 1, 7))) << "Broadcast";
+    // Ring of Send / Recv (async, so no rank blocks in Send).
+    const Tensor mine = OnGpu(Input({n}, dtype, rank, 8), rank);
+    const Tensor got = Unwrap(Tensor::Empty({n}, dtype, Device::Cuda(rank)));
+    auto sw = comm.SendAsync(mine, (rank + 1) % world);
+    auto rw = comm.RecvAsync(got, (rank + world - 1) % world);
+    ASSERT_TRUE(sw.ok() && rw.ok());
+    ASSERT_TRUE((*sw)->Wait().ok());
+    ASSERT_TRUE((*rw)->Wait().ok());
+    EXPECT_EQ(Values(got), Values(Input({n}, dtype, (rank + world - 1) % world, 8))) << "Recv";
+    EXPECT_TRUE(comm.Barrier().ok());
+  });
+}
+
+TEST(NcclTest, MultiRankSplitByParity) {
+  SKIP_WITHOUT_GPUS(2);
+  const int world = MultiWorld();
+  RunRanks(world, [&](int rank, Communicator& comm) {
+    // Even ranks in reverse order (key = -rank); odd ranks opt out.
+    auto child = comm.Split(rank % 2 == 0 ? 0 : -1, -rank);
+    ASSERT_TRUE(child.ok()) << child.status();
+    if (rank % 2 == 1) {
+      EXPECT_EQ(*child, nullptr);
+      return;
+    }
+    ASSERT_NE(*child, nullptr);
+    const int evens = (world + 1) / 2;
+    EXPECT_EQ((*child)->size(), evens);
+    EXPECT_EQ((*child)->rank(), evens - 1 - rank / 2);
+    const Tensor x = Unwrap(Full({5}, rank + 1.0, DType::kFloat32, Device::Cuda(rank)));
+    ASSERT_TRUE((*child)->AllReduce(x, x, CommReduceOp::kSum).ok());
+    double sum = 0;
+    for (int r = 0; r < world; r += 2) sum += r + 1.0;
+    EXPECT_EQ(Values(x), std::vector<double>(5, sum));
+  });
+}
+
+TEST(NcclTest, MultiRankTimeoutAbortsAndNamesTheCall) {
+  SKIP_WITHOUT_GPUS(2);
+  const int world = MultiWorld();
+  RunRanks(world, [&](int rank, Communicator& comm) {
+    ASSERT_TRUE(comm.Barrier().ok());
+    comm.SetTimeout(absl::Seconds(2));  // also bounds the other ranks' teardown
+    if (rank != 0) return;              // only rank 0 calls: it must time out, not hang
+    const Tensor x = Unwrap(Full({8}, 1.0, DType::kFloat32, Device::Cuda(0)));
+    const absl::Status s = comm.AllReduce(x, x, CommReduceOp::kSum);
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_THAT(s.message(), HasSubstr("[AllReduce] rank 0"));
+    const absl::Status later = comm.Barrier();
+    EXPECT_EQ(later.code(), absl::StatusCode::kFailedPrecondition) << later;
+    EXPECT_THAT(later.message(), HasSubstr("failed earlier"));
+  });
+}
+
+}  // namespace
+}  // namespace dtensor
