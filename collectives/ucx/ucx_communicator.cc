@@ -1,0 +1,710 @@
+#include "collectives/ucx/ucx_communicator.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "collectives/ucx/ucx_transport.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor {
+namespace internal {
+namespace {
+
+constexpr size_t kSmallBytes = size_t{64} << 10;  // below: one-hop algorithms
+constexpr size_t kMinChunk = size_t{64} << 10;
+constexpr size_t kMaxChunk = size_t{1} << 20;
+constexpr uint32_t kAllGatherSteps = 0x8000;  // AllReduce's all-gather phase numbers its messages from here
+constexpr int kMaxCommId = 0x7fff;
+
+// ---------------------------------------------------------------------------------------------
+// Validation (local to one rank).
+
+std::string ShapeStr(absl::Span<const int64_t> s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
+
+absl::Status CheckTensor(const char* op, int rank, const char* name, const Tensor& t) {
+  if (!t.defined()) return InvalidArg(op, "rank ", rank, ": ", name, " is undefined");
+  if (!t.device().is_cpu()) {
+    return absl::UnimplementedError(absl::StrCat("[", op, "] rank ", rank, ": ", name, " is on ", t.device().ToString(),
+                                                 "; the ucx backend moves CPU tensors only (use the nccl backend)"));
+  }
+  if (!t.is_contiguous()) {
+    return InvalidArg(op, "rank ", rank, ": ", name, " is not contiguous (shape ", ShapeStr(t.shape()), ", strides ",
+                      ShapeStr(t.strides()), ")");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckPair(const char* op, int rank, const Tensor& in, const Tensor& out) {
+  DT_RETURN_IF_ERROR(CheckTensor(op, rank, "input", in));
+  DT_RETURN_IF_ERROR(CheckTensor(op, rank, "output", out));
+  if (in.dtype() != out.dtype()) {
+    return InvalidArg(op, "rank ", rank, ": input is ", DTypeName(in.dtype()), " but output is ",
+                      DTypeName(out.dtype()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckReduction(const char* op, int rank, DType dtype, CommReduceOp rop) {
+  if (IsFloat8(dtype)) {
+    return absl::UnimplementedError(absl::StrCat("[", op, "] rank ", rank, ": cannot reduce ", DTypeName(dtype),
+                                                 " (a storage-only type); cast to a compute type first"));
+  }
+  if (dtype == DType::kBool && rop == CommReduceOp::kAvg) {
+    return InvalidArg(op, "rank ", rank, ": avg is not defined for bool");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckNumel(const char* op, int rank, const char* name, const Tensor& t, int64_t expected,
+                        const char* why) {
+  if (t.numel() != expected) {
+    return InvalidArg(op, "rank ", rank, ": ", name, " has ", t.numel(), " elements, expected ", expected, " (", why,
+                      ")");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, absl::Span<const int64_t> counts,
+                                    int size) {
+  if (static_cast<int64_t>(counts.size()) != size) {
+    return InvalidArg(op, "rank ", rank, ": ", name, " has ", counts.size(), " entries, expected ", size,
+                      " (one per rank)");
+  }
+  int64_t sum = 0;
+  for (size_t j = 0; j < counts.size(); ++j) {
+    if (counts[j] < 0) return InvalidArg(op, "rank ", rank, ": ", name, "[", j, "] is ", counts[j]);
+    sum += counts[j];
+  }
+  return sum;
+}
+
+absl::Status CheckPeer(const char* op, int rank, const char* what, int peer, int size) {
+  if (peer < 0 || peer >= size) {
+    return InvalidArg(op, "rank ", rank, ": ", what, " ", peer, " is out of range for a group of size ", size);
+  }
+  return absl::OkStatus();
+}
+
+bool Overlap(const char* a, size_t an, const char* b, size_t bn) {
+  return an > 0 && bn > 0 && a < b + bn && b < a + an;
+}
+
+char* Bytes(const Tensor& t) { return static_cast<char*>(t.raw_data()); }
+
+// Byte blocks of a collective: block j is [off[j], off[j] + len[j]).
+struct Blocks {
+  std::vector<size_t> off, len;
+  size_t total = 0;
+  size_t max_len = 0;
+};
+
+Blocks MakeBlocks(absl::Span<const int64_t> counts, size_t es) {
+  Blocks b;
+  for (int64_t c : counts) {
+    b.off.push_back(b.total);
+    b.len.push_back(static_cast<size_t>(c) * es);
+    b.total += b.len.back();
+    b.max_len = std::max(b.max_len, b.len.back());
+  }
+  return b;
+}
+
+// torch.chunk-like even split of n elements over p ranks (the first n % p get one more).
+std::vector<int64_t> EvenCounts(int64_t n, int p) {
+  std::vector<int64_t> c(static_cast<size_t>(p), n / p);
+  for (int64_t i = 0; i < n % p; ++i) c[static_cast<size_t>(i)] += 1;
+  return c;
+}
+
+// Pipelining chunk: a quarter of the largest block, within [64 KiB, 1 MiB], whole elements.
+size_t ChunkBytes(size_t max_len, size_t es) {
+  size_t c = std::clamp(max_len / 4, kMinChunk, kMaxChunk);
+  return c / es * es;
+}
+
+size_t NumChunks(size_t len, size_t chunk) { return (len + chunk - 1) / chunk; }
+
+class CompletedWork final : public Work {
+ public:
+  explicit CompletedWork(absl::Status status) : status_(std::move(status)) {}
+  absl::Status Wait() override { return status_; }
+  bool IsCompleted() override { return true; }
+
+ private:
+  absl::Status status_;
+};
+
+absl::StatusOr<std::unique_ptr<Work>> Done(absl::Status status) {
+  if (!status.ok()) return status;
+  return std::unique_ptr<Work>(std::make_unique<CompletedWork>(std::move(status)));
+}
+
+// A posted Send / Recv; Wait() progresses the worker until it completes.
+class P2PWork final : public Work {
+ public:
+  P2PWork(std::shared_ptr<UcxWorld> world, UcxRequest req, Tensor keep, const char* op, int rank,
+          absl::Duration timeout)
+      : world_(std::move(world)),
+        req_(std::move(req)),
+        keep_(std::move(keep)),
+        op_(op),
+        rank_(rank),
+        timeout_(timeout) {}
+  ~P2PWork() override {
+    if (!req_.done) world_->Orphan(std::move(req_), keep_.storage());
+  }
+  absl::Status Wait() override {
+    if (!waited_) {
+      UcxWaitContext ctx{op_, rank_, Deadline(timeout_), timeout_};
+      result_ = world_->Wait(req_, ctx);
+      if (!result_.ok()) world_->Abandon(req_);
+      waited_ = true;
+    }
+    return result_;
+  }
+  bool IsCompleted() override { return waited_ || world_->Test(req_); }
+
+  static absl::Time Deadline(absl::Duration timeout) {
+    return timeout == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + timeout;
+  }
+
+ private:
+  std::shared_ptr<UcxWorld> world_;
+  UcxRequest req_;
+  Tensor keep_;  // keeps the buffer alive while UCX may use it
+  const char* op_;
+  int rank_;
+  absl::Duration timeout_;
+  bool waited_ = false;
+  absl::Status result_;
+};
+
+// ---------------------------------------------------------------------------------------------
+
+class UcxCommunicator final : public Communicator {
+ public:
+  UcxCommunicator(std::shared_ptr<UcxWorld> world, std::vector<int> members, int rank, uint16_t id,
+                  absl::Duration timeout)
+      : world_(std::move(world)),
+        members_(std::move(members)),
+        rank_(rank),
+        id_(id),
+        timeout_(timeout),
+        send_seq_(members_.size(), 0),
+        recv_seq_(members_.size(), 0) {}
+
+  void AdoptStore(std::unique_ptr<StoreClient> store) { store_ = std::move(store); }
+
+  int rank() const override { return rank_; }
+  int size() const override { return static_cast<int>(members_.size()); }
+  Device device() const override { return Device::Cpu(); }
+  const char* backend() const override { return "ucx"; }
+  void SetTimeout(absl::Duration timeout) override { timeout_ = timeout; }
+  absl::Duration timeout() const override { return timeout_; }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const Tensor& input, const Tensor& output,
+                                                       CommReduceOp op) override {
+    constexpr const char* kOp = "AllReduce";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input"));
+    DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
+    return Done(Run(kOp, [&] { return DoAllReduce(input, output, op); }));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const Tensor& input, const Tensor& output) override {
+    constexpr const char* kOp = "AllGather";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, size() * input.numel(), "size * input elements"));
+    const std::vector<int64_t> counts(members_.size(), input.numel());
+    return Done(Run(kOp, [&] { return DoAllGatherV(input, output, counts); }));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherVAsync(const Tensor& input, const Tensor& output,
+                                                        absl::Span<const int64_t> counts) override {
+    constexpr const char* kOp = "AllGatherV";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    DT_ASSIGN_OR_RETURN(const int64_t total, CheckCounts(kOp, rank_, "counts", counts, size()));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, counts[static_cast<size_t>(rank_)], "counts[rank]"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, total, "sum of counts"));
+    return Done(Run(kOp, [&] { return DoAllGatherV(input, output, counts); }));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const Tensor& input, const Tensor& output,
+                                                           CommReduceOp op) override {
+    constexpr const char* kOp = "ReduceScatter";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, size() * output.numel(), "size * output elements"));
+    DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
+    const std::vector<int64_t> counts(members_.size(), output.numel());
+    return Done(Run(kOp, [&] { return DoReduceScatterV(input, output, counts, op); }));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterVAsync(const Tensor& input, const Tensor& output,
+                                                            absl::Span<const int64_t> counts,
+                                                            CommReduceOp op) override {
+    constexpr const char* kOp = "ReduceScatterV";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    DT_ASSIGN_OR_RETURN(const int64_t total, CheckCounts(kOp, rank_, "counts", counts, size()));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, total, "sum of counts"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, counts[static_cast<size_t>(rank_)], "counts[rank]"));
+    DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
+    return Done(Run(kOp, [&] { return DoReduceScatterV(input, output, counts, op); }));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllAsync(const Tensor& input, const Tensor& output) override {
+    constexpr const char* kOp = "AllToAll";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    if (input.numel() % size() != 0) {
+      return InvalidArg(kOp, "rank ", rank_, ": input has ", input.numel(),
+                        " elements, not divisible by the group size ", size());
+    }
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input"));
+    const std::vector<int64_t> counts(members_.size(), input.numel() / size());
+    return Done(Run(kOp, [&] { return DoAllToAllV(input, output, counts, counts); }));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(const Tensor& input, const Tensor& output,
+                                                       absl::Span<const int64_t> send_counts,
+                                                       absl::Span<const int64_t> recv_counts) override {
+    constexpr const char* kOp = "AllToAllV";
+    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
+    DT_ASSIGN_OR_RETURN(const int64_t sent, CheckCounts(kOp, rank_, "send_counts", send_counts, size()));
+    DT_ASSIGN_OR_RETURN(const int64_t received, CheckCounts(kOp, rank_, "recv_counts", recv_counts, size()));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, sent, "sum of send_counts"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, received, "sum of recv_counts"));
+    const size_t r = static_cast<size_t>(rank_);
+    if (send_counts[r] != recv_counts[r]) {
+      return InvalidArg(kOp, "rank ", rank_, ": send_counts[", rank_, "] is ", send_counts[r], " but recv_counts[",
+                        rank_, "] is ", recv_counts[r], " (what a rank sends itself)");
+    }
+    return Done(Run(kOp, [&] { return DoAllToAllV(input, output, send_counts, recv_counts); }));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(const Tensor& tensor, int root) override {
+    constexpr const char* kOp = "Broadcast";
+    DT_RETURN_IF_ERROR(CheckTensor(kOp, rank_, "tensor", tensor));
+    DT_RETURN_IF_ERROR(CheckPeer(kOp, rank_, "root", root, size()));
+    return Done(Run(kOp, [&] { return DoBroadcast(Bytes(tensor), tensor.nbytes(), root); }));
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> SendAsync(const Tensor& tensor, int peer) override {
+    return PostP2P("Send", tensor, peer, /*is_send=*/true);
+  }
+  absl::StatusOr<std::unique_ptr<Work>> RecvAsync(const Tensor& tensor, int peer) override {
+    return PostP2P("Recv", tensor, peer, /*is_send=*/false);
+  }
+
+  absl::Status Barrier() override {
+    return Run("Barrier", [&] { return DoBarrier(); });
+  }
+
+  absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    std::vector<int64_t> all(3 * members_.size());
+    absl::Status s = Run("Split", [&] {
+      const int64_t mine[3] = {color, key, world_->next_comm_id()};
+      const Blocks b = MakeBlocks(std::vector<int64_t>(members_.size(), 3), sizeof(int64_t));
+      return GatherBytes(reinterpret_cast<const char*>(mine), reinterpret_cast<char*>(all.data()), b);
+    });
+    DT_RETURN_IF_ERROR(s);
+    int64_t base = 0;
+    std::vector<int64_t> colors;
+    for (size_t j = 0; j < members_.size(); ++j) {
+      base = std::max(base, all[3 * j + 2]);
+      if (all[3 * j] >= 0) colors.push_back(all[3 * j]);
+    }
+    std::sort(colors.begin(), colors.end());
+    colors.erase(std::unique(colors.begin(), colors.end()), colors.end());
+    if (base + static_cast<int64_t>(colors.size()) > kMaxCommId) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("[Split] rank ", rank_, ": out of ucx communicator ids (", kMaxCommId, " per process)"));
+    }
+    world_->set_next_comm_id(static_cast<uint16_t>(base + static_cast<int64_t>(colors.size())));
+    if (color < 0) return std::unique_ptr<Communicator>();
+    std::vector<std::pair<int64_t, int>> order;  // (key, rank) of my color
+    for (size_t j = 0; j < members_.size(); ++j) {
+      if (all[3 * j] == color) order.emplace_back(all[3 * j + 1], static_cast<int>(j));
+    }
+    std::sort(order.begin(), order.end());
+    std::vector<int> members;
+    int new_rank = 0;
+    for (size_t i = 0; i < order.size(); ++i) {
+      if (order[i].second == rank_) new_rank = static_cast<int>(i);
+      members.push_back(members_[static_cast<size_t>(order[i].second)]);
+    }
+    const int64_t index = std::lower_bound(colors.begin(), colors.end(), color) - colors.begin();
+    return std::unique_ptr<Communicator>(std::make_unique<UcxCommunicator>(
+        world_, std::move(members), new_rank, static_cast<uint16_t>(base + index), timeout_));
+  }
+
+ private:
+  // ---- Per-call plumbing ----
+
+  // Runs one collective: checks the sticky failure, numbers the call, and on an error cancels
+  // what is still in flight and fails the world.
+  template <typename F>
+  absl::Status Run(const char* op, F&& body) {
+    if (!world_->failure().ok()) return world_->failure();
+    ctx_ = UcxWaitContext{op, rank_, P2PWork::Deadline(timeout_), timeout_};
+    ++seq_;
+    reqs_.clear();
+    absl::Status s = body();
+    if (!s.ok()) {
+      world_->Abandon(reqs_);
+      world_->Fail(s);
+    }
+    reqs_.clear();
+    return s;
+  }
+
+  int Mod(int i) const { return (i % size() + size()) % size(); }
+
+  uint64_t Tag(int src, uint32_t step) const {
+    return (uint64_t{id_} << 48) | (static_cast<uint64_t>(src) << 32) | (uint64_t{seq_ & 0xffffu} << 16) |
+           (step & 0xffffu);
+  }
+
+  absl::Status Send(int peer, uint32_t step, const void* buf, size_t bytes) {
+    DT_ASSIGN_OR_RETURN(
+        UcxRequest r, world_->PostSend(ctx_, peer, members_[static_cast<size_t>(peer)], Tag(rank_, step), buf, bytes));
+    reqs_.push_back(std::move(r));
+    return absl::OkStatus();
+  }
+  // Posts a receive; its index in reqs_ goes to *index.
+  absl::Status Recv(int peer, uint32_t step, void* buf, size_t bytes, size_t* index = nullptr) {
+    DT_ASSIGN_OR_RETURN(UcxRequest r,
+                        world_->PostRecv(ctx_, peer, members_[static_cast<size_t>(peer)], Tag(peer, step), buf, bytes));
+    if (index != nullptr) *index = reqs_.size();
+    reqs_.push_back(std::move(r));
+    return absl::OkStatus();
+  }
+  absl::Status WaitOne(size_t index) { return world_->Wait(reqs_[index], ctx_); }
+  absl::Status WaitAll() {
+    for (UcxRequest& r : reqs_) DT_RETURN_IF_ERROR(world_->Wait(r, ctx_));
+    reqs_.clear();
+    return absl::OkStatus();
+  }
+
+  char* Scratch(size_t bytes) {
+    if (scratch_.size() < bytes) scratch_.resize(bytes);
+    return scratch_.data();
+  }
+  // A private copy of `bytes` at src (inputs that partly overlap their output).
+  const char* Stage(const char* src, size_t bytes) {
+    if (stage_.size() < bytes) stage_.resize(bytes);
+    std::memcpy(stage_.data(), src, bytes);
+    return stage_.data();
+  }
+
+  // ---- Algorithms on bytes ----
+
+  // out gets every rank's block at b.off; this rank's block comes from in.
+  absl::Status GatherBytes(const char* in, char* out, const Blocks& b) {
+    const size_t r = static_cast<size_t>(rank_);
+    if (out + b.off[r] != in && b.len[r] > 0) std::memmove(out + b.off[r], in, b.len[r]);
+    if (size() == 1) return absl::OkStatus();
+    if (b.total < kSmallBytes || size() == 2) {
+      for (int j = 0; j < size(); ++j) {
+        if (j != rank_ && b.len[static_cast<size_t>(j)] > 0) {
+          DT_RETURN_IF_ERROR(Recv(j, 0, out + b.off[static_cast<size_t>(j)], b.len[static_cast<size_t>(j)]));
+        }
+      }
+      if (b.len[r] > 0) {
+        for (int k = 1; k < size(); ++k) DT_RETURN_IF_ERROR(Send(Mod(rank_ + k), 0, out + b.off[r], b.len[r]));
+      }
+      return WaitAll();
+    }
+    return RingAllGather(out, b, 0);
+  }
+
+  // Ring all-gather in place on out (this rank's block already there). At step s rank r sends
+  // block r - s to the right and receives block r - s - 1 from the left, chunk by chunk, and
+  // forwards each received chunk as soon as it lands.
+  absl::Status RingAllGather(char* out, const Blocks& b, uint32_t step_base) {
+    const int left = Mod(rank_ - 1), right = Mod(rank_ + 1);
+    const size_t chunk = ChunkBytes(b.max_len, 8);
+    std::vector<size_t> recvs;
+    uint32_t k = step_base;
+    for (int s = 0; s + 1 < size(); ++s) {
+      const size_t blk = static_cast<size_t>(Mod(rank_ - s - 1));
+      for (size_t c = 0; c < NumChunks(b.len[blk], chunk); ++c) {
+        const size_t at = c * chunk;
+        size_t idx;
+        DT_RETURN_IF_ERROR(Recv(left, k++, out + b.off[blk] + at, std::min(chunk, b.len[blk] - at), &idx));
+        recvs.push_back(idx);
+      }
+    }
+    uint32_t ks = step_base;
+    const size_t mine = static_cast<size_t>(rank_);
+    for (size_t c = 0; c < NumChunks(b.len[mine], chunk); ++c) {
+      const size_t at = c * chunk;
+      DT_RETURN_IF_ERROR(Send(right, ks++, out + b.off[mine] + at, std::min(chunk, b.len[mine] - at)));
+    }
+    size_t next = 0;
+    for (int s = 0; s + 1 < size(); ++s) {
+      const size_t blk = static_cast<size_t>(Mod(rank_ - s - 1));
+      for (size_t c = 0; c < NumChunks(b.len[blk], chunk); ++c) {
+        DT_RETURN_IF_ERROR(WaitOne(recvs[next++]));
+        if (s + 2 < size()) {
+          const size_t at = c * chunk;
+          DT_RETURN_IF_ERROR(Send(right, ks++, out + b.off[blk] + at, std::min(chunk, b.len[blk] - at)));
+        }
+      }
+    }
+    return WaitAll();
+  }
+
+  // Ring reduce-scatter: block `rank` of the reduction of every rank's `in` goes to out_block.
+  // At step s rank r receives the partial of block r - s - 2 from the left, reduces its own
+  // input into it and passes it on (the last step, block r, lands in out_block).
+  absl::Status RingReduceScatter(const char* in, char* out_block, const Blocks& b, DType dtype, CommReduceOp op) {
+    const size_t es = ElementSize(dtype);
+    const int left = Mod(rank_ - 1), right = Mod(rank_ + 1);
+    const size_t chunk = ChunkBytes(b.max_len, 8);
+    char* acc = Scratch(b.total);
+    std::vector<size_t> recvs;
+    uint32_t k = 0;
+    for (int s = 0; s + 1 < size(); ++s) {
+      const size_t blk = static_cast<size_t>(Mod(rank_ - s - 2));
+      for (size_t c = 0; c < NumChunks(b.len[blk], chunk); ++c) {
+        const size_t at = c * chunk;
+        size_t idx;
+        DT_RETURN_IF_ERROR(Recv(left, k++, acc + b.off[blk] + at, std::min(chunk, b.len[blk] - at), &idx));
+        recvs.push_back(idx);
+      }
+    }
+    uint32_t ks = 0;
+    const size_t first = static_cast<size_t>(Mod(rank_ - 1));
+    for (size_t c = 0; c < NumChunks(b.len[first], chunk); ++c) {
+      const size_t at = c * chunk;
+      DT_RETURN_IF_ERROR(Send(right, ks++, in + b.off[first] + at, std::min(chunk, b.len[first] - at)));
+    }
+    size_t next = 0;
+    for (int s = 0; s + 1 < size(); ++s) {
+      const size_t blk = static_cast<size_t>(Mod(rank_ - s - 2));
+      const bool last = s + 2 == size();
+      for (size_t c = 0; c < NumChunks(b.len[blk], chunk); ++c) {
+        DT_RETURN_IF_ERROR(WaitOne(recvs[next++]));
+        const size_t at = c * chunk, len = std::min(chunk, b.len[blk] - at);
+        char* partial = acc + b.off[blk] + at;
+        const void* srcs[2] = {in + b.off[blk] + at, partial};
+        const int64_t n = static_cast<int64_t>(len / es);
+        if (last) {
+          Reduce(dtype, op, srcs, 2, n, out_block + at, size());
+        } else {
+          Reduce(dtype, op, srcs, 2, n, partial, 0);
+          DT_RETURN_IF_ERROR(Send(right, ks++, partial, len));
+        }
+      }
+    }
+    return WaitAll();
+  }
+
+  absl::Status DoAllReduce(const Tensor& input, const Tensor& output, CommReduceOp op) {
+    const size_t bytes = input.nbytes();
+    const size_t es = ElementSize(input.dtype());
+    const char* in = Bytes(input);
+    char* out = Bytes(output);
+    if (bytes == 0) return absl::OkStatus();
+    if (size() == 1) {
+      const void* srcs[1] = {in};
+      Reduce(input.dtype(), op, srcs, 1, input.numel(), out, 1);
+      return absl::OkStatus();
+    }
+    if (in != out && Overlap(in, bytes, out, bytes)) in = Stage(in, bytes);
+    if (bytes < kSmallBytes || input.numel() < size()) {
+      // Everyone sends its input to everyone; reduce in rank order (identical bits everywhere).
+      char* all = Scratch(bytes * members_.size());
+      for (int j = 0; j < size(); ++j) {
+        if (j != rank_) DT_RETURN_IF_ERROR(Recv(j, 0, all + static_cast<size_t>(j) * bytes, bytes));
+      }
+      for (int k = 1; k < size(); ++k) DT_RETURN_IF_ERROR(Send(Mod(rank_ + k), 0, in, bytes));
+      DT_RETURN_IF_ERROR(WaitAll());
+      std::vector<const void*> srcs(members_.size());
+      for (int j = 0; j < size(); ++j)
+        srcs[static_cast<size_t>(j)] = j == rank_ ? in : all + static_cast<size_t>(j) * bytes;
+      Reduce(input.dtype(), op, srcs.data(), size(), input.numel(), out, size());
+      return absl::OkStatus();
+    }
+    const Blocks b = MakeBlocks(EvenCounts(input.numel(), size()), es);
+    const size_t r = static_cast<size_t>(rank_);
+    DT_RETURN_IF_ERROR(RingReduceScatter(in, out + b.off[r], b, input.dtype(), op));
+    return RingAllGather(out, b, kAllGatherSteps);
+  }
+
+  absl::Status DoAllGatherV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> counts) {
+    const Blocks b = MakeBlocks(counts, ElementSize(input.dtype()));
+    const char* in = Bytes(input);
+    char* out = Bytes(output);
+    const size_t r = static_cast<size_t>(rank_);
+    if (in != out + b.off[r] && Overlap(in, b.len[r], out, b.total)) in = Stage(in, b.len[r]);
+    return GatherBytes(in, out, b);
+  }
+
+  absl::Status DoReduceScatterV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> counts,
+                                CommReduceOp op) {
+    const size_t es = ElementSize(input.dtype());
+    const Blocks b = MakeBlocks(counts, es);
+    const char* in = Bytes(input);
+    char* out = Bytes(output);
+    const size_t r = static_cast<size_t>(rank_);
+    if (out != in + b.off[r] && Overlap(in, b.total, out, b.len[r])) in = Stage(in, b.total);
+    if (size() == 1) {
+      const void* srcs[1] = {in};
+      Reduce(input.dtype(), op, srcs, 1, counts[0], out, 1);
+      return absl::OkStatus();
+    }
+    if (b.total < kSmallBytes) {
+      // Every rank sends block j straight to rank j; reduce in rank order.
+      char* all = Scratch(b.len[r] * members_.size());
+      if (b.len[r] > 0) {
+        for (int j = 0; j < size(); ++j) {
+          if (j != rank_) DT_RETURN_IF_ERROR(Recv(j, 0, all + static_cast<size_t>(j) * b.len[r], b.len[r]));
+        }
+      }
+      for (int k = 1; k < size(); ++k) {
+        const size_t j = static_cast<size_t>(Mod(rank_ + k));
+        if (b.len[j] > 0) DT_RETURN_IF_ERROR(Send(static_cast<int>(j), 0, in + b.off[j], b.len[j]));
+      }
+      DT_RETURN_IF_ERROR(WaitAll());
+      std::vector<const void*> srcs(members_.size());
+      for (size_t j = 0; j < members_.size(); ++j) srcs[j] = j == r ? in + b.off[r] : all + j * b.len[r];
+      Reduce(input.dtype(), op, srcs.data(), size(), counts[r], out, size());
+      return absl::OkStatus();
+    }
+    return RingReduceScatter(in, out, b, input.dtype(), op);
+  }
+
+  absl::Status DoAllToAllV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> send_counts,
+                           absl::Span<const int64_t> recv_counts) {
+    const size_t es = ElementSize(input.dtype());
+    const Blocks sb = MakeBlocks(send_counts, es), rb = MakeBlocks(recv_counts, es);
+    const char* in = Bytes(input);
+    char* out = Bytes(output);
+    if (Overlap(in, sb.total, out, rb.total)) in = Stage(in, sb.total);
+    for (int j = 0; j < size(); ++j) {
+      const size_t u = static_cast<size_t>(j);
+      if (j != rank_ && rb.len[u] > 0) DT_RETURN_IF_ERROR(Recv(j, 0, out + rb.off[u], rb.len[u]));
+    }
+    for (int k = 1; k < size(); ++k) {
+      const size_t j = static_cast<size_t>(Mod(rank_ + k));
+      if (sb.len[j] > 0) DT_RETURN_IF_ERROR(Send(static_cast<int>(j), 0, in + sb.off[j], sb.len[j]));
+    }
+    const size_t r = static_cast<size_t>(rank_);
+    if (sb.len[r] > 0) std::memmove(out + rb.off[r], in + sb.off[r], sb.len[r]);
+    return WaitAll();
+  }
+
+  // Small: the root sends to everyone. Large: a chain root -> root + 1 -> ..., in chunks.
+  absl::Status DoBroadcast(char* data, size_t bytes, int root) {
+    if (bytes == 0 || size() == 1) return absl::OkStatus();
+    if (bytes < kSmallBytes || size() == 2) {
+      if (rank_ == root) {
+        for (int k = 1; k < size(); ++k) DT_RETURN_IF_ERROR(Send(Mod(root + k), 0, data, bytes));
+      } else {
+        DT_RETURN_IF_ERROR(Recv(root, 0, data, bytes));
+      }
+      return WaitAll();
+    }
+    const size_t chunk = ChunkBytes(bytes, 8);
+    const size_t n = NumChunks(bytes, chunk);
+    const int pos = Mod(rank_ - root);
+    const int prev = Mod(rank_ - 1), next = Mod(rank_ + 1);
+    const bool forward = pos + 1 < size();
+    if (pos == 0) {
+      for (size_t c = 0; c < n; ++c) {
+        DT_RETURN_IF_ERROR(Send(next, static_cast<uint32_t>(c), data + c * chunk, std::min(chunk, bytes - c * chunk)));
+      }
+      return WaitAll();
+    }
+    for (size_t c = 0; c < n; ++c) {
+      DT_RETURN_IF_ERROR(Recv(prev, static_cast<uint32_t>(c), data + c * chunk, std::min(chunk, bytes - c * chunk)));
+    }
+    for (size_t c = 0; c < n; ++c) {
+      DT_RETURN_IF_ERROR(WaitOne(c));
+      if (forward) {
+        DT_RETURN_IF_ERROR(Send(next, static_cast<uint32_t>(c), data + c * chunk, std::min(chunk, bytes - c * chunk)));
+      }
+    }
+    return WaitAll();
+  }
+
+  // Empty messages to and from every peer.
+  absl::Status DoBarrier() {
+    if (size() == 1) return absl::OkStatus();
+    static char dummy[1];
+    for (int j = 0; j < size(); ++j) {
+      if (j != rank_) DT_RETURN_IF_ERROR(Recv(j, 0, dummy, 0));
+    }
+    for (int k = 1; k < size(); ++k) DT_RETURN_IF_ERROR(Send(Mod(rank_ + k), 0, dummy, 0));
+    return WaitAll();
+  }
+
+  absl::StatusOr<std::unique_ptr<Work>> PostP2P(const char* op, const Tensor& tensor, int peer, bool is_send) {
+    DT_RETURN_IF_ERROR(CheckTensor(op, rank_, "tensor", tensor));
+    DT_RETURN_IF_ERROR(CheckPeer(op, rank_, "peer", peer, size()));
+    if (peer == rank_) return InvalidArg(op, "rank ", rank_, ": peer is this rank (", peer, ")");
+    if (!world_->failure().ok()) return world_->failure();
+    const size_t p = static_cast<size_t>(peer);
+    const int src = is_send ? rank_ : peer;
+    const uint32_t n = is_send ? send_seq_[p]++ : recv_seq_[p]++;
+    const uint64_t tag = (uint64_t{1} << 63) | (uint64_t{id_} << 48) | (static_cast<uint64_t>(src) << 32) | n;
+    const UcxWaitContext ctx{op, rank_, absl::InfiniteFuture(), timeout_};
+    absl::StatusOr<UcxRequest> r = is_send
+                                       ? world_->PostSend(ctx, peer, members_[p], tag, Bytes(tensor), tensor.nbytes())
+                                       : world_->PostRecv(ctx, peer, members_[p], tag, Bytes(tensor), tensor.nbytes());
+    if (!r.ok()) {
+      world_->Fail(r.status());
+      return r.status();
+    }
+    return std::unique_ptr<Work>(std::make_unique<P2PWork>(world_, *std::move(r), tensor, op, rank_, timeout_));
+  }
+
+  std::shared_ptr<UcxWorld> world_;
+  std::vector<int> members_;  // world rank of each group rank
+  int rank_;
+  uint16_t id_;
+  absl::Duration timeout_;
+  uint32_t seq_ = 0;
+  std::vector<uint32_t> send_seq_, recv_seq_;  // point-to-point messages per peer
+  UcxWaitContext ctx_;
+  std::vector<UcxRequest> reqs_;
+  std::vector<char> scratch_, stage_;
+  std::unique_ptr<StoreClient> store_;  // FromEnv: the store (rank 0's owns the server)
+};
+
+}  // namespace
+}  // namespace internal
+
+namespace {
+absl::StatusOr<std::unique_ptr<internal::UcxCommunicator>> MakeWorld(const LaunchInfo& info, StoreClient& store,
+                                                                     absl::Duration timeout) {
+  DT_ASSIGN_OR_RETURN(std::shared_ptr<internal::UcxWorld> world, internal::UcxWorld::Create(info, store, timeout));
+  std::vector<int> members(static_cast<size_t>(info.world_size));
+  std::iota(members.begin(), members.end(), 0);
+  auto comm = std::make_unique<internal::UcxCommunicator>(std::move(world), std::move(members), info.rank, 0, timeout);
+  DT_RETURN_IF_ERROR(comm->Barrier());  // wires up every endpoint; afterwards nobody needs the store
+  return comm;
+}
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeUcxCommunicator(const LaunchInfo& info, StoreClient& store,
+                                                                  absl::Duration timeout) {
+  DT_ASSIGN_OR_RETURN(std::unique_ptr<internal::UcxCommunicator> comm, MakeWorld(info, store, timeout));
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+absl::StatusOr<std::unique_ptr<Communicator>> MakeUcxCommunicatorFromEnv(absl::Duration timeout) {
+  DT_ASSIGN_OR_RETURN(const LaunchInfo info, LaunchInfoFromEnv());
+  DT_ASSIGN_OR_RETURN(std::unique_ptr<StoreClient> store, ConnectStore(info, timeout));
+  DT_ASSIGN_OR_RETURN(std::unique_ptr<internal::UcxCommunicator> comm, MakeWorld(info, *store, timeout));
+  comm->AdoptStore(std::move(store));
+  return std::unique_ptr<Communicator>(std::move(comm));
+}
+
+}  // namespace dtensor

@@ -1,0 +1,87 @@
+// The "ucx" backend: ranks that are processes (one host or many), moving CPU tensors over UCX
+// (shared memory / CMA between processes of one host, TCP or RDMA between hosts).
+//
+//   DT_ASSIGN_OR_RETURN(LaunchInfo info, LaunchInfoFromEnv());          // under dtrun / torchrun
+//   DT_ASSIGN_OR_RETURN(auto store, ConnectStore(info, absl::Seconds(60)));
+//   DT_ASSIGN_OR_RETURN(auto comm, MakeUcxCommunicator(info, *store));
+//   DT_RETURN_IF_ERROR(comm->AllReduce(grad, grad, CommReduceOp::kAvg));
+// or simply `DT_ASSIGN_OR_RETURN(auto comm, MakeUcxCommunicatorFromEnv());`.
+//
+// Setup: every rank creates one UCP context and worker, publishes the worker's address (and
+// its host name and pid) in the store under "ucx/<n>/..." (n counts the communicators this
+// rank made, so ranks must create them in the same order) and opens an endpoint to every peer.
+// Peers on this host are watched through a pidfd and get endpoints without UCX error handling
+// (UCX 1.13 allows only TCP with it), so they talk over shared memory / CMA; peers on other
+// hosts get UCX peer-failure handling. The store is used only while MakeUcxCommunicator runs
+// (which ends with a Barrier over UCX that also wires up every endpoint).
+//
+// Messages are UCP tag messages; a tag is [communicator id:16][sender rank:16][call
+// sequence:16][step:16], receives are posted before sends, and progress is driven by the
+// waiting call itself (no helper thread): it spins on ucp_worker_progress for a few
+// microseconds, then yields, then sleeps on the worker's event fd until the deadline.
+//
+// Algorithms (P ranks, m bytes): below 64 KiB, AllReduce / ReduceScatter / AllGather send
+// every rank's data straight to the ranks that need it (one hop; reductions in rank order, in
+// float32 for bfloat16 / float16, rounded once). Above, AllReduce is a ring reduce-scatter
+// followed by a ring all-gather, AllGather and ReduceScatter are rings, all pipelined in chunks
+// of 64 KiB..1 MiB so that reductions overlap transfers. On the ring path partial sums travel
+// in the tensor's dtype, so bfloat16 / float16 are rounded once per hop (as NCCL does).
+// AllToAll(V) posts every receive and then sends to rank + 1, rank + 2, ...; Broadcast sends
+// straight from the root below 64 KiB and down a chunked chain above; Barrier is an exchange
+// of empty messages. Integers reduce exactly (sums / products wrap, avg truncates toward
+// zero); bool uses or (sum, max) and and (min, product), avg on bool is InvalidArgument;
+// float8 can be moved but not reduced (Unimplemented). Max / min propagate NaN like torch.
+// In-place calls (input == output, AllGather input == its own output block, ReduceScatter
+// output == its own input block) work; other overlaps of input and output are staged
+// through a private copy. Scratch buffers belong to the communicator and are reused.
+//
+// Async forms: collectives run eagerly inside the *Async call and return a completed Work.
+// SendAsync / RecvAsync post the message and return; Wait() progresses it (so two ranks may
+// both SendAsync before they Recv). Messages between one pair of ranks match in posting order.
+// Dropping an unfinished Send / Recv Work is for error paths: its receive is cancelled (it
+// still used up its place in the pair's message order), its send finishes in the background;
+// either way the tensor's storage is kept alive until UCX is done with it.
+//
+// Failures: every wait honours timeout() and gives DeadlineExceeded, e.g. "[AllReduce] rank 1
+// timed out after 2s waiting for rank 0". A peer process that exits is noticed at once on one
+// host (its pidfd becomes readable), otherwise when UCX reports its endpoint broken; the
+// calls waiting for it get Unavailable, e.g. "[AllGather] rank 0: peer rank 2 is gone
+// (process 1234 exited)". After a transport error or a timeout every communicator sharing the
+// worker (the world and its splits) is failed: later calls return the same error at once.
+// Validation errors (InvalidArgument, Unimplemented for CUDA tensors) are local and leave it
+// usable. Sends abandoned after a failure are released at teardown (UCX may log "was not
+// returned to mpool" warnings then). DTENSOR_DEBUG cross-rank call checks are not implemented.
+//
+// Split() reuses the parent's worker and endpoints with a new communicator id (agreed through
+// an all-gather over the parent, unique among the communicators of each process); children
+// keep the worker alive. A communicator and all communicators split from it must be used by
+// one thread at a time (the worker is single-threaded). Ids are 15 bits: a process may make
+// up to 32767 communicators per world.
+#ifndef DTENSOR_COLLECTIVES_UCX_UCX_COMMUNICATOR_H_
+#define DTENSOR_COLLECTIVES_UCX_UCX_COMMUNICATOR_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "collectives/communicator.h"
+#include "collectives/store/rendezvous.h"
+#include "collectives/store/tcp_store.h"
+
+namespace dtensor {
+
+// The world communicator of a run: info.rank of info.world_size, rendezvous through `store`
+// (every rank calls this collectively). `timeout` bounds the rendezvous and becomes the
+// communicator's timeout. Errors: Unavailable / DeadlineExceeded from UCX or the store,
+// InvalidArgument for an inconsistent info.
+absl::StatusOr<std::unique_ptr<Communicator>> MakeUcxCommunicator(const LaunchInfo& info, StoreClient& store,
+                                                                  absl::Duration timeout = DefaultTimeout());
+
+// LaunchInfoFromEnv() + ConnectStore() + MakeUcxCommunicator(). The store connection stays
+// alive inside the communicator (rank 0's holds the server, so rank 0 should be destroyed
+// last, e.g. after a final Barrier()).
+absl::StatusOr<std::unique_ptr<Communicator>> MakeUcxCommunicatorFromEnv(absl::Duration timeout = DefaultTimeout());
+
+}  // namespace dtensor
+
+#endif  // DTENSOR_COLLECTIVES_UCX_UCX_COMMUNICATOR_H_

@@ -1,0 +1,529 @@
+// Rank program for tests/collectives/ucx_test.cc, run under dtrun:
+//   ucx_test_child battery     every collective, dtype and a range of sizes (odd, empty, above
+//                              the one-hop / ring switch, multi-chunk), checked against
+//                              references computed here from every rank's (reproducible) data;
+//                              prints each mismatch and exits 1 if there was one.
+//   ucx_test_child dead-peer   the last rank exits while the others are inside an AllReduce;
+//                              they must get Unavailable (printed), then exit 0.
+//   ucx_test_child timeout     rank 1 never joins an AllReduce; the others must get
+//                              DeadlineExceeded within DTENSOR_TIMEOUT_S (printed), then exit 0.
+#include <unistd.h>
+
+#include <cmath>
+#include <csignal>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "collectives/ucx/ucx_communicator.h"
+#include "dtensor/tensor/status.h"
+#include "dtensor/tensor/tensor.h"
+
+namespace dtensor {
+namespace {
+
+int g_failures = 0;
+int g_checks = 0;
+
+void Fail(const std::string& what) {
+  ++g_failures;
+  if (g_failures <= 30) std::fprintf(stderr, "FAIL: %s\n", what.c_str());
+}
+
+void ExpectOk(const absl::Status& s, const std::string& what) {
+  ++g_checks;
+  if (!s.ok()) Fail(absl::StrCat(what, ": ", s.ToString()));
+}
+
+// Reproducible data: rank r's element i. Floats are multiples of 1/4 in [-2, 2] (exact in
+// every dtype, so sums of a few are exact); products use {-1, 1/2, 1, 2}.
+template <typename T>
+T Gen(int rank, int64_t i, int seed, bool for_product) {
+  const int64_t h = (rank * 131 + i * 7 + seed * 17 + (i * i) % 13) % 17;
+  if constexpr (std::is_same_v<T, bool>) {
+    return ((h + rank) % 3) != 0;
+  } else if constexpr (std::is_integral_v<T>) {
+    if (for_product) return static_cast<T>(h % 5 == 0 ? -(h + 1) * 1009 : h * 997 + 1);
+    return static_cast<T>((rank * 31 + i * 13 + seed) % 1000 - 500);
+  } else {
+    static const float kProd[4] = {-1.0f, 0.5f, 1.0f, 2.0f};
+    const float v = for_product ? kProd[h % 4] : static_cast<float>(h - 8) * 0.25f;
+    return T(v);
+  }
+}
+
+template <typename T>
+double AsDouble(T v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    return v ? 1 : 0;
+  } else if constexpr (std::is_integral_v<T>) {
+    return static_cast<double>(v);
+  } else {
+    return static_cast<double>(static_cast<float>(v));
+  }
+}
+
+// The reduction of vals (one per rank, in rank order).
+template <typename T>
+T RefReduce(CommReduceOp op, const std::vector<T>& vals) {
+  const int p = static_cast<int>(vals.size());
+  if constexpr (std::is_same_v<T, bool>) {
+    bool any = false, all = true;
+    for (bool v : vals) any |= v, all &= v;
+    return (op == CommReduceOp::kMin || op == CommReduceOp::kProduct) ? all : any;
+  } else if constexpr (std::is_integral_v<T>) {
+    uint64_t sum = 0, prod = 1;
+    T mx = vals[0], mn = vals[0];
+    for (T v : vals) {
+      sum += static_cast<uint64_t>(static_cast<int64_t>(v));
+      prod *= static_cast<uint64_t>(static_cast<int64_t>(v));
+      mx = v > mx ? v : mx;
+      mn = v < mn ? v : mn;
+    }
+    switch (op) {
+      case CommReduceOp::kSum:
+        return static_cast<T>(sum);
+      case CommReduceOp::kAvg:
+        return static_cast<T>(static_cast<T>(sum) / static_cast<T>(p));
+      case CommReduceOp::kMax:
+        return mx;
+      case CommReduceOp::kMin:
+        return mn;
+      case CommReduceOp::kProduct:
+        return static_cast<T>(prod);
+    }
+    return T{};
+  } else {
+    double sum = 0, prod = 1, mx = -INFINITY, mn = INFINITY;
+    bool nan = false;
+    for (T v : vals) {
+      const double d = AsDouble(v);
+      nan |= std::isnan(d);
+      sum += d;
+      prod *= d;
+      mx = std::max(mx, d);
+      mn = std::min(mn, d);
+    }
+    float r = 0;
+    switch (op) {
+      case CommReduceOp::kSum:
+        r = static_cast<float>(sum);
+        break;
+      case CommReduceOp::kAvg:
+        r = static_cast<float>(sum) / static_cast<float>(p);
+        break;
+      case CommReduceOp::kMax:
+        r = nan ? NAN : static_cast<float>(mx);
+        break;
+      case CommReduceOp::kMin:
+        r = nan ? NAN : static_cast<float>(mn);
+        break;
+      case CommReduceOp::kProduct:
+        r = static_cast<float>(prod);
+        break;
+    }
+    return T(r);
+  }
+}
+
+template <typename T>
+bool Same(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    return a == b;
+  } else {
+    const double x = AsDouble(a), y = AsDouble(b);
+    return (std::isnan(x) && std::isnan(y)) || x == y;
+  }
+}
+
+template <typename T>
+void ExpectData(const Tensor& t, const std::vector<T>& want, const std::string& what) {
+  ++g_checks;
+  const T* got = t.data<T>();
+  for (size_t i = 0; i < want.size(); ++i) {
+    if (!Same(got[i], want[i])) {
+      Fail(absl::StrCat(what, ": element ", i, " of ", want.size(), " is ", AsDouble(got[i]), ", expected ",
+                        AsDouble(want[i])));
+      return;
+    }
+  }
+}
+
+template <typename T>
+Tensor Make(int64_t n) {
+  return *Tensor::Empty({n}, DTypeOf<T>::value);
+}
+
+template <typename T>
+Tensor Fill(int rank, int64_t n, int seed, bool prod, int nan_at = -1) {
+  Tensor t = Make<T>(n);
+  for (int64_t i = 0; i < n; ++i) t.data<T>()[i] = Gen<T>(rank, i, seed, prod);
+  if constexpr (!std::is_integral_v<T>) {
+    if (nan_at >= 0 && nan_at < n) t.data<T>()[nan_at] = T(NAN);
+  }
+  return t;
+}
+
+// Elements [begin, begin + n) of every rank's Fill, reduced.
+template <typename T>
+std::vector<T> RefReduced(CommReduceOp op, int p, int64_t begin, int64_t n, int seed, bool prod, int nan_rank,
+                          int nan_at) {
+  std::vector<T> out(static_cast<size_t>(n));
+  std::vector<T> vals(static_cast<size_t>(p));
+  for (int64_t i = 0; i < n; ++i) {
+    for (int j = 0; j < p; ++j) {
+      T v = Gen<T>(j, begin + i, seed, prod);
+      if constexpr (!std::is_integral_v<T>) {
+        if (j == nan_rank && begin + i == nan_at) v = T(NAN);
+      }
+      vals[static_cast<size_t>(j)] = v;
+    }
+    out[static_cast<size_t>(i)] = RefReduce(op, vals);
+  }
+  return out;
+}
+
+std::vector<int64_t> ChunkCounts(int64_t total, int p) {  // torch.chunk: ceil-sized, the tail short or empty
+  const int64_t c = (total + p - 1) / p;
+  std::vector<int64_t> counts;
+  for (int j = 0; j < p; ++j) counts.push_back(std::max<int64_t>(0, std::min(c, total - j * c)));
+  return counts;
+}
+
+template <typename T>
+void Battery(Communicator& comm, const char* tname) {
+  const int p = comm.size(), r = comm.rank();
+  const bool is_bool = std::is_same_v<T, bool>;
+  const std::vector<int64_t> sizes = {0, 1, 3, 17, 127, 1000, 20000, 300001};
+  std::vector<CommReduceOp> ops = {CommReduceOp::kSum, CommReduceOp::kAvg, CommReduceOp::kMax, CommReduceOp::kMin,
+                                   CommReduceOp::kProduct};
+  if (is_bool) ops = {CommReduceOp::kSum, CommReduceOp::kMin};
+  int seed = 0;
+  for (int64_t n : sizes) {
+    if (n > 20000 && (is_bool || std::is_same_v<T, int64_t>)) continue;
+    const std::string at = absl::StrCat(tname, " n=", n, " p=", p, " rank ", r);
+    for (CommReduceOp op : ops) {
+      ++seed;
+      const bool prod = op == CommReduceOp::kProduct;
+      // NaN propagation on max / min: rank p-1 puts a NaN at element 1.
+      const int nan_rank = (op == CommReduceOp::kMax || op == CommReduceOp::kMin) ? p - 1 : -1;
+      const int nan_at = 1;
+      Tensor in = Fill<T>(r, n, seed, prod, r == nan_rank ? nan_at : -1);
+      Tensor out = Make<T>(n);
+      const auto want = RefReduced<T>(op, p, 0, n, seed, prod, nan_rank, nan_at);
+      ExpectOk(comm.AllReduce(in, out, op), absl::StrCat("AllReduce ", CommReduceOpName(op), " ", at));
+      ExpectData(out, want, absl::StrCat("AllReduce ", CommReduceOpName(op), " ", at));
+      ExpectOk(comm.AllReduce(in, in, op), absl::StrCat("AllReduce in place ", CommReduceOpName(op), " ", at));
+      ExpectData(in, want, absl::StrCat("AllReduce in place ", CommReduceOpName(op), " ", at));
+      if (n > 20000 && op != CommReduceOp::kSum) continue;
+      // ReduceScatter: input [p * n], block r.
+      Tensor rs_in = Fill<T>(r, p * n, seed, prod, r == nan_rank ? nan_at : -1);
+      Tensor rs_out = Make<T>(n);
+      const auto rs_want = RefReduced<T>(op, p, r * n, n, seed, prod, nan_rank, nan_at);
+      ExpectOk(comm.ReduceScatter(rs_in, rs_out, op), absl::StrCat("ReduceScatter ", CommReduceOpName(op), " ", at));
+      ExpectData(rs_out, rs_want, absl::StrCat("ReduceScatter ", CommReduceOpName(op), " ", at));
+      Tensor own = *rs_in.Narrow(0, r * n, n);
+      ExpectOk(comm.ReduceScatter(rs_in, own, op), absl::StrCat("ReduceScatter in place ", at));
+      ExpectData(own, rs_want, absl::StrCat("ReduceScatter in place ", CommReduceOpName(op), " ", at));
+      // ReduceScatterV over torch.chunk counts of p * n + 1 elements.
+      const std::vector<int64_t> counts = ChunkCounts(p * n + 1, p);
+      int64_t prefix = 0;
+      for (int j = 0; j < r; ++j) prefix += counts[static_cast<size_t>(j)];
+      Tensor rsv_in = Fill<T>(r, p * n + 1, seed, prod);
+      Tensor rsv_out = Make<T>(counts[static_cast<size_t>(r)]);
+      ExpectOk(comm.ReduceScatterV(rsv_in, rsv_out, counts, op), absl::StrCat("ReduceScatterV ", at));
+      ExpectData(rsv_out, RefReduced<T>(op, p, prefix, counts[static_cast<size_t>(r)], seed, prod, -1, -1),
+                 absl::StrCat("ReduceScatterV ", CommReduceOpName(op), " ", at));
+    }
+    ++seed;
+    // AllGather (and in place: input is this rank's block of the output).
+    {
+      Tensor in = Fill<T>(r, n, seed, false);
+      Tensor out = Make<T>(p * n);
+      std::vector<T> want;
+      for (int j = 0; j < p; ++j) {
+        for (int64_t i = 0; i < n; ++i) want.push_back(Gen<T>(j, i, seed, false));
+      }
+      ExpectOk(comm.AllGather(in, out), absl::StrCat("AllGather ", at));
+      ExpectData(out, want, absl::StrCat("AllGather ", at));
+      Tensor out2 = Make<T>(p * n);
+      Tensor mine = *out2.Narrow(0, r * n, n);
+      if (n > 0) std::memcpy(mine.raw_data(), in.raw_data(), in.nbytes());
+      ExpectOk(comm.AllGather(mine, out2), absl::StrCat("AllGather in place ", at));
+      ExpectData(out2, want, absl::StrCat("AllGather in place ", at));
+    }
+    // AllGatherV over torch.chunk counts of p * n + 1 elements (the tail may be empty).
+    {
+      const std::vector<int64_t> counts = ChunkCounts(p * n + 1, p);
+      Tensor in = Fill<T>(r, counts[static_cast<size_t>(r)], seed, false);
+      Tensor out = Make<T>(p * n + 1);
+      std::vector<T> want;
+      for (int j = 0; j < p; ++j) {
+        for (int64_t i = 0; i < counts[static_cast<size_t>(j)]; ++i) want.push_back(Gen<T>(j, i, seed, false));
+      }
+      ExpectOk(comm.AllGatherV(in, out, counts), absl::StrCat("AllGatherV ", at));
+      ExpectData(out, want, absl::StrCat("AllGatherV ", at));
+    }
+    // AllToAll: block j of rank r's input goes to rank j (and in place).
+    {
+      Tensor in = Fill<T>(r, p * n, seed, false);
+      Tensor out = Make<T>(p * n);
+      std::vector<T> want;
+      for (int j = 0; j < p; ++j) {
+        for (int64_t i = 0; i < n; ++i) want.push_back(Gen<T>(j, r * n + i, seed, false));
+      }
+      ExpectOk(comm.AllToAll(in, out), absl::StrCat("AllToAll ", at));
+      ExpectData(out, want, absl::StrCat("AllToAll ", at));
+      ExpectOk(comm.AllToAll(in, in), absl::StrCat("AllToAll in place ", at));
+      ExpectData(in, want, absl::StrCat("AllToAll in place ", at));
+    }
+    // AllToAllV: rank i sends (i * 2 + j + n) % 5 * (n % 7 + 1) elements to rank j.
+    {
+      auto cnt = [&](int from, int to) { return static_cast<int64_t>((from * 2 + to + n) % 5 * (n % 7 + 1)); };
+      std::vector<int64_t> sc, rc;
+      for (int j = 0; j < p; ++j) sc.push_back(cnt(r, j)), rc.push_back(cnt(j, r));
+      int64_t st = 0, rt = 0;
+      for (int j = 0; j < p; ++j) st += sc[static_cast<size_t>(j)], rt += rc[static_cast<size_t>(j)];
+      Tensor in = Fill<T>(r, st, seed, false);
+      Tensor out = Make<T>(rt);
+      std::vector<T> want;
+      for (int j = 0; j < p; ++j) {
+        int64_t off = 0;  // where rank j's block for r starts in j's input
+        for (int k = 0; k < r; ++k) off += cnt(j, k);
+        for (int64_t i = 0; i < cnt(j, r); ++i) want.push_back(Gen<T>(j, off + i, seed, false));
+      }
+      ExpectOk(comm.AllToAllV(in, out, sc, rc), absl::StrCat("AllToAllV ", at));
+      ExpectData(out, want, absl::StrCat("AllToAllV ", at));
+    }
+    // Broadcast from every root.
+    for (int root = 0; root < p; ++root) {
+      Tensor t = Fill<T>(r, n, seed + root, false);
+      std::vector<T> want;
+      for (int64_t i = 0; i < n; ++i) want.push_back(Gen<T>(root, i, seed + root, false));
+      ExpectOk(comm.Broadcast(t, root), absl::StrCat("Broadcast root ", root, " ", at));
+      ExpectData(t, want, absl::StrCat("Broadcast root ", root, " ", at));
+    }
+  }
+}
+
+void PointToPoint(Communicator& comm) {
+  const int p = comm.size(), r = comm.rank();
+  if (p == 1) return;
+  for (int64_t n : {int64_t{0}, int64_t{5}, int64_t{100000}, int64_t{1} << 20}) {
+    // Everyone sends to the right first, then receives from the left (needs the async forms).
+    Tensor out = Fill<float>(r, n, 7, false), in = Make<float>(n);
+    auto send = comm.SendAsync(out, (r + 1) % p);
+    auto recv = comm.RecvAsync(in, (r + p - 1) % p);
+    ExpectOk(send.status(), "SendAsync");
+    ExpectOk(recv.status(), "RecvAsync");
+    if (send.ok() && recv.ok()) {
+      ExpectOk((*recv)->Wait(), absl::StrCat("Recv n=", n));
+      ExpectOk((*send)->Wait(), absl::StrCat("Send n=", n));
+      std::vector<float> want;
+      for (int64_t i = 0; i < n; ++i) want.push_back(Gen<float>((r + p - 1) % p, i, 7, false));
+      ExpectData(in, want, absl::StrCat("Send/Recv n=", n, " rank ", r));
+    }
+  }
+  // Several messages between one pair match in order; blocking forms.
+  if (p >= 2 && r < 2) {
+    for (int k = 0; k < 3; ++k) {
+      Tensor t = Make<int32_t>(4);
+      if (r == 0) {
+        for (int i = 0; i < 4; ++i) t.data<int32_t>()[i] = k * 10 + i;
+        ExpectOk(comm.Send(t, 1), "Send in order");
+      } else {
+        ExpectOk(comm.Recv(t, 0), "Recv in order");
+        ExpectData(t, std::vector<int32_t>{k * 10, k * 10 + 1, k * 10 + 2, k * 10 + 3}, "Send/Recv order");
+      }
+    }
+  }
+}
+
+void SplitAndMisc(Communicator& comm) {
+  const int p = comm.size(), r = comm.rank();
+  // Validation errors are local and leave the communicator usable.
+  {
+    Tensor a = Make<float>(4), b = Make<float>(5), c = Make<int32_t>(4);
+    ++g_checks;
+    if (comm.AllReduce(a, b, CommReduceOp::kSum).code() != absl::StatusCode::kInvalidArgument) Fail("AllReduce numel");
+    ++g_checks;
+    if (comm.AllReduce(a, c, CommReduceOp::kSum).code() != absl::StatusCode::kInvalidArgument) Fail("AllReduce dtype");
+    ++g_checks;
+    absl::Status s = comm.Broadcast(a, p);
+    if (s.code() != absl::StatusCode::kInvalidArgument || s.message().find("root") == std::string_view::npos) {
+      Fail(absl::StrCat("Broadcast root: ", s.ToString()));
+    }
+    Tensor bools = Make<bool>(2);
+    ++g_checks;
+    if (comm.AllReduce(bools, bools, CommReduceOp::kAvg).code() != absl::StatusCode::kInvalidArgument) {
+      Fail("avg on bool");
+    }
+    Tensor t = *Tensor::Empty({4, 2}, DType::kFloat32);
+    Tensor tt = *t.Transpose(0, 1);
+    ++g_checks;
+    if (comm.AllReduce(tt, tt, CommReduceOp::kSum).code() != absl::StatusCode::kInvalidArgument) {
+      Fail("non-contiguous");
+    }
+    ++g_checks;
+    if (comm.Send(a, r).code() != absl::StatusCode::kInvalidArgument) Fail("Send to self");
+  }
+  ExpectOk(comm.Barrier(), "Barrier");
+  // Async collective.
+  {
+    Tensor x = Fill<float>(r, 33, 3, false), y = Make<float>(33);
+    auto w = comm.AllReduceAsync(x, y, CommReduceOp::kSum);
+    ExpectOk(w.status(), "AllReduceAsync");
+    if (w.ok()) {
+      ExpectOk((*w)->Wait(), "AllReduceAsync Wait");
+      ExpectData(y, RefReduced<float>(CommReduceOp::kSum, p, 0, 33, 3, false, -1, -1), "AllReduceAsync");
+    }
+  }
+  // Split: odd / even ranks, ordered by descending rank; rank 0 (when p > 2) joins no group.
+  const int color = (p > 2 && r == 0) ? -1 : r % 2;
+  auto sub = comm.Split(color, -r);
+  ExpectOk(sub.status(), "Split");
+  if (!sub.ok()) return;
+  if (color < 0) {
+    ++g_checks;
+    if (*sub != nullptr) Fail("Split with color -1 gave a communicator");
+  } else {
+    std::vector<int> members;
+    for (int j = p - 1; j >= 0; --j) {
+      if (!(p > 2 && j == 0) && j % 2 == color) members.push_back(j);
+    }
+    Communicator& c = **sub;
+    ++g_checks;
+    if (c.size() != static_cast<int>(members.size()) || members[static_cast<size_t>(c.rank())] != r) {
+      Fail(absl::StrCat("Split: rank ", r, " got rank ", c.rank(), " of ", c.size()));
+    } else {
+      for (int64_t n : {int64_t{3}, int64_t{100000}}) {
+        Tensor x = Make<int64_t>(n), y = Make<int64_t>(n);
+        for (int64_t i = 0; i < n; ++i) x.data<int64_t>()[i] = r * 1000 + i;
+        ExpectOk(c.AllReduce(x, y, CommReduceOp::kSum), "sub AllReduce");
+        std::vector<int64_t> want;
+        for (int64_t i = 0; i < n; ++i) {
+          int64_t s = 0;
+          for (int m : members) s += m * 1000 + i;
+          want.push_back(s);
+        }
+        ExpectData(y, want, absl::StrCat("sub AllReduce n=", n, " rank ", r));
+        Tensor g = Make<int64_t>(n * c.size());
+        ExpectOk(c.AllGather(x, g), "sub AllGather");
+        std::vector<int64_t> gw;
+        for (int m : members) {
+          for (int64_t i = 0; i < n; ++i) gw.push_back(m * 1000 + i);
+        }
+        ExpectData(g, gw, absl::StrCat("sub AllGather n=", n, " rank ", r));
+      }
+      auto subsub = c.Split(0, 0);  // a split of a split
+      ExpectOk(subsub.status(), "Split of a split");
+      if (subsub.ok()) ExpectOk((*subsub)->Barrier(), "sub-sub Barrier");
+    }
+  }
+  ExpectOk(comm.Barrier(), "final Barrier");  // the world still works after the splits
+}
+
+int RunBattery() {
+  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(60));
+  if (!comm.ok()) {
+    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
+    return 2;
+  }
+  Communicator& c = **comm;
+  const absl::Time start = absl::Now();
+  Battery<float>(c, "float32");
+  Battery<BFloat16>(c, "bfloat16");
+  Battery<Float16>(c, "float16");
+  Battery<int32_t>(c, "int32");
+  Battery<int64_t>(c, "int64");
+  Battery<bool>(c, "bool");
+  PointToPoint(c);
+  SplitAndMisc(c);
+  std::printf("%d checks, %d failures, %.2f s\n", g_checks, g_failures, absl::ToDoubleSeconds(absl::Now() - start));
+  ExpectOk(c.Barrier(), "last Barrier");  // rank 0 (the store's host) leaves last
+  return g_failures == 0 ? 0 : 1;
+}
+
+// Survivors print the error they got and exit 0 if it has the expected code.
+int RunFailure(bool dead_peer) {
+  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(30));
+  if (!comm.ok()) {
+    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
+    return 2;
+  }
+  Communicator& c = **comm;
+  c.SetTimeout(DefaultTimeout());  // DTENSOR_TIMEOUT_S, after a generous rendezvous
+  const int r = c.rank(), p = c.size();
+  Tensor x = Fill<float>(r, 1 << 20, 1, false);
+  if (!c.AllReduce(x, x, CommReduceOp::kSum).ok()) return 3;  // a healthy one first
+  const int victim = dead_peer ? p - 1 : 1;
+  if (r == victim) {
+    if (dead_peer) {
+      usleep(300 * 1000);  // the others are inside the AllReduce by now
+      std::fflush(stdout);
+      _exit(9);
+    }
+    sleep(2);  // never joins; exits 0 after the others gave up
+    return 0;
+  }
+  if (dead_peer) std::signal(SIGTERM, SIG_IGN);  // report even though dtrun stops the run
+  const absl::Time start = absl::Now();
+  absl::Status s = c.AllReduce(x, x, CommReduceOp::kSum);
+  std::printf("%s after %.2f s: %s\n", dead_peer ? "dead-peer" : "timeout", absl::ToDoubleSeconds(absl::Now() - start),
+              s.ToString().c_str());
+  std::fflush(stdout);
+  const absl::StatusCode want = dead_peer ? absl::StatusCode::kUnavailable : absl::StatusCode::kDeadlineExceeded;
+  if (s.code() != want) return 4;
+  // The failure is sticky.
+  if (c.Barrier().code() != want) return 5;
+  return 0;
+}
+
+// Not a test: AllReduce / ReduceScatter / AllGather timings (float32), nccl-tests style.
+int RunBench() {
+  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(60));
+  if (!comm.ok()) return 2;
+  Communicator& c = **comm;
+  const int p = c.size();
+  for (int64_t bytes = 4096; bytes <= (int64_t{64} << 20); bytes *= 4) {
+    const int64_t n = bytes / 4 / p * p;
+    Tensor x = Fill<float>(c.rank(), n, 1, false), y = Make<float>(n), s = Make<float>(n / p);
+    for (const char* name : {"all_reduce", "reduce_scatter", "all_gather"}) {
+      auto once = [&] {
+        if (name[4] == 'r') return c.AllReduce(x, y, CommReduceOp::kSum);
+        if (name[0] == 'r') return c.ReduceScatter(x, s, CommReduceOp::kSum);
+        return c.AllGather(s, y);
+      };
+      const int iters = bytes <= (1 << 20) ? 200 : 10;
+      for (int i = 0; i < 3; ++i) (void)once();
+      (void)c.Barrier();
+      const absl::Time t0 = absl::Now();
+      for (int i = 0; i < iters; ++i) (void)once();
+      const double us = absl::ToDoubleMicroseconds(absl::Now() - t0) / iters;
+      const double factor = name[4] == 'r' ? 2.0 * (p - 1) / p : static_cast<double>(p - 1) / p;
+      if (c.rank() == 0) {
+        std::printf("%10lld B  %-15s %10.1f us  busbw %8.3f GB/s\n", static_cast<long long>(n * 4), name, us,
+                    static_cast<double>(n * 4) * factor / us / 1e3);
+      }
+    }
+  }
+  return c.Barrier().ok() ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace dtensor
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "battery") return dtensor::RunBattery();
+  if (mode == "dead-peer") return dtensor::RunFailure(true);
+  if (mode == "timeout") return dtensor::RunFailure(false);
+  if (mode == "bench") return dtensor::RunBench();
+  std::fprintf(stderr, "usage: ucx_test_child battery|dead-peer|timeout\n");
+  return 2;
+}

@@ -1,0 +1,536 @@
+#include "collectives/ucx/ucx_transport.h"
+
+#include <sched.h>
+#include <sys/epoll.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor::internal {
+namespace {
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+absl::Status UcsError(const std::string& what, ucs_status_t s) {
+  return absl::UnavailableError(absl::StrCat(what, ": ", ucs_status_string(s)));
+}
+
+constexpr int64_t kSpinNs = 20'000;      // pure progress
+constexpr int64_t kYieldNs = 2'000'000;  // progress + sched_yield, then sleep on the event fd
+constexpr int64_t kPeerCheckNs = 1'000'000;
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Setup and teardown.
+
+absl::StatusOr<std::shared_ptr<UcxWorld>> UcxWorld::Create(const LaunchInfo& info, StoreClient& store,
+                                                           absl::Duration timeout) {
+  std::shared_ptr<UcxWorld> world(new UcxWorld());
+  DT_RETURN_IF_ERROR(world->Setup(info, store, timeout));
+  return world;
+}
+
+absl::Status UcxWorld::Setup(const LaunchInfo& info, StoreClient& store, absl::Duration timeout) {
+  constexpr const char* kOp = "[UcxCommunicator]";
+  if (info.world_size < 1 || info.rank < 0 || info.rank >= info.world_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(kOp, " rank ", info.rank, " is out of range for world size ", info.world_size));
+  }
+  if (info.world_size > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(kOp, " world size ", info.world_size, " exceeds 65535"));
+  }
+  rank_ = info.rank;
+  size_ = info.world_size;
+
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) return UcsError(absl::StrCat(kOp, " ucp_config_read"), st);
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_ESTIMATED_NUM_EPS | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  params.estimated_num_eps = static_cast<size_t>(size_);
+  params.mt_workers_shared = 0;
+  st = ucp_init(&params, config, &context_);
+  ucp_config_release(config);
+  if (st != UCS_OK) return UcsError(absl::StrCat(kOp, " ucp_init"), st);
+
+  ucp_worker_params_t wparams{};
+  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+  st = ucp_worker_create(context_, &wparams, &worker_);
+  if (st != UCS_OK) return UcsError(absl::StrCat(kOp, " ucp_worker_create"), st);
+  st = ucp_worker_get_efd(worker_, &efd_);
+  if (st != UCS_OK) return UcsError(absl::StrCat(kOp, " ucp_worker_get_efd"), st);
+  epfd_ = epoll_create1(EPOLL_CLOEXEC);
+  if (epfd_ < 0) return absl::UnavailableError(absl::StrCat(kOp, " epoll_create1: ", std::strerror(errno)));
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.u32 = 0;
+  if (epoll_ctl(epfd_, EPOLL_CTL_ADD, efd_, &ev) != 0) {
+    return absl::UnavailableError(absl::StrCat(kOp, " epoll_ctl: ", std::strerror(errno)));
+  }
+
+  ucp_address_t* address = nullptr;
+  size_t address_len = 0;
+  st = ucp_worker_get_address(worker_, &address, &address_len);
+  if (st != UCS_OK) return UcsError(absl::StrCat(kOp, " ucp_worker_get_address"), st);
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  std::string mine = absl::StrCat(host, "\n", getpid(), "\n");
+  mine.append(reinterpret_cast<const char*>(address), address_len);
+  ucp_worker_release_address(worker_, address);
+
+  // Namespace: the how-manyth world communicator this rank makes.
+  const absl::Duration old_timeout = store.timeout();
+  store.SetTimeout(timeout);
+  absl::Status status = [&]() -> absl::Status {
+    DT_ASSIGN_OR_RETURN(const int64_t n, store.Add(absl::StrCat("ucx/made/", rank_), 1));
+    const std::string prefix = absl::StrCat("ucx/", n, "/addr/");
+    DT_RETURN_IF_ERROR(store.Set(absl::StrCat(prefix, rank_), mine));
+    eps_.assign(static_cast<size_t>(size_), nullptr);
+    gone_.assign(static_cast<size_t>(size_), "");
+    pids_.assign(static_cast<size_t>(size_), -1);
+    pidfds_.assign(static_cast<size_t>(size_), -1);
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_) continue;
+      DT_ASSIGN_OR_RETURN(const std::string theirs, store.Get(absl::StrCat(prefix, j)));
+      const size_t a = theirs.find('\n');
+      const size_t b = a == std::string::npos ? a : theirs.find('\n', a + 1);
+      int pid = -1;
+      if (b == std::string::npos || !absl::SimpleAtoi(theirs.substr(a + 1, b - a - 1), &pid)) {
+        return absl::InternalError(absl::StrCat(kOp, " rank ", rank_, ": malformed address of rank ", j));
+      }
+      pids_[static_cast<size_t>(j)] = pid;
+      bool watched = false;
+      if (theirs.substr(0, a) == host) {  // same host: watch the peer process through a pidfd
+        const int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+        if (fd >= 0) {
+          pidfds_[static_cast<size_t>(j)] = fd;
+          epoll_event pev{};
+          pev.events = EPOLLIN;
+          pev.data.u32 = static_cast<uint32_t>(j + 1);
+          epoll_ctl(epfd_, EPOLL_CTL_ADD, fd, &pev);
+          watched = true;
+        } else if (errno == ESRCH) {
+          gone_[static_cast<size_t>(j)] = "exited";
+        }
+      }
+      ep_args_.push_back(std::make_unique<EpArg>(EpArg{this, j}));
+      ucp_ep_params_t ep_params{};
+      ep_params.field_mask =
+          UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep_params.address = reinterpret_cast<const ucp_address_t*>(theirs.data() + b + 1);
+      // Peer-failure handling restricts UCX 1.13 to TCP, even between processes of one host;
+      // a peer we watch through its pidfd gets the shared-memory transports instead.
+      ep_params.err_mode = watched ? UCP_ERR_HANDLING_MODE_NONE : UCP_ERR_HANDLING_MODE_PEER;
+      ep_params.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t s) {
+        auto* e = static_cast<EpArg*>(arg);
+        e->world->MarkPeerGone(e->rank, ucs_status_string(s));
+      };
+      ep_params.err_handler.arg = ep_args_.back().get();
+      const ucs_status_t est = ucp_ep_create(worker_, &ep_params, &eps_[static_cast<size_t>(j)]);
+      if (est != UCS_OK) return UcsError(absl::StrCat(kOp, " rank ", rank_, ": ucp_ep_create to rank ", j), est);
+    }
+    return absl::OkStatus();
+  }();
+  store.SetTimeout(old_timeout);
+  return status;
+}
+
+UcxWorld::~UcxWorld() {
+  if (worker_ != nullptr) {
+    // Deliver what is still buffered (bounded), then drop the endpoints without a handshake:
+    // peers may be gone already.
+    ucp_request_param_t p{};
+    void* flush = failure_.ok() ? ucp_worker_flush_nbx(worker_, &p) : nullptr;
+    if (UCS_PTR_IS_PTR(flush)) {
+      const int64_t until = NowNs() + 200'000'000;
+      while (ucp_request_check_status(flush) == UCS_INPROGRESS && NowNs() < until) ucp_worker_progress(worker_);
+      ucp_request_free(flush);
+    }
+    ucp_request_param_t cp{};
+    cp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    cp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    for (ucp_ep_h ep : eps_) {
+      if (ep == nullptr) continue;
+      void* r = ucp_ep_close_nbx(ep, &cp);
+      if (UCS_PTR_IS_PTR(r)) {
+        const int64_t until = NowNs() + 100'000'000;
+        while (ucp_request_check_status(r) == UCS_INPROGRESS && NowNs() < until) ucp_worker_progress(worker_);
+        ucp_request_free(r);
+      }
+    }
+    for (auto& o : orphans_) {
+      if (!Complete(o.first)) ucp_request_free(o.first.req);
+    }
+    orphans_.clear();
+    ucp_worker_destroy(worker_);
+  }
+  if (context_ != nullptr) ucp_cleanup(context_);
+  for (int fd : pidfds_) {
+    if (fd >= 0) close(fd);
+  }
+  if (epfd_ >= 0) close(epfd_);
+}
+
+void UcxWorld::MarkPeerGone(int world_rank, const std::string& why) {
+  if (world_rank < 0 || world_rank >= size_) return;
+  std::string& g = gone_[static_cast<size_t>(world_rank)];
+  if (g.empty()) g = why.empty() ? "gone" : why;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Requests.
+
+absl::StatusOr<UcxRequest> UcxWorld::PostSend(const UcxWaitContext& ctx, int peer, int world_peer, uint64_t tag,
+                                              const void* buf, size_t bytes) {
+  UcxRequest r;
+  r.peer = peer;
+  r.world_peer = world_peer;
+  ucp_request_param_t p{};
+  void* q = ucp_tag_send_nbx(eps_[static_cast<size_t>(world_peer)], buf, bytes, tag, &p);
+  if (UCS_PTR_IS_ERR(q)) {
+    return UcsError(absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": send to rank ", peer), UCS_PTR_STATUS(q));
+  }
+  r.req = q;
+  r.done = q == nullptr;
+  return r;
+}
+
+absl::StatusOr<UcxRequest> UcxWorld::PostRecv(const UcxWaitContext& ctx, int peer, int world_peer, uint64_t tag,
+                                              void* buf, size_t bytes) {
+  UcxRequest r;
+  r.peer = peer;
+  r.world_peer = world_peer;
+  r.is_recv = true;
+  r.expect = bytes;
+  ucp_tag_recv_info_t info{};
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  p.recv_info.tag_info = &info;
+  void* q = ucp_tag_recv_nbx(worker_, buf, bytes, tag, ~uint64_t{0}, &p);
+  if (UCS_PTR_IS_ERR(q)) {
+    return UcsError(absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": receive from rank ", peer), UCS_PTR_STATUS(q));
+  }
+  r.req = q;
+  if (q == nullptr) {
+    r.done = true;
+    r.received = info.length;
+  }
+  return r;
+}
+
+bool UcxWorld::Complete(UcxRequest& r) {
+  if (r.done) return true;
+  ucs_status_t s;
+  if (r.is_recv) {
+    ucp_tag_recv_info_t info{};
+    s = ucp_tag_recv_request_test(r.req, &info);
+    if (s == UCS_OK) r.received = info.length;
+  } else {
+    s = ucp_request_check_status(r.req);
+  }
+  if (s == UCS_INPROGRESS) return false;
+  r.status = s;
+  r.done = true;
+  ucp_request_free(r.req);
+  r.req = nullptr;
+  return true;
+}
+
+absl::Status UcxWorld::Finish(UcxRequest& r, const UcxWaitContext& ctx) {
+  if (r.status != UCS_OK) {
+    std::string why = ucs_status_string(r.status);
+    if (!gone_[static_cast<size_t>(r.world_peer)].empty()) why = gone_[static_cast<size_t>(r.world_peer)];
+    absl::Status s = absl::UnavailableError(absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": ",
+                                                         r.is_recv ? "receive from" : "send to", " rank ", r.peer,
+                                                         " failed (", why, ")"));
+    Fail(s);
+    return s;
+  }
+  if (r.is_recv && r.received != r.expect) {
+    absl::Status s = absl::InvalidArgumentError(absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": expected ", r.expect,
+                                                             " bytes from rank ", r.peer, " but got ", r.received,
+                                                             " (mismatched calls across ranks?)"));
+    Fail(s);
+    return s;
+  }
+  return absl::OkStatus();
+}
+
+bool UcxWorld::Test(UcxRequest& r) {
+  if (r.done) return true;
+  ucp_worker_progress(worker_);
+  return Complete(r);
+}
+
+void UcxWorld::Sleep(int ms) {
+  epoll_event events[16];
+  const int n = epoll_wait(epfd_, events, 16, ms);
+  for (int i = 0; i < n; ++i) {
+    const uint32_t id = events[i].data.u32;
+    if (id == 0) continue;  // the worker's event fd: progress picks it up
+    const int peer = static_cast<int>(id) - 1;
+    MarkPeerGone(peer, absl::StrCat("process ", pids_[static_cast<size_t>(peer)], " exited"));
+    epoll_ctl(epfd_, EPOLL_CTL_DEL, pidfds_[static_cast<size_t>(peer)], nullptr);
+  }
+}
+
+absl::Status UcxWorld::Wait(UcxRequest& r, const UcxWaitContext& ctx) {
+  if (r.done) return Finish(r, ctx);
+  if (!failure_.ok()) return failure_;
+  const int64_t start = NowNs();
+  const int64_t deadline =
+      ctx.deadline == absl::InfiniteFuture() ? INT64_MAX : start + absl::ToInt64Nanoseconds(ctx.deadline - absl::Now());
+  int64_t last_peer_check = start;
+  for (int iter = 0;; ++iter) {
+    ucp_worker_progress(worker_);
+    if (Complete(r)) return Finish(r, ctx);
+    if ((iter & 31) != 31) continue;
+    const int64_t now = NowNs();
+    if (!orphans_.empty()) {
+      std::erase_if(orphans_, [this](auto& o) { return Complete(o.first); });
+    }
+    if (now - last_peer_check >= kPeerCheckNs) {
+      PollPeers();
+      last_peer_check = now;
+    }
+    const std::string& gone = gone_[static_cast<size_t>(r.world_peer)];
+    if (!gone.empty()) {
+      ucp_worker_progress(worker_);
+      if (Complete(r)) return Finish(r, ctx);
+      absl::Status s = absl::UnavailableError(
+          absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": peer rank ", r.peer, " is gone (", gone, ")"));
+      Fail(s);
+      return s;
+    }
+    if (now >= deadline) {
+      absl::Status s =
+          absl::DeadlineExceededError(absl::StrCat("[", ctx.op, "] rank ", ctx.rank, " timed out after ",
+                                                   absl::FormatDuration(ctx.timeout), " waiting for rank ", r.peer));
+      Fail(s);
+      return s;
+    }
+    const int64_t waited = now - start;
+    if (waited < kSpinNs) continue;
+    if (waited < kYieldNs) {
+      sched_yield();
+      continue;
+    }
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    if (Complete(r)) return Finish(r, ctx);
+    const ucs_status_t st = ucp_worker_arm(worker_);
+    if (st == UCS_ERR_BUSY) continue;
+    const int64_t left_ms = deadline == INT64_MAX ? 100 : (deadline - now) / 1'000'000 + 1;
+    Sleep(static_cast<int>(std::min<int64_t>(left_ms, 100)));
+    last_peer_check = NowNs();
+  }
+}
+
+void UcxWorld::Orphan(UcxRequest r, std::shared_ptr<const void> keep) {
+  if (r.done) return;
+  if (r.is_recv) ucp_request_cancel(worker_, r.req);
+  ucp_worker_progress(worker_);
+  if (Complete(r)) return;
+  orphans_.emplace_back(std::move(r), std::move(keep));
+}
+
+void UcxWorld::Abandon(UcxRequest& r) {
+  std::vector<UcxRequest> one;
+  one.push_back(r);
+  r.req = nullptr;
+  r.done = true;
+  Abandon(one);
+}
+
+// Cancelled receives complete within a few progress calls; sends cannot be cancelled (UCX
+// releases them when they finish or their endpoint is closed), so they are let go at once.
+void UcxWorld::Abandon(std::vector<UcxRequest>& reqs) {
+  for (UcxRequest& r : reqs) {
+    if (!r.done && r.is_recv && r.req != nullptr) ucp_request_cancel(worker_, r.req);
+  }
+  const int64_t until = NowNs() + 50'000'000;
+  for (UcxRequest& r : reqs) {
+    while (r.is_recv && !Complete(r) && NowNs() < until) ucp_worker_progress(worker_);
+    if (!r.done) {
+      ucp_request_free(r.req);
+      r.req = nullptr;
+      r.done = true;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions.
+
+namespace {
+
+constexpr int64_t kChunk = 256;
+
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else {  // zero or subnormal: man * 2^-24
+    float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    uint32_t fb;
+    std::memcpy(&fb, &f, 4);
+    bits = sign | fb;
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+template <typename T>
+inline float LoadF(T v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, BFloat16>) {
+    const uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  } else {
+    return HalfToFloat(v.bits);
+  }
+}
+
+template <typename T>
+inline T StoreF(float f) {
+  if constexpr (std::is_same_v<T, float>) {
+    return f;
+  } else {
+    return T(f);
+  }
+}
+
+template <typename T, typename A, typename Load, typename Combine, typename Store>
+void ReduceChunks(const void* const* srcs, int nsrcs, int64_t n, void* dst, Load load, Combine combine, Store store) {
+  A acc[kChunk];
+  T* d = static_cast<T*>(dst);
+  for (int64_t c = 0; c < n; c += kChunk) {
+    const int64_t m = std::min(kChunk, n - c);
+    const T* s0 = static_cast<const T*>(srcs[0]) + c;
+    for (int64_t i = 0; i < m; ++i) acc[i] = load(s0[i]);
+    for (int j = 1; j < nsrcs; ++j) {
+      const T* s = static_cast<const T*>(srcs[j]) + c;
+      for (int64_t i = 0; i < m; ++i) acc[i] = combine(acc[i], load(s[i]));
+    }
+    for (int64_t i = 0; i < m; ++i) d[c + i] = store(acc[i]);
+  }
+}
+
+template <typename T>
+void ReduceFloat(CommReduceOp op, const void* const* srcs, int nsrcs, int64_t n, void* dst, int avg_divisor) {
+  auto load = [](T v) { return LoadF<T>(v); };
+  auto store = [](float v) { return StoreF<T>(v); };
+  auto add = [](float a, float b) { return a + b; };
+  switch (op) {
+    case CommReduceOp::kSum:
+      return ReduceChunks<T, float>(srcs, nsrcs, n, dst, load, add, store);
+    case CommReduceOp::kAvg:
+      if (avg_divisor <= 0) return ReduceChunks<T, float>(srcs, nsrcs, n, dst, load, add, store);
+      {
+        const float div = static_cast<float>(avg_divisor);
+        return ReduceChunks<T, float>(srcs, nsrcs, n, dst, load, add, [div](float v) { return StoreF<T>(v / div); });
+      }
+    case CommReduceOp::kMax:  // NaN wins, as torch.maximum
+      return ReduceChunks<T, float>(
+          srcs, nsrcs, n, dst, load, [](float a, float b) { return (a != a || a > b) ? a : b; }, store);
+    case CommReduceOp::kMin:
+      return ReduceChunks<T, float>(
+          srcs, nsrcs, n, dst, load, [](float a, float b) { return (a != a || a < b) ? a : b; }, store);
+    case CommReduceOp::kProduct:
+      return ReduceChunks<T, float>(
+          srcs, nsrcs, n, dst, load, [](float a, float b) { return a * b; }, store);
+  }
+}
+
+template <typename T>
+void ReduceInt(CommReduceOp op, const void* const* srcs, int nsrcs, int64_t n, void* dst, int avg_divisor) {
+  // Sums and products wrap (in the unsigned type of T); avg truncates toward zero.
+  using U = std::make_unsigned_t<T>;
+  auto load_u = [](T v) { return static_cast<U>(v); };
+  auto store_u = [](U v) { return static_cast<T>(v); };
+  auto id = [](T v) { return v; };
+  switch (op) {
+    case CommReduceOp::kSum:
+      return ReduceChunks<T, U>(
+          srcs, nsrcs, n, dst, load_u, [](U a, U b) { return static_cast<U>(a + b); }, store_u);
+    case CommReduceOp::kAvg: {
+      const T div = static_cast<T>(avg_divisor <= 0 ? 1 : avg_divisor);
+      return ReduceChunks<T, U>(
+          srcs, nsrcs, n, dst, load_u, [](U a, U b) { return static_cast<U>(a + b); },
+          [div](U v) { return static_cast<T>(static_cast<T>(v) / div); });
+    }
+    case CommReduceOp::kMax:
+      return ReduceChunks<T, T>(
+          srcs, nsrcs, n, dst, id, [](T a, T b) { return std::max(a, b); }, id);
+    case CommReduceOp::kMin:
+      return ReduceChunks<T, T>(
+          srcs, nsrcs, n, dst, id, [](T a, T b) { return std::min(a, b); }, id);
+    case CommReduceOp::kProduct:
+      return ReduceChunks<T, U>(
+          srcs, nsrcs, n, dst, load_u, [](U a, U b) { return static_cast<U>(a * b); }, store_u);
+  }
+}
+
+void ReduceBool(CommReduceOp op, const void* const* srcs, int nsrcs, int64_t n, void* dst) {
+  // Bytes, so that a value other than 0 / 1 still reads as true.
+  auto load = [](uint8_t v) { return static_cast<uint8_t>(v != 0); };
+  auto id = [](uint8_t v) { return v; };
+  if (op == CommReduceOp::kMin || op == CommReduceOp::kProduct) {
+    ReduceChunks<uint8_t, uint8_t>(
+        srcs, nsrcs, n, dst, load, [](uint8_t a, uint8_t b) { return static_cast<uint8_t>(a & b); }, id);
+  } else {
+    ReduceChunks<uint8_t, uint8_t>(
+        srcs, nsrcs, n, dst, load, [](uint8_t a, uint8_t b) { return static_cast<uint8_t>(a | b); }, id);
+  }
+}
+
+}  // namespace
+
+void Reduce(DType dtype, CommReduceOp op, const void* const* srcs, int nsrcs, int64_t n, void* dst, int avg_divisor) {
+  if (n <= 0) return;
+  switch (dtype) {
+    case DType::kFloat32:
+      return ReduceFloat<float>(op, srcs, nsrcs, n, dst, avg_divisor);
+    case DType::kBFloat16:
+      return ReduceFloat<BFloat16>(op, srcs, nsrcs, n, dst, avg_divisor);
+    case DType::kFloat16:
+      return ReduceFloat<Float16>(op, srcs, nsrcs, n, dst, avg_divisor);
+    case DType::kInt32:
+      return ReduceInt<int32_t>(op, srcs, nsrcs, n, dst, avg_divisor);
+    case DType::kInt64:
+      return ReduceInt<int64_t>(op, srcs, nsrcs, n, dst, avg_divisor);
+    case DType::kBool:
+      return ReduceBool(op, srcs, nsrcs, n, dst);
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      return;
+  }
+}
+
+}  // namespace dtensor::internal

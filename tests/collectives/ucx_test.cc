@@ -1,0 +1,129 @@
+// The ucx backend end to end: runs collectives/ucx/ucx_test_child under the real launcher on 2, 3
+// and 4 processes (every collective, dtype and size class checked against references the child
+// computes itself), and checks that a dead peer and a stalled peer give errors, not hangs.
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+
+#if defined(UCX_TEST_CHILD_PATH) && defined(DTRUN_PATH)
+
+namespace {
+
+struct RunResult {
+  int code = -1;  // exit code, 128 + signal, or -1 if the test had to kill it
+  std::string out, err;
+  absl::Duration took;
+};
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Runs dtrun with `args` and extra environment `env` ("NAME=value"); killed after 60 s.
+RunResult RunDtrun(const std::vector<std::string>& args, const std::vector<std::string>& env = {}) {
+  std::string dir_tmpl = "/tmp/ucx_test_XXXXXX";
+  const std::string dir = mkdtemp(dir_tmpl.data()) ? dir_tmpl : "/tmp";
+  const std::string out_path = dir + "/out", err_path = dir + "/err";
+  std::vector<std::string> argv_s = {DTRUN_PATH};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const absl::Time start = absl::Now();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    setpgid(0, 0);
+    for (const std::string& e : env) putenv(const_cast<char*>(e.c_str()));
+    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    dup2(out, 1);
+    dup2(err, 2);
+    execv(argv[0], argv.data());
+    _exit(126);
+  }
+  RunResult run;
+  if (pid < 0) return run;
+  int status = 0;
+  bool done = false;
+  for (int i = 0; i < 6000 && !done; ++i) {
+    done = waitpid(pid, &status, WNOHANG) == pid;
+    if (!done) usleep(10 * 1000);
+  }
+  if (!done) {
+    kill(-pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  } else {
+    run.code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+  }
+  run.took = absl::Now() - start;
+  run.out = ReadFile(out_path);
+  run.err = ReadFile(err_path);
+  std::system(("rm -rf '" + dir + "'").c_str());
+  return run;
+}
+
+bool Contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+class UcxBatteryTest : public testing::TestWithParam<int> {};
+
+TEST_P(UcxBatteryTest, EveryCollectiveMatchesItsReference) {
+  const int n = GetParam();
+  RunResult run = RunDtrun({"--nproc-per-node", std::to_string(n), UCX_TEST_CHILD_PATH, "battery"});
+  EXPECT_EQ(run.code, 0) << run.out << run.err;
+  for (int r = 0; r < n; ++r) {
+    EXPECT_TRUE(Contains(run.out, absl::StrCat("[rank ", r, "] ")) && Contains(run.out, " checks, 0 failures"))
+        << run.out << run.err;
+  }
+  EXPECT_FALSE(Contains(run.err, "FAIL")) << run.err;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, UcxBatteryTest, testing::Values(1, 2, 3, 4),
+                         [](const testing::TestParamInfo<int>& info) { return absl::StrCat("P", info.param); });
+
+TEST(UcxFailureTest, DeadPeerGivesUnavailableAndNoHang) {
+  // Rank 2 exits (code 9) while ranks 0 and 1 are inside a 4 MiB AllReduce; they ignore dtrun's
+  // SIGTERM, so they must notice on their own.
+  RunResult run = RunDtrun({"--nproc-per-node", "3", "--grace-period-s", "20", UCX_TEST_CHILD_PATH, "dead-peer"});
+  EXPECT_EQ(run.code, 9) << run.out << run.err;
+  EXPECT_LT(run.took, absl::Seconds(10)) << run.out << run.err;
+  for (int r = 0; r < 2; ++r) {
+    const std::string want = absl::StrCat("[rank ", r, "] dead-peer after ");
+    EXPECT_TRUE(Contains(run.out, want)) << run.out << run.err;
+  }
+  EXPECT_TRUE(Contains(run.out, "UNAVAILABLE: [AllReduce] rank 0: peer rank ")) << run.out;
+  EXPECT_TRUE(Contains(run.out, "UNAVAILABLE: [AllReduce] rank 1: peer rank ")) << run.out;
+  EXPECT_FALSE(Contains(run.err, "exited with code 4")) << run.err;  // a survivor saw another code
+  EXPECT_FALSE(Contains(run.err, "exited with code 5")) << run.err;  // the failure was not sticky
+}
+
+TEST(UcxFailureTest, StalledPeerGivesDeadlineExceeded) {
+  // Rank 1 never joins the AllReduce (it sleeps 2 s, then exits 0); rank 0 gives up after
+  // DTENSOR_TIMEOUT_S = 0.5 s.
+  RunResult run = RunDtrun({"--nproc-per-node", "2", UCX_TEST_CHILD_PATH, "timeout"}, {"DTENSOR_TIMEOUT_S=0.5"});
+  EXPECT_EQ(run.code, 0) << run.out << run.err;
+  EXPECT_TRUE(Contains(run.out, "[rank 0] timeout after 0.5")) << run.out;
+  EXPECT_TRUE(Contains(run.out, "DEADLINE_EXCEEDED: [AllReduce] rank 0 timed out after 500ms waiting for rank 1"))
+      << run.out;
+  EXPECT_LT(run.took, absl::Seconds(10));
+}
+
+}  // namespace
+
+#else
+
+TEST(UcxTest, NotBuilt) { GTEST_SKIP() << "the ucx backend or dtrun was not built"; }
+
+#endif
