@@ -10,6 +10,7 @@ packages=(
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   libopenblas-openmp-dev libomp-dev
   libucx-dev ucx-utils nlohmann-json3-dev
+  openmpi-bin libopenmpi-dev
   clang-format iproute2
   fortunes fortunes-min
 )
