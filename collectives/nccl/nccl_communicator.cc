@@ -27,6 +27,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "collectives/checks.h"
 #include "dtensor/kernels/cuda/cuda_common.h"
 #include "dtensor/tensor/status.h"
 
@@ -36,7 +37,14 @@ bool NcclBuilt() { return true; }
 
 namespace {
 
+using internal::CheckContiguous;
+using internal::CheckCounts;
+using internal::CheckNumel;
+using internal::CheckReducible;
+using internal::CheckSameDType;
 using internal::DeviceGuard;
+using internal::Overlap;
+using internal::PrefixOffsets;
 using internal::ToStatus;
 
 // ---------------------------------------------------------------------------------------------
@@ -413,10 +421,7 @@ struct Reduction {
 };
 
 absl::StatusOr<Reduction> ReduceType(const char* op, int rank, DType dtype, CommReduceOp rop) {
-  if (IsFloat8(dtype)) {
-    return absl::UnimplementedError(absl::StrCat("[", op, "] rank ", rank, ": cannot reduce ", DTypeName(dtype),
-                                                 " (a storage-only type); cast to a compute type first"));
-  }
+  DT_RETURN_IF_ERROR(CheckReducible(op, rank, dtype, rop));
   if (dtype == DType::kBool) {  // 0/1 bytes: or = max, and = min
     switch (rop) {
       case CommReduceOp::kSum:
@@ -445,40 +450,8 @@ absl::StatusOr<Reduction> ReduceType(const char* op, int rank, DType dtype, Comm
   return InvalidArg(op, "rank ", rank, ": unknown reduction ", static_cast<int>(rop));
 }
 
-absl::Status CheckCount(const char* op, int rank, const char* name, const Tensor& t, int64_t expected,
-                        const std::string& why) {
-  if (t.numel() != expected) {
-    return InvalidArg(op, "rank ", rank, ": ", name, " has ", t.numel(), " elements, expected ", expected, " (", why,
-                      ")");
-  }
-  return absl::OkStatus();
-}
-
-// Checks per-rank counts; returns their sum.
-absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, absl::Span<const int64_t> counts,
-                                    int size) {
-  if (static_cast<int64_t>(counts.size()) != size) {
-    return InvalidArg(op, "rank ", rank, ": ", name, " has ", counts.size(), " entries, expected ", size,
-                      " (one per rank)");
-  }
-  int64_t sum = 0;
-  for (size_t j = 0; j < counts.size(); ++j) {
-    if (counts[j] < 0) return InvalidArg(op, "rank ", rank, ": ", name, "[", j, "] is ", counts[j]);
-    sum += counts[j];
-  }
-  return sum;
-}
-
 bool AllEqual(absl::Span<const int64_t> counts) {
   return std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts[0]; });
-}
-
-// Byte range [begin, end) of a contiguous tensor.
-bool Overlap(const Tensor& a, const Tensor& b) {
-  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
-  const char* a0 = static_cast<const char*>(a.raw_data());
-  const char* b0 = static_cast<const char*>(b.raw_data());
-  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
 }
 
 const char* At(const Tensor& t, int64_t elements) {
@@ -506,7 +479,7 @@ class NcclCommunicator final : public Communicator {
                                                        CommReduceOp op) override {
     const char* kOp = "AllReduce";
     DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
-    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "output", output, input.numel(), "same as input"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "output", output, input.numel(), "same as input"));
     DT_ASSIGN_OR_RETURN(const Reduction red, ReduceType(kOp, rank(), input.dtype(), op));
     DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, input.raw_data() == output.raw_data()));
     const size_t n = static_cast<size_t>(input.numel());
@@ -518,7 +491,7 @@ class NcclCommunicator final : public Communicator {
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const Tensor& input, const Tensor& output) override {
     const char* kOp = "AllGather";
     DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
-    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "output", output, size() * input.numel(), "group size * input"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "output", output, size() * input.numel(), "group size * input"));
     const bool in_place = input.raw_data() == At(output, rank() * input.numel());
     DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, in_place));
     const size_t n = static_cast<size_t>(input.numel());
@@ -532,7 +505,7 @@ class NcclCommunicator final : public Communicator {
                                                            CommReduceOp op) override {
     const char* kOp = "ReduceScatter";
     DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
-    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "input", input, size() * output.numel(), "group size * output"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "input", input, size() * output.numel(), "group size * output"));
     DT_ASSIGN_OR_RETURN(const Reduction red, ReduceType(kOp, rank(), input.dtype(), op));
     const bool in_place = output.raw_data() == At(input, rank() * output.numel());
     DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, in_place));
@@ -546,7 +519,7 @@ class NcclCommunicator final : public Communicator {
   absl::StatusOr<std::unique_ptr<Work>> AllToAllAsync(const Tensor& input, const Tensor& output) override {
     const char* kOp = "AllToAll";
     DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
-    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "output", output, input.numel(), "same as input"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "output", output, input.numel(), "same as input"));
     if (input.numel() % size() != 0) {
       return InvalidArg(kOp, "rank ", rank(), ": input has ", input.numel(),
                         " elements, not a multiple of the group size ", size());
@@ -579,9 +552,9 @@ class NcclCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
     DT_ASSIGN_OR_RETURN(const int64_t total, CheckCounts(kOp, rank(), "counts", counts, size()));
     const int64_t mine = counts[static_cast<size_t>(rank())];
-    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "input", input, mine, "counts[rank]"));
-    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "output", output, total, "sum of counts"));
-    const std::vector<int64_t> offsets = Prefix(counts);
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "input", input, mine, "counts[rank]"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "output", output, total, "sum of counts"));
+    const std::vector<int64_t> offsets = PrefixOffsets(counts);
     const bool in_place = input.raw_data() == At(output, offsets[static_cast<size_t>(rank())]);
     DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, in_place));
     const ncclDataType_t type = MoveType(input.dtype());
@@ -622,10 +595,10 @@ class NcclCommunicator final : public Communicator {
     const char* kOp = "ReduceScatterV";
     DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
     DT_ASSIGN_OR_RETURN(const int64_t total, CheckCounts(kOp, rank(), "counts", counts, size()));
-    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "input", input, total, "sum of counts"));
-    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "output", output, counts[static_cast<size_t>(rank())], "counts[rank]"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "input", input, total, "sum of counts"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "output", output, counts[static_cast<size_t>(rank())], "counts[rank]"));
     DT_ASSIGN_OR_RETURN(const Reduction red, ReduceType(kOp, rank(), input.dtype(), op));
-    const std::vector<int64_t> offsets = Prefix(counts);
+    const std::vector<int64_t> offsets = PrefixOffsets(counts);
     const bool in_place = output.raw_data() == At(input, offsets[static_cast<size_t>(rank())]);
     DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, in_place));
     if (AllEqual(counts)) {
@@ -662,8 +635,8 @@ class NcclCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
     DT_ASSIGN_OR_RETURN(const int64_t sends, CheckCounts(kOp, rank(), "send_counts", send_counts, size()));
     DT_ASSIGN_OR_RETURN(const int64_t recvs, CheckCounts(kOp, rank(), "recv_counts", recv_counts, size()));
-    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "input", input, sends, "sum of send_counts"));
-    DT_RETURN_IF_ERROR(CheckCount(kOp, rank(), "output", output, recvs, "sum of recv_counts"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "input", input, sends, "sum of send_counts"));
+    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "output", output, recvs, "sum of recv_counts"));
     return AllToAllImpl(kOp, input, output, send_counts, recv_counts);
   }
 
@@ -717,28 +690,17 @@ class NcclCommunicator final : public Communicator {
       return InvalidArg(op, "rank ", rank(), ": ", name, " is on ", t.device().ToString(), "; this nccl communicator ",
                         "moves ", device().ToString(), " tensors");
     }
-    if (!t.is_contiguous()) {
-      return InvalidArg(op, "rank ", rank(), ": ", name, " is not contiguous (shape ", ShapeString(t.shape()),
-                        ", strides ", ShapeString(t.strides()), ")");
-    }
-    return absl::OkStatus();
+    return CheckContiguous(op, rank(), name, t);
   }
 
   absl::Status CheckPair(const char* op, const Tensor& in, const Tensor& out) const {
     DT_RETURN_IF_ERROR(CheckTensor(op, "input", in));
     DT_RETURN_IF_ERROR(CheckTensor(op, "output", out));
-    if (in.dtype() != out.dtype()) {
-      return InvalidArg(op, "rank ", rank(), ": input is ", DTypeName(in.dtype()), " but output is ",
-                        DTypeName(out.dtype()));
-    }
-    return absl::OkStatus();
+    return CheckSameDType(op, rank(), in, out);
   }
 
   absl::Status CheckPeer(const char* op, const char* what, int peer) const {
-    if (peer < 0 || peer >= size()) {
-      return InvalidArg(op, "rank ", rank(), ": ", what, " ", peer, " is out of range for a group of size ", size());
-    }
-    return absl::OkStatus();
+    return internal::CheckPeer(op, rank(), what, peer, size());
   }
 
   // `input` itself, or a private copy when it overlaps `output` other than in the one
@@ -749,19 +711,13 @@ class NcclCommunicator final : public Communicator {
     return state_->StageCopy(op, input);
   }
 
-  static std::vector<int64_t> Prefix(absl::Span<const int64_t> counts) {
-    std::vector<int64_t> offsets(counts.size(), 0);
-    for (size_t j = 1; j < counts.size(); ++j) offsets[j] = offsets[j - 1] + counts[j - 1];
-    return offsets;
-  }
-
   absl::StatusOr<std::unique_ptr<Work>> AllToAllImpl(const char* op, const Tensor& input, const Tensor& output,
                                                      absl::Span<const int64_t> send_counts,
                                                      absl::Span<const int64_t> recv_counts) {
     // Sends and receives of one group run concurrently: an overlapping input is staged.
     DT_ASSIGN_OR_RETURN(Tensor in, Staged(op, input, output, /*supported_in_place=*/false));
-    const std::vector<int64_t> send_off = Prefix(send_counts);
-    const std::vector<int64_t> recv_off = Prefix(recv_counts);
+    const std::vector<int64_t> send_off = PrefixOffsets(send_counts);
+    const std::vector<int64_t> recv_off = PrefixOffsets(recv_counts);
     const ncclDataType_t type = MoveType(input.dtype());
     return state_->Launch(op, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
       return Grouped([&]() -> ncclResult_t {

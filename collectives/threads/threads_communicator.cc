@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "collectives/checks.h"
 #include "dtensor/tensor/status.h"
 
 namespace dtensor {
@@ -493,76 +494,18 @@ class ThreadGroup {
 // Validation (local to one rank).
 
 absl::Status CheckTensor(const char* op, int rank, const char* name, const Tensor& t) {
-  if (!t.defined()) return InvalidArg(op, "rank ", rank, ": ", name, " is undefined");
-  if (!t.device().is_cpu()) {
+  if (t.defined() && !t.device().is_cpu()) {
     return absl::UnimplementedError(
         absl::StrCat("[", op, "] rank ", rank, ": ", name, " is on ", t.device().ToString(),
                      "; the threads backend moves CPU tensors only (use the nccl backend)"));
   }
-  if (!t.is_contiguous()) {
-    return InvalidArg(op, "rank ", rank, ": ", name, " is not contiguous (shape ", ShapeString(t.shape()), ", strides ",
-                      ShapeString(t.strides()), ")");
-  }
-  return absl::OkStatus();
+  return CheckContiguous(op, rank, name, t);
 }
 
 absl::Status CheckPair(const char* op, int rank, const Tensor& in, const Tensor& out) {
   DT_RETURN_IF_ERROR(CheckTensor(op, rank, "input", in));
   DT_RETURN_IF_ERROR(CheckTensor(op, rank, "output", out));
-  if (in.dtype() != out.dtype()) {
-    return InvalidArg(op, "rank ", rank, ": input is ", DTypeName(in.dtype()), " but output is ",
-                      DTypeName(out.dtype()));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckReduction(const char* op, int rank, DType dtype, CommReduceOp rop) {
-  if (IsFloat8(dtype)) {
-    return absl::UnimplementedError(absl::StrCat("[", op, "] rank ", rank, ": cannot reduce ", DTypeName(dtype),
-                                                 " (a storage-only type); cast to a compute type first"));
-  }
-  if (dtype == DType::kBool && rop == CommReduceOp::kAvg) {
-    return InvalidArg(op, "rank ", rank, ": avg is not defined for bool");
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckNumel(const char* op, int rank, const char* name, const Tensor& t, int64_t expected,
-                        const std::string& why) {
-  if (t.numel() != expected) {
-    return InvalidArg(op, "rank ", rank, ": ", name, " has ", t.numel(), " elements, expected ", expected, " (", why,
-                      ")");
-  }
-  return absl::OkStatus();
-}
-
-// Checks per-rank counts; returns their sum.
-absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, absl::Span<const int64_t> counts,
-                                    int size) {
-  if (static_cast<int64_t>(counts.size()) != size) {
-    return InvalidArg(op, "rank ", rank, ": ", name, " has ", counts.size(), " entries, expected ", size,
-                      " (one per rank)");
-  }
-  int64_t sum = 0;
-  for (size_t j = 0; j < counts.size(); ++j) {
-    if (counts[j] < 0) return InvalidArg(op, "rank ", rank, ": ", name, "[", j, "] is ", counts[j]);
-    sum += counts[j];
-  }
-  return sum;
-}
-
-absl::Status CheckPeer(const char* op, int rank, const char* what, int peer, int size) {
-  if (peer < 0 || peer >= size) {
-    return InvalidArg(op, "rank ", rank, ": ", what, " ", peer, " is out of range for a group of size ", size);
-  }
-  return absl::OkStatus();
-}
-
-bool Overlap(const Tensor& a, const Tensor& b) {
-  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
-  const char* pa = static_cast<const char*>(a.raw_data());
-  const char* pb = static_cast<const char*>(b.raw_data());
-  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+  return CheckSameDType(op, rank, in, out);
 }
 
 const char* Bytes(const Tensor& t) { return static_cast<const char*>(t.raw_data()); }
@@ -627,7 +570,7 @@ class ThreadsCommunicator final : public Communicator {
     constexpr const char* kOp = "AllReduce";
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input"));
-    DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
+    DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
     Call call = NewCall(CallKind::kAllReduce, input, output);
     call.op = op;
     call.in = Stage(input, output, Bytes(output));
@@ -664,7 +607,7 @@ class ThreadsCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, size() * output.numel(),
                                   absl::StrCat("size ", size(), " x output ", output.numel())));
-    DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
+    DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
     Call call = NewCall(CallKind::kReduceScatter, input, output);
     call.op = op;
     call.in = StageForScatter(input, output, rank_ * output.numel());
@@ -680,7 +623,7 @@ class ThreadsCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, total, "sum of counts"));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, counts[static_cast<size_t>(rank_)],
                                   absl::StrCat("counts[", rank_, "]")));
-    DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
+    DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
     Call call = NewCall(CallKind::kReduceScatterV, input, output);
     call.op = op;
     call.counts.assign(counts.begin(), counts.end());

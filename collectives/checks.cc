@@ -1,0 +1,79 @@
+#include "collectives/checks.h"
+
+#include "absl/strings/str_cat.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor::internal {
+
+absl::Status CheckContiguous(const char* op, int rank, const char* name, const Tensor& t) {
+  if (!t.defined()) return InvalidArg(op, "rank ", rank, ": ", name, " is undefined");
+  if (!t.is_contiguous()) {
+    return InvalidArg(op, "rank ", rank, ": ", name, " is not contiguous (shape ", ShapeString(t.shape()), ", strides ",
+                      ShapeString(t.strides()), ")");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckSameDType(const char* op, int rank, const Tensor& input, const Tensor& output) {
+  if (input.dtype() != output.dtype()) {
+    return InvalidArg(op, "rank ", rank, ": input is ", DTypeName(input.dtype()), " but output is ",
+                      DTypeName(output.dtype()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckNumel(const char* op, int rank, const char* name, const Tensor& t, int64_t expected,
+                        const std::string& why) {
+  if (t.numel() != expected) {
+    return InvalidArg(op, "rank ", rank, ": ", name, " has ", t.numel(), " elements, expected ", expected, " (", why,
+                      ")");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, absl::Span<const int64_t> counts,
+                                    int size) {
+  if (static_cast<int64_t>(counts.size()) != size) {
+    return InvalidArg(op, "rank ", rank, ": ", name, " has ", counts.size(), " entries, expected ", size,
+                      " (one per rank)");
+  }
+  int64_t sum = 0;
+  for (size_t j = 0; j < counts.size(); ++j) {
+    if (counts[j] < 0) return InvalidArg(op, "rank ", rank, ": ", name, "[", j, "] is ", counts[j]);
+    sum += counts[j];
+  }
+  return sum;
+}
+
+absl::Status CheckPeer(const char* op, int rank, const char* what, int peer, int size) {
+  if (peer < 0 || peer >= size) {
+    return InvalidArg(op, "rank ", rank, ": ", what, " ", peer, " is out of range for a group of size ", size);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckReducible(const char* op, int rank, DType dtype, CommReduceOp rop) {
+  if (IsFloat8(dtype)) {
+    return absl::UnimplementedError(absl::StrCat("[", op, "] rank ", rank, ": cannot reduce ", DTypeName(dtype),
+                                                 " (a storage-only type); cast to a compute type first"));
+  }
+  if (dtype == DType::kBool && rop == CommReduceOp::kAvg) {
+    return InvalidArg(op, "rank ", rank, ": avg is not defined for bool");
+  }
+  return absl::OkStatus();
+}
+
+bool Overlap(const Tensor& a, const Tensor& b) {
+  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const char* pa = static_cast<const char*>(a.raw_data());
+  const char* pb = static_cast<const char*>(b.raw_data());
+  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+}
+
+std::vector<int64_t> PrefixOffsets(absl::Span<const int64_t> counts) {
+  std::vector<int64_t> offsets(counts.size(), 0);
+  for (size_t j = 1; j < counts.size(); ++j) offsets[j] = offsets[j - 1] + counts[j - 1];
+  return offsets;
+}
+
+}  // namespace dtensor::internal

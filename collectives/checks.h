@@ -1,0 +1,47 @@
+// Argument checks shared by the transports (internal to collectives/; not installed).
+//
+//   DT_RETURN_IF_ERROR(CheckContiguous(op, rank, "input", input));
+//   DT_RETURN_IF_ERROR(CheckNumel(op, rank, "output", output, size * input.numel(), "size x input"));
+//   DT_ASSIGN_OR_RETURN(int64_t total, CheckCounts(op, rank, "counts", counts, size));
+//
+// Every message reads "[Op] rank R: ..." and names the offending values, so that a user can
+// tell which rank passed what. Device checks stay with each transport (they differ: the
+// threads backend rejects CUDA tensors as Unimplemented, nccl wants its own device).
+#ifndef DTENSOR_COLLECTIVES_CHECKS_H_
+#define DTENSOR_COLLECTIVES_CHECKS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "collectives/communicator.h"
+#include "dtensor/tensor/tensor.h"
+
+namespace dtensor::internal {
+
+// InvalidArgument unless `t` is defined and contiguous.
+absl::Status CheckContiguous(const char* op, int rank, const char* name, const Tensor& t);
+// InvalidArgument unless input and output have one dtype.
+absl::Status CheckSameDType(const char* op, int rank, const Tensor& input, const Tensor& output);
+// InvalidArgument unless t has `expected` elements; `why` states the count convention.
+absl::Status CheckNumel(const char* op, int rank, const char* name, const Tensor& t, int64_t expected,
+                        const std::string& why);
+// One non-negative count per rank; returns their sum.
+absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, absl::Span<const int64_t> counts,
+                                    int size);
+// A root or peer index in [0, size).
+absl::Status CheckPeer(const char* op, int rank, const char* what, int peer, int size);
+// Reductions: float8 is storage-only (Unimplemented); avg is not defined for bool.
+absl::Status CheckReducible(const char* op, int rank, DType dtype, CommReduceOp rop);
+
+// Whether the bytes of a and b overlap.
+bool Overlap(const Tensor& a, const Tensor& b);
+// Exclusive prefix sums: offsets[j] = counts[0] + ... + counts[j - 1].
+std::vector<int64_t> PrefixOffsets(absl::Span<const int64_t> counts);
+
+}  // namespace dtensor::internal
+
+#endif  // DTENSOR_COLLECTIVES_CHECKS_H_
