@@ -1,6 +1,7 @@
 #include "collectives/ucx/ucx_communicator.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -9,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "collectives/ucx/ucx_shm.h"
 #include "collectives/ucx/ucx_transport.h"
 #include "dtensor/tensor/status.h"
 
@@ -21,6 +23,8 @@ constexpr size_t kMinChunk = size_t{64} << 10;
 constexpr size_t kMaxChunk = size_t{1} << 20;
 constexpr uint32_t kAllGatherSteps = 0x8000;  // AllReduce's all-gather phase numbers its messages from here
 constexpr int kMaxCommId = 0x7fff;
+constexpr int kMaxShmRanks = 64;                          // larger groups on one host use UCX
+constexpr size_t kShmFullReduceBytes = size_t{16} << 10;  // below: every rank reduces everything
 
 // ---------------------------------------------------------------------------------------------
 // Validation (local to one rank).
@@ -130,6 +134,67 @@ size_t ChunkBytes(size_t max_len, size_t es) {
 
 size_t NumChunks(size_t len, size_t chunk) { return (len + chunk - 1) / chunk; }
 
+// ---------------------------------------------------------------------------------------------
+// DTENSOR_DEBUG=1: before each collective the ranks exchange what they were called with.
+
+constexpr const char* kOpNames[] = {
+    "?",        "AllReduce", "AllGather", "AllGatherV", "ReduceScatter", "ReduceScatterV",
+    "AllToAll", "AllToAllV", "Broadcast", "Barrier",    "Split",         "Setup"};
+
+// Fixed size, plain integers: sent as bytes between ranks.
+struct CallDesc {
+  int32_t op = 0;       // index in kOpNames
+  int32_t dtype = -1;   // DType, or -1
+  int32_t reduce = -1;  // CommReduceOp, or -1
+  int32_t root = -1;    // Broadcast's root
+  int64_t numel = -1;   // elements every rank must agree on, or -1
+  uint64_t counts_hash = 0;
+};
+
+CallDesc Describe(const char* op, const Tensor* t = nullptr, int64_t numel = -1, int reduce = -1, int root = -1,
+                  absl::Span<const int64_t> counts = {}) {
+  CallDesc d;
+  for (size_t i = 0; i < std::size(kOpNames); ++i) {
+    if (std::strcmp(op, kOpNames[i]) == 0) d.op = static_cast<int32_t>(i);
+  }
+  if (t != nullptr) d.dtype = static_cast<int32_t>(t->dtype());
+  d.reduce = reduce;
+  d.root = root;
+  d.numel = numel;
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t c : counts) h = (h ^ static_cast<uint64_t>(c)) * 1099511628211ull;
+  d.counts_hash = counts.empty() ? 0 : h;
+  return d;
+}
+
+bool SameCall(const CallDesc& a, const CallDesc& b) {
+  return a.op == b.op && a.dtype == b.dtype && a.reduce == b.reduce && a.root == b.root && a.numel == b.numel &&
+         a.counts_hash == b.counts_hash;
+}
+
+// "AllReduce(float32, 12 elements, sum)".
+std::string CallString(const CallDesc& d) {
+  const char* op = d.op >= 0 && static_cast<size_t>(d.op) < std::size(kOpNames) ? kOpNames[d.op] : "?";
+  std::vector<std::string> parts;
+  if (d.dtype >= 0) parts.push_back(DTypeName(static_cast<DType>(d.dtype)));
+  if (d.numel >= 0) parts.push_back(absl::StrCat(d.numel, d.numel == 1 ? " element" : " elements"));
+  if (d.counts_hash != 0) parts.push_back(absl::StrCat("counts #", absl::Hex(d.counts_hash & 0xffff)));
+  if (d.reduce >= 0) parts.push_back(CommReduceOpName(static_cast<CommReduceOp>(d.reduce)));
+  if (d.root >= 0) parts.push_back(absl::StrCat("root ", d.root));
+  return absl::StrCat(op, "(", absl::StrJoin(parts, ", "), ")");
+}
+
+bool DebugFromEnv() {
+  const char* v = std::getenv("DTENSOR_DEBUG");
+  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+}
+
+// DTENSOR_UCX_SHM=0 turns the shared-memory channel off (every byte goes through UCX).
+bool ShmFromEnv() {
+  const char* v = std::getenv("DTENSOR_UCX_SHM");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 class CompletedWork final : public Work {
  public:
   explicit CompletedWork(absl::Status status) : status_(std::move(status)) {}
@@ -214,7 +279,8 @@ class UcxCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input"));
     DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
-    return Done(Run(kOp, [&] { return DoAllReduce(input, output, op); }));
+    const CallDesc d = Describe(kOp, &input, input.numel(), static_cast<int>(op));
+    return Done(Run(kOp, d, [&] { return DoAllReduce(input, output, op); }));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const Tensor& input, const Tensor& output) override {
@@ -222,7 +288,7 @@ class UcxCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, size() * input.numel(), "size * input elements"));
     const std::vector<int64_t> counts(members_.size(), input.numel());
-    return Done(Run(kOp, [&] { return DoAllGatherV(input, output, counts); }));
+    return Done(Run(kOp, Describe(kOp, &input, input.numel()), [&] { return DoAllGatherV(input, output, counts); }));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllGatherVAsync(const Tensor& input, const Tensor& output,
@@ -232,7 +298,8 @@ class UcxCommunicator final : public Communicator {
     DT_ASSIGN_OR_RETURN(const int64_t total, CheckCounts(kOp, rank_, "counts", counts, size()));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, counts[static_cast<size_t>(rank_)], "counts[rank]"));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, total, "sum of counts"));
-    return Done(Run(kOp, [&] { return DoAllGatherV(input, output, counts); }));
+    const CallDesc d = Describe(kOp, &input, total, -1, -1, counts);
+    return Done(Run(kOp, d, [&] { return DoAllGatherV(input, output, counts); }));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const Tensor& input, const Tensor& output,
@@ -242,7 +309,8 @@ class UcxCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, size() * output.numel(), "size * output elements"));
     DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
     const std::vector<int64_t> counts(members_.size(), output.numel());
-    return Done(Run(kOp, [&] { return DoReduceScatterV(input, output, counts, op); }));
+    const CallDesc d = Describe(kOp, &input, input.numel(), static_cast<int>(op));
+    return Done(Run(kOp, d, [&] { return DoReduceScatterV(input, output, counts, op); }));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> ReduceScatterVAsync(const Tensor& input, const Tensor& output,
@@ -254,7 +322,8 @@ class UcxCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, total, "sum of counts"));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, counts[static_cast<size_t>(rank_)], "counts[rank]"));
     DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
-    return Done(Run(kOp, [&] { return DoReduceScatterV(input, output, counts, op); }));
+    const CallDesc d = Describe(kOp, &input, total, static_cast<int>(op), -1, counts);
+    return Done(Run(kOp, d, [&] { return DoReduceScatterV(input, output, counts, op); }));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllAsync(const Tensor& input, const Tensor& output) override {
@@ -266,7 +335,8 @@ class UcxCommunicator final : public Communicator {
     }
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input"));
     const std::vector<int64_t> counts(members_.size(), input.numel() / size());
-    return Done(Run(kOp, [&] { return DoAllToAllV(input, output, counts, counts); }));
+    return Done(Run(kOp, Describe(kOp, &input, input.numel()),
+                    [&] { return DoAllToAllV(input, output, counts, counts, /*uniform=*/true); }));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(const Tensor& input, const Tensor& output,
@@ -283,14 +353,15 @@ class UcxCommunicator final : public Communicator {
       return InvalidArg(kOp, "rank ", rank_, ": send_counts[", rank_, "] is ", send_counts[r], " but recv_counts[",
                         rank_, "] is ", recv_counts[r], " (what a rank sends itself)");
     }
-    return Done(Run(kOp, [&] { return DoAllToAllV(input, output, send_counts, recv_counts); }));
+    return Done(Run(kOp, Describe(kOp, &input), [&] { return DoAllToAllV(input, output, send_counts, recv_counts); }));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(const Tensor& tensor, int root) override {
     constexpr const char* kOp = "Broadcast";
     DT_RETURN_IF_ERROR(CheckTensor(kOp, rank_, "tensor", tensor));
     DT_RETURN_IF_ERROR(CheckPeer(kOp, rank_, "root", root, size()));
-    return Done(Run(kOp, [&] { return DoBroadcast(Bytes(tensor), tensor.nbytes(), root); }));
+    const CallDesc d = Describe(kOp, &tensor, tensor.numel(), -1, root);
+    return Done(Run(kOp, d, [&] { return DoBroadcast(Bytes(tensor), tensor.nbytes(), root); }));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> SendAsync(const Tensor& tensor, int peer) override {
@@ -301,12 +372,12 @@ class UcxCommunicator final : public Communicator {
   }
 
   absl::Status Barrier() override {
-    return Run("Barrier", [&] { return DoBarrier(); });
+    return Run("Barrier", Describe("Barrier"), [&] { return DoBarrier(); });
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
     std::vector<int64_t> all(3 * members_.size());
-    absl::Status s = Run("Split", [&] {
+    absl::Status s = Run("Split", Describe("Split"), [&] {
       const int64_t mine[3] = {color, key, world_->next_comm_id()};
       const Blocks b = MakeBlocks(std::vector<int64_t>(members_.size(), 3), sizeof(int64_t));
       return GatherBytes(reinterpret_cast<const char*>(mine), reinterpret_cast<char*>(all.data()), b);
@@ -338,8 +409,43 @@ class UcxCommunicator final : public Communicator {
       members.push_back(members_[static_cast<size_t>(order[i].second)]);
     }
     const int64_t index = std::lower_bound(colors.begin(), colors.end(), color) - colors.begin();
-    return std::unique_ptr<Communicator>(std::make_unique<UcxCommunicator>(
-        world_, std::move(members), new_rank, static_cast<uint16_t>(base + index), timeout_));
+    auto child = std::make_unique<UcxCommunicator>(world_, std::move(members), new_rank,
+                                                   static_cast<uint16_t>(base + index), timeout_);
+    DT_RETURN_IF_ERROR(child->SetupShm());
+    return std::unique_ptr<Communicator>(std::move(child));
+  }
+
+  // Collective over this communicator: maps a shared-memory segment when every rank is on this
+  // host (and DTENSOR_UCX_SHM is not 0); the ranks agree on whether all of them got it.
+  absl::Status SetupShm() {
+    if (size() == 1 || size() > kMaxShmRanks || !ShmFromEnv()) return absl::OkStatus();
+    bool eligible = true;
+    for (int m : members_) eligible = eligible && world_->OnThisHost(m);
+    char name[96] = {};
+    std::unique_ptr<ShmGroup> group;
+    if (rank_ == 0 && eligible) {
+      const std::string n = ShmGroup::NewName(id_);
+      absl::StatusOr<std::unique_ptr<ShmGroup>> g = ShmGroup::Map(n, /*create=*/true, rank_, members_, world_.get());
+      if (g.ok()) {
+        group = *std::move(g);
+        std::memcpy(name, n.data(), std::min(n.size(), sizeof(name) - 1));
+      }
+    }
+    std::vector<char> all(members_.size());
+    const absl::Status s = Run("Setup", Describe("Setup"), [&]() -> absl::Status {
+      DT_RETURN_IF_ERROR(DoBroadcast(name, sizeof(name), 0));
+      if (rank_ != 0 && eligible && name[0] != '\0') {
+        absl::StatusOr<std::unique_ptr<ShmGroup>> g =
+            ShmGroup::Map(name, /*create=*/false, rank_, members_, world_.get());
+        if (g.ok()) group = *std::move(g);
+      }
+      const char ok = group != nullptr ? 1 : 0;
+      return GatherBytes(&ok, all.data(), MakeBlocks(std::vector<int64_t>(members_.size(), 1), 1));
+    });
+    if (rank_ == 0 && name[0] != '\0') ShmGroup::Unlink(name);  // every rank has it mapped (or gave up)
+    DT_RETURN_IF_ERROR(s);
+    if (std::all_of(all.begin(), all.end(), [](char c) { return c == 1; })) shm_ = std::move(group);
+    return absl::OkStatus();
   }
 
  private:
@@ -347,19 +453,47 @@ class UcxCommunicator final : public Communicator {
 
   // Runs one collective: checks the sticky failure, numbers the call, and on an error cancels
   // what is still in flight and fails the world.
+  // With DTENSOR_DEBUG=1 the ranks first compare their calls (`call`); a mismatch is
+  // InvalidArgument on every rank and leaves the communicator usable.
   template <typename F>
-  absl::Status Run(const char* op, F&& body) {
-    if (!world_->failure().ok()) return world_->failure();
+  absl::Status Run(const char* op, const CallDesc& call, F&& body) {
+    if (!world_->failure().ok()) {
+      if (shm_ != nullptr) shm_->MarkFailed();  // peers waiting here give up at once
+      return world_->failure();
+    }
     ctx_ = UcxWaitContext{op, rank_, P2PWork::Deadline(timeout_), timeout_};
-    ++seq_;
     reqs_.clear();
-    absl::Status s = body();
+    absl::Status s;
+    if (debug_ && size() > 1) {
+      ++seq_;
+      s = CheckCalls(call);
+      if (absl::IsInvalidArgument(s)) return s;
+    }
+    if (s.ok()) {
+      ++seq_;
+      reqs_.clear();
+      s = body();
+    }
     if (!s.ok()) {
       world_->Abandon(reqs_);
       world_->Fail(s);
+      if (shm_ != nullptr) shm_->MarkFailed();
     }
     reqs_.clear();
     return s;
+  }
+
+  absl::Status CheckCalls(const CallDesc& mine) {
+    std::vector<CallDesc> all(members_.size());
+    const Blocks b = MakeBlocks(std::vector<int64_t>(members_.size(), 1), sizeof(CallDesc));
+    DT_RETURN_IF_ERROR(GatherBytes(reinterpret_cast<const char*>(&mine), reinterpret_cast<char*>(all.data()), b));
+    for (size_t j = 0; j < all.size(); ++j) {
+      if (!SameCall(all[j], mine)) {
+        return absl::InvalidArgumentError(absl::StrCat("[Debug] rank ", rank_, " called ", CallString(mine),
+                                                       " but rank ", j, " called ", CallString(all[j])));
+      }
+    }
+    return absl::OkStatus();
   }
 
   int Mod(int i) const { return (i % size() + size()) % size(); }
@@ -408,6 +542,7 @@ class UcxCommunicator final : public Communicator {
     const size_t r = static_cast<size_t>(rank_);
     if (out + b.off[r] != in && b.len[r] > 0) std::memmove(out + b.off[r], in, b.len[r]);
     if (size() == 1) return absl::OkStatus();
+    if (shm_ != nullptr) return ShmGather(out, b);
     if (b.total < kSmallBytes || size() == 2) {
       for (int j = 0; j < size(); ++j) {
         if (j != rank_ && b.len[static_cast<size_t>(j)] > 0) {
@@ -517,6 +652,7 @@ class UcxCommunicator final : public Communicator {
       return absl::OkStatus();
     }
     if (in != out && Overlap(in, bytes, out, bytes)) in = Stage(in, bytes);
+    if (shm_ != nullptr) return ShmAllReduce(in, out, input.numel(), input.dtype(), op);
     if (bytes < kSmallBytes || input.numel() < size()) {
       // Everyone sends its input to everyone; reduce in rank order (identical bits everywhere).
       char* all = Scratch(bytes * members_.size());
@@ -559,6 +695,7 @@ class UcxCommunicator final : public Communicator {
       Reduce(input.dtype(), op, srcs, 1, counts[0], out, 1);
       return absl::OkStatus();
     }
+    if (shm_ != nullptr) return ShmReduceScatter(in, out, counts, b, input.dtype(), op);
     if (b.total < kSmallBytes) {
       // Every rank sends block j straight to rank j; reduce in rank order.
       char* all = Scratch(b.len[r] * members_.size());
@@ -580,13 +717,16 @@ class UcxCommunicator final : public Communicator {
     return RingReduceScatter(in, out, b, input.dtype(), op);
   }
 
+  // uniform: every rank's blocks have one size (AllToAll), so the shared-memory channel, whose
+  // steps every rank must count alike, can take it.
   absl::Status DoAllToAllV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> send_counts,
-                           absl::Span<const int64_t> recv_counts) {
+                           absl::Span<const int64_t> recv_counts, bool uniform = false) {
     const size_t es = ElementSize(input.dtype());
     const Blocks sb = MakeBlocks(send_counts, es), rb = MakeBlocks(recv_counts, es);
     const char* in = Bytes(input);
     char* out = Bytes(output);
     if (Overlap(in, sb.total, out, rb.total)) in = Stage(in, sb.total);
+    if (shm_ != nullptr && uniform) return ShmAllToAll(in, out, sb.max_len);
     for (int j = 0; j < size(); ++j) {
       const size_t u = static_cast<size_t>(j);
       if (j != rank_ && rb.len[u] > 0) DT_RETURN_IF_ERROR(Recv(j, 0, out + rb.off[u], rb.len[u]));
@@ -603,6 +743,7 @@ class UcxCommunicator final : public Communicator {
   // Small: the root sends to everyone. Large: a chain root -> root + 1 -> ..., in chunks.
   absl::Status DoBroadcast(char* data, size_t bytes, int root) {
     if (bytes == 0 || size() == 1) return absl::OkStatus();
+    if (shm_ != nullptr) return ShmBroadcast(data, bytes, root);
     if (bytes < kSmallBytes || size() == 2) {
       if (rank_ == root) {
         for (int k = 1; k < size(); ++k) DT_RETURN_IF_ERROR(Send(Mod(root + k), 0, data, bytes));
@@ -637,12 +778,126 @@ class UcxCommunicator final : public Communicator {
   // Empty messages to and from every peer.
   absl::Status DoBarrier() {
     if (size() == 1) return absl::OkStatus();
+    if (shm_ != nullptr) return shm_->Sync(ctx_);
     static char dummy[1];
     for (int j = 0; j < size(); ++j) {
       if (j != rank_) DT_RETURN_IF_ERROR(Recv(j, 0, dummy, 0));
     }
     for (int k = 1; k < size(); ++k) DT_RETURN_IF_ERROR(Send(Mod(rank_ + k), 0, dummy, 0));
     return WaitAll();
+  }
+
+  // ---- The shared-memory channel (all ranks on this host; see ucx_shm.h) ----
+
+  // Small: every rank copies its input into its slot and reduces all slots (in rank order, so
+  // every rank gets the same bits): one Sync. Large, per slot-sized chunk: copy in, Sync, each
+  // rank reduces its 1/P of the chunk into the shared result, Sync, everyone copies it out.
+  absl::Status ShmAllReduce(const char* in, char* out, int64_t n, DType dtype, CommReduceOp op) {
+    const size_t es = ElementSize(dtype);
+    const int p = size();
+    const void* srcs[kMaxShmRanks];
+    if (static_cast<size_t>(n) * es <= kShmFullReduceBytes) {
+      std::memcpy(shm_->slot(rank_), in, static_cast<size_t>(n) * es);
+      DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
+      for (int j = 0; j < p; ++j) srcs[j] = shm_->slot(j);
+      Reduce(dtype, op, srcs, p, n, out, p);
+      shm_->NextStep();
+      return absl::OkStatus();
+    }
+    // A rank's own slice never goes through its slot: it reduces it from its input directly.
+    const int64_t per = static_cast<int64_t>(ShmGroup::kSlotBytes / es);
+    for (int64_t at = 0; at < n; at += per) {
+      const int64_t m = std::min(per, n - at);
+      const int64_t lo = m * rank_ / p, hi = m * (rank_ + 1) / p;
+      const char* chunk = in + static_cast<size_t>(at) * es;
+      std::memcpy(shm_->slot(rank_), chunk, static_cast<size_t>(lo) * es);
+      std::memcpy(shm_->slot(rank_) + static_cast<size_t>(hi) * es, chunk + static_cast<size_t>(hi) * es,
+                  static_cast<size_t>(m - hi) * es);
+      DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
+      for (int j = 0; j < p; ++j) srcs[j] = (j == rank_ ? chunk : shm_->slot(j)) + static_cast<size_t>(lo) * es;
+      Reduce(dtype, op, srcs, p, hi - lo, shm_->result() + static_cast<size_t>(lo) * es, p);
+      DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
+      std::memcpy(out + static_cast<size_t>(at) * es, shm_->result(), static_cast<size_t>(m) * es);
+      shm_->NextStep();
+    }
+    return absl::OkStatus();
+  }
+
+  // Per step every rank puts the next window of each block j != rank in its slot (at j *
+  // window); rank r reduces window r of every slot (its own from its input) into its output.
+  absl::Status ShmReduceScatter(const char* in, char* out, absl::Span<const int64_t> counts, const Blocks& b,
+                                DType dtype, CommReduceOp op) {
+    const size_t es = ElementSize(dtype);
+    const int p = size();
+    const int64_t per = static_cast<int64_t>(ShmGroup::kSlotBytes / es / static_cast<size_t>(p));
+    const int64_t longest = *std::max_element(counts.begin(), counts.end());
+    const void* srcs[kMaxShmRanks];
+    for (int64_t at = 0; at < longest; at += per) {
+      char* mine = shm_->slot(rank_);
+      for (int j = 0; j < p; ++j) {
+        if (j == rank_) continue;
+        const int64_t m = std::clamp<int64_t>(counts[static_cast<size_t>(j)] - at, 0, per);
+        std::memcpy(mine + static_cast<size_t>(j * per) * es,
+                    in + b.off[static_cast<size_t>(j)] + static_cast<size_t>(at) * es, static_cast<size_t>(m) * es);
+      }
+      DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
+      const int64_t m = std::clamp<int64_t>(counts[static_cast<size_t>(rank_)] - at, 0, per);
+      for (int j = 0; j < p; ++j) srcs[j] = shm_->slot(j) + static_cast<size_t>(rank_ * per) * es;
+      srcs[rank_] = in + b.off[static_cast<size_t>(rank_)] + static_cast<size_t>(at) * es;
+      Reduce(dtype, op, srcs, p, m, out + static_cast<size_t>(at) * es, p);
+      shm_->NextStep();
+    }
+    return absl::OkStatus();
+  }
+
+  // out already holds this rank's block; per step each rank publishes the next slot-sized
+  // window of its block and copies the others'.
+  absl::Status ShmGather(char* out, const Blocks& b) {
+    const size_t w = ShmGroup::kSlotBytes;
+    const size_t r = static_cast<size_t>(rank_);
+    for (size_t at = 0; at < b.max_len; at += w) {
+      if (b.len[r] > at) std::memcpy(shm_->slot(rank_), out + b.off[r] + at, std::min(w, b.len[r] - at));
+      DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
+      for (size_t j = 0; j < b.len.size(); ++j) {
+        if (j != r && b.len[j] > at) {
+          std::memcpy(out + b.off[j] + at, shm_->slot(static_cast<int>(j)), std::min(w, b.len[j] - at));
+        }
+      }
+      shm_->NextStep();
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ShmBroadcast(char* data, size_t bytes, int root) {
+    const size_t w = ShmGroup::kSlotBytes;
+    for (size_t at = 0; at < bytes; at += w) {
+      const size_t m = std::min(w, bytes - at);
+      if (rank_ == root) std::memcpy(shm_->slot(root), data + at, m);
+      DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
+      if (rank_ != root) std::memcpy(data + at, shm_->slot(root), m);
+      shm_->NextStep();
+    }
+    return absl::OkStatus();
+  }
+
+  // Blocks of `len` bytes: per step each rank puts the next window of block j in its slot at
+  // j * window and copies window `rank` of every slot.
+  absl::Status ShmAllToAll(const char* in, char* out, size_t len) {
+    const size_t p = members_.size(), r = static_cast<size_t>(rank_);
+    const size_t w = ShmGroup::kSlotBytes / p;
+    for (size_t at = 0; at < len; at += w) {
+      const size_t m = std::min(w, len - at);
+      for (size_t j = 0; j < p; ++j) {
+        if (j != r) std::memcpy(shm_->slot(rank_) + j * w, in + j * len + at, m);
+      }
+      DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
+      for (size_t j = 0; j < p; ++j) {
+        if (j != r) std::memcpy(out + j * len + at, shm_->slot(static_cast<int>(j)) + r * w, m);
+      }
+      shm_->NextStep();
+    }
+    if (len > 0) std::memmove(out + r * len, in + r * len, len);
+    return absl::OkStatus();
   }
 
   absl::StatusOr<std::unique_ptr<Work>> PostP2P(const char* op, const Tensor& tensor, int peer, bool is_send) {
@@ -675,6 +930,8 @@ class UcxCommunicator final : public Communicator {
   UcxWaitContext ctx_;
   std::vector<UcxRequest> reqs_;
   std::vector<char> scratch_, stage_;
+  std::unique_ptr<ShmGroup> shm_;  // all ranks on this host: the shared-memory channel
+  bool debug_ = DebugFromEnv();
   std::unique_ptr<StoreClient> store_;  // FromEnv: the store (rank 0's owns the server)
 };
 
@@ -689,6 +946,7 @@ absl::StatusOr<std::unique_ptr<internal::UcxCommunicator>> MakeWorld(const Launc
   std::iota(members.begin(), members.end(), 0);
   auto comm = std::make_unique<internal::UcxCommunicator>(std::move(world), std::move(members), info.rank, 0, timeout);
   DT_RETURN_IF_ERROR(comm->Barrier());  // wires up every endpoint; afterwards nobody needs the store
+  DT_RETURN_IF_ERROR(comm->SetupShm());
   return comm;
 }
 }  // namespace

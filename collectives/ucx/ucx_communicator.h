@@ -13,14 +13,29 @@
 // Peers on this host are watched through a pidfd and get endpoints without UCX error handling
 // (UCX 1.13 allows only TCP with it), so they talk over shared memory / CMA; peers on other
 // hosts get UCX peer-failure handling. The store is used only while MakeUcxCommunicator runs
-// (which ends with a Barrier over UCX that also wires up every endpoint).
+// (which ends with a Barrier over UCX that also wires up every endpoint, then the shared-memory
+// setup below).
 //
 // Messages are UCP tag messages; a tag is [communicator id:16][sender rank:16][call
 // sequence:16][step:16], receives are posted before sends, and progress is driven by the
 // waiting call itself (no helper thread): it spins on ucp_worker_progress for a few
 // microseconds, then yields, then sleeps on the worker's event fd until the deadline.
 //
-// Algorithms (P ranks, m bytes): below 64 KiB, AllReduce / ReduceScatter / AllGather send
+// Shared memory: a communicator whose ranks all live on this host (the usual case under one
+// dtrun) also maps one POSIX shared-memory segment (made by its rank 0 when it is created,
+// unlinked once every rank has it; see ucx_shm.h) and runs AllReduce, ReduceScatter(V),
+// AllGather(V), AllToAll, Broadcast and Barrier through it: each rank copies its part into its
+// own slot, the ranks meet at a flag barrier, and each reads / reduces straight from the
+// others' slots, in slot-sized (512 KiB) steps that stay in cache. Small AllReduces are one
+// copy, one barrier and a reduction of all slots in rank order (about 1 us on 2 ranks); large
+// ones reduce 1/P of each step per rank into a shared result that every rank copies out.
+// Reductions take the slots in rank order, in float32 for bfloat16 / float16 (rounded once),
+// so every rank gets the same bits. Waits spin briefly (when the ranks fit on the cores), then
+// yield, then nap, and check the deadline and the peers' pidfds and failed flags: the failure
+// behaviour below holds alike. AllToAllV and Send / Recv always use UCX. DTENSOR_UCX_SHM=0
+// turns the channel off (everything over UCX, as between hosts).
+//
+// Algorithms over UCX (P ranks, m bytes): below 64 KiB, AllReduce / ReduceScatter / AllGather send
 // every rank's data straight to the ranks that need it (one hop; reductions in rank order, in
 // float32 for bfloat16 / float16, rounded once). Above, AllReduce is a ring reduce-scatter
 // followed by a ring all-gather, AllGather and ReduceScatter are rings, all pipelined in chunks
@@ -50,7 +65,14 @@
 // worker (the world and its splits) is failed: later calls return the same error at once.
 // Validation errors (InvalidArgument, Unimplemented for CUDA tensors) are local and leave it
 // usable. Sends abandoned after a failure are released at teardown (UCX may log "was not
-// returned to mpool" warnings then). DTENSOR_DEBUG cross-rank call checks are not implemented.
+// returned to mpool" warnings then).
+//
+// Debug mode (DTENSOR_DEBUG=1 when the communicator is made): before each collective the ranks
+// exchange what they were called with (op, dtype, element count, reduction, root, a hash of
+// the V counts) and on a mismatch every rank returns InvalidArgument naming both calls, e.g.
+// "[Debug] rank 0 called AllReduce(float32, 12 elements, sum) but rank 1 called
+// AllGather(float32, 3 elements)". Nothing has moved then, so the communicator stays usable.
+// (AllToAllV compares op and dtype only: its counts differ by rank.)
 //
 // Split() reuses the parent's worker and endpoints with a new communicator id (agreed through
 // an all-gather over the parent, unique among the communicators of each process); children

@@ -7,6 +7,10 @@
 //                              they must get Unavailable (printed), then exit 0.
 //   ucx_test_child timeout     rank 1 never joins an AllReduce; the others must get
 //                              DeadlineExceeded within DTENSOR_TIMEOUT_S (printed), then exit 0.
+//   ucx_test_child debug-mismatch   (under DTENSOR_DEBUG=1) rank 1 calls AllGather while the
+//                              others call AllReduce; every rank must get InvalidArgument
+//                              naming both calls (printed), and a matching call must work after.
+//   ucx_test_child bench       not a test: timings.
 #include <unistd.h>
 
 #include <cmath>
@@ -484,6 +488,28 @@ int RunFailure(bool dead_peer) {
   return 0;
 }
 
+int RunDebugMismatch() {
+  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(30));
+  if (!comm.ok()) {
+    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
+    return 2;
+  }
+  Communicator& c = **comm;
+  const int r = c.rank(), p = c.size();
+  Tensor a = Fill<float>(r, 12, 1, false);
+  Tensor g = Make<float>(3 * p);
+  const absl::Status s = r == 1 ? c.AllGather(*a.Narrow(0, 0, 3), g) : c.AllReduce(a, a, CommReduceOp::kSum);
+  std::printf("mismatch: %s\n", s.ToString().c_str());
+  std::fflush(stdout);
+  if (s.code() != absl::StatusCode::kInvalidArgument || s.message().find("[Debug] rank ") != 0) return 4;
+  // The mismatch was caught before any data moved: the communicator is still usable.
+  Tensor x = Fill<float>(r, 1000, 2, false), y = Make<float>(1000);
+  if (!c.AllReduce(x, y, CommReduceOp::kSum).ok()) return 5;
+  ExpectData(y, RefReduced<float>(CommReduceOp::kSum, p, 0, 1000, 2, false, -1, -1), "AllReduce after a mismatch");
+  if (g_failures != 0) return 6;
+  return c.Barrier().ok() ? 0 : 7;
+}
+
 // Not a test: AllReduce / ReduceScatter / AllGather timings (float32), nccl-tests style.
 int RunBench() {
   auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(60));
@@ -493,10 +519,12 @@ int RunBench() {
   for (int64_t bytes = 4096; bytes <= (int64_t{64} << 20); bytes *= 4) {
     const int64_t n = bytes / 4 / p * p;
     Tensor x = Fill<float>(c.rank(), n, 1, false), y = Make<float>(n), s = Make<float>(n / p);
-    for (const char* name : {"all_reduce", "reduce_scatter", "all_gather"}) {
+    for (const std::string name : {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast"}) {
       auto once = [&] {
-        if (name[4] == 'r') return c.AllReduce(x, y, CommReduceOp::kSum);
-        if (name[0] == 'r') return c.ReduceScatter(x, s, CommReduceOp::kSum);
+        if (name == "all_reduce") return c.AllReduce(x, y, CommReduceOp::kSum);
+        if (name == "reduce_scatter") return c.ReduceScatter(x, s, CommReduceOp::kSum);
+        if (name == "all_to_all") return c.AllToAll(x, y);
+        if (name == "broadcast") return c.Broadcast(y, 0);
         return c.AllGather(s, y);
       };
       const int iters = bytes <= (1 << 20) ? 200 : 10;
@@ -505,9 +533,11 @@ int RunBench() {
       const absl::Time t0 = absl::Now();
       for (int i = 0; i < iters; ++i) (void)once();
       const double us = absl::ToDoubleMicroseconds(absl::Now() - t0) / iters;
-      const double factor = name[4] == 'r' ? 2.0 * (p - 1) / p : static_cast<double>(p - 1) / p;
+      const double factor = name == "all_reduce"  ? 2.0 * (p - 1) / p
+                            : name == "broadcast" ? 1.0
+                                                  : static_cast<double>(p - 1) / p;
       if (c.rank() == 0) {
-        std::printf("%10lld B  %-15s %10.1f us  busbw %8.3f GB/s\n", static_cast<long long>(n * 4), name, us,
+        std::printf("%10lld B  %-15s %10.1f us  busbw %8.3f GB/s\n", static_cast<long long>(n * 4), name.c_str(), us,
                     static_cast<double>(n * 4) * factor / us / 1e3);
       }
     }
@@ -524,6 +554,7 @@ int main(int argc, char** argv) {
   if (mode == "dead-peer") return dtensor::RunFailure(true);
   if (mode == "timeout") return dtensor::RunFailure(false);
   if (mode == "bench") return dtensor::RunBench();
-  std::fprintf(stderr, "usage: ucx_test_child battery|dead-peer|timeout\n");
+  if (mode == "debug-mismatch") return dtensor::RunDebugMismatch();
+  std::fprintf(stderr, "usage: ucx_test_child battery|dead-peer|timeout|debug-mismatch|bench\n");
   return 2;
 }

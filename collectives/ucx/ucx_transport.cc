@@ -2,6 +2,7 @@
 
 #include <sched.h>
 #include <sys/epoll.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <utility>
 
@@ -19,6 +21,23 @@
 
 namespace dtensor::internal {
 namespace {
+
+// Who "this host" is for the purpose of pidfds and shared memory: the same kernel (boot id),
+// the same pid namespace (pids mean the same processes) and the same network namespace (UCX's
+// shared-memory transports signal through abstract sockets, which do not cross network
+// namespaces). A hostname alone is not enough: cloned machines and `ip netns exec` share one.
+std::string HostIdentity() {
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  std::string boot_id;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot_id;
+  auto ns_inode = [](const char* path) -> unsigned long long {
+    struct stat st {};
+    return stat(path, &st) == 0 ? static_cast<unsigned long long>(st.st_ino) : 0ull;
+  };
+  return absl::StrCat(host, "/", boot_id, "/net:", ns_inode("/proc/self/ns/net"),
+                      "/pid:", ns_inode("/proc/self/ns/pid"));
+}
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -89,8 +108,7 @@ absl::Status UcxWorld::Setup(const LaunchInfo& info, StoreClient& store, absl::D
   size_t address_len = 0;
   st = ucp_worker_get_address(worker_, &address, &address_len);
   if (st != UCS_OK) return UcsError(absl::StrCat(kOp, " ucp_worker_get_address"), st);
-  char host[256] = {};
-  gethostname(host, sizeof(host) - 1);
+  const std::string host = HostIdentity();
   std::string mine = absl::StrCat(host, "\n", getpid(), "\n");
   mine.append(reinterpret_cast<const char*>(address), address_len);
   ucp_worker_release_address(worker_, address);
@@ -428,17 +446,29 @@ inline T StoreF(float f) {
 
 template <typename T, typename A, typename Load, typename Combine, typename Store>
 void ReduceChunks(const void* const* srcs, int nsrcs, int64_t n, void* dst, Load load, Combine combine, Store store) {
-  A acc[kChunk];
+  // A left fold in source order, fused so that two sources take one pass (and more take one
+  // pass each, through a cache-resident accumulator).
   T* d = static_cast<T*>(dst);
+  const T* s0 = static_cast<const T*>(srcs[0]);
+  if (nsrcs == 1) {
+    for (int64_t i = 0; i < n; ++i) d[i] = store(load(s0[i]));
+    return;
+  }
+  const T* s1 = static_cast<const T*>(srcs[1]);
+  if (nsrcs == 2) {
+    for (int64_t i = 0; i < n; ++i) d[i] = store(combine(load(s0[i]), load(s1[i])));
+    return;
+  }
+  A acc[kChunk];
+  const T* last = static_cast<const T*>(srcs[nsrcs - 1]);
   for (int64_t c = 0; c < n; c += kChunk) {
     const int64_t m = std::min(kChunk, n - c);
-    const T* s0 = static_cast<const T*>(srcs[0]) + c;
-    for (int64_t i = 0; i < m; ++i) acc[i] = load(s0[i]);
-    for (int j = 1; j < nsrcs; ++j) {
+    for (int64_t i = 0; i < m; ++i) acc[i] = combine(load(s0[c + i]), load(s1[c + i]));
+    for (int j = 2; j + 1 < nsrcs; ++j) {
       const T* s = static_cast<const T*>(srcs[j]) + c;
       for (int64_t i = 0; i < m; ++i) acc[i] = combine(acc[i], load(s[i]));
     }
-    for (int64_t i = 0; i < m; ++i) d[c + i] = store(acc[i]);
+    for (int64_t i = 0; i < m; ++i) d[c + i] = store(combine(acc[i], load(last[c + i])));
   }
 }
 

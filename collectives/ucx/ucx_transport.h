@@ -86,6 +86,14 @@ class UcxWorld {
   // Called from UCX's endpoint error handler.
   void MarkPeerGone(int world_rank, const std::string& why);
 
+  // For the shared-memory channel (ucx_shm.h): one round of UCX progress; a look at the peers'
+  // pidfds; why a peer is gone (empty while alive); whether a peer is a process of this host
+  // watched through its pidfd.
+  void Progress() { ucp_worker_progress(worker_); }
+  void PollPeers() { Sleep(0); }
+  const std::string& gone(int world_rank) const { return gone_[static_cast<size_t>(world_rank)]; }
+  bool OnThisHost(int world_rank) const { return world_rank == rank_ || pidfds_[static_cast<size_t>(world_rank)] >= 0; }
+
  private:
   UcxWorld() = default;
   absl::Status Setup(const LaunchInfo& info, StoreClient& store, absl::Duration timeout);
@@ -93,7 +101,6 @@ class UcxWorld {
   absl::Status Finish(UcxRequest& r, const UcxWaitContext& ctx);
   // Waits on the worker's event fd and the peers' pidfds for up to `ms` milliseconds.
   void Sleep(int ms);
-  void PollPeers() { Sleep(0); }
 
   struct EpArg {
     UcxWorld* world;

@@ -77,11 +77,19 @@ RunResult RunDtrun(const std::vector<std::string>& args, const std::vector<std::
 
 bool Contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-class UcxBatteryTest : public testing::TestWithParam<int> {};
+// (ranks, extra environment, name): the shared-memory channel (the default on one host), UCX
+// alone (DTENSOR_UCX_SHM=0, the path between hosts), and the debug mode's call checks.
+struct BatteryCase {
+  int ranks;
+  std::vector<std::string> env;
+  std::string name;
+};
+
+class UcxBatteryTest : public testing::TestWithParam<BatteryCase> {};
 
 TEST_P(UcxBatteryTest, EveryCollectiveMatchesItsReference) {
-  const int n = GetParam();
-  RunResult run = RunDtrun({"--nproc-per-node", std::to_string(n), UCX_TEST_CHILD_PATH, "battery"});
+  const int n = GetParam().ranks;
+  RunResult run = RunDtrun({"--nproc-per-node", std::to_string(n), UCX_TEST_CHILD_PATH, "battery"}, GetParam().env);
   EXPECT_EQ(run.code, 0) << run.out << run.err;
   for (int r = 0; r < n; ++r) {
     EXPECT_TRUE(Contains(run.out, absl::StrCat("[rank ", r, "] ")) && Contains(run.out, " checks, 0 failures"))
@@ -90,13 +98,47 @@ TEST_P(UcxBatteryTest, EveryCollectiveMatchesItsReference) {
   EXPECT_FALSE(Contains(run.err, "FAIL")) << run.err;
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, UcxBatteryTest, testing::Values(1, 2, 3, 4),
-                         [](const testing::TestParamInfo<int>& info) { return absl::StrCat("P", info.param); });
+INSTANTIATE_TEST_SUITE_P(Ranks, UcxBatteryTest,
+                         testing::Values(BatteryCase{1, {}, "P1"}, BatteryCase{2, {}, "P2"}, BatteryCase{3, {}, "P3"},
+                                         BatteryCase{4, {}, "P4"}, BatteryCase{2, {"DTENSOR_UCX_SHM=0"}, "P2NoShm"},
+                                         BatteryCase{3, {"DTENSOR_UCX_SHM=0"}, "P3NoShm"},
+                                         BatteryCase{4, {"DTENSOR_UCX_SHM=0"}, "P4NoShm"},
+                                         BatteryCase{3, {"DTENSOR_DEBUG=1"}, "P3Debug"}),
+                         [](const testing::TestParamInfo<BatteryCase>& info) { return info.param.name; });
 
-TEST(UcxFailureTest, DeadPeerGivesUnavailableAndNoHang) {
+// DTENSOR_DEBUG=1: rank 1 calls AllGather while the others call AllReduce; every rank gets
+// InvalidArgument naming both sides' calls, and the communicator stays usable.
+class UcxDebugTest : public testing::TestWithParam<std::string> {};
+
+TEST_P(UcxDebugTest, MismatchedCallsAreReportedOnEveryRank) {
+  RunResult run = RunDtrun({"--nproc-per-node", "3", UCX_TEST_CHILD_PATH, "debug-mismatch"},
+                           {"DTENSOR_DEBUG=1", "DTENSOR_UCX_SHM=" + GetParam()});
+  EXPECT_EQ(run.code, 0) << run.out << run.err;
+  const std::string all_reduce = "AllReduce(float32, 12 elements, sum)", all_gather = "AllGather(float32, 3 elements)";
+  EXPECT_TRUE(Contains(run.out, absl::StrCat("[rank 0] mismatch: INVALID_ARGUMENT: [Debug] rank 0 called ", all_reduce,
+                                             " but rank 1 called ", all_gather)))
+      << run.out << run.err;
+  EXPECT_TRUE(Contains(run.out, absl::StrCat("[rank 1] mismatch: INVALID_ARGUMENT: [Debug] rank 1 called ", all_gather,
+                                             " but rank 0 called ", all_reduce)))
+      << run.out << run.err;
+  EXPECT_TRUE(Contains(run.out, absl::StrCat("[rank 2] mismatch: INVALID_ARGUMENT: [Debug] rank 2 called ", all_reduce,
+                                             " but rank 1 called ", all_gather)))
+      << run.out << run.err;
+}
+
+INSTANTIATE_TEST_SUITE_P(Channels, UcxDebugTest, testing::Values("1", "0"),
+                         [](const testing::TestParamInfo<std::string>& info) {
+                           return info.param == "1" ? "SharedMemory" : "UcxOnly";
+                         });
+
+// Over the shared-memory channel ("1") and over UCX alone ("0").
+class UcxFailureTest : public testing::TestWithParam<std::string> {};
+
+TEST_P(UcxFailureTest, DeadPeerGivesUnavailableAndNoHang) {
   // Rank 2 exits (code 9) while ranks 0 and 1 are inside a 4 MiB AllReduce; they ignore dtrun's
   // SIGTERM, so they must notice on their own.
-  RunResult run = RunDtrun({"--nproc-per-node", "3", "--grace-period-s", "20", UCX_TEST_CHILD_PATH, "dead-peer"});
+  RunResult run = RunDtrun({"--nproc-per-node", "3", "--grace-period-s", "20", UCX_TEST_CHILD_PATH, "dead-peer"},
+                           {"DTENSOR_UCX_SHM=" + GetParam()});
   EXPECT_EQ(run.code, 9) << run.out << run.err;
   EXPECT_LT(run.took, absl::Seconds(10)) << run.out << run.err;
   for (int r = 0; r < 2; ++r) {
@@ -109,16 +151,22 @@ TEST(UcxFailureTest, DeadPeerGivesUnavailableAndNoHang) {
   EXPECT_FALSE(Contains(run.err, "exited with code 5")) << run.err;  // the failure was not sticky
 }
 
-TEST(UcxFailureTest, StalledPeerGivesDeadlineExceeded) {
+TEST_P(UcxFailureTest, StalledPeerGivesDeadlineExceeded) {
   // Rank 1 never joins the AllReduce (it sleeps 2 s, then exits 0); rank 0 gives up after
   // DTENSOR_TIMEOUT_S = 0.5 s.
-  RunResult run = RunDtrun({"--nproc-per-node", "2", UCX_TEST_CHILD_PATH, "timeout"}, {"DTENSOR_TIMEOUT_S=0.5"});
+  RunResult run = RunDtrun({"--nproc-per-node", "2", UCX_TEST_CHILD_PATH, "timeout"},
+                           {"DTENSOR_TIMEOUT_S=0.5", "DTENSOR_UCX_SHM=" + GetParam()});
   EXPECT_EQ(run.code, 0) << run.out << run.err;
   EXPECT_TRUE(Contains(run.out, "[rank 0] timeout after 0.5")) << run.out;
   EXPECT_TRUE(Contains(run.out, "DEADLINE_EXCEEDED: [AllReduce] rank 0 timed out after 500ms waiting for rank 1"))
       << run.out;
   EXPECT_LT(run.took, absl::Seconds(10));
 }
+
+INSTANTIATE_TEST_SUITE_P(Channels, UcxFailureTest, testing::Values("1", "0"),
+                         [](const testing::TestParamInfo<std::string>& info) {
+                           return info.param == "1" ? "SharedMemory" : "UcxOnly";
+                         });
 
 }  // namespace
 

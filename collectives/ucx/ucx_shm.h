@@ -1,0 +1,81 @@
+// Private to the ucx backend: the shared-memory channel of one communicator whose ranks all
+// live on this host (ShmGroup). UCX stays the path between hosts.
+//
+// One POSIX shared-memory segment per communicator, made by group rank 0, opened by the others
+// and unlinked as soon as everyone has it mapped (so nothing is left behind in /dev/shm):
+//
+//   [control: one cache line per rank: arrival epoch, failed flag]
+//   [slots: 2 buffers x size ranks x kSlotBytes]   each rank writes only its own slot
+//   [results: 2 buffers x kSlotBytes]              AllReduce's reduced slices
+//
+// Collectives are steps of "write my slot, Sync(), read the others' slots". Sync() publishes
+// this rank's arrival epoch and waits until every rank reached it. Each step flips the buffer
+// (NextStep), so a slot is rewritten two steps later, when every rank has passed the Sync of
+// the step in between and so has finished reading it: one Sync per step is enough.
+//
+// Waiting spins briefly (when the ranks fit on the cores), then yields, then naps, and checks
+// the deadline, the peers' pidfds (through the UcxWorld) and their failed flags, so a dead or
+// failed peer gives Unavailable and a late one DeadlineExceeded: never a hang.
+#ifndef DTENSOR_COLLECTIVES_UCX_UCX_SHM_H_
+#define DTENSOR_COLLECTIVES_UCX_UCX_SHM_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "collectives/ucx/ucx_transport.h"
+
+namespace dtensor::internal {
+
+class ShmGroup {
+ public:
+  static constexpr size_t kSlotBytes = size_t{512} << 10;
+
+  // A fresh segment name for communicator `comm_id` of this process.
+  static std::string NewName(uint16_t comm_id);
+  // Creates (create = true: group rank 0; fails if the name exists) or opens the segment
+  // `name` for the group whose world ranks are `members`; this is group rank `rank`.
+  static absl::StatusOr<std::unique_ptr<ShmGroup>> Map(const std::string& name, bool create, int rank,
+                                                       std::vector<int> members, UcxWorld* world);
+  // Removes the name (the mappings stay valid).
+  static void Unlink(const std::string& name);
+  ~ShmGroup();
+  ShmGroup(const ShmGroup&) = delete;
+  ShmGroup& operator=(const ShmGroup&) = delete;
+
+  // Rank j's slot / the result buffer of the current step.
+  char* slot(int j) const {
+    return base_ + ctl_bytes_ + (static_cast<size_t>(buf_) * members_.size() + static_cast<size_t>(j)) * kSlotBytes;
+  }
+  char* result() const { return base_ + ctl_bytes_ + (2 * members_.size() + static_cast<size_t>(buf_)) * kSlotBytes; }
+  void NextStep() { buf_ ^= 1; }
+
+  // Publishes this rank's arrival and waits for every rank (honouring ctx.deadline).
+  absl::Status Sync(const UcxWaitContext& ctx);
+  // Tells the peers this rank gave up (they return Unavailable instead of waiting).
+  void MarkFailed();
+
+ private:
+  ShmGroup() = default;
+  absl::Status WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx);
+  uint64_t* epoch_of(int j) const { return reinterpret_cast<uint64_t*>(base_ + static_cast<size_t>(j) * 64); }
+  uint32_t* failed_of(int j) const { return reinterpret_cast<uint32_t*>(base_ + static_cast<size_t>(j) * 64 + 8); }
+
+  char* base_ = nullptr;
+  size_t bytes_ = 0;
+  size_t ctl_bytes_ = 0;
+  int rank_ = 0;
+  int buf_ = 0;
+  uint64_t epoch_ = 0;
+  int64_t spin_ns_ = 0;
+  std::vector<int> members_;
+  UcxWorld* world_ = nullptr;
+};
+
+}  // namespace dtensor::internal
+
+#endif  // DTENSOR_COLLECTIVES_UCX_UCX_SHM_H_
