@@ -18,7 +18,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <thread>
@@ -482,6 +484,7 @@ class NcclCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "output", output, input.numel(), "same as input"));
     DT_ASSIGN_OR_RETURN(const Reduction red, ReduceType(kOp, rank(), input.dtype(), op));
     DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, input.raw_data() == output.raw_data()));
+    DT_RETURN_IF_ERROR(CheckSameCall(kOp, input.dtype(), input.numel(), static_cast<int64_t>(op)));
     const size_t n = static_cast<size_t>(input.numel());
     return state_->Launch(kOp, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
       return n == 0 ? ncclSuccess : ncclAllReduce(in.raw_data(), output.raw_data(), n, red.type, red.op, comm, stream);
@@ -492,6 +495,7 @@ class NcclCommunicator final : public Communicator {
     const char* kOp = "AllGather";
     DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "output", output, size() * input.numel(), "group size * input"));
+    DT_RETURN_IF_ERROR(CheckSameCall(kOp, input.dtype(), input.numel(), -1));
     const bool in_place = input.raw_data() == At(output, rank() * input.numel());
     DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, in_place));
     const size_t n = static_cast<size_t>(input.numel());
@@ -507,6 +511,7 @@ class NcclCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckPair(kOp, input, output));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "input", input, size() * output.numel(), "group size * output"));
     DT_ASSIGN_OR_RETURN(const Reduction red, ReduceType(kOp, rank(), input.dtype(), op));
+    DT_RETURN_IF_ERROR(CheckSameCall(kOp, input.dtype(), input.numel(), static_cast<int64_t>(op)));
     const bool in_place = output.raw_data() == At(input, rank() * output.numel());
     DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, in_place));
     const size_t n = static_cast<size_t>(output.numel());
@@ -525,6 +530,7 @@ class NcclCommunicator final : public Communicator {
                         " elements, not a multiple of the group size ", size());
     }
     const std::vector<int64_t> counts(static_cast<size_t>(size()), input.numel() / size());
+    DT_RETURN_IF_ERROR(CheckSameCall(kOp, input.dtype(), input.numel(), -1));
     return AllToAllImpl(kOp, input, output, counts, counts);
   }
 
@@ -533,6 +539,7 @@ class NcclCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckTensor(kOp, "tensor", tensor));
     DT_RETURN_IF_ERROR(CheckPeer(kOp, "root", root));
     const size_t n = static_cast<size_t>(tensor.numel());
+    DT_RETURN_IF_ERROR(CheckSameCall(kOp, tensor.dtype(), tensor.numel(), root));
     const ncclDataType_t type = MoveType(tensor.dtype());
     return state_->Launch(kOp, -1, {tensor}, [&](ncclComm_t comm, cudaStream_t stream) {
       return n == 0 ? ncclSuccess : ncclBroadcast(tensor.raw_data(), tensor.raw_data(), n, type, root, comm, stream);
@@ -554,6 +561,7 @@ class NcclCommunicator final : public Communicator {
     const int64_t mine = counts[static_cast<size_t>(rank())];
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "input", input, mine, "counts[rank]"));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "output", output, total, "sum of counts"));
+    DT_RETURN_IF_ERROR(CheckSameCall(kOp, input.dtype(), total, -1));
     const std::vector<int64_t> offsets = PrefixOffsets(counts);
     const bool in_place = input.raw_data() == At(output, offsets[static_cast<size_t>(rank())]);
     DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, in_place));
@@ -598,6 +606,7 @@ class NcclCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "input", input, total, "sum of counts"));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "output", output, counts[static_cast<size_t>(rank())], "counts[rank]"));
     DT_ASSIGN_OR_RETURN(const Reduction red, ReduceType(kOp, rank(), input.dtype(), op));
+    DT_RETURN_IF_ERROR(CheckSameCall(kOp, input.dtype(), total, static_cast<int64_t>(op)));
     const std::vector<int64_t> offsets = PrefixOffsets(counts);
     const bool in_place = output.raw_data() == At(input, offsets[static_cast<size_t>(rank())]);
     DT_ASSIGN_OR_RETURN(Tensor in, Staged(kOp, input, output, in_place));
@@ -637,12 +646,14 @@ class NcclCommunicator final : public Communicator {
     DT_ASSIGN_OR_RETURN(const int64_t recvs, CheckCounts(kOp, rank(), "recv_counts", recv_counts, size()));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "input", input, sends, "sum of send_counts"));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank(), "output", output, recvs, "sum of recv_counts"));
+    DT_RETURN_IF_ERROR(CheckSameCall(kOp, input.dtype(), -1, -1));
     return AllToAllImpl(kOp, input, output, send_counts, recv_counts);
   }
 
   absl::Status Barrier() override {
     const char* kOp = "Barrier";
     DT_RETURN_IF_ERROR(state_->CheckAlive(kOp));
+    DT_RETURN_IF_ERROR(CheckSameCall(kOp, DType::kFloat32, -1, -1));
     DT_ASSIGN_OR_RETURN(Tensor scratch, state_->Scratch());
     DT_ASSIGN_OR_RETURN(auto work, state_->Launch(kOp, -1, {scratch}, [&](ncclComm_t comm, cudaStream_t stream) {
       return ncclAllReduce(scratch.raw_data(), scratch.raw_data(), 1, ncclFloat32, ncclSum, comm, stream);
@@ -752,7 +763,82 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  // DTENSOR_DEBUG=1: before each collective every rank all-gathers a description of its call
+  // (op, dtype, element count, reduction or root; -1 where ranks may legitimately differ) and
+  // compares; a mismatch is InvalidArgument on every rank, naming both calls. Costs one small
+  // all-gather and a host sync per call, so it is off by default.
+  absl::Status CheckSameCall(const char* op, DType dtype, int64_t count, int64_t extra) {
+    if (!debug_) return absl::OkStatus();
+    constexpr int kWords = 4;
+    const int64_t mine[kWords] = {OpIndex(op), static_cast<int64_t>(dtype), count, extra};
+    const int dev = state_->device();
+    if (!debug_buf_.defined()) {
+      DT_ASSIGN_OR_RETURN(debug_buf_, Tensor::Empty({int64_t{size()} * kWords}, DType::kInt64, Device::Cuda(dev)));
+    }
+    int64_t* buf = debug_buf_.data<int64_t>();
+    {
+      DeviceGuard guard(dev);
+      if (!guard.ok()) return ToStatus(guard.error(), op, dev);
+      // On the compute stream: Launch orders the communication stream after it.
+      DT_RETURN_IF_ERROR(ToStatus(
+          cudaMemcpyAsync(buf + rank() * kWords, mine, sizeof(mine), cudaMemcpyHostToDevice, cudaStreamPerThread), op,
+          dev));
+    }
+    DT_ASSIGN_OR_RETURN(auto work, state_->Launch(op, -1, {debug_buf_}, [&](ncclComm_t comm, cudaStream_t stream) {
+      return ncclAllGather(buf + rank() * kWords, buf, kWords, ncclInt64, comm, stream);
+    }));
+    DT_RETURN_IF_ERROR(work->Wait());
+    std::vector<int64_t> all(static_cast<size_t>(size()) * kWords);
+    {
+      DeviceGuard guard(dev);
+      if (!guard.ok()) return ToStatus(guard.error(), op, dev);
+      DT_RETURN_IF_ERROR(ToStatus(
+          cudaMemcpyAsync(all.data(), buf, all.size() * sizeof(int64_t), cudaMemcpyDeviceToHost, cudaStreamPerThread),
+          op, dev));
+      DT_RETURN_IF_ERROR(ToStatus(cudaStreamSynchronize(cudaStreamPerThread), op, dev));
+    }
+    for (int j = 0; j < size(); ++j) {
+      const int64_t* theirs = all.data() + static_cast<size_t>(j) * kWords;
+      if (!std::equal(theirs, theirs + kWords, mine)) {
+        return absl::InvalidArgumentError(absl::StrCat("[Debug] rank ", rank(), " called ", DescribeCall(mine),
+                                                       " but rank ", j, " called ", DescribeCall(theirs)));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  static constexpr const char* kCallNames[] = {"AllReduce",  "AllGather",      "ReduceScatter", "AllToAll", "Broadcast",
+                                               "AllGatherV", "ReduceScatterV", "AllToAllV",     "Barrier"};
+  static int64_t OpIndex(const char* op) {
+    for (size_t i = 0; i < std::size(kCallNames); ++i) {
+      if (std::strcmp(kCallNames[i], op) == 0) return static_cast<int64_t>(i);
+    }
+    return -1;
+  }
+  // "AllReduce(float32, 12 elements, sum)", "Broadcast(bfloat16, 3 elements, root 1)".
+  static std::string DescribeCall(const int64_t* d) {
+    const bool known_op = d[0] >= 0 && d[0] < static_cast<int64_t>(std::size(kCallNames));
+    std::string s = absl::StrCat(known_op ? kCallNames[d[0]] : "unknown op", "(");
+    const bool reduces = d[0] == 0 || d[0] == 2 || d[0] == 6;
+    absl::StrAppend(&s, d[1] >= 0 && d[1] <= static_cast<int64_t>(DType::kFloat8E5M2)
+                            ? DTypeName(static_cast<DType>(d[1]))
+                            : "unknown dtype");
+    if (d[2] >= 0) absl::StrAppend(&s, ", ", d[2], " elements");
+    if (reduces && d[3] >= 0 && d[3] <= static_cast<int64_t>(CommReduceOp::kProduct)) {
+      absl::StrAppend(&s, ", ", CommReduceOpName(static_cast<CommReduceOp>(d[3])));
+    } else if (d[0] == 4) {
+      absl::StrAppend(&s, ", root ", d[3]);
+    }
+    return absl::StrCat(s, ")");
+  }
+
   std::shared_ptr<NcclState> state_;
+  // DTENSOR_DEBUG=1 at construction turns on CheckSameCall.
+  const bool debug_ = [] {
+    const char* env = std::getenv("DTENSOR_DEBUG");
+    return env != nullptr && std::strcmp(env, "1") == 0;
+  }();
+  Tensor debug_buf_;  // [size * 4] int64 on the device, for CheckSameCall
 };
 
 }  // namespace

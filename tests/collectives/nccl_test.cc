@@ -6,6 +6,7 @@
 // references computed here, sub-groups and a timeout that aborts the communicator.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
@@ -472,6 +473,51 @@ TEST(NcclTest, MultiRankTimeoutAbortsAndNamesTheCall) {
     const absl::Status later = comm.Barrier();
     EXPECT_EQ(later.code(), absl::StatusCode::kFailedPrecondition) << later;
     EXPECT_THAT(later.message(), HasSubstr("failed earlier"));
+  });
+}
+
+// DTENSOR_DEBUG=1 while the communicators are made; restored afterwards.
+class ScopedDebugEnv {
+ public:
+  ScopedDebugEnv() { setenv("DTENSOR_DEBUG", "1", 1); }
+  ~ScopedDebugEnv() { unsetenv("DTENSOR_DEBUG"); }
+};
+
+TEST(NcclTest, DebugModeLetsMatchingCallsThrough) {
+  SKIP_WITHOUT_GPUS(1);
+  ScopedDebugEnv debug;
+  LocalStore store;
+  std::unique_ptr<StoreClient> client;
+  CommPtr comm = SingleRank(store, client);
+  ASSERT_NE(comm, nullptr);
+  const Tensor x = Unwrap(Full({7}, 2.0, DType::kFloat32, Device::Cuda(0)));
+  ASSERT_TRUE(comm->AllReduce(x, x, CommReduceOp::kSum).ok());
+  EXPECT_EQ(Values(x), std::vector<double>(7, 2.0));
+  ASSERT_TRUE(comm->Barrier().ok());
+}
+
+TEST(NcclTest, MultiRankDebugModeReportsMismatchedCallsOnEveryRank) {
+  SKIP_WITHOUT_GPUS(2);
+  ScopedDebugEnv debug;
+  const int world = MultiWorld();
+  RunRanks(world, [&](int rank, Communicator& comm) {
+    absl::Status s;
+    if (rank == 1) {
+      const Tensor in = Unwrap(Full({3}, 1.0, DType::kFloat32, Device::Cuda(rank)));
+      const Tensor out = Unwrap(Tensor::Empty({3 * world}, DType::kFloat32, Device::Cuda(rank)));
+      s = comm.AllGather(in, out);
+    } else {
+      const Tensor x = Unwrap(Full({12}, 1.0, DType::kFloat32, Device::Cuda(rank)));
+      s = comm.AllReduce(x, x, CommReduceOp::kSum);
+    }
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr("[Debug]"));
+    EXPECT_THAT(s.message(), HasSubstr("AllReduce(float32, 12 elements, sum)"));
+    EXPECT_THAT(s.message(), HasSubstr("AllGather(float32, 3 elements)"));
+    // Nothing moved: the communicator is still usable for a matching call.
+    const Tensor y = Unwrap(Full({4}, 1.0, DType::kFloat32, Device::Cuda(rank)));
+    ASSERT_TRUE(comm.AllReduce(y, y, CommReduceOp::kSum).ok());
+    EXPECT_EQ(Values(y), std::vector<double>(4, world));
   });
 }
 
