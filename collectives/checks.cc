@@ -1,5 +1,7 @@
 #include "collectives/checks.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 #include "dtensor/tensor/status.h"
 
@@ -61,6 +63,22 @@ absl::Status CheckReducible(const char* op, int rank, DType dtype, CommReduceOp 
     return InvalidArg(op, "rank ", rank, ": avg is not defined for bool");
   }
   return absl::OkStatus();
+}
+
+namespace {
+class CompletedWork final : public Work {
+ public:
+  explicit CompletedWork(absl::Status status) : status_(std::move(status)) {}
+  absl::Status Wait() override { return status_; }
+  bool IsCompleted() override { return true; }
+
+ private:
+  absl::Status status_;
+};
+}  // namespace
+
+std::unique_ptr<Work> MakeCompletedWork(absl::Status status) {
+  return std::make_unique<CompletedWork>(std::move(status));
 }
 
 bool Overlap(const Tensor& a, const Tensor& b) {

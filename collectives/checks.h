@@ -1,4 +1,5 @@
-// Argument checks shared by the transports (internal to collectives/; not installed).
+// Argument checks and small helpers shared by the transports (internal to collectives/; not
+// installed).
 //
 //   DT_RETURN_IF_ERROR(CheckContiguous(op, rank, "input", input));
 //   DT_RETURN_IF_ERROR(CheckNumel(op, rank, "output", output, size * input.numel(), "size x input"));
@@ -11,6 +12,7 @@
 #define DTENSOR_COLLECTIVES_CHECKS_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -36,6 +38,10 @@ absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, 
 absl::Status CheckPeer(const char* op, int rank, const char* what, int peer, int size);
 // Reductions: float8 is storage-only (Unimplemented); avg is not defined for bool.
 absl::Status CheckReducible(const char* op, int rank, DType dtype, CommReduceOp rop);
+
+// A Work that is already complete: Wait() returns `status` (transports that run a collective
+// eagerly inside its *Async call return one).
+std::unique_ptr<Work> MakeCompletedWork(absl::Status status);
 
 // Whether the bytes of a and b overlap.
 bool Overlap(const Tensor& a, const Tensor& b);

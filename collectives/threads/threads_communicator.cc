@@ -125,7 +125,7 @@ void ReduceBool(CommReduceOp op, absl::Span<const char* const> srcs, int64_t beg
 }
 
 // Reduces elements [begin, begin + n) of every source into dst[0, n). Precondition: the dtype
-// and op passed CheckReduction.
+// and op passed CheckReducible.
 void Reduce(DType dtype, CommReduceOp op, absl::Span<const char* const> srcs, int64_t begin, int64_t n, char* dst) {
   if (n <= 0) return;
   switch (dtype) {
@@ -511,19 +511,7 @@ absl::Status CheckPair(const char* op, int rank, const Tensor& in, const Tensor&
 const char* Bytes(const Tensor& t) { return static_cast<const char*>(t.raw_data()); }
 char* MutableBytes(const Tensor& t) { return static_cast<char*>(t.raw_data()); }
 
-class CompletedWork final : public Work {
- public:
-  explicit CompletedWork(absl::Status status) : status_(std::move(status)) {}
-  absl::Status Wait() override { return status_; }
-  bool IsCompleted() override { return true; }
-
- private:
-  absl::Status status_;
-};
-
-absl::StatusOr<std::unique_ptr<Work>> Done(absl::Status status) {
-  return std::unique_ptr<Work>(std::make_unique<CompletedWork>(std::move(status)));
-}
+absl::StatusOr<std::unique_ptr<Work>> Done(absl::Status status) { return MakeCompletedWork(std::move(status)); }
 
 class P2PWork final : public Work {
  public:

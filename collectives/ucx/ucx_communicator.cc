@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "collectives/checks.h"
 #include "collectives/ucx/ucx_shm.h"
 #include "collectives/ucx/ucx_transport.h"
 #include "dtensor/tensor/status.h"
@@ -34,70 +35,18 @@ constexpr size_t kShmMoveBytes = size_t{256} << 10;
 // ---------------------------------------------------------------------------------------------
 // Validation (local to one rank).
 
-std::string ShapeStr(absl::Span<const int64_t> s) { return absl::StrCat("[", absl::StrJoin(s, ", "), "]"); }
-
 absl::Status CheckTensor(const char* op, int rank, const char* name, const Tensor& t) {
-  if (!t.defined()) return InvalidArg(op, "rank ", rank, ": ", name, " is undefined");
-  if (!t.device().is_cpu()) {
+  if (t.defined() && !t.device().is_cpu()) {
     return absl::UnimplementedError(absl::StrCat("[", op, "] rank ", rank, ": ", name, " is on ", t.device().ToString(),
                                                  "; the ucx backend moves CPU tensors only (use the nccl backend)"));
   }
-  if (!t.is_contiguous()) {
-    return InvalidArg(op, "rank ", rank, ": ", name, " is not contiguous (shape ", ShapeStr(t.shape()), ", strides ",
-                      ShapeStr(t.strides()), ")");
-  }
-  return absl::OkStatus();
+  return CheckContiguous(op, rank, name, t);
 }
 
 absl::Status CheckPair(const char* op, int rank, const Tensor& in, const Tensor& out) {
   DT_RETURN_IF_ERROR(CheckTensor(op, rank, "input", in));
   DT_RETURN_IF_ERROR(CheckTensor(op, rank, "output", out));
-  if (in.dtype() != out.dtype()) {
-    return InvalidArg(op, "rank ", rank, ": input is ", DTypeName(in.dtype()), " but output is ",
-                      DTypeName(out.dtype()));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckReduction(const char* op, int rank, DType dtype, CommReduceOp rop) {
-  if (IsFloat8(dtype)) {
-    return absl::UnimplementedError(absl::StrCat("[", op, "] rank ", rank, ": cannot reduce ", DTypeName(dtype),
-                                                 " (a storage-only type); cast to a compute type first"));
-  }
-  if (dtype == DType::kBool && rop == CommReduceOp::kAvg) {
-    return InvalidArg(op, "rank ", rank, ": avg is not defined for bool");
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CheckNumel(const char* op, int rank, const char* name, const Tensor& t, int64_t expected,
-                        const char* why) {
-  if (t.numel() != expected) {
-    return InvalidArg(op, "rank ", rank, ": ", name, " has ", t.numel(), " elements, expected ", expected, " (", why,
-                      ")");
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, absl::Span<const int64_t> counts,
-                                    int size) {
-  if (static_cast<int64_t>(counts.size()) != size) {
-    return InvalidArg(op, "rank ", rank, ": ", name, " has ", counts.size(), " entries, expected ", size,
-                      " (one per rank)");
-  }
-  int64_t sum = 0;
-  for (size_t j = 0; j < counts.size(); ++j) {
-    if (counts[j] < 0) return InvalidArg(op, "rank ", rank, ": ", name, "[", j, "] is ", counts[j]);
-    sum += counts[j];
-  }
-  return sum;
-}
-
-absl::Status CheckPeer(const char* op, int rank, const char* what, int peer, int size) {
-  if (peer < 0 || peer >= size) {
-    return InvalidArg(op, "rank ", rank, ": ", what, " ", peer, " is out of range for a group of size ", size);
-  }
-  return absl::OkStatus();
+  return CheckSameDType(op, rank, in, out);
 }
 
 bool Overlap(const char* a, size_t an, const char* b, size_t bn) {
@@ -200,19 +149,9 @@ bool ShmFromEnv() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-class CompletedWork final : public Work {
- public:
-  explicit CompletedWork(absl::Status status) : status_(std::move(status)) {}
-  absl::Status Wait() override { return status_; }
-  bool IsCompleted() override { return true; }
-
- private:
-  absl::Status status_;
-};
-
 absl::StatusOr<std::unique_ptr<Work>> Done(absl::Status status) {
   if (!status.ok()) return status;
-  return std::unique_ptr<Work>(std::make_unique<CompletedWork>(std::move(status)));
+  return MakeCompletedWork(std::move(status));
 }
 
 // A posted Send / Recv; Wait() progresses the worker until it completes.
@@ -283,7 +222,7 @@ class UcxCommunicator final : public Communicator {
     constexpr const char* kOp = "AllReduce";
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input"));
-    DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
+    DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
     const CallDesc d = Describe(kOp, &input, input.numel(), static_cast<int>(op));
     return Done(Run(kOp, d, [&] { return DoAllReduce(input, output, op); }));
   }
@@ -312,7 +251,7 @@ class UcxCommunicator final : public Communicator {
     constexpr const char* kOp = "ReduceScatter";
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, size() * output.numel(), "size * output elements"));
-    DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
+    DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
     const std::vector<int64_t> counts(members_.size(), output.numel());
     const CallDesc d = Describe(kOp, &input, input.numel(), static_cast<int>(op));
     return Done(Run(kOp, d, [&] { return DoReduceScatterV(input, output, counts, op); }));
@@ -326,7 +265,7 @@ class UcxCommunicator final : public Communicator {
     DT_ASSIGN_OR_RETURN(const int64_t total, CheckCounts(kOp, rank_, "counts", counts, size()));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, total, "sum of counts"));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, counts[static_cast<size_t>(rank_)], "counts[rank]"));
-    DT_RETURN_IF_ERROR(CheckReduction(kOp, rank_, input.dtype(), op));
+    DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
     const CallDesc d = Describe(kOp, &input, total, static_cast<int>(op), -1, counts);
     return Done(Run(kOp, d, [&] { return DoReduceScatterV(input, output, counts, op); }));
   }
