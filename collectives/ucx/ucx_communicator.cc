@@ -739,6 +739,7 @@ class UcxCommunicator final : public Communicator {
   // every rank gets the same bits): one Sync. Large, per slot-sized chunk: copy in, Sync, each
   // rank reduces its 1/P of the chunk into the shared result, Sync, everyone copies it out.
   absl::Status ShmAllReduce(const char* in, char* out, int64_t n, DType dtype, CommReduceOp op) {
+    DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t es = ElementSize(dtype);
     const int p = size();
     const void* srcs[kMaxShmRanks];
@@ -773,6 +774,7 @@ class UcxCommunicator final : public Communicator {
   // window); rank r reduces window r of every slot (its own from its input) into its output.
   absl::Status ShmReduceScatter(const char* in, char* out, absl::Span<const int64_t> counts, const Blocks& b,
                                 DType dtype, CommReduceOp op) {
+    DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t es = ElementSize(dtype);
     const int p = size();
     const int64_t per = static_cast<int64_t>(ShmGroup::kSlotBytes / es / static_cast<size_t>(p));
@@ -799,6 +801,7 @@ class UcxCommunicator final : public Communicator {
   // out already holds this rank's block; per step each rank publishes the next slot-sized
   // window of its block and copies the others'.
   absl::Status ShmGather(char* out, const Blocks& b) {
+    DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t w = ShmGroup::kSlotBytes;
     const size_t r = static_cast<size_t>(rank_);
     for (size_t at = 0; at < b.max_len; at += w) {
@@ -814,14 +817,22 @@ class UcxCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
+  // Not lock-step (see ShmGroup::MarkRelaxed): the root publishes each window and goes on;
+  // readers wait for the root only.
   absl::Status ShmBroadcast(char* data, size_t bytes, int root) {
     const size_t w = ShmGroup::kSlotBytes;
     for (size_t at = 0; at < bytes; at += w) {
       const size_t m = std::min(w, bytes - at);
-      if (rank_ == root) std::memcpy(shm_->slot(root), data + at, m);
-      DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
-      if (rank_ != root) std::memcpy(data + at, shm_->slot(root), m);
+      if (rank_ == root) {
+        DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
+        std::memcpy(shm_->slot(root), data + at, m);
+      } else {
+        DT_RETURN_IF_ERROR(shm_->WaitRank(root, shm_->epoch() + 1, ctx_));
+        std::memcpy(data + at, shm_->slot(root), m);
+      }
+      shm_->Arrive();
       shm_->NextStep();
+      shm_->MarkRelaxed();
     }
     return absl::OkStatus();
   }
@@ -829,6 +840,7 @@ class UcxCommunicator final : public Communicator {
   // Blocks of `len` bytes: per step each rank puts the next window of block j in its slot at
   // j * window and copies window `rank` of every slot.
   absl::Status ShmAllToAll(const char* in, char* out, size_t len) {
+    DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t p = members_.size(), r = static_cast<size_t>(rank_);
     const size_t w = ShmGroup::kSlotBytes / p;
     for (size_t at = 0; at < len; at += w) {

@@ -1,15 +1,20 @@
 #include "collectives/ucx/ucx_shm.h"
 
 #include <fcntl.h>
+#include <linux/futex.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -18,12 +23,20 @@
 namespace dtensor::internal {
 namespace {
 
-constexpr int64_t kSpinNs = 50'000;      // when every rank has a core of its own
-constexpr int64_t kYieldNs = 2'000'000;  // then sched_yield, then naps of kNapUs
-constexpr int kNapUs = 100;
-constexpr int64_t kLongWaitNs = 50'000'000;  // after this, naps of kLongNapUs (a peer busy elsewhere)
-constexpr int kLongNapUs = 1000;
-constexpr int64_t kPeerCheckNs = 1'000'000;
+constexpr int64_t kSpinNs = 50'000;          // when every rank has a core of its own
+constexpr int64_t kYieldNs = 200'000;        // then sched_yield until this, then futex sleeps
+constexpr int64_t kOversubYieldNs = 5'000;   // the same when ranks share cores: give the core up soon
+constexpr int64_t kPeerCheckNs = 1'000'000;  // a sleeper wakes at least this often (pidfds, deadline)
+
+// Sleeps while *word == expected (shared-memory futex: not FUTEX_PRIVATE), at most timeout_ns.
+void FutexWait(uint32_t* word, uint32_t expected, int64_t timeout_ns) {
+  struct timespec ts {
+    static_cast<time_t>(timeout_ns / 1'000'000'000), static_cast<long>(timeout_ns % 1'000'000'000)
+  };
+  syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void FutexWakeAll(uint32_t* word) { syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0); }
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -80,7 +93,9 @@ absl::StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::Map(const std::string& name,
   g->rank_ = rank;
   g->members_ = std::move(members);
   g->world_ = world;
-  g->spin_ns_ = static_cast<int>(p) <= CpuCount() ? kSpinNs : 0;
+  const bool own_cores = static_cast<int>(p) <= CpuCount();
+  g->spin_ns_ = own_cores ? kSpinNs : 0;
+  g->yield_ns_ = own_cores ? kYieldNs : kOversubYieldNs;
   return g;
 }
 
@@ -90,24 +105,51 @@ ShmGroup::~ShmGroup() {
   if (base_ != nullptr) munmap(base_, bytes_);
 }
 
-void ShmGroup::MarkFailed() { std::atomic_ref<uint32_t>(*failed_of(rank_)).store(1, std::memory_order_release); }
+void ShmGroup::MarkFailed() {
+  std::atomic_ref<uint32_t>(*failed_of(rank_)).store(1, std::memory_order_seq_cst);
+  std::atomic_ref<uint32_t>(*seq_of(rank_)).fetch_add(1, std::memory_order_seq_cst);  // sleepers re-check now
+  FutexWakeAll(seq_of(rank_));
+}
 
-absl::Status ShmGroup::Sync(const UcxWaitContext& ctx) {
+void ShmGroup::Arrive() {
   const uint64_t e = ++epoch_;
   std::atomic_ref<uint64_t>(*epoch_of(rank_)).store(e, std::memory_order_release);
+  // Sleepers wait on the 32-bit sequence word; the seq_cst store and load pair with the
+  // sleeper's increment of the waiter count and re-check (one of the two sees the other).
+  std::atomic_ref<uint32_t>(*seq_of(rank_)).store(static_cast<uint32_t>(e), std::memory_order_seq_cst);
+  if (std::atomic_ref<uint32_t>(*waiters_of(rank_)).load(std::memory_order_seq_cst) != 0) {
+    FutexWakeAll(seq_of(rank_));
+  }
+}
+
+absl::Status ShmGroup::WaitRank(int j, uint64_t e, const UcxWaitContext& ctx) {
+  std::atomic_ref<uint64_t> theirs(*epoch_of(j));
+  for (int i = 0; i < 64; ++i) {
+    if (theirs.load(std::memory_order_acquire) >= e) return absl::OkStatus();
+    CpuRelax();
+  }
+  return WaitFor(j, e, ctx);
+}
+
+absl::Status ShmGroup::Sync(const UcxWaitContext& ctx) {
+  Arrive();
   for (int j = 0; j < static_cast<int>(members_.size()); ++j) {
     if (j == rank_) continue;
-    std::atomic_ref<uint64_t> theirs(*epoch_of(j));
-    bool arrived = false;
-    for (int i = 0; i < 64 && !arrived; ++i) {
-      arrived = theirs.load(std::memory_order_acquire) >= e;
-      if (!arrived) CpuRelax();
-    }
-    if (!arrived) {
-      absl::Status s = WaitFor(j, e, ctx);
-      if (!s.ok()) return s;
-    }
+    absl::Status s = WaitRank(j, epoch_, ctx);
+    if (!s.ok()) return s;
   }
+  relaxed_ = false;
+  return absl::OkStatus();
+}
+
+absl::Status ShmGroup::BeginWrite(const UcxWaitContext& ctx) {
+  if (!relaxed_) return absl::OkStatus();
+  for (int j = 0; j < static_cast<int>(members_.size()); ++j) {
+    if (j == rank_) continue;
+    absl::Status s = WaitRank(j, epoch_, ctx);
+    if (!s.ok()) return s;
+  }
+  relaxed_ = false;
   return absl::OkStatus();
 }
 
@@ -147,11 +189,19 @@ absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx)
       }
     }
     if (waited < spin_ns_) continue;
-    if (waited < kYieldNs) {
+    if (waited < yield_ns_) {
       sched_yield();
-    } else {
-      usleep(waited < kLongWaitNs ? kNapUs : kLongNapUs);
+      continue;
     }
+    // Sleep until rank j publishes (it wakes us) or the next peer check is due.
+    std::atomic_ref<uint32_t> seq(*seq_of(j));
+    std::atomic_ref<uint32_t> waiters(*waiters_of(j));
+    waiters.fetch_add(1, std::memory_order_seq_cst);
+    const uint32_t seen = seq.load(std::memory_order_seq_cst);
+    if (theirs.load(std::memory_order_acquire) < epoch) {
+      FutexWait(seq_of(j), seen, std::min(kPeerCheckNs, std::max<int64_t>(deadline - now, 1)));
+    }
+    waiters.fetch_sub(1, std::memory_order_seq_cst);
   }
 }
 

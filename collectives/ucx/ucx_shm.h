@@ -4,7 +4,7 @@
 // One POSIX shared-memory segment per communicator, made by group rank 0, opened by the others
 // and unlinked as soon as everyone has it mapped (so nothing is left behind in /dev/shm):
 //
-//   [control: one cache line per rank: arrival epoch, failed flag]
+//   [control: one cache line per rank: arrival epoch, failed flag, futex word, sleepers]
 //   [slots: 2 buffers x size ranks x kSlotBytes]   each rank writes only its own slot
 //   [results: 2 buffers x kSlotBytes]              AllReduce's reduced slices
 //
@@ -13,7 +13,8 @@
 // (NextStep), so a slot is rewritten two steps later, when every rank has passed the Sync of
 // the step in between and so has finished reading it: one Sync per step is enough.
 //
-// Waiting spins briefly (when the ranks fit on the cores), then yields, then naps, and checks
+// Waiting spins briefly (when the ranks fit on the cores), then yields, then sleeps on a futex
+// (the arriving rank wakes its sleepers; ranks sharing cores give the core up at once), checks
 // the deadline, the peers' pidfds (through the UcxWorld) and their failed flags, so a dead or
 // failed peer gives Unavailable and a late one DeadlineExceeded: never a hang.
 #ifndef DTENSOR_COLLECTIVES_UCX_UCX_SHM_H_
@@ -56,6 +57,18 @@ class ShmGroup {
 
   // Publishes this rank's arrival and waits for every rank (honouring ctx.deadline).
   absl::Status Sync(const UcxWaitContext& ctx);
+
+  // One-to-many steps (broadcast) need not be lock-step: the root writes its slot and
+  // Arrive()s without waiting; a reader WaitRank(root, epoch() + 1)s, reads, then Arrive()s
+  // (so arriving at e means "done reading step e"). Call MarkRelaxed() after such steps: the
+  // next BeginWrite() then waits until every rank has arrived where this one is, so a slot is
+  // never rewritten while a slower rank still reads it. Every step that writes a slot calls
+  // BeginWrite() first (free after a Sync).
+  absl::Status BeginWrite(const UcxWaitContext& ctx);
+  void Arrive();
+  absl::Status WaitRank(int j, uint64_t epoch, const UcxWaitContext& ctx);
+  uint64_t epoch() const { return epoch_; }
+  void MarkRelaxed() { relaxed_ = true; }
   // Tells the peers this rank gave up (they return Unavailable instead of waiting).
   void MarkFailed();
 
@@ -64,6 +77,10 @@ class ShmGroup {
   absl::Status WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx);
   uint64_t* epoch_of(int j) const { return reinterpret_cast<uint64_t*>(base_ + static_cast<size_t>(j) * 64); }
   uint32_t* failed_of(int j) const { return reinterpret_cast<uint32_t*>(base_ + static_cast<size_t>(j) * 64 + 8); }
+  // Low 32 bits of the epoch: the futex word sleepers wait on (bumped by MarkFailed too).
+  uint32_t* seq_of(int j) const { return reinterpret_cast<uint32_t*>(base_ + static_cast<size_t>(j) * 64 + 12); }
+  // How many ranks sleep on seq_of(j).
+  uint32_t* waiters_of(int j) const { return reinterpret_cast<uint32_t*>(base_ + static_cast<size_t>(j) * 64 + 16); }
 
   char* base_ = nullptr;
   size_t bytes_ = 0;
@@ -71,7 +88,9 @@ class ShmGroup {
   int rank_ = 0;
   int buf_ = 0;
   uint64_t epoch_ = 0;
+  bool relaxed_ = false;
   int64_t spin_ns_ = 0;
+  int64_t yield_ns_ = 0;
   std::vector<int> members_;
   UcxWorld* world_ = nullptr;
 };
