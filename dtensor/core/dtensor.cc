@@ -1,0 +1,375 @@
+#include "dtensor/core/dtensor.h"
+
+#include <algorithm>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "dtensor/core/executor.h"
+#include "dtensor/ops/ops.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor {
+namespace {
+
+using internal::CoreStateOf;
+
+std::vector<int> AllDims(const DeviceMesh& mesh) {
+  std::vector<int> dims(static_cast<size_t>(mesh.ndim()));
+  for (int d = 0; d < mesh.ndim(); ++d) dims[static_cast<size_t>(d)] = d;
+  return dims;
+}
+
+Layout AllReplicate(int ndim) { return Layout(Placements(static_cast<size_t>(ndim), Replicate())); }
+
+// The layout with every Partial placement replaced by Replicate.
+Layout WithoutPartial(const Layout& l) {
+  Layout out = l;
+  for (int m = 0; m < l.ndim(); ++m) {
+    if (l[m].is_partial()) out = out.WithPlacement(m, Replicate());
+  }
+  return out;
+}
+
+// Product of the sizes of the mesh dims that are P(sum) in `l` (what R -> P divides by).
+int64_t SumPartialDivisor(const Layout& l, const DeviceMesh& mesh) {
+  int64_t divisor = 1;
+  for (int m = 0; m < l.ndim(); ++m) {
+    if (l[m].is_partial() && l[m].partial_op() == PartialOp::kSum) divisor *= mesh.size(m);
+  }
+  return divisor;
+}
+
+absl::Status CheckDevice(const char* op, const Tensor& t, const DeviceMesh& mesh) {
+  if (!mesh.defined()) return InvalidArg(op, "undefined (default-constructed) mesh");
+  if (!t.defined()) return InvalidArg(op, "undefined tensor");
+  if (t.device() != mesh.device()) {
+    return InvalidArg(op, "tensor on ", t.device().ToString(), " but ", mesh.ToString(), " moves tensors on ",
+                      mesh.device().ToString());
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+// ---- Construction ----
+
+absl::StatusOr<DTensor> DTensor::FromLocal(Tensor local, const DeviceMesh& mesh, const Layout& layout,
+                                           const FromLocalOptions& options) {
+  const char* op = "FromLocal";
+  DT_RETURN_IF_ERROR(CheckDevice(op, local, mesh));
+  DT_ASSIGN_OR_RETURN(Layout l, NormalizeLayout(op, layout, local.dim(), mesh.ndim()));
+  Shape global;
+  if (options.global_shape) {
+    global = *options.global_shape;
+    if (static_cast<int64_t>(global.size()) != local.dim()) {
+      return InvalidArg(op, "global shape ", ShapeString(global), " and local shape ", ShapeString(local.shape()),
+                        " have different ranks");
+    }
+    for (int64_t n : global) {
+      if (n < 0) return InvalidArg(op, "negative size in global shape ", ShapeString(global));
+    }
+  } else {
+    global.assign(local.shape().begin(), local.shape().end());
+    for (int m = 0; m < mesh.ndim(); ++m) {
+      if (l[m].is_shard()) global[static_cast<size_t>(l[m].shard_dim())] *= mesh.size(m);
+    }
+  }
+  if (options.run_check) {
+    // Every rank's shape and dtype, then the same verdict on every rank.
+    const int64_t nd = local.dim();
+    std::vector<int64_t> mine(local.shape().begin(), local.shape().end());
+    mine.push_back(static_cast<int64_t>(local.dtype()));
+    DT_ASSIGN_OR_RETURN(Tensor send, Tensor::FromVector<int64_t>(mine, {nd + 1}));
+    DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(AllDims(mesh)));
+    DT_ASSIGN_OR_RETURN(Tensor all, Tensor::Empty({mesh.size() * (nd + 1)}, DType::kInt64));
+    if (CommCounter* c = CoreStateOf(mesh).counter) c->Record(CommKind::kAllGather, all.nbytes() * 1);
+    DT_RETURN_IF_ERROR(comm->AllGather(send, all));
+    const int64_t* v = all.data<int64_t>();
+    if (!options.global_shape) {
+      // Along each sharded dim, the pieces of the ranks whose other coordinates are 0 tile it.
+      for (int64_t d = 0; d < nd; ++d) {
+        const auto sharders = l.ShardMeshDims(d);
+        if (sharders.empty()) {
+          global[static_cast<size_t>(d)] = v[d];
+          continue;
+        }
+        int64_t total = 0;
+        for (int64_t r = 0; r < mesh.size(); ++r) {
+          const Shape c = UnravelIndex(mesh.shape(), r);
+          bool line = true;
+          for (int m = 0; m < mesh.ndim(); ++m) {
+            if (std::find(sharders.begin(), sharders.end(), m) == sharders.end() && c[static_cast<size_t>(m)] != 0) {
+              line = false;
+            }
+          }
+          if (line) total += v[r * (nd + 1) + d];
+        }
+        global[static_cast<size_t>(d)] = total;
+      }
+    }
+    for (int64_t r = 0; r < mesh.size(); ++r) {
+      const Shape c = UnravelIndex(mesh.shape(), r);
+      const LocalBox box = LocalBoxOf(global, mesh.shape(), l, c);
+      const Shape got(v + r * (nd + 1), v + r * (nd + 1) + nd);
+      if (got != box.shape || v[r * (nd + 1) + nd] != static_cast<int64_t>(local.dtype())) {
+        return InvalidArg(op, "mesh rank ", r, " holds a ", DTypeName(static_cast<DType>(v[r * (nd + 1) + nd])),
+                          " tensor of shape ", ShapeString(got), " but ", l.ToString(), " of global shape ",
+                          ShapeString(global), " gives it ", ShapeString(box.shape), " (", DTypeName(local.dtype()),
+                          " here)");
+      }
+    }
+  }
+  const LocalBox box = LocalBoxOf(global, mesh.shape(), l, mesh.coordinate());
+  if (box.shape != Shape(local.shape().begin(), local.shape().end())) {
+    return InvalidArg(op, "local shape ", ShapeString(local.shape()), " is not this rank's piece ",
+                      ShapeString(box.shape), " of global shape ", ShapeString(global), " laid out as ", l.ToString(),
+                      " on ", mesh.ToString(),
+                      options.global_shape ? "" : " (uneven shards: pass global_shape or set run_check)");
+  }
+  return DTensor(std::move(local), mesh, std::move(l), std::move(global));
+}
+
+absl::StatusOr<DTensor> DTensor::Distribute(const Tensor& global, const DeviceMesh& mesh, const Layout& layout,
+                                            const DistributeOptions& options) {
+  const char* op = "Distribute";
+  DT_RETURN_IF_ERROR(CheckDevice(op, global, mesh));
+  DT_ASSIGN_OR_RETURN(Layout l, NormalizeLayout(op, layout, global.dim(), mesh.ndim()));
+  const Layout base = WithoutPartial(l);
+  const Shape shape(global.shape().begin(), global.shape().end());
+  const LocalBox whole{Shape(shape.size(), 0), shape};
+  const LocalBox mine = LocalBoxOf(shape, mesh.shape(), base, mesh.coordinate());
+  Tensor local;
+  if (!options.src_rank) {
+    DT_ASSIGN_OR_RETURN(Tensor piece, internal::RegionOf(global, whole, mine));
+    DT_ASSIGN_OR_RETURN(local, Clone(piece));
+  } else {
+    const int src = *options.src_rank;
+    if (src < 0 || src >= mesh.size()) {
+      return InvalidArg(op, "source rank ", src, " is not a rank of ", mesh.ToString(), " (0 to ", mesh.size() - 1,
+                        ")");
+    }
+    DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(AllDims(mesh)));
+    CommCounter* counter = CoreStateOf(mesh).counter;
+    if (base.is_replicated()) {
+      if (comm->rank() == src) {
+        DT_ASSIGN_OR_RETURN(local, Clone(global));
+      } else {
+        DT_ASSIGN_OR_RETURN(local, Tensor::Empty(shape, global.dtype(), global.device()));
+      }
+      if (counter != nullptr) counter->Record(CommKind::kBroadcast, static_cast<int64_t>(local.nbytes()));
+      DT_RETURN_IF_ERROR(comm->Broadcast(local, src));
+    } else {
+      // A scatter: only the source sends, each rank receives its own piece.
+      std::vector<LocalBox> send(static_cast<size_t>(comm->size()), LocalBox{mine.offset, Shape(shape.size(), 0)});
+      std::vector<LocalBox> recv = send;
+      if (comm->rank() == src) {
+        for (int j = 0; j < comm->size(); ++j) {
+          send[static_cast<size_t>(j)] = LocalBoxOf(shape, mesh.shape(), base, UnravelIndex(mesh.shape(), j));
+        }
+      }
+      recv[static_cast<size_t>(src)] = mine;
+      DT_ASSIGN_OR_RETURN(local, internal::TransferBoxes(*comm, global, whole, send, mine, recv, counter));
+    }
+  }
+  const int64_t divisor = SumPartialDivisor(l, mesh);
+  if (divisor > 1) {
+    DT_ASSIGN_OR_RETURN(local, internal::DivideForPartial(local, divisor));
+  }
+  return DTensor(std::move(local), mesh, std::move(l), shape);
+}
+
+LocalBox DTensor::local_box() const { return LocalBoxOf(global_shape_, mesh_.shape(), layout_, mesh_.coordinate()); }
+
+// ---- Redistribution ----
+
+absl::StatusOr<DTensor> DTensor::Redistribute(const Layout& layout) const {
+  if (!defined()) return InvalidArg("Redistribute", "undefined DTensor");
+  DT_ASSIGN_OR_RETURN(
+      std::shared_ptr<const RedistributePlan> plan,
+      PlannerOf(mesh_).Plan(global_shape_, mesh_.shape(), layout_, layout, static_cast<int64_t>(ElementSize(dtype()))));
+  DT_ASSIGN_OR_RETURN(Tensor local, internal::ExecuteSteps(*plan, 0, local_, mesh_));
+  return DTensor(std::move(local), mesh_, plan->dst, global_shape_);
+}
+
+struct PendingDTensor::State {
+  std::shared_ptr<const RedistributePlan> plan;
+  DeviceMesh mesh;
+  size_t next = 0;  // first step not started
+  internal::StartedStep started;
+  Tensor local;  // the input of the started step (kept alive), or the result so far
+  bool waited = false;
+};
+
+PendingDTensor::~PendingDTensor() {
+  // A collective in flight reads and writes buffers this state owns: finish it first.
+  if (state_ != nullptr && state_->started.work != nullptr && !state_->waited) (void)state_->started.work->Wait();
+}
+
+absl::StatusOr<PendingDTensor> DTensor::RedistributeAsync(const Layout& layout) const {
+  if (!defined()) return InvalidArg("Redistribute", "undefined DTensor");
+  auto state = std::make_unique<PendingDTensor::State>();
+  DT_ASSIGN_OR_RETURN(state->plan, PlannerOf(mesh_).Plan(global_shape_, mesh_.shape(), layout_, layout,
+                                                         static_cast<int64_t>(ElementSize(dtype()))));
+  state->mesh = mesh_;
+  state->local = local_;
+  // Local steps up to the first collective run now; the collective is started.
+  const RedistributePlan& plan = *state->plan;
+  while (state->next < plan.steps.size()) {
+    DT_ASSIGN_OR_RETURN(internal::StartedStep s,
+                        internal::StartStep(plan.steps[state->next], state->local, mesh_, global_shape_));
+    ++state->next;
+    if (s.work != nullptr) {
+      state->started = std::move(s);
+      break;
+    }
+    DT_ASSIGN_OR_RETURN(state->local, s.finish());
+  }
+  PendingDTensor pending;
+  pending.state_ = std::move(state);
+  return pending;
+}
+
+bool PendingDTensor::IsCompleted() {
+  return state_ == nullptr || state_->started.work == nullptr || state_->started.work->IsCompleted();
+}
+
+absl::StatusOr<DTensor> PendingDTensor::Wait() {
+  if (state_ == nullptr || state_->waited) return absl::FailedPreconditionError("[Redistribute] Wait called twice");
+  State& s = *state_;
+  s.waited = true;
+  if (s.started.work != nullptr) {
+    DT_RETURN_IF_ERROR(s.started.work->Wait());
+    DT_ASSIGN_OR_RETURN(s.local, s.started.finish());
+  }
+  DT_ASSIGN_OR_RETURN(Tensor local, internal::ExecuteSteps(*s.plan, s.next, s.local, s.mesh));
+  return DTensor(std::move(local), s.mesh, s.plan->dst, s.plan->global_shape);
+}
+
+absl::StatusOr<DTensor> DTensor::Redistribute(const DeviceMesh& mesh, const Layout& layout) const {
+  const char* op = "Redistribute";
+  if (!defined()) return InvalidArg(op, "undefined DTensor");
+  if (!mesh.defined()) return InvalidArg(op, "undefined (default-constructed) target mesh");
+  if (mesh.SameAs(mesh_)) return Redistribute(layout);
+  Communicator& world = mesh_.world();
+  if (&mesh.world() != &world || mesh_.size() != world.size() || mesh.size() != world.size()) {
+    return InvalidArg(op, "from ", mesh_.ToString(), " to ", mesh.ToString(),
+                      ": cross-mesh redistribution needs two meshes that each span the same whole communicator");
+  }
+  DT_ASSIGN_OR_RETURN(Layout target, NormalizeLayout(op, layout, dim(), mesh.ndim()));
+  // 1. Reduce Partial values on the source mesh.
+  DTensor x = *this;
+  if (layout_.has_partial()) {
+    DT_ASSIGN_OR_RETURN(x, Redistribute(WithoutPartial(layout_)));
+  }
+  // 2. One all_to_all over the world: rank v receives its new box from itself if it already
+  // holds it, else from the ranks of one replica of the source (each element once).
+  const Layout target_base = WithoutPartial(target);
+  const std::vector<int> src_ranks = mesh_.ranks();
+  const std::vector<int> dst_ranks = mesh.ranks();
+  const int n = world.size();
+  std::vector<LocalBox> before(static_cast<size_t>(n)), after(static_cast<size_t>(n));
+  std::vector<bool> tiling(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    const Shape c = UnravelIndex(mesh_.shape(), i);
+    const size_t w = static_cast<size_t>(src_ranks[static_cast<size_t>(i)]);
+    before[w] = LocalBoxOf(global_shape_, mesh_.shape(), x.layout_, c);
+    bool first_replica = true;
+    for (int m = 0; m < mesh_.ndim(); ++m) first_replica &= x.layout_[m].is_shard() || c[static_cast<size_t>(m)] == 0;
+    tiling[w] = first_replica;
+    after[static_cast<size_t>(dst_ranks[static_cast<size_t>(i)])] =
+        LocalBoxOf(global_shape_, mesh.shape(), target_base, UnravelIndex(mesh.shape(), i));
+  }
+  auto contains = [](const LocalBox& outer, const LocalBox& inner) { return Intersect(outer, inner) == inner; };
+  auto sends = [&](int w, int v) {  // what world rank w sends to world rank v
+    const size_t sw = static_cast<size_t>(w), sv = static_cast<size_t>(v);
+    const bool from_self = contains(before[sv], after[sv]);
+    if (from_self ? w != v : !tiling[sw]) return LocalBox{after[sv].offset, Shape(after[sv].shape.size(), 0)};
+    return Intersect(before[sw], after[sv]);
+  };
+  bool all_local = true;
+  for (int v = 0; v < n; ++v) all_local &= contains(before[static_cast<size_t>(v)], after[static_cast<size_t>(v)]);
+  const int me = world.rank();
+  Tensor local;
+  if (all_local) {
+    DT_ASSIGN_OR_RETURN(Tensor piece,
+                        internal::RegionOf(x.local_, before[static_cast<size_t>(me)], after[static_cast<size_t>(me)]));
+    DT_ASSIGN_OR_RETURN(local, Clone(piece));
+  } else {
+    std::vector<LocalBox> send(static_cast<size_t>(n)), recv(static_cast<size_t>(n));
+    for (int j = 0; j < n; ++j) {
+      send[static_cast<size_t>(j)] = sends(me, j);
+      recv[static_cast<size_t>(j)] = sends(j, me);
+    }
+    DT_ASSIGN_OR_RETURN(Tensor input, Contiguous(x.local_));
+    DT_ASSIGN_OR_RETURN(local,
+                        internal::TransferBoxes(world, input, before[static_cast<size_t>(me)], send,
+                                                after[static_cast<size_t>(me)], recv, CoreStateOf(mesh_).counter));
+  }
+  // 3. Partial placements of the target, locally.
+  const int64_t divisor = SumPartialDivisor(target, mesh);
+  if (divisor > 1) {
+    DT_ASSIGN_OR_RETURN(local, internal::DivideForPartial(local, divisor));
+  }
+  return DTensor(std::move(local), mesh, std::move(target), global_shape_);
+}
+
+absl::StatusOr<Tensor> DTensor::FullTensor() const {
+  if (!defined()) return InvalidArg("FullTensor", "undefined DTensor");
+  DT_ASSIGN_OR_RETURN(DTensor full, Redistribute(AllReplicate(mesh_.ndim())));
+  return full.local_;
+}
+
+std::string DTensor::ToString() const {
+  if (!defined()) return "DTensor(undefined)";
+  return absl::StrCat("DTensor(shape=", ShapeString(global_shape_), ", dtype=", DTypeName(dtype()),
+                      ", mesh=", mesh_.ToString(), ", placements=", layout_.ToString(),
+                      ", local=", ShapeString(local_.shape()), ")");
+}
+
+// ---- Mesh-attached state and debugging ----
+
+void SetCommCounter(const DeviceMesh& mesh, CommCounter* counter) { CoreStateOf(mesh).counter = counter; }
+
+RedistributePlanner& PlannerOf(const DeviceMesh& mesh) { return CoreStateOf(mesh).planner; }
+
+namespace {
+
+std::string Visualize(IntSpan global_shape, const char* dtype, const DeviceMesh& mesh, const Layout& layout) {
+  auto normalized =
+      NormalizeLayout("VisualizeSharding", layout, static_cast<int64_t>(global_shape.size()), mesh.ndim());
+  if (!normalized.ok()) return std::string(normalized.status().message());
+  const Layout& l = *normalized;
+  std::string out = absl::StrCat("DTensor ", ShapeString(global_shape), dtype == nullptr ? "" : " ",
+                                 dtype == nullptr ? "" : dtype, " on ", mesh.ToString(), " as ", l.ToString());
+  // Distinct boxes in order of their offsets, each with the world ranks holding it.
+  std::map<std::pair<Shape, Shape>, std::vector<int>> blocks;
+  const std::vector<int> ranks = mesh.ranks();
+  for (int64_t i = 0; i < mesh.size(); ++i) {
+    const LocalBox b = LocalBoxOf(global_shape, mesh.shape(), l, UnravelIndex(mesh.shape(), i));
+    blocks[{b.offset, b.shape}].push_back(ranks[static_cast<size_t>(i)]);
+  }
+  for (const auto& [box, holders] : blocks) {
+    std::vector<std::string> ranges;
+    for (size_t d = 0; d < box.first.size(); ++d) {
+      ranges.push_back(absl::StrCat(box.first[d], ":", box.first[d] + box.second[d]));
+    }
+    absl::StrAppend(&out, "\n  [", absl::StrJoin(ranges, ", "), "]  rank", holders.size() == 1 ? " " : "s ",
+                    absl::StrJoin(holders, ", "));
+  }
+  if (const auto op = l.partial_op()) absl::StrAppend(&out, "\n  (partial ", PartialOpName(*op), ")");
+  return out;
+}
+
+}  // namespace
+
+std::string VisualizeSharding(IntSpan global_shape, const DeviceMesh& mesh, const Layout& layout) {
+  return Visualize(global_shape, nullptr, mesh, layout);
+}
+
+std::string VisualizeSharding(const DTensor& x) {
+  if (!x.defined()) return "DTensor(undefined)";
+  return Visualize(x.shape(), DTypeName(x.dtype()), x.mesh(), x.layout());
+}
+
+}  // namespace dtensor

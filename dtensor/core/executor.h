@@ -1,0 +1,56 @@
+// Internal to dtensor/core: the executor of redistribution plans and the per-mesh state of
+// this layer. Not installed.
+#ifndef DTENSOR_CORE_EXECUTOR_H_
+#define DTENSOR_CORE_EXECUTOR_H_
+
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "collectives/communicator.h"
+#include "dtensor/core/comm_counter.h"
+#include "dtensor/core/plan.h"
+#include "mesh/device_mesh.h"
+
+namespace dtensor::internal {
+
+// Kept in MeshRoot::core_state: shared by a mesh and its views, one per rank.
+struct CoreState {
+  RedistributePlanner planner;
+  CommCounter* counter = nullptr;
+};
+CoreState& CoreStateOf(const DeviceMesh& mesh);
+
+CommReduceOp ToCommReduceOp(PartialOp op);
+
+// A view of `t` (whose box is `t_box`) restricted to `region` (inside t_box).
+absl::StatusOr<Tensor> RegionOf(const Tensor& t, const LocalBox& t_box, const LocalBox& region);
+
+// A collective step in flight: wait for `work`, then `finish` returns the step's output.
+struct StartedStep {
+  std::unique_ptr<Work> work;
+  std::function<absl::StatusOr<Tensor>()> finish;
+};
+
+// Starts step `step` of a plan for the global shape `global_shape` on `mesh`, with this rank's
+// input `local` (its box in step.before). Local steps complete at once (work is null).
+absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor& local, const DeviceMesh& mesh,
+                                      IntSpan global_shape);
+// Runs steps [first, end) of `plan` on `local`, synchronously.
+absl::StatusOr<Tensor> ExecuteSteps(const RedistributePlan& plan, size_t first, Tensor local, const DeviceMesh& mesh);
+
+// Moves boxes between the ranks of `comm` in one all_to_all: send_regions[j] (a region of
+// `local`, whose box is local_box) goes to rank j, recv_regions[j] (a region of the output,
+// whose box is out_box) comes from rank j. Empty regions send nothing. Records one all_to_all
+// into `counter` (if any) with the bytes this rank sends.
+absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, const LocalBox& local_box,
+                                     absl::Span<const LocalBox> send_regions, const LocalBox& out_box,
+                                     absl::Span<const LocalBox> recv_regions, CommCounter* counter);
+
+// Divides by `divisor` (R -> P(sum)); a copy, any dtype (integers truncate).
+absl::StatusOr<Tensor> DivideForPartial(const Tensor& x, int64_t divisor);
+
+}  // namespace dtensor::internal
+
+#endif  // DTENSOR_CORE_EXECUTOR_H_

@@ -1,0 +1,263 @@
+// The executor: runs the steps of a RedistributePlan with the mesh's communicators. Every
+// step is box arithmetic — which rank holds which box before and after — and one collective
+// whose blocks are those boxes: the V collectives move exactly the elements of uneven shards.
+#include <algorithm>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "dtensor/core/executor.h"
+#include "dtensor/ops/ops.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor::internal {
+namespace {
+
+using Dims = absl::InlinedVector<int, 4>;
+
+Dims Sorted(absl::Span<const int> dims) {
+  Dims out(dims.begin(), dims.end());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// True when `parts` (in order, each inside `whole`) are consecutive row-major blocks of a
+// contiguous tensor holding `whole`: part j starts at element sum(numel(parts[<j])). Then a
+// collective can read or write the whole tensor directly, without packing.
+bool ConsecutiveBlocks(const LocalBox& whole, absl::Span<const LocalBox> parts) {
+  const size_t nd = whole.shape.size();
+  size_t split = nd;
+  for (const LocalBox& p : parts) {
+    if (p.numel() == 0) continue;
+    for (size_t d = 0; d < nd; ++d) {
+      if (p.offset[d] != whole.offset[d] || p.shape[d] != whole.shape[d]) {
+        if (split != nd && split != d) return false;
+        split = d;
+      }
+    }
+  }
+  if (split == nd) return parts.size() <= 1 || NumElements(whole.shape) == 0;
+  for (size_t d = 0; d < split; ++d) {
+    if (whole.shape[d] != 1) return false;
+  }
+  int64_t next = whole.offset[split];
+  for (const LocalBox& p : parts) {
+    if (p.numel() == 0) continue;
+    if (p.offset[split] != next) return false;
+    next += p.shape[split];
+  }
+  return true;
+}
+
+std::vector<int64_t> Counts(absl::Span<const LocalBox> boxes) {
+  std::vector<int64_t> counts;
+  counts.reserve(boxes.size());
+  for (const LocalBox& b : boxes) counts.push_back(b.numel());
+  return counts;
+}
+
+// Block j of a flat staging tensor, viewed with `shape`.
+absl::StatusOr<Tensor> Block(const Tensor& flat, int64_t start, IntSpan shape) {
+  DT_ASSIGN_OR_RETURN(Tensor piece, flat.Narrow(0, start, NumElements(shape)));
+  return piece.View(shape);
+}
+
+void Record(CommKind kind, int64_t bytes, const DeviceMesh& mesh) {
+  if (CommCounter* c = CoreStateOf(mesh).counter) c->Record(kind, bytes);
+}
+
+StartedStep Done(Tensor t) {
+  return StartedStep{nullptr, [t = std::move(t)]() -> absl::StatusOr<Tensor> { return t; }};
+}
+
+}  // namespace
+
+CoreState& CoreStateOf(const DeviceMesh& mesh) {
+  std::shared_ptr<void>& slot = mesh.root().core_state;
+  if (slot == nullptr) slot = std::make_shared<CoreState>();
+  return *static_cast<CoreState*>(slot.get());
+}
+
+CommReduceOp ToCommReduceOp(PartialOp op) {
+  switch (op) {
+    case PartialOp::kSum:
+      return CommReduceOp::kSum;
+    case PartialOp::kAvg:
+      return CommReduceOp::kAvg;
+    case PartialOp::kMax:
+      return CommReduceOp::kMax;
+    case PartialOp::kMin:
+      return CommReduceOp::kMin;
+  }
+  return CommReduceOp::kSum;
+}
+
+absl::StatusOr<Tensor> RegionOf(const Tensor& t, const LocalBox& t_box, const LocalBox& region) {
+  Tensor view = t;
+  for (size_t d = 0; d < region.shape.size(); ++d) {
+    const int64_t start = region.offset[d] - t_box.offset[d];
+    if (start < 0 || start + region.shape[d] > t_box.shape[d]) {
+      return absl::InternalError(absl::StrCat("[Redistribute] region at ", ShapeString(region.offset), " of shape ",
+                                              ShapeString(region.shape), " is outside the box at ",
+                                              ShapeString(t_box.offset), " of shape ", ShapeString(t_box.shape)));
+    }
+    DT_ASSIGN_OR_RETURN(view, view.Narrow(static_cast<int64_t>(d), start, region.shape[d]));
+  }
+  return view;
+}
+
+absl::StatusOr<Tensor> DivideForPartial(const Tensor& x, int64_t divisor) {
+  if (divisor == 1) return Clone(x);
+  return BinaryScalar(BinaryOp::kDiv, x, static_cast<double>(divisor));
+}
+
+absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, const LocalBox& local_box,
+                                     absl::Span<const LocalBox> send_regions, const LocalBox& out_box,
+                                     absl::Span<const LocalBox> recv_regions, CommCounter* counter) {
+  const std::vector<int64_t> send_counts = Counts(send_regions);
+  const std::vector<int64_t> recv_counts = Counts(recv_regions);
+  const int64_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
+  const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
+  DT_ASSIGN_OR_RETURN(Tensor send, Tensor::Empty({send_total}, local.dtype(), local.device()));
+  DT_ASSIGN_OR_RETURN(Tensor recv, Tensor::Empty({recv_total}, local.dtype(), local.device()));
+  int64_t at = 0;
+  for (size_t j = 0; j < send_regions.size(); ++j) {
+    if (send_counts[j] == 0) continue;
+    DT_ASSIGN_OR_RETURN(Tensor src, RegionOf(local, local_box, send_regions[j]));
+    DT_ASSIGN_OR_RETURN(Tensor dst, Block(send, at, send_regions[j].shape));
+    DT_RETURN_IF_ERROR(Copy_(dst, src));
+    at += send_counts[j];
+  }
+  if (counter != nullptr)
+    counter->Record(CommKind::kAllToAll, send_total * static_cast<int64_t>(ElementSize(local.dtype())));
+  DT_RETURN_IF_ERROR(comm.AllToAllV(send, recv, send_counts, recv_counts));
+  DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_box.shape, local.dtype(), local.device()));
+  at = 0;
+  for (size_t j = 0; j < recv_regions.size(); ++j) {
+    if (recv_counts[j] == 0) continue;
+    DT_ASSIGN_OR_RETURN(Tensor dst, RegionOf(out, out_box, recv_regions[j]));
+    DT_ASSIGN_OR_RETURN(Tensor src, Block(recv, at, recv_regions[j].shape));
+    DT_RETURN_IF_ERROR(Copy_(dst, src));
+    at += recv_counts[j];
+  }
+  return out;
+}
+
+absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor& local, const DeviceMesh& mesh,
+                                      IntSpan global_shape) {
+  const IntSpan mshape = mesh.shape();
+  const IntSpan coord = mesh.coordinate();
+  const LocalBox before = LocalBoxOf(global_shape, mshape, step.before, coord);
+  const LocalBox after = LocalBoxOf(global_shape, mshape, step.after, coord);
+  const int64_t esize = static_cast<int64_t>(ElementSize(local.dtype()));
+  switch (step.kind) {
+    case StepKind::kRelabel:
+      return Done(local);
+    case StepKind::kChunk: {
+      DT_ASSIGN_OR_RETURN(Tensor piece, RegionOf(local, before, after));
+      DT_ASSIGN_OR_RETURN(Tensor copy, Clone(piece));
+      return Done(std::move(copy));
+    }
+    case StepKind::kToPartial: {
+      const PartialOp op = step.after[step.mesh_dims[0]].partial_op();
+      if (op != PartialOp::kSum) return Done(local);
+      DT_ASSIGN_OR_RETURN(Tensor part, DivideForPartial(local, mshape[static_cast<size_t>(step.mesh_dims[0])]));
+      return Done(std::move(part));
+    }
+    default:
+      break;
+  }
+  const Dims group = Sorted(step.mesh_dims);
+  DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(group));
+  const std::vector<Shape> members = GroupCoords(mshape, coord, group);
+  DT_ASSIGN_OR_RETURN(Tensor input, Contiguous(local));
+  switch (step.kind) {
+    case StepKind::kAllReduce: {
+      DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(before.shape, local.dtype(), local.device()));
+      Record(CommKind::kAllReduce, before.numel() * esize, mesh);
+      DT_ASSIGN_OR_RETURN(auto work, comm->AllReduceAsync(input, out, ToCommReduceOp(*step.before.partial_op())));
+      return StartedStep{std::move(work), [out, input]() -> absl::StatusOr<Tensor> {
+                           (void)input;  // kept alive until the collective is done
+                           return out;
+                         }};
+    }
+    case StepKind::kAllGather: {
+      std::vector<LocalBox> parts;
+      for (const Shape& c : members) parts.push_back(LocalBoxOf(global_shape, mshape, step.before, c));
+      std::vector<int64_t> counts = Counts(parts);
+      DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(after.shape, local.dtype(), local.device()));
+      Record(CommKind::kAllGather, after.numel() * esize, mesh);
+      if (ConsecutiveBlocks(after, parts)) {
+        DT_ASSIGN_OR_RETURN(auto work, comm->AllGatherVAsync(input, out, counts));
+        return StartedStep{std::move(work), [out, input]() -> absl::StatusOr<Tensor> {
+                             (void)input;  // kept alive until the collective is done
+                             return out;
+                           }};
+      }
+      DT_ASSIGN_OR_RETURN(Tensor staging, Tensor::Empty({after.numel()}, local.dtype(), local.device()));
+      DT_ASSIGN_OR_RETURN(auto work, comm->AllGatherVAsync(input, staging, counts));
+      auto finish = [out, input, staging, after, parts = std::move(parts)]() -> absl::StatusOr<Tensor> {
+        (void)input;
+        int64_t at = 0;
+        for (const LocalBox& p : parts) {
+          if (p.numel() == 0) continue;
+          DT_ASSIGN_OR_RETURN(Tensor dst, RegionOf(out, after, p));
+          DT_ASSIGN_OR_RETURN(Tensor src, Block(staging, at, p.shape));
+          DT_RETURN_IF_ERROR(Copy_(dst, src));
+          at += p.numel();
+        }
+        return out;
+      };
+      return StartedStep{std::move(work), std::move(finish)};
+    }
+    case StepKind::kReduceScatter: {
+      std::vector<LocalBox> parts;
+      for (const Shape& c : members) parts.push_back(LocalBoxOf(global_shape, mshape, step.after, c));
+      std::vector<int64_t> counts = Counts(parts);
+      DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(after.shape, local.dtype(), local.device()));
+      Tensor send = input;
+      if (!ConsecutiveBlocks(before, parts)) {
+        DT_ASSIGN_OR_RETURN(send, Tensor::Empty({before.numel()}, local.dtype(), local.device()));
+        int64_t at = 0;
+        for (const LocalBox& p : parts) {
+          if (p.numel() == 0) continue;
+          DT_ASSIGN_OR_RETURN(Tensor src, RegionOf(input, before, p));
+          DT_ASSIGN_OR_RETURN(Tensor dst, Block(send, at, p.shape));
+          DT_RETURN_IF_ERROR(Copy_(dst, src));
+          at += p.numel();
+        }
+      }
+      Record(CommKind::kReduceScatter, before.numel() * esize, mesh);
+      DT_ASSIGN_OR_RETURN(auto work,
+                          comm->ReduceScatterVAsync(send, out, counts, ToCommReduceOp(*step.before.partial_op())));
+      // The buffers must live until the collective is done: the finisher holds them.
+      return StartedStep{std::move(work), [out, send, input]() -> absl::StatusOr<Tensor> {
+                           (void)send;
+                           (void)input;
+                           return out;
+                         }};
+    }
+    case StepKind::kAllToAll: {
+      std::vector<LocalBox> send_regions, recv_regions;
+      for (const Shape& c : members) {
+        send_regions.push_back(Intersect(before, LocalBoxOf(global_shape, mshape, step.after, c)));
+        recv_regions.push_back(Intersect(LocalBoxOf(global_shape, mshape, step.before, c), after));
+      }
+      DT_ASSIGN_OR_RETURN(Tensor out, TransferBoxes(*comm, input, before, send_regions, after, recv_regions,
+                                                    CoreStateOf(mesh).counter));
+      return Done(std::move(out));
+    }
+    default:
+      return absl::InternalError(absl::StrCat("[Redistribute] unknown step ", StepKindName(step.kind)));
+  }
+}
+
+absl::StatusOr<Tensor> ExecuteSteps(const RedistributePlan& plan, size_t first, Tensor local, const DeviceMesh& mesh) {
+  for (size_t i = first; i < plan.steps.size(); ++i) {
+    DT_ASSIGN_OR_RETURN(StartedStep started, StartStep(plan.steps[i], local, mesh, plan.global_shape));
+    if (started.work != nullptr) DT_RETURN_IF_ERROR(started.work->Wait());
+    DT_ASSIGN_OR_RETURN(local, started.finish());
+  }
+  return local;
+}
+
+}  // namespace dtensor::internal

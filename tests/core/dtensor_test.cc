@@ -1,0 +1,461 @@
+// Focused tests of DTensor on the threads backend, each against expectations computed here:
+// Distribute (scatter and broadcast from a source rank, local chunks without one), FromLocal's
+// inference of the global shape, ToString, VisualizeSharding, RedistributeAsync, the plan
+// cache, and redistribution across meshes over the same world (4 <-> 2x2).
+#include "dtensor/core/dtensor.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/core/suite_util.h"
+#include "tests/testing/test_util.h"
+
+namespace dtensor {
+namespace {
+
+using suite::Spec;
+using ::testing::HasSubstr;
+using testing::Unwrap;
+
+void RunRanks(int world, const std::function<void(int rank, Communicator& comm)>& fn) {
+  const double seconds = suite::RunThreads(world, fn);
+  EXPECT_GE(seconds, 0) << "MakeThreadGroup failed";
+  EXPECT_LT(seconds, 10.0) << "took too long: something waited for a timeout";
+}
+
+// This rank's box of `values` (a global tensor of `shape`) under `spec`, as a tensor.
+Tensor BoxTensor(const std::vector<double>& values, IntSpan shape, DType dtype, const Spec& spec, IntSpan mesh,
+                 IntSpan coord) {
+  const suite::Box b = suite::NaiveBox(shape, mesh, spec, coord);
+  return suite::MakeTensor(suite::BoxValues(values, shape, b), b.shape, dtype);
+}
+
+std::vector<double> Scaled(std::vector<double> v, double f) {
+  for (double& x : v) x *= f;
+  return v;
+}
+
+Shape ShapeOf(IntSpan s) { return Shape(s.begin(), s.end()); }
+
+const DType kDTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kInt64};
+
+// ---- Distribute ----
+
+std::vector<Spec> DistributeSpecs() {
+  return {
+      {{Shard(0), Shard(1)}, {}},       {{Shard(1), Shard(0)}, {}},
+      {{Shard(0), Shard(0)}, {}},       {{Shard(0), Shard(0)}, {{0, {1, 0}}}},
+      {{Replicate(), Shard(1)}, {}},    {{Shard(1), Replicate()}, {}},
+      {{Replicate(), Replicate()}, {}},
+  };
+}
+
+// The source rank's values are scattered: every rank gets its box of them, whatever the
+// others passed; the input is not modified.
+TEST(DTensorDistribute, ScattersFromSourceRank) {
+  for (DType dtype : kDTypes) {
+    for (const Shape& shape : {Shape{7, 5}, Shape{8, 6}, Shape{1, 1}, Shape{0, 3}}) {
+      const std::vector<double> src_vals = suite::GlobalValues(shape, dtype, false, 11);
+      for (const Spec& spec : DistributeSpecs()) {
+        SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " ", ShapeString(shape), " ", suite::SpecString(spec)));
+        RunRanks(4, [&](int rank, Communicator& comm) {
+          DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}));
+          const std::vector<double> mine = rank == 2 ? src_vals : suite::GlobalValues(shape, dtype, false, 100 + rank);
+          const Tensor input = suite::MakeTensor(mine, shape, dtype);
+          CommCounter counter;
+          SetCommCounter(mesh, &counter);
+          DTensor x = Unwrap(DTensor::Distribute(input, mesh, Unwrap(suite::ToLayout(spec)), {2}));
+          SetCommCounter(mesh, nullptr);
+          EXPECT_EQ(suite::CompareBits(x.ToLocal(), BoxTensor(src_vals, shape, dtype, spec, {2, 2}, mesh.coordinate())),
+                    "")
+              << "rank " << rank;
+          EXPECT_EQ(suite::CompareBits(input, suite::MakeTensor(mine, shape, dtype)), "") << "input modified";
+          EXPECT_EQ(ShapeOf(x.shape()), shape);
+          EXPECT_EQ(x.dtype(), dtype);
+          EXPECT_EQ(x.layout(), Unwrap(suite::ToLayout(spec)));
+          EXPECT_GE(counter.total_calls(), 1) << "rank " << rank << ": values moved without a recorded collective";
+          Tensor full = Unwrap(x.FullTensor());
+          EXPECT_EQ(suite::CompareBits(full, suite::MakeTensor(src_vals, shape, dtype)), "") << "rank " << rank;
+        });
+      }
+    }
+  }
+}
+
+// Replicate everywhere: one broadcast of the whole tensor from the source rank.
+TEST(DTensorDistribute, BroadcastsReplicatedFromSourceRank) {
+  for (DType dtype : kDTypes) {
+    const Shape shape = {5, 3};
+    const std::vector<double> src_vals = suite::GlobalValues(shape, dtype, false, 12);
+    RunRanks(3, [&](int rank, Communicator& comm) {
+      DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {3}));
+      const Tensor input =
+          suite::MakeTensor(rank == 1 ? src_vals : suite::GlobalValues(shape, dtype, false, rank), shape, dtype);
+      CommCounter counter;
+      SetCommCounter(mesh, &counter);
+      DTensor x = Unwrap(DTensor::Distribute(input, mesh, Layout({Replicate()}), {1}));
+      SetCommCounter(mesh, nullptr);
+      EXPECT_EQ(suite::CompareBits(x.ToLocal(), suite::MakeTensor(src_vals, shape, dtype)), "") << "rank " << rank;
+      EXPECT_EQ(counter.calls(CommKind::kBroadcast), 1);
+      EXPECT_EQ(counter.bytes(CommKind::kBroadcast), 15 * static_cast<int64_t>(ElementSize(dtype)));
+      EXPECT_EQ(counter.total_calls(), 1) << counter.ToString();
+    });
+  }
+}
+
+// Partial placements start from the full value: P(sum) divides by the mesh dim size, avg and
+// max keep it.
+TEST(DTensorDistribute, PartialPlacementsFromSourceRank) {
+  for (DType dtype : kDTypes) {
+    const Shape shape = {4, 6};
+    const std::vector<double> v = suite::GlobalValues(shape, dtype, /*exact_partial=*/true, 13);
+    struct Want {
+      Spec spec;
+      double factor;  // local = factor * box
+    };
+    const std::vector<Want> wants = {
+        {{{Partial(PartialOp::kSum), Replicate()}, {}}, 0.5},
+        {{{Partial(PartialOp::kSum), Partial(PartialOp::kSum)}, {}}, 0.25},
+        {{{Shard(1), Partial(PartialOp::kSum)}, {}}, 0.5},
+        {{{Partial(PartialOp::kAvg), Partial(PartialOp::kAvg)}, {}}, 1.0},
+        {{{Partial(PartialOp::kMax), Shard(0)}, {}}, 1.0},
+        {{{Partial(PartialOp::kMin), Shard(1)}, {}}, 1.0},
+    };
+    for (const Want& w : wants) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " ", suite::SpecString(w.spec)));
+      RunRanks(4, [&](int rank, Communicator& comm) {
+        DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}));
+        const Tensor input =
+            suite::MakeTensor(rank == 0 ? v : suite::GlobalValues(shape, dtype, true, 50), shape, dtype);
+        DTensor x = Unwrap(DTensor::Distribute(input, mesh, Unwrap(suite::ToLayout(w.spec)), {0}));
+        EXPECT_EQ(suite::CompareBits(x.ToLocal(),
+                                     BoxTensor(Scaled(v, w.factor), shape, dtype, w.spec, {2, 2}, mesh.coordinate())),
+                  "")
+            << "rank " << rank;
+        Tensor full = Unwrap(x.FullTensor());
+        EXPECT_EQ(suite::CompareBits(full, suite::MakeTensor(v, shape, dtype)), "") << "rank " << rank;
+      });
+    }
+  }
+}
+
+// src_rank = nullopt: every rank holds the full tensor and keeps its chunk, no communication.
+TEST(DTensorDistribute, LocalChunkWithoutSourceRank) {
+  const Shape shape = {7, 5};
+  const std::vector<double> v = suite::GlobalValues(shape, DType::kFloat32, true, 14);
+  std::vector<Spec> specs = DistributeSpecs();
+  specs.push_back({{Partial(PartialOp::kSum), Shard(0)}, {}});
+  for (const Spec& spec : specs) {
+    SCOPED_TRACE(suite::SpecString(spec));
+    RunRanks(4, [&](int rank, Communicator& comm) {
+      DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}));
+      CommCounter counter;
+      SetCommCounter(mesh, &counter);
+      DTensor x = Unwrap(DTensor::Distribute(suite::MakeTensor(v, shape, DType::kFloat32), mesh,
+                                             Unwrap(suite::ToLayout(spec)), {std::nullopt}));
+      SetCommCounter(mesh, nullptr);
+      EXPECT_EQ(counter.total_calls(), 0) << counter.ToString();
+      const double f = spec.placements[0].is_partial() ? 0.5 : 1.0;
+      EXPECT_EQ(suite::CompareBits(x.ToLocal(),
+                                   BoxTensor(Scaled(v, f), shape, DType::kFloat32, spec, {2, 2}, mesh.coordinate())),
+                "")
+          << "rank " << rank;
+    });
+  }
+}
+
+TEST(DTensorDistribute, SourceRankOutOfRangeIsAnError) {
+  RunRanks(4, [&](int rank, Communicator& comm) {
+    DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {4}));
+    const Tensor t = suite::MakeTensor(suite::GlobalValues({4}, DType::kFloat32, false, 1), {4}, DType::kFloat32);
+    for (int src : {4, -1}) {
+      auto x = DTensor::Distribute(t, mesh, Layout({Shard(0)}), {src});
+      EXPECT_TRUE(!x.ok() && absl::IsInvalidArgument(x.status()))
+          << "rank " << rank << " src " << src << ": " << x.status();
+    }
+  });
+}
+
+// ---- FromLocal ----
+
+// Without global_shape: each sharded dim's local size times its mesh dims' sizes; no
+// communication without run_check.
+TEST(DTensorFromLocal, InfersGlobalShape) {
+  struct Case {
+    std::vector<int64_t> mesh;
+    Layout layout;
+    Shape local;
+    Shape global;
+  };
+  const std::vector<Case> cases = {
+      {{4}, Layout({Shard(0)}), {2, 3}, {8, 3}},
+      {{4}, Layout({Shard(-1)}), {2, 3}, {2, 12}},
+      {{4}, Layout({Replicate()}), {2, 3}, {2, 3}},
+      {{4}, Layout({Partial()}), {2, 3}, {2, 3}},
+      {{2, 2}, Layout({Shard(0), Shard(1)}), {2, 3}, {4, 6}},
+      {{2, 2}, Layout({Shard(1), Shard(1)}), {2, 3}, {2, 12}},
+      {{2, 2}, Layout({Shard(0), Shard(0)}).WithShardOrder(0, {1, 0}).value(), {2, 3}, {8, 3}},
+      {{2, 2}, Layout({Partial(PartialOp::kMax), Shard(0)}), {2, 3}, {4, 3}},
+      {{1, 4}, Layout({Shard(0), Shard(1)}), {2, 3}, {2, 12}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat(ShapeString(c.mesh), " ", c.layout.ToString()));
+    RunRanks(4, [&](int, Communicator& comm) {
+      DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, c.mesh));
+      CommCounter counter;
+      SetCommCounter(mesh, &counter);
+      const Tensor local =
+          suite::MakeTensor(suite::GlobalValues(c.local, DType::kFloat32, false, 1), c.local, DType::kFloat32);
+      DTensor x = Unwrap(DTensor::FromLocal(local, mesh, c.layout));
+      SetCommCounter(mesh, nullptr);
+      EXPECT_EQ(ShapeOf(x.shape()), c.global);
+      EXPECT_EQ(x.stride(), ContiguousStrides(c.global));
+      EXPECT_EQ(x.ToLocal().raw_data(), local.raw_data()) << "FromLocal should wrap, not copy";
+      EXPECT_EQ(counter.total_calls(), 0);
+    });
+  }
+}
+
+// run_check without global_shape finds uneven shapes from the pieces: 7x5 over 2x2 as
+// [S(0), S(1)] gives rows 4, 3 and columns 3, 2.
+TEST(DTensorFromLocal, RunCheckFindsUnevenGlobalShape) {
+  RunRanks(4, [&](int rank, Communicator& comm) {
+    DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}));
+    const Shape local = {rank < 2 ? 4 : 3, rank % 2 == 0 ? 3 : 2};
+    DTensor::FromLocalOptions o;
+    o.run_check = true;
+    DTensor x = Unwrap(DTensor::FromLocal(
+        suite::MakeTensor(std::vector<double>(static_cast<size_t>(local[0] * local[1]), 1.0), local, DType::kFloat32),
+        mesh, Layout({Shard(0), Shard(1)}), o));
+    EXPECT_EQ(ShapeOf(x.shape()), (Shape{7, 5})) << "rank " << rank;
+    EXPECT_EQ(x.local_box().offset, (Shape{rank < 2 ? 0 : 4, rank % 2 == 0 ? 0 : 3}));
+  });
+}
+
+// ---- Printing ----
+
+TEST(DTensorPrint, ToStringAndVisualizeSharding) {
+  RunRanks(4, [&](int rank, Communicator& comm) {
+    DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}, {"dp", "tp"}));
+    const Shape shape = {7, 5};
+    DTensor x = Unwrap(DTensor::Distribute(suite::MakeTensor(std::vector<double>(35, 1.0), shape, DType::kFloat32),
+                                           mesh, Layout({Shard(0), Replicate()}), {std::nullopt}));
+    EXPECT_EQ(x.ToString(), absl::StrCat("DTensor(shape=[7, 5], dtype=float32, mesh=DeviceMesh(dp=2, tp=2), "
+                                         "placements=S(0)R, local=[",
+                                         rank < 2 ? 4 : 3, ", 5])"));
+    if (rank == 0) {
+      // The example of dtensor.h.
+      EXPECT_EQ(VisualizeSharding(x),
+                "DTensor [7, 5] float32 on DeviceMesh(dp=2, tp=2) as S(0)R\n"
+                "  [0:4, 0:5]  ranks 0, 1\n"
+                "  [4:7, 0:5]  ranks 2, 3");
+    }
+  });
+}
+
+// One line per distinct block, each with the ranks that hold it.
+bool HasBlock(const std::string& out, const std::string& block, const std::string& ranks) {
+  for (absl::string_view line : absl::StrSplit(out, '\n')) {
+    if (line == absl::StrCat("  ", block, "  rank ", ranks) || line == absl::StrCat("  ", block, "  ranks ", ranks)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+TEST(DTensorPrint, VisualizeShardingBlocks) {
+  RunRanks(4, [&](int rank, Communicator& comm) {
+    DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}, {"a", "b"}));
+    if (rank != 0) return;
+    // Mesh dim 1 splits rows first: coordinate (c0, c1) holds row 2 * c1 + c0; rank = 2 c0 + c1.
+    const Layout tp_first = Unwrap(Layout({Shard(0), Shard(0)}).WithShardOrder(0, {1, 0}));
+    std::string out = VisualizeSharding({4, 3}, mesh, tp_first);
+    EXPECT_TRUE(HasBlock(out, "[0:1, 0:3]", "0")) << out;
+    EXPECT_TRUE(HasBlock(out, "[1:2, 0:3]", "2")) << out;
+    EXPECT_TRUE(HasBlock(out, "[2:3, 0:3]", "1")) << out;
+    EXPECT_TRUE(HasBlock(out, "[3:4, 0:3]", "3")) << out;
+    // Default order, uneven nesting: (5, 3) rows 2/1/1/1.
+    out = VisualizeSharding({5, 3}, mesh, Layout({Shard(0), Shard(0)}));
+    EXPECT_TRUE(HasBlock(out, "[0:2, 0:3]", "0")) << out;
+    EXPECT_TRUE(HasBlock(out, "[2:3, 0:3]", "1")) << out;
+    EXPECT_TRUE(HasBlock(out, "[3:4, 0:3]", "2")) << out;
+    EXPECT_TRUE(HasBlock(out, "[4:5, 0:3]", "3")) << out;
+    out = VisualizeSharding({4, 6}, mesh, Layout({Partial(), Shard(1)}));
+    EXPECT_TRUE(HasBlock(out, "[0:4, 0:3]", "0, 2")) << out;
+    EXPECT_TRUE(HasBlock(out, "[0:4, 3:6]", "1, 3")) << out;
+    EXPECT_THAT(out, HasSubstr("partial sum"));
+    out = VisualizeSharding({4, 6}, mesh, Layout({Partial(PartialOp::kAvg), Replicate()}));
+    EXPECT_TRUE(HasBlock(out, "[0:4, 0:6]", "0, 1, 2, 3")) << out;
+    EXPECT_THAT(out, HasSubstr("partial avg"));
+    // Negative dims are shown normalised.
+    out = VisualizeSharding({4, 6}, mesh, Layout({Replicate(), Shard(-1)}));
+    EXPECT_THAT(out, HasSubstr("RS(1)"));
+  });
+}
+
+// ---- RedistributeAsync ----
+
+TEST(DTensorRedistributeAsync, MatchesSynchronousRedistribute) {
+  const Shape shape = {8, 6};
+  for (DType dtype : kDTypes) {
+    const std::vector<double> v = suite::GlobalValues(shape, dtype, true, 21);
+    const std::vector<std::pair<Spec, Spec>> pairs = {
+        {{{Shard(0), Shard(1)}, {}}, {{Replicate(), Replicate()}, {}}},
+        {{{Shard(0), Replicate()}, {}}, {{Replicate(), Shard(1)}, {}}},
+        {{{Shard(0), Shard(1)}, {}}, {{Shard(0), Shard(1)}, {}}},        // nothing to do
+        {{{Replicate(), Replicate()}, {}}, {{Shard(1), Shard(0)}, {}}},  // local only
+        {{{Partial(), Partial()}, {}}, {{Shard(0), Replicate()}, {}}},
+        {{{Shard(0), Shard(0)}, {}}, {{Shard(0), Shard(0)}, {{0, {1, 0}}}}},
+    };
+    for (const auto& [src, dst] : pairs) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " ", suite::SpecString(src), " -> ", suite::SpecString(dst)));
+      RunRanks(4, [&](int rank, Communicator& comm) {
+        DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}));
+        const suite::Box box = suite::NaiveBox(shape, {2, 2}, src, mesh.coordinate());
+        const std::vector<double> piece = suite::HasPartial(src)
+                                              ? suite::PartialPiece(v, shape, box, src, {2, 2}, mesh.coordinate(), 5)
+                                              : suite::BoxValues(v, shape, box);
+        DTensor x = Unwrap(DTensor::FromLocal(suite::MakeTensor(piece, box.shape, dtype), mesh,
+                                              Unwrap(suite::ToLayout(src)), {Shape(shape), false}));
+        const Layout target = Unwrap(suite::ToLayout(dst));
+        CommCounter counter;
+        SetCommCounter(mesh, &counter);
+        auto pending = x.RedistributeAsync(target);
+        ASSERT_TRUE(pending.ok()) << pending.status();
+        DTensor y = Unwrap(pending->Wait());
+        EXPECT_TRUE(pending->IsCompleted());
+        const RedistributePlan plan = Unwrap(PlanRedistribute(shape, {2, 2}, x.layout(), target, ElementSize(dtype)));
+        EXPECT_EQ(suite::CompareComm(counter, plan.PredictComm(mesh.coordinate())), "") << "rank " << rank;
+        counter.Reset();
+        DTensor z = Unwrap(x.Redistribute(target));
+        EXPECT_EQ(suite::CompareComm(counter, plan.PredictComm(mesh.coordinate())), "") << "rank " << rank;
+        SetCommCounter(mesh, nullptr);
+        EXPECT_EQ(y.layout(), target);
+        EXPECT_EQ(suite::CompareBits(y.ToLocal(), BoxTensor(v, shape, dtype, dst, {2, 2}, mesh.coordinate())), "")
+            << "rank " << rank;
+        EXPECT_EQ(suite::CompareBits(z.ToLocal(), BoxTensor(v, shape, dtype, dst, {2, 2}, mesh.coordinate())), "")
+            << "rank " << rank;
+        EXPECT_EQ(suite::CompareBits(x.ToLocal(), suite::MakeTensor(piece, box.shape, dtype)), "") << "source changed";
+      });
+    }
+  }
+}
+
+// ---- Plan cache ----
+
+TEST(DTensorPlanCache, SecondRedistributeHitsTheCache) {
+  RunRanks(4, [&](int, Communicator& comm) {
+    DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}));
+    DTensor x = Unwrap(DTensor::Distribute(suite::MakeTensor(std::vector<double>(24, 2.0), {4, 6}, DType::kFloat32),
+                                           mesh, Layout({Shard(0), Shard(1)}), {std::nullopt}));
+    RedistributePlanner& planner = PlannerOf(mesh);
+    planner.Clear();
+    Unwrap(x.Redistribute(Layout({Shard(1), Replicate()})));
+    const int64_t misses = planner.misses();
+    const int64_t hits = planner.hits();
+    EXPECT_GE(misses, 1);
+    Unwrap(x.Redistribute(Layout({Shard(1), Replicate()})));
+    EXPECT_EQ(planner.misses(), misses) << "the second identical redistribution planned again";
+    EXPECT_GT(planner.hits(), hits);
+    // Views share the cache.
+    DT_SUITE_MESH(sub, mesh.Sub("d1"));
+    EXPECT_EQ(&PlannerOf(sub), &planner);
+  });
+}
+
+// ---- Across meshes over the same world ----
+
+struct CrossCase {
+  std::vector<int64_t> from_mesh;
+  Spec from;
+  std::vector<int64_t> to_mesh;
+  Spec to;
+};
+
+void RunCrossMesh(const CrossCase& c, const Shape& shape, DType dtype) {
+  SCOPED_TRACE(absl::StrCat(ShapeString(c.from_mesh), " ", suite::SpecString(c.from), " -> ", ShapeString(c.to_mesh),
+                            " ", suite::SpecString(c.to), " ", ShapeString(shape), " ", DTypeName(dtype)));
+  const bool exact = suite::HasPartial(c.from) || suite::HasPartial(c.to);
+  const std::vector<double> v = suite::GlobalValues(shape, dtype, exact, 31);
+  RunRanks(4, [&](int rank, Communicator& comm) {
+    DT_SUITE_MESH(a, DeviceMesh::Create(comm, c.from_mesh));
+    DT_SUITE_MESH(b, DeviceMesh::Create(comm, c.to_mesh));
+    const suite::Box box = suite::NaiveBox(shape, c.from_mesh, c.from, a.coordinate());
+    const std::vector<double> piece = suite::HasPartial(c.from)
+                                          ? suite::PartialPiece(v, shape, box, c.from, c.from_mesh, a.coordinate(), 9)
+                                          : suite::BoxValues(v, shape, box);
+    DTensor x = Unwrap(DTensor::FromLocal(suite::MakeTensor(piece, box.shape, dtype), a,
+                                          Unwrap(suite::ToLayout(c.from)), {Shape(shape), false}));
+    auto y = x.Redistribute(b, Unwrap(suite::ToLayout(c.to)));
+    ASSERT_TRUE(y.ok()) << "rank " << rank << ": " << y.status();
+    EXPECT_TRUE(y->mesh().SameAs(b));
+    EXPECT_EQ(y->layout(), Unwrap(suite::ToLayout(c.to)));
+    if (suite::EffectivelyNonPartial(c.to, c.to_mesh)) {
+      EXPECT_EQ(suite::CompareBits(y->ToLocal(), BoxTensor(v, shape, dtype, c.to, c.to_mesh, b.coordinate())), "")
+          << "rank " << rank;
+    }
+    Tensor full = Unwrap(y->FullTensor());
+    EXPECT_EQ(suite::CompareBits(full, suite::MakeTensor(v, shape, dtype)), "") << "rank " << rank;
+    EXPECT_EQ(suite::CompareBits(x.ToLocal(), suite::MakeTensor(piece, box.shape, dtype)), "") << "source changed";
+  });
+}
+
+TEST(DTensorCrossMesh, FourToTwoByTwoAndBack) {
+  const std::vector<CrossCase> cases = {
+      {{4}, {{Shard(0)}, {}}, {2, 2}, {{Shard(0), Shard(1)}, {}}},
+      {{4}, {{Shard(0)}, {}}, {2, 2}, {{Replicate(), Shard(0)}, {}}},
+      {{4}, {{Shard(1)}, {}}, {2, 2}, {{Shard(0), Shard(0)}, {}}},
+      {{4}, {{Replicate()}, {}}, {2, 2}, {{Shard(1), Shard(0)}, {}}},
+      {{4}, {{Shard(0)}, {}}, {2, 2}, {{Shard(0), Shard(0)}, {{0, {1, 0}}}}},
+      {{2, 2}, {{Shard(0), Shard(1)}, {}}, {4}, {{Shard(1)}, {}}},
+      {{2, 2}, {{Shard(0), Shard(1)}, {}}, {4}, {{Replicate()}, {}}},
+      {{2, 2}, {{Shard(0), Shard(0)}, {{0, {1, 0}}}}, {4}, {{Shard(0)}, {}}},
+      {{2, 2}, {{Replicate(), Shard(1)}, {}}, {4}, {{Shard(0)}, {}}},
+      {{2, 2}, {{Shard(1), Shard(0)}, {}}, {1, 4}, {{Replicate(), Shard(1)}, {}}},
+  };
+  for (const CrossCase& c : cases) {
+    for (const Shape& shape : {Shape{8, 6}, Shape{7, 5}, Shape{1, 1}, Shape{0, 3}}) {
+      for (DType dtype : kDTypes) RunCrossMesh(c, shape, dtype);
+    }
+  }
+}
+
+TEST(DTensorCrossMesh, PartialSourcesAndTargets) {
+  const std::vector<CrossCase> cases = {
+      {{4}, {{Partial()}, {}}, {2, 2}, {{Shard(0), Replicate()}, {}}},
+      {{2, 2}, {{Partial(PartialOp::kAvg), Shard(1)}, {}}, {4}, {{Shard(0)}, {}}},
+      {{4}, {{Shard(0)}, {}}, {2, 2}, {{Partial(PartialOp::kMax), Shard(1)}, {}}},
+      {{4}, {{Replicate()}, {}}, {2, 2}, {{Partial(), Partial()}, {}}},
+  };
+  for (const CrossCase& c : cases) {
+    for (DType dtype : kDTypes) RunCrossMesh(c, {8, 6}, dtype);
+  }
+}
+
+// Redistribute onto the DTensor's own mesh is the ordinary redistribution.
+TEST(DTensorCrossMesh, SameMeshIsOrdinaryRedistribute) {
+  const Shape shape = {7, 5};
+  const std::vector<double> v = suite::GlobalValues(shape, DType::kFloat32, false, 3);
+  RunRanks(4, [&](int rank, Communicator& comm) {
+    DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}));
+    DTensor x = Unwrap(DTensor::Distribute(suite::MakeTensor(v, shape, DType::kFloat32), mesh,
+                                           Layout({Shard(0), Shard(1)}), {std::nullopt}));
+    CommCounter counter;
+    SetCommCounter(mesh, &counter);
+    DTensor y = Unwrap(x.Redistribute(mesh, Layout({Shard(1), Replicate()})));
+    SetCommCounter(mesh, nullptr);
+    const RedistributePlan plan =
+        Unwrap(PlanRedistribute(shape, {2, 2}, x.layout(), Layout({Shard(1), Replicate()}), 4));
+    EXPECT_EQ(suite::CompareComm(counter, plan.PredictComm(mesh.coordinate())), "") << "rank " << rank;
+    const Spec want{{Shard(1), Replicate()}, {}};
+    EXPECT_EQ(suite::CompareBits(y.ToLocal(), BoxTensor(v, shape, DType::kFloat32, want, {2, 2}, mesh.coordinate())),
+              "");
+  });
+}
+
+}  // namespace
+}  // namespace dtensor

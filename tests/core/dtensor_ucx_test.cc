@@ -1,0 +1,52 @@
+// A representative slice of the redistribution suite as processes on the ucx backend: runs
+// tests/core/dtensor_ucx_child.cc under dtrun on 2 and 4 ranks (each rank checks its own
+// results against the global tensor and the plan's predicted collectives).
+#include <cstdio>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+#if defined(DTENSOR_UCX_CHILD_PATH) && defined(DTRUN_PATH)
+
+namespace {
+
+struct ChildRun {
+  int code = -1;
+  std::string output;  // stdout and stderr
+};
+
+// dtrun with `ranks` processes, killed by coreutils' timeout after 240 s.
+ChildRun RunChild(int ranks, const std::string& env) {
+  const std::string cmd = absl::StrCat(env, " timeout -s KILL 240 ", DTRUN_PATH, " --nproc-per-node ", ranks, " ",
+                                       DTENSOR_UCX_CHILD_PATH, " 2>&1");
+  ChildRun run;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return run;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) run.output.append(buf, n);
+  const int status = pclose(pipe);
+  run.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return run;
+}
+
+class DTensorUcxTest : public testing::TestWithParam<int> {};
+
+TEST_P(DTensorUcxTest, RedistributionsMatchTheGlobalTensorAndThePlan) {
+  const int ranks = GetParam();
+  ChildRun run = RunChild(ranks, "");
+  EXPECT_EQ(run.code, 0) << run.output;
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_NE(run.output.find(absl::StrCat("[rank ", r, "] ")), std::string::npos) << run.output;
+  }
+  EXPECT_NE(run.output.find(" failures"), std::string::npos) << run.output;
+  EXPECT_EQ(run.output.find("FAIL:"), std::string::npos) << run.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, DTensorUcxTest, testing::Values(2, 4),
+                         [](const testing::TestParamInfo<int>& info) { return absl::StrCat("P", info.param); });
+
+}  // namespace
+
+#endif
