@@ -311,7 +311,9 @@ TEST(DTensorRedistributeAsync, MatchesSynchronousRedistribute) {
         {{{Partial(), Partial()}, {}}, {{Shard(0), Replicate()}, {}}},
         {{{Shard(0), Shard(0)}, {}}, {{Shard(0), Shard(0)}, {{0, {1, 0}}}}},
     };
-    for (const auto& [src, dst] : pairs) {
+    for (const auto& pair : pairs) {
+      const auto& src = pair.first;  // not a structured binding: clang 14 lambdas cannot capture those
+      const auto& dst = pair.second;
       SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " ", suite::SpecString(src), " -> ", suite::SpecString(dst)));
       RunRanks(4, [&](int rank, Communicator& comm) {
         DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}));

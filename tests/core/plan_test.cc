@@ -737,7 +737,8 @@ using SweepParam = std::tuple<Index /*mesh*/, Index /*global*/>;
 class PlanSweepTest : public ::testing::TestWithParam<SweepParam> {};
 
 TEST_P(PlanSweepTest, EveryPairOfLayouts) {
-  const auto& [mesh, global] = GetParam();
+  const auto& mesh = std::get<0>(GetParam());
+  const auto& global = std::get<1>(GetParam());
   std::vector<Placement> options = {R, Psum, Pmax};
   for (int64_t d = 0; d < static_cast<int64_t>(global.size()); ++d) options.push_back(Shard(d));
   if (mesh.size() == 3) options = {R, Psum, S0, S1};  // keep the 3-d sweep small
@@ -806,7 +807,8 @@ Layout RandomLayout(std::mt19937& rng, int mesh_ndim, int64_t tensor_ndim) {
 class PlanRandomTest : public ::testing::TestWithParam<SweepParam> {};
 
 TEST_P(PlanRandomTest, RandomPairsChainAndAreLegal) {
-  const auto& [mesh, global] = GetParam();
+  const auto& mesh = std::get<0>(GetParam());
+  const auto& global = std::get<1>(GetParam());
   std::mt19937 rng(1234);
   int planned = 0;
   for (int trial = 0; trial < 150; ++trial) {

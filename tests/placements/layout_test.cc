@@ -216,7 +216,8 @@ using BoxParam = std::tuple<Index /*mesh*/, Index /*global*/>;
 class LocalBoxSweepTest : public ::testing::TestWithParam<BoxParam> {};
 
 TEST_P(LocalBoxSweepTest, MatchesNaiveNestedChunkingAndTilesTheTensor) {
-  const auto& [mesh, global] = GetParam();
+  const auto& mesh = std::get<0>(GetParam());
+  const auto& global = std::get<1>(GetParam());
   const int64_t nd = static_cast<int64_t>(global.size());
   const std::vector<Index> coords = AllCoords(mesh);
   int64_t numel = 1;
