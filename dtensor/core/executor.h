@@ -42,11 +42,13 @@ absl::StatusOr<Tensor> ExecuteSteps(const RedistributePlan& plan, size_t first, 
 
 // Moves boxes between the ranks of `comm` in one all_to_all: send_regions[j] (a region of
 // `local`, whose box is local_box) goes to rank j, recv_regions[j] (a region of the output,
-// whose box is out_box) comes from rank j. Empty regions send nothing. Records one all_to_all
-// into `counter` (if any) with the bytes this rank sends.
+// whose box is out_box) comes from rank j. Empty regions send nothing. `uniform`: every rank
+// sends every rank the same count (the caller knows it for all ranks alike) -> the even
+// AllToAll instead of AllToAllV. Records one all_to_all into `counter` (if any) with the bytes
+// this rank sends.
 absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, const LocalBox& local_box,
                                      absl::Span<const LocalBox> send_regions, const LocalBox& out_box,
-                                     absl::Span<const LocalBox> recv_regions, CommCounter* counter);
+                                     absl::Span<const LocalBox> recv_regions, bool uniform, CommCounter* counter);
 
 // Divides by `divisor` (R -> P(sum)); a copy, any dtype (integers truncate).
 absl::StatusOr<Tensor> DivideForPartial(const Tensor& x, int64_t divisor);

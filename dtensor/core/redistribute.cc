@@ -35,7 +35,9 @@ bool ConsecutiveBlocks(const LocalBox& whole, absl::Span<const LocalBox> parts) 
       }
     }
   }
-  if (split == nd) return parts.size() <= 1 || NumElements(whole.shape) == 0;
+  if (split == nd) {  // every non-empty part is the whole box: fine if there is at most one
+    return std::count_if(parts.begin(), parts.end(), [](const LocalBox& p) { return p.numel() != 0; }) <= 1;
+  }
   for (size_t d = 0; d < split; ++d) {
     if (whole.shape[d] != 1) return false;
   }
@@ -48,11 +50,38 @@ bool ConsecutiveBlocks(const LocalBox& whole, absl::Span<const LocalBox> parts) 
   return true;
 }
 
-std::vector<int64_t> Counts(absl::Span<const LocalBox> boxes) {
-  std::vector<int64_t> counts;
-  counts.reserve(boxes.size());
+using Counts = absl::InlinedVector<int64_t, 8>;
+using Boxes = absl::InlinedVector<LocalBox, 8>;
+
+Counts CountsOf(absl::Span<const LocalBox> boxes) {
+  Counts counts;
   for (const LocalBox& b : boxes) counts.push_back(b.numel());
   return counts;
+}
+
+bool AllEqual(absl::Span<const int64_t> counts) {
+  return std::all_of(counts.begin(), counts.end(), [&](int64_t c) { return c == counts[0]; });
+}
+
+// The boxes that the members of the group over `group` (ascending dims) containing `coord`
+// hold in `layout`, in the group communicator's rank order (as GroupCoords, without the
+// vector of coordinates).
+Boxes MemberBoxes(IntSpan global_shape, IntSpan mesh_shape, const Layout& layout, IntSpan coord,
+                  absl::Span<const int> group) {
+  int64_t n = 1;
+  for (int m : group) n *= mesh_shape[static_cast<size_t>(m)];
+  Boxes out;
+  Shape c(coord.begin(), coord.end());
+  for (int64_t j = 0; j < n; ++j) {
+    int64_t rest = j;
+    for (size_t i = group.size(); i-- > 0;) {
+      const size_t m = static_cast<size_t>(group[i]);
+      c[m] = rest % mesh_shape[m];
+      rest /= mesh_shape[m];
+    }
+    out.push_back(LocalBoxOf(global_shape, mesh_shape, layout, c));
+  }
+  return out;
 }
 
 // Block j of a flat staging tensor, viewed with `shape`.
@@ -112,26 +141,46 @@ absl::StatusOr<Tensor> DivideForPartial(const Tensor& x, int64_t divisor) {
 
 absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, const LocalBox& local_box,
                                      absl::Span<const LocalBox> send_regions, const LocalBox& out_box,
-                                     absl::Span<const LocalBox> recv_regions, CommCounter* counter) {
-  const std::vector<int64_t> send_counts = Counts(send_regions);
-  const std::vector<int64_t> recv_counts = Counts(recv_regions);
+                                     absl::Span<const LocalBox> recv_regions, bool uniform, CommCounter* counter) {
+  const Counts send_counts = CountsOf(send_regions);
+  const Counts recv_counts = CountsOf(recv_regions);
   const int64_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
   const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
-  DT_ASSIGN_OR_RETURN(Tensor send, Tensor::Empty({send_total}, local.dtype(), local.device()));
-  DT_ASSIGN_OR_RETURN(Tensor recv, Tensor::Empty({recv_total}, local.dtype(), local.device()));
-  int64_t at = 0;
-  for (size_t j = 0; j < send_regions.size(); ++j) {
-    if (send_counts[j] == 0) continue;
-    DT_ASSIGN_OR_RETURN(Tensor src, RegionOf(local, local_box, send_regions[j]));
-    DT_ASSIGN_OR_RETURN(Tensor dst, Block(send, at, send_regions[j].shape));
-    DT_RETURN_IF_ERROR(Copy_(dst, src));
-    at += send_counts[j];
+  // Pack only when the blocks are not already consecutive in the tensors.
+  Tensor send = local;
+  if (!local.is_contiguous() || !ConsecutiveBlocks(local_box, send_regions)) {
+    DT_ASSIGN_OR_RETURN(send, Tensor::Empty({send_total}, local.dtype(), local.device()));
+    int64_t at = 0;
+    for (size_t j = 0; j < send_regions.size(); ++j) {
+      if (send_counts[j] == 0) continue;
+      DT_ASSIGN_OR_RETURN(Tensor src, RegionOf(local, local_box, send_regions[j]));
+      DT_ASSIGN_OR_RETURN(Tensor dst, Block(send, at, send_regions[j].shape));
+      DT_RETURN_IF_ERROR(Copy_(dst, src));
+      at += send_counts[j];
+    }
+  } else if (send.numel() != send_total) {
+    DT_ASSIGN_OR_RETURN(send, send.View({send.numel()}));
+    DT_ASSIGN_OR_RETURN(send, send.Narrow(0, 0, send_total));
   }
-  if (counter != nullptr)
-    counter->Record(CommKind::kAllToAll, send_total * static_cast<int64_t>(ElementSize(local.dtype())));
-  DT_RETURN_IF_ERROR(comm.AllToAllV(send, recv, send_counts, recv_counts));
   DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_box.shape, local.dtype(), local.device()));
-  at = 0;
+  const bool direct = ConsecutiveBlocks(out_box, recv_regions);
+  Tensor recv = out;
+  if (!direct) {
+    DT_ASSIGN_OR_RETURN(recv, Tensor::Empty({recv_total}, local.dtype(), local.device()));
+  } else if (out.numel() != recv_total) {
+    DT_ASSIGN_OR_RETURN(recv, out.View({out.numel()}));
+    DT_ASSIGN_OR_RETURN(recv, recv.Narrow(0, 0, recv_total));
+  }
+  if (counter != nullptr) {
+    counter->Record(CommKind::kAllToAll, send_total * static_cast<int64_t>(ElementSize(local.dtype())));
+  }
+  if (uniform) {
+    DT_RETURN_IF_ERROR(comm.AllToAll(send, recv));
+  } else {
+    DT_RETURN_IF_ERROR(comm.AllToAllV(send, recv, send_counts, recv_counts));
+  }
+  if (direct) return out;
+  int64_t at = 0;
   for (size_t j = 0; j < recv_regions.size(); ++j) {
     if (recv_counts[j] == 0) continue;
     DT_ASSIGN_OR_RETURN(Tensor dst, RegionOf(out, out_box, recv_regions[j]));
@@ -168,7 +217,6 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
   }
   const Dims group = Sorted(step.mesh_dims);
   DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(group));
-  const std::vector<Shape> members = GroupCoords(mshape, coord, group);
   DT_ASSIGN_OR_RETURN(Tensor input, Contiguous(local));
   switch (step.kind) {
     case StepKind::kAllReduce: {
@@ -181,20 +229,22 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
                          }};
     }
     case StepKind::kAllGather: {
-      std::vector<LocalBox> parts;
-      for (const Shape& c : members) parts.push_back(LocalBoxOf(global_shape, mshape, step.before, c));
-      std::vector<int64_t> counts = Counts(parts);
+      Boxes parts = MemberBoxes(global_shape, mshape, step.before, coord, group);
+      const Counts counts = CountsOf(parts);
+      const bool even = AllEqual(counts);
       DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(after.shape, local.dtype(), local.device()));
       Record(CommKind::kAllGather, after.numel() * esize, mesh);
       if (ConsecutiveBlocks(after, parts)) {
-        DT_ASSIGN_OR_RETURN(auto work, comm->AllGatherVAsync(input, out, counts));
+        DT_ASSIGN_OR_RETURN(auto work,
+                            even ? comm->AllGatherAsync(input, out) : comm->AllGatherVAsync(input, out, counts));
         return StartedStep{std::move(work), [out, input]() -> absl::StatusOr<Tensor> {
                              (void)input;  // kept alive until the collective is done
                              return out;
                            }};
       }
       DT_ASSIGN_OR_RETURN(Tensor staging, Tensor::Empty({after.numel()}, local.dtype(), local.device()));
-      DT_ASSIGN_OR_RETURN(auto work, comm->AllGatherVAsync(input, staging, counts));
+      DT_ASSIGN_OR_RETURN(auto work,
+                          even ? comm->AllGatherAsync(input, staging) : comm->AllGatherVAsync(input, staging, counts));
       auto finish = [out, input, staging, after, parts = std::move(parts)]() -> absl::StatusOr<Tensor> {
         (void)input;
         int64_t at = 0;
@@ -210,9 +260,8 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
       return StartedStep{std::move(work), std::move(finish)};
     }
     case StepKind::kReduceScatter: {
-      std::vector<LocalBox> parts;
-      for (const Shape& c : members) parts.push_back(LocalBoxOf(global_shape, mshape, step.after, c));
-      std::vector<int64_t> counts = Counts(parts);
+      const Boxes parts = MemberBoxes(global_shape, mshape, step.after, coord, group);
+      const Counts counts = CountsOf(parts);
       DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(after.shape, local.dtype(), local.device()));
       Tensor send = input;
       if (!ConsecutiveBlocks(before, parts)) {
@@ -227,8 +276,9 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
         }
       }
       Record(CommKind::kReduceScatter, before.numel() * esize, mesh);
-      DT_ASSIGN_OR_RETURN(auto work,
-                          comm->ReduceScatterVAsync(send, out, counts, ToCommReduceOp(*step.before.partial_op())));
+      const CommReduceOp op = ToCommReduceOp(*step.before.partial_op());
+      DT_ASSIGN_OR_RETURN(auto work, AllEqual(counts) ? comm->ReduceScatterAsync(send, out, op)
+                                                      : comm->ReduceScatterVAsync(send, out, counts, op));
       // The buffers must live until the collective is done: the finisher holds them.
       return StartedStep{std::move(work), [out, send, input]() -> absl::StatusOr<Tensor> {
                            (void)send;
@@ -237,12 +287,21 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
                          }};
     }
     case StepKind::kAllToAll: {
-      std::vector<LocalBox> send_regions, recv_regions;
-      for (const Shape& c : members) {
-        send_regions.push_back(Intersect(before, LocalBoxOf(global_shape, mshape, step.after, c)));
-        recv_regions.push_back(Intersect(LocalBoxOf(global_shape, mshape, step.before, c), after));
+      const Boxes befores = MemberBoxes(global_shape, mshape, step.before, coord, group);
+      const Boxes afters = MemberBoxes(global_shape, mshape, step.after, coord, group);
+      Boxes send_regions, recv_regions;
+      for (size_t j = 0; j < befores.size(); ++j) {
+        send_regions.push_back(Intersect(before, afters[j]));
+        recv_regions.push_back(Intersect(befores[j], after));
       }
-      DT_ASSIGN_OR_RETURN(Tensor out, TransferBoxes(*comm, input, before, send_regions, after, recv_regions,
+      // Every member moves the same count to every member (the same on every rank: each
+      // knows all members' boxes) -> the even all_to_all.
+      bool uniform = true;
+      const int64_t n = Intersect(befores[0], afters[0]).numel();
+      for (size_t i = 0; i < befores.size() && uniform; ++i) {
+        for (size_t j = 0; j < afters.size() && uniform; ++j) uniform = Intersect(befores[i], afters[j]).numel() == n;
+      }
+      DT_ASSIGN_OR_RETURN(Tensor out, TransferBoxes(*comm, input, before, send_regions, after, recv_regions, uniform,
                                                     CoreStateOf(mesh).counter));
       return Done(std::move(out));
     }
