@@ -2,6 +2,7 @@
 // step is box arithmetic — which rank holds which box before and after — and one collective
 // whose blocks are those boxes: the V collectives move exactly the elements of uneven shards.
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -90,6 +91,38 @@ absl::StatusOr<Tensor> Block(const Tensor& flat, int64_t start, IntSpan shape) {
   return piece.View(shape);
 }
 
+// dst = src for the equal-shaped views of packing and unpacking. On the CPU, when both have
+// unit stride along the last dim, one memcpy per row, on the calling thread: these copies run
+// on every rank at once (threads of one process, in the threads backend), where the op
+// library's parallel copy would start one OpenMP team per rank and oversubscribe the cores.
+absl::Status CopyBlock(const Tensor& dst, const Tensor& src) {
+  const int64_t nd = dst.dim();
+  if (dst.device() != Device::Cpu() || src.device() != Device::Cpu() || nd == 0 || dst.stride(nd - 1) != 1 ||
+      src.stride(nd - 1) != 1 || dst.dtype() != src.dtype() || dst.shape() != src.shape()) {
+    return Copy_(dst, src);
+  }
+  if (dst.numel() == 0) return absl::OkStatus();
+  const int64_t es = static_cast<int64_t>(ElementSize(dst.dtype()));
+  const size_t row_bytes = static_cast<size_t>(dst.size(nd - 1) * es);
+  char* d = static_cast<char*>(dst.raw_data());
+  const char* s = static_cast<const char*>(src.raw_data());
+  Shape index(static_cast<size_t>(nd - 1), 0);
+  const int64_t rows = dst.numel() / dst.size(nd - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t doff = 0, soff = 0;
+    for (int64_t k = 0; k < nd - 1; ++k) {
+      doff += index[static_cast<size_t>(k)] * dst.stride(k);
+      soff += index[static_cast<size_t>(k)] * src.stride(k);
+    }
+    std::memcpy(d + doff * es, s + soff * es, row_bytes);
+    for (int64_t k = nd - 2; k >= 0; --k) {  // next row index, row-major
+      if (++index[static_cast<size_t>(k)] < dst.size(k)) break;
+      index[static_cast<size_t>(k)] = 0;
+    }
+  }
+  return absl::OkStatus();
+}
+
 void Record(CommKind kind, int64_t bytes, const DeviceMesh& mesh) {
   if (CommCounter* c = CoreStateOf(mesh).counter) c->Record(kind, bytes);
 }
@@ -155,7 +188,7 @@ absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, co
       if (send_counts[j] == 0) continue;
       DT_ASSIGN_OR_RETURN(Tensor src, RegionOf(local, local_box, send_regions[j]));
       DT_ASSIGN_OR_RETURN(Tensor dst, Block(send, at, send_regions[j].shape));
-      DT_RETURN_IF_ERROR(Copy_(dst, src));
+      DT_RETURN_IF_ERROR(CopyBlock(dst, src));
       at += send_counts[j];
     }
   } else if (send.numel() != send_total) {
@@ -185,7 +218,7 @@ absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, co
     if (recv_counts[j] == 0) continue;
     DT_ASSIGN_OR_RETURN(Tensor dst, RegionOf(out, out_box, recv_regions[j]));
     DT_ASSIGN_OR_RETURN(Tensor src, Block(recv, at, recv_regions[j].shape));
-    DT_RETURN_IF_ERROR(Copy_(dst, src));
+    DT_RETURN_IF_ERROR(CopyBlock(dst, src));
     at += recv_counts[j];
   }
   return out;
@@ -203,7 +236,8 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
       return Done(local);
     case StepKind::kChunk: {
       DT_ASSIGN_OR_RETURN(Tensor piece, RegionOf(local, before, after));
-      DT_ASSIGN_OR_RETURN(Tensor copy, Clone(piece));
+      DT_ASSIGN_OR_RETURN(Tensor copy, Tensor::Empty(after.shape, local.dtype(), local.device()));
+      DT_RETURN_IF_ERROR(CopyBlock(copy, piece));
       return Done(std::move(copy));
     }
     case StepKind::kToPartial: {
@@ -252,7 +286,7 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
           if (p.numel() == 0) continue;
           DT_ASSIGN_OR_RETURN(Tensor dst, RegionOf(out, after, p));
           DT_ASSIGN_OR_RETURN(Tensor src, Block(staging, at, p.shape));
-          DT_RETURN_IF_ERROR(Copy_(dst, src));
+          DT_RETURN_IF_ERROR(CopyBlock(dst, src));
           at += p.numel();
         }
         return out;
@@ -271,7 +305,7 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
           if (p.numel() == 0) continue;
           DT_ASSIGN_OR_RETURN(Tensor src, RegionOf(input, before, p));
           DT_ASSIGN_OR_RETURN(Tensor dst, Block(send, at, p.shape));
-          DT_RETURN_IF_ERROR(Copy_(dst, src));
+          DT_RETURN_IF_ERROR(CopyBlock(dst, src));
           at += p.numel();
         }
       }
