@@ -820,6 +820,21 @@ class UcxCommunicator final : public Communicator {
   // Not lock-step (see ShmGroup::MarkRelaxed): the root publishes each window and goes on;
   // readers wait for the root only.
   absl::Status ShmBroadcast(char* data, size_t bytes, int root) {
+    if (bytes <= ShmGroup::kRingBytes) {  // the root may run up to a ring's length ahead
+      const uint64_t e = shm_->epoch() + 1;
+      char* place = shm_->RingSlot(root, e);
+      if (rank_ == root) {
+        DT_RETURN_IF_ERROR(shm_->BeginRingWrite(e, ctx_));
+        std::memcpy(place, data, bytes);
+      } else {
+        DT_RETURN_IF_ERROR(shm_->WaitRank(root, e, ctx_));
+        std::memcpy(data, place, bytes);
+      }
+      shm_->Arrive();
+      shm_->NextStep();
+      shm_->MarkRelaxed();
+      return absl::OkStatus();
+    }
     const size_t w = ShmGroup::kSlotBytes;
     for (size_t at = 0; at < bytes; at += w) {
       const size_t m = std::min(w, bytes - at);
@@ -831,6 +846,7 @@ class UcxCommunicator final : public Communicator {
         std::memcpy(data + at, shm_->slot(root), m);
       }
       shm_->Arrive();
+      if (rank_ == root) shm_->MarkSlotWritten();
       shm_->NextStep();
       shm_->MarkRelaxed();
     }

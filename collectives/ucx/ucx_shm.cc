@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -107,18 +108,18 @@ ShmGroup::~ShmGroup() {
 
 void ShmGroup::MarkFailed() {
   std::atomic_ref<uint32_t>(*failed_of(rank_)).store(1, std::memory_order_seq_cst);
-  std::atomic_ref<uint32_t>(*seq_of(rank_)).fetch_add(1, std::memory_order_seq_cst);  // sleepers re-check now
-  FutexWakeAll(seq_of(rank_));
+  FutexWakeAll(word_of(rank_));  // sleepers wake and look at the flags
 }
 
 void ShmGroup::Arrive() {
   const uint64_t e = ++epoch_;
   std::atomic_ref<uint64_t>(*epoch_of(rank_)).store(e, std::memory_order_release);
-  // Sleepers wait on the 32-bit sequence word; the seq_cst store and load pair with the
-  // sleeper's increment of the waiter count and re-check (one of the two sees the other).
-  std::atomic_ref<uint32_t>(*seq_of(rank_)).store(static_cast<uint32_t>(e), std::memory_order_seq_cst);
-  if (std::atomic_ref<uint32_t>(*waiters_of(rank_)).load(std::memory_order_seq_cst) != 0) {
-    FutexWakeAll(seq_of(rank_));
+  // Pairs with the sleeper's fence between counting itself and re-reading the epoch: either
+  // it sees the new epoch, or this sees its count and wakes it. No extra store: the futex
+  // word is the epoch's low half, which every arrival changes.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (std::atomic_ref<uint32_t>(*waiters_of(rank_)).load(std::memory_order_relaxed) != 0) {
+    FutexWakeAll(word_of(rank_));
   }
 }
 
@@ -139,6 +140,22 @@ absl::Status ShmGroup::Sync(const UcxWaitContext& ctx) {
     if (!s.ok()) return s;
   }
   relaxed_ = false;
+  last_full_ = epoch_;
+  return absl::OkStatus();
+}
+
+absl::Status ShmGroup::BeginRingWrite(uint64_t e, const UcxWaitContext& ctx) {
+  const uint64_t lap = 2 * kRingSlots;
+  // Readers of step n are done once they arrive at n (relaxed) or n + 1 (Sync'ed: they read
+  // after the Sync); the step after n uses the other buffer, so only a step of n's parity
+  // needs the stronger bound.
+  uint64_t need = std::max(e > lap ? e - lap : 0, last_full_);
+  if ((e - last_full_) % 2 == 0) need = std::max(need, last_full_ + 1);
+  for (int j = 0; j < static_cast<int>(members_.size()); ++j) {
+    if (j == rank_) continue;
+    absl::Status s = WaitRank(j, need, ctx);
+    if (!s.ok()) return s;
+  }
   return absl::OkStatus();
 }
 
@@ -194,12 +211,12 @@ absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx)
       continue;
     }
     // Sleep until rank j publishes (it wakes us) or the next peer check is due.
-    std::atomic_ref<uint32_t> seq(*seq_of(j));
     std::atomic_ref<uint32_t> waiters(*waiters_of(j));
     waiters.fetch_add(1, std::memory_order_seq_cst);
-    const uint32_t seen = seq.load(std::memory_order_seq_cst);
-    if (theirs.load(std::memory_order_acquire) < epoch) {
-      FutexWait(seq_of(j), seen, std::min(kPeerCheckNs, std::max<int64_t>(deadline - now, 1)));
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    const uint64_t seen = theirs.load(std::memory_order_acquire);
+    if (seen < epoch) {
+      FutexWait(word_of(j), static_cast<uint32_t>(seen), std::min(kPeerCheckNs, std::max<int64_t>(deadline - now, 1)));
     }
     waiters.fetch_sub(1, std::memory_order_seq_cst);
   }

@@ -4,7 +4,8 @@
 // One POSIX shared-memory segment per communicator, made by group rank 0, opened by the others
 // and unlinked as soon as everyone has it mapped (so nothing is left behind in /dev/shm):
 //
-//   [control: one cache line per rank: arrival epoch, failed flag, futex word, sleepers]
+//   [control: one cache line per rank: arrival epoch (its low half is the futex word),
+//    failed flag, sleepers]
 //   [slots: 2 buffers x size ranks x kSlotBytes]   each rank writes only its own slot
 //   [results: 2 buffers x kSlotBytes]              AllReduce's reduced slices
 //
@@ -20,6 +21,7 @@
 #ifndef DTENSOR_COLLECTIVES_UCX_UCX_SHM_H_
 #define DTENSOR_COLLECTIVES_UCX_UCX_SHM_H_
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -69,6 +71,17 @@ class ShmGroup {
   absl::Status WaitRank(int j, uint64_t epoch, const UcxWaitContext& ctx);
   uint64_t epoch() const { return epoch_; }
   void MarkRelaxed() { relaxed_ = true; }
+
+  // Small one-to-many messages may run further ahead: the root's slot (both buffers) is a
+  // ring of 2 x kRingSlots places of kRingBytes, step e using RingSlot(root, e). Before the
+  // root writes step e there, BeginRingWrite waits until every rank has read step e - 2 x
+  // kRingSlots (the same place) and has finished reading the last step that wrote this
+  // rank's whole slot (a Sync'ed step, or a relaxed step marked with MarkSlotWritten).
+  static constexpr size_t kRingBytes = size_t{32} << 10;
+  static constexpr uint64_t kRingSlots = kSlotBytes / kRingBytes;
+  char* RingSlot(int root, uint64_t e) const { return slot(root) + (e / 2 % kRingSlots) * kRingBytes; }
+  absl::Status BeginRingWrite(uint64_t e, const UcxWaitContext& ctx);
+  void MarkSlotWritten() { last_full_ = epoch_; }
   // Tells the peers this rank gave up (they return Unavailable instead of waiting).
   void MarkFailed();
 
@@ -77,9 +90,13 @@ class ShmGroup {
   absl::Status WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx);
   uint64_t* epoch_of(int j) const { return reinterpret_cast<uint64_t*>(base_ + static_cast<size_t>(j) * 64); }
   uint32_t* failed_of(int j) const { return reinterpret_cast<uint32_t*>(base_ + static_cast<size_t>(j) * 64 + 8); }
-  // Low 32 bits of the epoch: the futex word sleepers wait on (bumped by MarkFailed too).
-  uint32_t* seq_of(int j) const { return reinterpret_cast<uint32_t*>(base_ + static_cast<size_t>(j) * 64 + 12); }
-  // How many ranks sleep on seq_of(j).
+  // The futex word sleepers wait on: the low half of rank j's epoch (little-endian), which
+  // changes with every arrival.
+  uint32_t* word_of(int j) const {
+    static_assert(std::endian::native == std::endian::little, "the futex word is the epoch's low half");
+    return reinterpret_cast<uint32_t*>(epoch_of(j));
+  }
+  // How many ranks sleep on word_of(j).
   uint32_t* waiters_of(int j) const { return reinterpret_cast<uint32_t*>(base_ + static_cast<size_t>(j) * 64 + 16); }
 
   char* base_ = nullptr;
@@ -88,6 +105,7 @@ class ShmGroup {
   int rank_ = 0;
   int buf_ = 0;
   uint64_t epoch_ = 0;
+  uint64_t last_full_ = 0;  // the last step that wrote (or may have written) this rank's slot
   bool relaxed_ = false;
   int64_t spin_ns_ = 0;
   int64_t yield_ns_ = 0;

@@ -432,6 +432,30 @@ void SplitAndMisc(Communicator& comm) {
   ExpectOk(comm.Barrier(), "final Barrier");  // the world still works after the splits
 }
 
+// Many broadcasts back to back (the root may run ahead of its readers on the shared-memory
+// channel), with rotating roots and sizes on both sides of the small-message ring, and other
+// collectives in between: every rank checks every element.
+void BroadcastStream(Communicator& c) {
+  const int p = c.size();
+  for (int i = 0; i < 600; ++i) {
+    const int root = (i / 3) % p;
+    const int64_t n = i % 5 == 4 ? 12000 : 1 + (i * 37) % 8000;  // 48 KB: above the 32 KiB ring
+    Tensor t = Make<int32_t>(n);
+    int32_t* v = t.data<int32_t>();
+    for (int64_t k = 0; k < n; ++k) v[k] = c.rank() == root ? static_cast<int32_t>(i * 100003 + k) : -1;
+    ExpectOk(c.Broadcast(t, root), "Broadcast stream");
+    int bad = 0;
+    for (int64_t k = 0; k < n; ++k) bad += v[k] != static_cast<int32_t>(i * 100003 + k);
+    if (bad != 0) Fail(absl::StrCat("Broadcast stream ", i, " (root ", root, ", ", n, " elements): ", bad, " wrong"));
+    ++g_checks;
+    if (i % 7 == 6) {
+      Tensor x = Fill<int32_t>(c.rank(), 999, i, false), y = Make<int32_t>(999);
+      ExpectOk(c.AllReduce(x, y, CommReduceOp::kSum), "AllReduce in a broadcast stream");
+      ExpectData(y, RefReduced<int32_t>(CommReduceOp::kSum, p, 0, 999, i, false, -1, -1), "AllReduce in a stream");
+    }
+  }
+}
+
 int RunBattery() {
   auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(60));
   if (!comm.ok()) {
@@ -447,6 +471,7 @@ int RunBattery() {
   Battery<int64_t>(c, "int64");
   Battery<bool>(c, "bool");
   PointToPoint(c);
+  BroadcastStream(c);
   SplitAndMisc(c);
   std::printf("%d checks, %d failures, %.2f s\n", g_checks, g_failures, absl::ToDoubleSeconds(absl::Now() - start));
   ExpectOk(c.Barrier(), "last Barrier");  // rank 0 (the store's host) leaves last
