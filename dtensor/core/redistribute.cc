@@ -172,6 +172,37 @@ absl::StatusOr<Tensor> DivideForPartial(const Tensor& x, int64_t divisor) {
   return BinaryScalar(BinaryOp::kDiv, x, static_cast<double>(divisor));
 }
 
+namespace {
+
+// Copies region j of `t` (whose box is t_box) into block j of the flat tensor `flat`; the
+// blocks follow each other in order, empty regions take no room.
+absl::Status Pack(const Tensor& t, const LocalBox& t_box, absl::Span<const LocalBox> regions, const Tensor& flat) {
+  int64_t at = 0;
+  for (const LocalBox& r : regions) {
+    if (r.numel() == 0) continue;
+    DT_ASSIGN_OR_RETURN(Tensor src, RegionOf(t, t_box, r));
+    DT_ASSIGN_OR_RETURN(Tensor dst, Block(flat, at, r.shape));
+    DT_RETURN_IF_ERROR(CopyBlock(dst, src));
+    at += r.numel();
+  }
+  return absl::OkStatus();
+}
+
+// The reverse of Pack: block j of `flat` into region j of `t`.
+absl::Status Unpack(const Tensor& flat, absl::Span<const LocalBox> regions, const Tensor& t, const LocalBox& t_box) {
+  int64_t at = 0;
+  for (const LocalBox& r : regions) {
+    if (r.numel() == 0) continue;
+    DT_ASSIGN_OR_RETURN(Tensor dst, RegionOf(t, t_box, r));
+    DT_ASSIGN_OR_RETURN(Tensor src, Block(flat, at, r.shape));
+    DT_RETURN_IF_ERROR(CopyBlock(dst, src));
+    at += r.numel();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, const LocalBox& local_box,
                                      absl::Span<const LocalBox> send_regions, const LocalBox& out_box,
                                      absl::Span<const LocalBox> recv_regions, bool uniform, CommCounter* counter) {
@@ -183,14 +214,7 @@ absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, co
   Tensor send = local;
   if (!local.is_contiguous() || !ConsecutiveBlocks(local_box, send_regions)) {
     DT_ASSIGN_OR_RETURN(send, Tensor::Empty({send_total}, local.dtype(), local.device()));
-    int64_t at = 0;
-    for (size_t j = 0; j < send_regions.size(); ++j) {
-      if (send_counts[j] == 0) continue;
-      DT_ASSIGN_OR_RETURN(Tensor src, RegionOf(local, local_box, send_regions[j]));
-      DT_ASSIGN_OR_RETURN(Tensor dst, Block(send, at, send_regions[j].shape));
-      DT_RETURN_IF_ERROR(CopyBlock(dst, src));
-      at += send_counts[j];
-    }
+    DT_RETURN_IF_ERROR(Pack(local, local_box, send_regions, send));
   } else if (send.numel() != send_total) {
     DT_ASSIGN_OR_RETURN(send, send.View({send.numel()}));
     DT_ASSIGN_OR_RETURN(send, send.Narrow(0, 0, send_total));
@@ -213,14 +237,7 @@ absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, co
     DT_RETURN_IF_ERROR(comm.AllToAllV(send, recv, send_counts, recv_counts));
   }
   if (direct) return out;
-  int64_t at = 0;
-  for (size_t j = 0; j < recv_regions.size(); ++j) {
-    if (recv_counts[j] == 0) continue;
-    DT_ASSIGN_OR_RETURN(Tensor dst, RegionOf(out, out_box, recv_regions[j]));
-    DT_ASSIGN_OR_RETURN(Tensor src, Block(recv, at, recv_regions[j].shape));
-    DT_RETURN_IF_ERROR(CopyBlock(dst, src));
-    at += recv_counts[j];
-  }
+  DT_RETURN_IF_ERROR(Unpack(recv, recv_regions, out, out_box));
   return out;
 }
 
@@ -281,14 +298,7 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
                           even ? comm->AllGatherAsync(input, staging) : comm->AllGatherVAsync(input, staging, counts));
       auto finish = [out, input, staging, after, parts = std::move(parts)]() -> absl::StatusOr<Tensor> {
         (void)input;
-        int64_t at = 0;
-        for (const LocalBox& p : parts) {
-          if (p.numel() == 0) continue;
-          DT_ASSIGN_OR_RETURN(Tensor dst, RegionOf(out, after, p));
-          DT_ASSIGN_OR_RETURN(Tensor src, Block(staging, at, p.shape));
-          DT_RETURN_IF_ERROR(CopyBlock(dst, src));
-          at += p.numel();
-        }
+        DT_RETURN_IF_ERROR(Unpack(staging, parts, out, after));
         return out;
       };
       return StartedStep{std::move(work), std::move(finish)};
@@ -300,14 +310,7 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
       Tensor send = input;
       if (!ConsecutiveBlocks(before, parts)) {
         DT_ASSIGN_OR_RETURN(send, Tensor::Empty({before.numel()}, local.dtype(), local.device()));
-        int64_t at = 0;
-        for (const LocalBox& p : parts) {
-          if (p.numel() == 0) continue;
-          DT_ASSIGN_OR_RETURN(Tensor src, RegionOf(input, before, p));
-          DT_ASSIGN_OR_RETURN(Tensor dst, Block(send, at, p.shape));
-          DT_RETURN_IF_ERROR(CopyBlock(dst, src));
-          at += p.numel();
-        }
+        DT_RETURN_IF_ERROR(Pack(input, before, parts, send));
       }
       Record(CommKind::kReduceScatter, before.numel() * esize, mesh);
       const CommReduceOp op = ToCommReduceOp(*step.before.partial_op());
