@@ -46,6 +46,7 @@ struct MeshRoot {
   Shape coord;                                        // this rank's coordinate in it
   std::vector<std::unique_ptr<Communicator>> groups;  // [mask]; [0] and [full] are null
   std::shared_ptr<void> core_state;
+  std::shared_ptr<void> ops_state;  // the same for the op dispatcher (autograd/): its strategy cache
 };
 }  // namespace internal
 

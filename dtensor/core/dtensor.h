@@ -80,6 +80,12 @@ class DTensor {
     return Distribute(global, mesh, layout, DistributeOptions{});
   }
 
+  // Wraps without any check: for op implementations (autograd/dispatch.cc) whose local
+  // shapes are right by construction and that checked them once. `layout` must be normalised.
+  static DTensor WrapTrusted(Tensor local, DeviceMesh mesh, Layout layout, Shape global_shape) {
+    return DTensor(std::move(local), std::move(mesh), std::move(layout), std::move(global_shape));
+  }
+
   bool defined() const { return local_.defined(); }
   const Tensor& ToLocal() const { return local_; }
   const DeviceMesh& mesh() const { return mesh_; }

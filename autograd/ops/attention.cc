@@ -1,0 +1,91 @@
+// Causal self-attention on q, k, v [B, H, T, D]: forward, backward and sharding rule.
+// Sharding rule: batch (S(0)) or heads (S(1)) — every row of attention stays on one rank;
+// TP shards heads, DP shards the batch.
+#include "autograd/functional.h"
+#include "autograd/ops.h"
+#include "autograd/ops/op_util.h"
+
+namespace dtensor {
+namespace {
+
+absl::Status CheckQkv(const char* op, absl::Span<const TensorMeta> in) {
+  for (const TensorMeta& m : in) {
+    if (m.shape.size() != 4 || m.shape != in[0].shape) {
+      return op_util::Invalid(op, absl::StrCat("q, k, v (and dout) must be [B, H, T, D] of one shape; got ",
+                                               ShapeString(in[0].shape), " and ", ShapeString(m.shape)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// (q, k, v) -> (out, lse); args.floats = {scale}
+absl::StatusOr<std::vector<TensorMeta>> AttnMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
+  DT_RETURN_IF_ERROR(CheckQkv("CausalAttention", in));
+  const Shape& q = in[0].shape;
+  return std::vector<TensorMeta>{in[0], {Shape{q[0], q[1], q[2]}, DType::kFloat32}};
+}
+void AttnRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  for (int64_t d = 0; d < 2; ++d) {
+    absl::InlinedVector<Placement, 5> ins(in.size(), Shard(d));
+    s->push_back({ins, {Shard(d), Shard(d)}});
+  }
+}
+absl::StatusOr<std::vector<Tensor>> AttnLocal(const LocalCall& c) {
+  DT_ASSIGN_OR_RETURN(Tensor q, dtensor::Contiguous(c.inputs[0]));
+  DT_ASSIGN_OR_RETURN(Tensor k, dtensor::Contiguous(c.inputs[1]));
+  DT_ASSIGN_OR_RETURN(Tensor v, dtensor::Contiguous(c.inputs[2]));
+  DT_ASSIGN_OR_RETURN(AttentionOutput o, dtensor::CausalAttention(q, k, v, static_cast<float>(c.args.floats[0])));
+  return std::vector<Tensor>{o.out, o.lse};
+}
+const OpDef kAttention = {"causal_attention", AttnRule, AttnMeta, AttnLocal};
+
+// (dout, q, k, v, out, lse) -> (dq, dk, dv)
+absl::StatusOr<std::vector<TensorMeta>> AttnBwdMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
+  DT_RETURN_IF_ERROR(CheckQkv("CausalAttentionBackward", in.subspan(0, 5)));
+  return std::vector<TensorMeta>{in[1], in[2], in[3]};
+}
+void AttnBwdRule(absl::Span<const TensorMeta>, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  for (int64_t d = 0; d < 2; ++d) {
+    absl::InlinedVector<Placement, 5> ins(6, Shard(d));
+    s->push_back({ins, {Shard(d), Shard(d), Shard(d)}});
+  }
+}
+absl::StatusOr<std::vector<Tensor>> AttnBwdLocal(const LocalCall& c) {
+  std::vector<Tensor> in;
+  for (int i = 0; i < 6; ++i) {
+    DT_ASSIGN_OR_RETURN(in.emplace_back(), dtensor::Contiguous(c.inputs[static_cast<size_t>(i)]));
+  }
+  AttentionOutput saved{in[4], in[5]};
+  DT_ASSIGN_OR_RETURN(AttentionGrads g, dtensor::CausalAttentionBackward(in[0], in[1], in[2], in[3], saved,
+                                                                         static_cast<float>(c.args.floats[0])));
+  return std::vector<Tensor>{g.dq, g.dk, g.dv};
+}
+const OpDef kAttentionBackward = {"causal_attention_backward", AttnBwdRule, AttnBwdMeta, AttnBwdLocal};
+
+}  // namespace
+
+namespace fn {
+absl::StatusOr<AttentionResult> CausalAttention(const Value& q, const Value& k, const Value& v, double scale) {
+  OpArgs args;
+  args.floats.push_back(scale);
+  DT_ASSIGN_OR_RETURN(std::vector<Value> r, Dispatch(kAttention, {q, k, v}, args));
+  return AttentionResult{r[0], r[1]};
+}
+absl::StatusOr<std::vector<Value>> CausalAttentionBackward(const Value& dout, const Value& q, const Value& k,
+                                                           const Value& v, const AttentionResult& saved, double scale) {
+  OpArgs args;
+  args.floats.push_back(scale);
+  return Dispatch(kAttentionBackward, {dout, q, k, v, saved.out, saved.lse}, args);
+}
+}  // namespace fn
+
+absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, const Variable& v, double scale) {
+  DT_ASSIGN_OR_RETURN(fn::AttentionResult r, fn::CausalAttention(q.value(), k.value(), v.value(), scale));
+  return op_util::Result1(
+      "CausalAttention", {q, k, v}, r.out,
+      [qv = q.value(), kv = k.value(), vv = v.value(), r, scale](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+        return fn::CausalAttentionBackward(g, qv, kv, vv, r, scale);
+      });
+}
+
+}  // namespace dtensor

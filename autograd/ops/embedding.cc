@@ -1,0 +1,136 @@
+// Embedding lookup: forward, backward and sharding rules.
+//
+//   embedding (w [V, C], ids [...]) -> [..., C]
+//     R, S(d) -> S(d)          ids sharded (data parallel)
+//     S(0), R -> P(sum)        vocab-sharded table: each rank looks up the ids in its rows and
+//                              gives zeros for the others (TP's rowwise embedding)
+//     S(1), R -> S(-1)         channel-sharded table
+//   embedding_backward (dout [..., C], ids [...]) -> dw [V, C]
+//     S(d), S(d) -> P(sum)     R, R -> S(0) (each rank scatters into its own rows)
+//     S(-1), R -> S(1)         P(sum), R -> P(sum)
+#include "autograd/functional.h"
+#include "autograd/ops.h"
+#include "autograd/ops/op_util.h"
+
+namespace dtensor {
+namespace {
+
+const Placement kP = Partial(PartialOp::kSum);
+
+bool IsIntDType(DType t) { return t == DType::kInt32 || t == DType::kInt64; }
+
+// The rows [begin, end) of the vocabulary this rank's table piece holds.
+std::pair<int64_t, int64_t> LocalRows(const LocalCall& c, int input, const TensorMeta& table, int64_t local_rows) {
+  if (c.mesh == nullptr) return {0, table.shape[0]};
+  const Shape off =
+      LocalBoxOf(table.shape, c.mesh->shape(), c.input_layouts[static_cast<size_t>(input)], c.mesh->coordinate())
+          .offset;
+  return {off[0], off[0] + local_rows};
+}
+
+// ids shifted into [0, rows) (out-of-range ids clamped to 0) and a float mask [..., 1] of
+// the ids that were in range.
+absl::StatusOr<std::pair<Tensor, Tensor>> LocalIds(const Tensor& ids, int64_t begin, int64_t end, DType dtype) {
+  DT_ASSIGN_OR_RETURN(std::vector<int64_t> v, ToInt64Vector(ids));
+  std::vector<int64_t> local(v.size());
+  std::vector<float> mask(v.size());
+  for (size_t i = 0; i < v.size(); ++i) {
+    const bool in = v[i] >= begin && v[i] < end;
+    local[i] = in ? v[i] - begin : 0;
+    mask[i] = in ? 1.0f : 0.0f;
+  }
+  Shape ms(ids.shape().begin(), ids.shape().end());
+  ms.push_back(1);
+  DT_ASSIGN_OR_RETURN(Tensor lt, Tensor::FromVector<int64_t>(local, ids.shape()));
+  DT_ASSIGN_OR_RETURN(Tensor mt, Tensor::FromVector<float>(mask, ms));
+  DT_ASSIGN_OR_RETURN(mt, Cast(mt, dtype));
+  DT_ASSIGN_OR_RETURN(lt, To(lt, ids.device()));
+  DT_ASSIGN_OR_RETURN(mt, To(mt, ids.device()));
+  return std::make_pair(lt, mt);
+}
+
+bool VocabSharded(const LocalCall& c, int input) { return !op_util::ShardingMeshDims(c, input, 0).empty(); }
+
+absl::StatusOr<std::vector<TensorMeta>> EmbMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
+  if (in[0].shape.size() != 2 || !IsIntDType(in[1].dtype)) {
+    return op_util::Invalid("Embedding", absl::StrCat("weight must be [V, C] (got ", ShapeString(in[0].shape),
+                                                      ") and ids int32/int64 (got ", DTypeName(in[1].dtype), ")"));
+  }
+  Shape out = in[1].shape;
+  out.push_back(in[0].shape[1]);
+  return std::vector<TensorMeta>{{out, in[0].dtype}};
+}
+void EmbRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  const int64_t nd = static_cast<int64_t>(in[1].shape.size());
+  for (int64_t d = 0; d < nd; ++d) s->push_back({{Replicate(), Shard(d)}, {Shard(d)}});
+  s->push_back({{Shard(0), Replicate()}, {kP}});
+  s->push_back({{Shard(1), Replicate()}, {Shard(nd)}});
+}
+absl::StatusOr<std::vector<Tensor>> EmbLocal(const LocalCall& c) {
+  const Tensor& w = c.inputs[0];
+  if (!VocabSharded(c, 0)) return op_util::One(dtensor::Embedding(w, c.inputs[1]));
+  auto [begin, end] = LocalRows(c, 0, c.input_meta[0], w.size(0));
+  DT_ASSIGN_OR_RETURN(auto lm, LocalIds(c.inputs[1], begin, end, w.dtype()));
+  DT_ASSIGN_OR_RETURN(Tensor rows, dtensor::Embedding(w, lm.first));
+  return op_util::One(dtensor::Mul(rows, lm.second));
+}
+const OpDef kEmbedding = {"embedding", EmbRule, EmbMeta, EmbLocal};
+
+// args.ints = {V}
+absl::StatusOr<std::vector<TensorMeta>> EmbBwdMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
+  const Shape& dout = in[0].shape;
+  const Shape& ids = in[1].shape;
+  if (dout.size() != ids.size() + 1 || !std::equal(ids.begin(), ids.end(), dout.begin())) {
+    return op_util::Invalid("EmbeddingBackward",
+                            absl::StrCat("dout ", ShapeString(dout), " does not fit ids ", ShapeString(ids)));
+  }
+  return std::vector<TensorMeta>{{Shape{args.ints[0], dout.back()}, in[0].dtype}};
+}
+void EmbBwdRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  const int64_t nd = static_cast<int64_t>(in[1].shape.size());
+  for (int64_t d = 0; d < nd; ++d) s->push_back({{Shard(d), Shard(d)}, {kP}});
+  s->push_back({{Replicate(), Replicate()}, {Shard(0)}});
+  s->push_back({{Shard(nd), Replicate()}, {Shard(1)}});
+  s->push_back({{kP, Replicate()}, {kP}});
+}
+absl::StatusOr<std::vector<Tensor>> EmbBwdLocal(const LocalCall& c) {
+  const Tensor& dout = c.inputs[0];
+  const Shape out = op_util::LocalOutShape(c, 0, Shape{c.args.ints[0], dout.size(-1)});
+  DT_ASSIGN_OR_RETURN(Tensor dw, Zeros(out, dout.dtype(), dout.device()));
+  const bool vocab_sharded = c.mesh != nullptr && out[0] != c.args.ints[0];
+  if (!vocab_sharded) {
+    DT_RETURN_IF_ERROR(EmbeddingBackward_(dw, dout, c.inputs[1]));
+    return std::vector<Tensor>{dw};
+  }
+  const Shape off = c.OutputOffset(0);
+  DT_ASSIGN_OR_RETURN(auto lm, LocalIds(c.inputs[1], off[0], off[0] + out[0], dout.dtype()));
+  DT_ASSIGN_OR_RETURN(Tensor masked, dtensor::Mul(dout, lm.second));
+  DT_RETURN_IF_ERROR(EmbeddingBackward_(dw, masked, lm.first));
+  return std::vector<Tensor>{dw};
+}
+const OpDef kEmbeddingBackward = {"embedding_backward", EmbBwdRule, EmbBwdMeta, EmbBwdLocal};
+
+}  // namespace
+
+namespace fn {
+absl::StatusOr<Value> Embedding(const Value& weight, const Value& ids) {
+  return op_util::First(Dispatch(kEmbedding, {weight, ids}));
+}
+absl::StatusOr<Value> EmbeddingBackward(const Value& dout, const Value& ids, int64_t vocab) {
+  OpArgs args;
+  args.ints.push_back(vocab);
+  return op_util::First(Dispatch(kEmbeddingBackward, {dout, ids}, args));
+}
+}  // namespace fn
+
+absl::StatusOr<Variable> Embedding(const Variable& weight, const Variable& ids) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::Embedding(weight.value(), ids.value()));
+  return op_util::Result1(
+      "Embedding", {weight, ids}, std::move(y),
+      [idv = ids.value(), vocab = weight.value().shape()[0]](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+        DT_ASSIGN_OR_RETURN(Value dw, fn::EmbeddingBackward(g, idv, vocab));
+        return std::vector<Value>{dw, Value()};
+      });
+}
+
+}  // namespace dtensor

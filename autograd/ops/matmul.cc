@@ -1,0 +1,232 @@
+// Linear layers and matmul: forward, both backward products and their sharding rules.
+//
+//   linear       x [..., in] · w [out, in]^T -> [..., out]
+//     S(d)·R -> S(d) (batch/data parallel)   R·S(0) -> S(-1) (colwise)
+//     S(-1)·S(1) -> P(sum) (rowwise)         P·R, R·P -> P
+//   linear_dx    dy [..., out] · w [out, in] -> [..., in]
+//     S(d)·R -> S(d)   S(-1)·S(0) -> P   R·S(1) -> S(-1)   P·R, R·P -> P
+//   linear_dw    sum over leading dims of dy^T x -> [out, in]
+//     S(d)·S(d) -> P (the data-parallel weight gradient)   S(-1)·R -> S(0)   R·S(-1) -> S(1)
+//   matmul       a [..., M, K] · b [K, N] or [..., K, N]: batch, M, N shards; K·K -> P
+#include "autograd/functional.h"
+#include "autograd/ops.h"
+#include "autograd/ops/op_util.h"
+
+namespace dtensor {
+namespace {
+
+using op_util::One;
+const Placement kP = Partial(PartialOp::kSum);
+
+// [..., n] -> [rows, n] (a view when possible).
+absl::StatusOr<Tensor> As2d(const Tensor& t) { return dtensor::Reshape(t, {-1, t.size(-1)}); }
+
+absl::StatusOr<Tensor> Unflatten(const Tensor& t2, IntSpan lead, int64_t last) {
+  Shape s(lead.begin(), lead.end());
+  s.push_back(last);
+  return t2.View(s);
+}
+
+void LinearLikeRule(int64_t nd, std::vector<DimStrategy>* s, bool dx) {
+  for (int64_t d = 0; d + 1 < nd; ++d) s->push_back({{Shard(d), Replicate()}, {Shard(d)}});
+  if (dx) {
+    s->push_back({{Shard(nd - 1), Shard(0)}, {kP}});
+    s->push_back({{Replicate(), Shard(1)}, {Shard(nd - 1)}});
+  } else {
+    s->push_back({{Replicate(), Shard(0)}, {Shard(nd - 1)}});
+    s->push_back({{Shard(nd - 1), Shard(1)}, {kP}});
+  }
+  s->push_back({{kP, Replicate()}, {kP}});
+  s->push_back({{Replicate(), kP}, {kP}});
+}
+
+// ---- linear ----
+absl::StatusOr<std::vector<TensorMeta>> LinearMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
+  const Shape& x = in[0].shape;
+  const Shape& w = in[1].shape;
+  if (x.empty() || w.size() != 2 || x.back() != w[1] || in[0].dtype != in[1].dtype) {
+    return op_util::Invalid(
+        "Linear", absl::StrCat("x ", ShapeString(x), " ", DTypeName(in[0].dtype), " and w ", ShapeString(w), " ",
+                               DTypeName(in[1].dtype), " do not fit (w must be [out, in], in = x's last dim)"));
+  }
+  Shape out = x;
+  out.back() = w[0];
+  return std::vector<TensorMeta>{{out, in[0].dtype}};
+}
+void LinearRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  LinearLikeRule(static_cast<int64_t>(in[0].shape.size()), s, false);
+}
+absl::StatusOr<std::vector<Tensor>> LinearLocal(const LocalCall& c) {
+  const Tensor& x = c.inputs[0];
+  DT_ASSIGN_OR_RETURN(Tensor x2, As2d(x));
+  DT_ASSIGN_OR_RETURN(Tensor y2, dtensor::Matmul(x2, c.inputs[1], false, true));
+  return One(Unflatten(y2, x.shape().subspan(0, static_cast<size_t>(x.dim() - 1)), y2.size(1)));
+}
+const OpDef kLinear = {"linear", LinearRule, LinearMeta, LinearLocal};
+
+// ---- linear_dx ----
+absl::StatusOr<std::vector<TensorMeta>> LinearDxMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
+  const Shape& dy = in[0].shape;
+  const Shape& w = in[1].shape;
+  if (dy.empty() || w.size() != 2 || dy.back() != w[0]) {
+    return op_util::Invalid("LinearInputGrad",
+                            absl::StrCat("dy ", ShapeString(dy), " and w ", ShapeString(w), " do not fit"));
+  }
+  Shape out = dy;
+  out.back() = w[1];
+  return std::vector<TensorMeta>{{out, in[0].dtype}};
+}
+void LinearDxRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  LinearLikeRule(static_cast<int64_t>(in[0].shape.size()), s, true);
+}
+absl::StatusOr<std::vector<Tensor>> LinearDxLocal(const LocalCall& c) {
+  const Tensor& dy = c.inputs[0];
+  DT_ASSIGN_OR_RETURN(Tensor dy2, As2d(dy));
+  DT_ASSIGN_OR_RETURN(Tensor dx2, dtensor::Matmul(dy2, c.inputs[1]));
+  return One(Unflatten(dx2, dy.shape().subspan(0, static_cast<size_t>(dy.dim() - 1)), dx2.size(1)));
+}
+const OpDef kLinearDx = {"linear_dx", LinearDxRule, LinearDxMeta, LinearDxLocal};
+
+// ---- linear_dw ----
+absl::StatusOr<std::vector<TensorMeta>> LinearDwMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
+  const Shape& dy = in[0].shape;
+  const Shape& x = in[1].shape;
+  if (dy.empty() || dy.size() != x.size() || !std::equal(dy.begin(), dy.end() - 1, x.begin())) {
+    return op_util::Invalid("LinearWeightGrad", absl::StrCat("dy ", ShapeString(dy), " and x ", ShapeString(x),
+                                                             " must share their leading dims"));
+  }
+  return std::vector<TensorMeta>{{Shape{dy.back(), x.back()}, in[0].dtype}};
+}
+void LinearDwRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  const int64_t nd = static_cast<int64_t>(in[0].shape.size());
+  for (int64_t d = 0; d + 1 < nd; ++d) s->push_back({{Shard(d), Shard(d)}, {kP}});
+  s->push_back({{Shard(nd - 1), Replicate()}, {Shard(0)}});
+  s->push_back({{Replicate(), Shard(nd - 1)}, {Shard(1)}});
+  s->push_back({{kP, Replicate()}, {kP}});
+  s->push_back({{Replicate(), kP}, {kP}});
+}
+absl::StatusOr<std::vector<Tensor>> LinearDwLocal(const LocalCall& c) {
+  DT_ASSIGN_OR_RETURN(Tensor dy2, As2d(c.inputs[0]));
+  DT_ASSIGN_OR_RETURN(Tensor x2, As2d(c.inputs[1]));
+  return One(dtensor::Matmul(dy2, x2, /*trans_a=*/true, false));
+}
+const OpDef kLinearDw = {"linear_dw", LinearDwRule, LinearDwMeta, LinearDwLocal};
+
+// ---- matmul: args.ints = {trans_a, trans_b} ----
+struct MatDims {
+  int64_t na, nb, am, ak, bk, bn;
+  MatDims(const Shape& a, const Shape& b, const OpArgs& args) {
+    na = static_cast<int64_t>(a.size());
+    nb = static_cast<int64_t>(b.size());
+    const bool ta = args.ints[0] != 0, tb = args.ints[1] != 0;
+    am = ta ? na - 1 : na - 2;
+    ak = ta ? na - 2 : na - 1;
+    bk = tb ? nb - 1 : nb - 2;
+    bn = tb ? nb - 2 : nb - 1;
+  }
+};
+absl::StatusOr<std::vector<TensorMeta>> MatmulMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
+  const Shape& a = in[0].shape;
+  const Shape& b = in[1].shape;
+  auto bad = [&] {
+    return op_util::Invalid("Matmul", absl::StrCat("a ", ShapeString(a), " and b ", ShapeString(b), " (trans ",
+                                                   args.ints[0], ", ", args.ints[1], ") do not fit"));
+  };
+  if (a.size() < 2 || b.size() < 2 || (b.size() != 2 && b.size() != a.size())) return bad();
+  MatDims m(a, b, args);
+  if (a[static_cast<size_t>(m.ak)] != b[static_cast<size_t>(m.bk)]) return bad();
+  if (b.size() == a.size() && !std::equal(a.begin(), a.end() - 2, b.begin())) return bad();
+  Shape out(a.begin(), a.end() - 2);
+  out.push_back(a[static_cast<size_t>(m.am)]);
+  out.push_back(b[static_cast<size_t>(m.bn)]);
+  return std::vector<TensorMeta>{{out, in[0].dtype}};
+}
+void MatmulRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan, std::vector<DimStrategy>* s) {
+  MatDims m(in[0].shape, in[1].shape, args);
+  for (int64_t d = 0; d + 2 < m.na; ++d) {
+    s->push_back({{Shard(d), m.nb == m.na ? Placement(Shard(d)) : Placement(Replicate())}, {Shard(d)}});
+  }
+  s->push_back({{Shard(m.am), Replicate()}, {Shard(m.na - 2)}});
+  s->push_back({{Replicate(), Shard(m.bn)}, {Shard(m.na - 1)}});
+  s->push_back({{Shard(m.ak), Shard(m.bk)}, {kP}});
+  s->push_back({{kP, Replicate()}, {kP}});
+  s->push_back({{Replicate(), kP}, {kP}});
+}
+absl::StatusOr<std::vector<Tensor>> MatmulLocal(const LocalCall& c) {
+  return One(dtensor::Matmul(c.inputs[0], c.inputs[1], c.args.ints[0] != 0, c.args.ints[1] != 0));
+}
+const OpDef kMatmul = {"matmul", MatmulRule, MatmulMeta, MatmulLocal};
+
+}  // namespace
+
+namespace fn {
+absl::StatusOr<Value> Linear(const Value& x, const Value& w) { return op_util::First(Dispatch(kLinear, {x, w})); }
+absl::StatusOr<Value> LinearInputGrad(const Value& dy, const Value& w) {
+  return op_util::First(Dispatch(kLinearDx, {dy, w}));
+}
+absl::StatusOr<Value> LinearWeightGrad(const Value& dy, const Value& x) {
+  return op_util::First(Dispatch(kLinearDw, {dy, x}));
+}
+absl::StatusOr<Value> Matmul(const Value& a, const Value& b, bool trans_a, bool trans_b) {
+  OpArgs args;
+  args.ints = {trans_a ? 1 : 0, trans_b ? 1 : 0};
+  return op_util::First(Dispatch(kMatmul, {a, b}, args));
+}
+}  // namespace fn
+
+absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const Variable& b) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::Linear(x.value(), w.value()));
+  const bool has_bias = b.defined();
+  if (has_bias) {
+    DT_ASSIGN_OR_RETURN(y, fn::Add(y, b.value()));
+  }
+  Variable none;
+  return op_util::Result1("Linear", {x, w, has_bias ? b : none}, std::move(y),
+                          [xv = x.value(), wv = w.value(), nx = x.requires_grad(), nw = w.requires_grad(),
+                           nb = has_bias && b.requires_grad(),
+                           bshape = has_bias ? op_util::ToVec(b.value().shape()) : std::vector<int64_t>{}](
+                              const Value& g) -> absl::StatusOr<std::vector<Value>> {
+                            std::vector<Value> r(3);
+                            if (nx) {
+                              DT_ASSIGN_OR_RETURN(r[0], fn::LinearInputGrad(g, wv));
+                            }
+                            if (nw) {
+                              DT_ASSIGN_OR_RETURN(r[1], fn::LinearWeightGrad(g, xv));
+                            }
+                            if (nb) {
+                              DT_ASSIGN_OR_RETURN(r[2], fn::SumTo(g, bshape));
+                            }
+                            return r;
+                          });
+}
+
+absl::StatusOr<Variable> Matmul(const Variable& a, const Variable& b, bool ta, bool tb) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::Matmul(a.value(), b.value(), ta, tb));
+  return op_util::Result1("Matmul", {a, b}, std::move(y),
+                          [av = a.value(), bv = b.value(), ta, tb, na = a.requires_grad(),
+                           nb = b.requires_grad()](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+                            std::vector<Value> r(2);
+                            if (na) {  // d op(a) = g op(b)^T
+                              if (!ta) {
+                                DT_ASSIGN_OR_RETURN(r[0], fn::Matmul(g, bv, false, !tb));
+                              } else if (bv.dim() == 2 && g.dim() > 2) {
+                                DT_ASSIGN_OR_RETURN(Value t, fn::Matmul(g, bv, false, !tb));
+                                DT_ASSIGN_OR_RETURN(r[0], fn::Transpose(t, -1, -2));
+                              } else {
+                                DT_ASSIGN_OR_RETURN(r[0], fn::Matmul(bv, g, tb, true));
+                              }
+                            }
+                            if (nb) {  // d op(b) = op(a)^T g, summed over batch dims when b is 2-d
+                              Value t;
+                              if (!tb) {
+                                DT_ASSIGN_OR_RETURN(t, fn::Matmul(av, g, !ta, false));
+                              } else {
+                                DT_ASSIGN_OR_RETURN(t, fn::Matmul(g, av, true, ta));
+                              }
+                              DT_ASSIGN_OR_RETURN(r[1], fn::SumTo(t, op_util::ToVec(bv.shape())));
+                            }
+                            return r;
+                          });
+}
+
+}  // namespace dtensor

@@ -1,0 +1,324 @@
+// Pointwise ops: binary (broadcasting), with a scalar, unary, their backward, dropout.
+//
+// Sharding rule: every output dim may be sharded when each input either has that dim at full
+// size (sharded alike) or broadcasts it (replicated). Linear ops pass Partial through:
+// P + P -> P for add/sub, P * R -> P for mul (and P / R for div), -P, s * P.
+#include "autograd/functional.h"
+#include "autograd/ops.h"
+#include "autograd/ops/op_util.h"
+
+namespace dtensor {
+namespace {
+
+using op_util::One;
+
+const Placement kPSum = Partial(PartialOp::kSum);
+
+// Shard strategies of pointwise ops whose inputs broadcast to `out`.
+void BroadcastShards(absl::Span<const TensorMeta> in, IntSpan out, size_t num_outputs, std::vector<DimStrategy>* s) {
+  const int64_t nd = static_cast<int64_t>(out.size());
+  for (int64_t d = 0; d < nd; ++d) {
+    DimStrategy st;
+    bool any = false;
+    for (const TensorMeta& m : in) {
+      const int64_t di = d - (nd - static_cast<int64_t>(m.shape.size()));
+      if (di >= 0 && m.shape[static_cast<size_t>(di)] == out[static_cast<size_t>(d)]) {
+        st.inputs.push_back(Shard(di));
+        any = true;
+      } else {
+        st.inputs.push_back(Replicate());
+      }
+    }
+    if (!any) continue;
+    st.outputs.assign(num_outputs, Shard(d));
+    s->push_back(st);
+  }
+}
+
+// ---- Binary ----
+absl::StatusOr<std::vector<TensorMeta>> BinaryMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
+  DT_ASSIGN_OR_RETURN(Shape out, BroadcastShapes("Binary", in[0].shape, in[1].shape));
+  if (in[0].dtype != in[1].dtype) {
+    return op_util::Invalid("Binary",
+                            absl::StrCat("dtypes differ: ", DTypeName(in[0].dtype), " and ", DTypeName(in[1].dtype)));
+  }
+  return std::vector<TensorMeta>{{out, in[0].dtype}};
+}
+void BinaryRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan, std::vector<DimStrategy>* s) {
+  auto out = BroadcastShapes("Binary", in[0].shape, in[1].shape);
+  if (!out.ok()) return;
+  BroadcastShards(in, *out, 1, s);
+  const auto op = static_cast<BinaryOp>(args.ints[0]);
+  if (op == BinaryOp::kAdd || op == BinaryOp::kSub) {
+    s->push_back({{kPSum, kPSum}, {kPSum}});
+    const Placement avg = Partial(PartialOp::kAvg);
+    s->push_back({{avg, avg}, {avg}});
+  } else if (op == BinaryOp::kMul) {
+    s->push_back({{kPSum, Replicate()}, {kPSum}});
+    s->push_back({{Replicate(), kPSum}, {kPSum}});
+  } else if (op == BinaryOp::kDiv) {
+    s->push_back({{kPSum, Replicate()}, {kPSum}});
+  }
+}
+absl::StatusOr<std::vector<Tensor>> BinaryLocal(const LocalCall& c) {
+  return One(dtensor::Binary(static_cast<BinaryOp>(c.args.ints[0]), c.inputs[0], c.inputs[1]));
+}
+const OpDef kBinary = {"binary", BinaryRule, BinaryMeta, BinaryLocal};
+
+// ---- Binary with a scalar ----
+absl::StatusOr<std::vector<TensorMeta>> SameMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
+  return std::vector<TensorMeta>{in[0]};
+}
+void ScalarRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan, std::vector<DimStrategy>* s) {
+  BroadcastShards(in.subspan(0, 1), in[0].shape, 1, s);
+  const auto op = static_cast<BinaryOp>(args.ints[0]);
+  const bool scalar_first = args.ints[1] != 0;
+  if (op == BinaryOp::kMul || (op == BinaryOp::kDiv && !scalar_first)) {
+    s->push_back({{kPSum}, {kPSum}});
+    s->push_back({{Partial(PartialOp::kAvg)}, {Partial(PartialOp::kAvg)}});
+  }
+}
+absl::StatusOr<std::vector<Tensor>> ScalarLocal(const LocalCall& c) {
+  return One(
+      dtensor::BinaryScalar(static_cast<BinaryOp>(c.args.ints[0]), c.inputs[0], c.args.floats[0], c.args.ints[1] != 0));
+}
+const OpDef kScalar = {"binary_scalar", ScalarRule, SameMeta, ScalarLocal};
+
+// ---- Unary ----
+void UnaryRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan, std::vector<DimStrategy>* s) {
+  BroadcastShards(in.subspan(0, 1), in[0].shape, 1, s);
+  if (static_cast<UnaryOp>(args.ints[0]) == UnaryOp::kNeg) {
+    s->push_back({{kPSum}, {kPSum}});
+    s->push_back({{Partial(PartialOp::kAvg)}, {Partial(PartialOp::kAvg)}});
+  }
+}
+absl::StatusOr<std::vector<Tensor>> UnaryLocal(const LocalCall& c) {
+  return One(dtensor::Unary(static_cast<UnaryOp>(c.args.ints[0]), c.inputs[0]));
+}
+const OpDef kUnary = {"unary", UnaryRule, SameMeta, UnaryLocal};
+
+// ---- dy * f'(x) ----
+absl::StatusOr<std::vector<TensorMeta>> UnaryBackwardMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
+  if (in[0].shape != in[1].shape) {
+    return op_util::Invalid(
+        "UnaryBackward", absl::StrCat("dy ", ShapeString(in[0].shape), " and x ", ShapeString(in[1].shape), " differ"));
+  }
+  return std::vector<TensorMeta>{in[0]};
+}
+void UnaryBackwardRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  BroadcastShards(in, in[0].shape, 1, s);
+  s->push_back({{kPSum, Replicate()}, {kPSum}});  // linear in dy
+}
+absl::StatusOr<std::vector<Tensor>> UnaryBackwardLocal(const LocalCall& c) {
+  return One(dtensor::UnaryBackward(static_cast<UnaryOp>(c.args.ints[0]), c.inputs[0], c.inputs[1]));
+}
+const OpDef kUnaryBackward = {"unary_backward", UnaryBackwardRule, UnaryBackwardMeta, UnaryBackwardLocal};
+
+// ---- Dropout: y = x * mask, mask = (u >= p) / (1 - p), u uniform from (seed, global index) ----
+absl::StatusOr<std::vector<TensorMeta>> DropoutMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
+  return std::vector<TensorMeta>{in[0], in[0]};
+}
+void DropoutRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  BroadcastShards(in, in[0].shape, 2, s);
+}
+absl::StatusOr<std::vector<Tensor>> DropoutLocal(const LocalCall& c) {
+  const Tensor& x = c.inputs[0];
+  const double p = c.args.floats[0];
+  DT_ASSIGN_OR_RETURN(Tensor u, Tensor::Empty(x.shape(), DType::kFloat32, x.device()));
+  RandomSpec spec;
+  spec.kind = RandomSpec::Kind::kUniform;
+  spec.seed = static_cast<uint64_t>(c.args.ints[0]);
+  DT_RETURN_IF_ERROR(FillRandom_(u, spec, c.input_meta[0].shape, c.InputOffset(0)));
+  // mask = (u >= p) / (1 - p) = (max(u - p, 0) > 0) ...: computed as step(u - p) / (1 - p).
+  DT_ASSIGN_OR_RETURN(Tensor shifted, dtensor::AddScalar(u, -p));
+  DT_ASSIGN_OR_RETURN(Tensor pos, dtensor::Relu(shifted));
+  // step(z) for z in [0, 1): z / z where z > 0 else 0 — use ceil-free form: min(z * huge, 1).
+  DT_ASSIGN_OR_RETURN(Tensor big, dtensor::Scale(pos, 1e30));
+  DT_ASSIGN_OR_RETURN(Tensor step, dtensor::BinaryScalar(BinaryOp::kMin, big, 1.0));
+  DT_ASSIGN_OR_RETURN(Tensor mask32, dtensor::Scale(step, 1.0 / (1.0 - p)));
+  DT_ASSIGN_OR_RETURN(Tensor mask, Cast(mask32, x.dtype()));
+  DT_ASSIGN_OR_RETURN(Tensor y, dtensor::Mul(x, mask));
+  return std::vector<Tensor>{y, mask};
+}
+const OpDef kDropout = {"dropout", DropoutRule, DropoutMeta, DropoutLocal};
+
+bool NeedsGrad(const Variable& v) { return v.requires_grad(); }
+
+}  // namespace
+
+namespace fn {
+
+absl::StatusOr<Value> Binary(BinaryOp op, const Value& a, const Value& b) {
+  OpArgs args;
+  args.ints.push_back(static_cast<int64_t>(op));
+  return op_util::First(Dispatch(kBinary, {a, b}, args));
+}
+
+absl::StatusOr<Value> BinaryScalar(BinaryOp op, const Value& a, double s, bool scalar_first) {
+  OpArgs args;
+  args.ints = {static_cast<int64_t>(op), scalar_first ? 1 : 0};
+  args.floats.push_back(s);
+  return op_util::First(Dispatch(kScalar, {a}, args));
+}
+
+absl::StatusOr<Value> Unary(UnaryOp op, const Value& x) {
+  OpArgs args;
+  args.ints.push_back(static_cast<int64_t>(op));
+  return op_util::First(Dispatch(kUnary, {x}, args));
+}
+
+absl::StatusOr<Value> UnaryBackward(UnaryOp op, const Value& dy, const Value& x) {
+  OpArgs args;
+  args.ints.push_back(static_cast<int64_t>(op));
+  return op_util::First(Dispatch(kUnaryBackward, {dy, x}, args));
+}
+
+namespace {
+absl::StatusOr<Value> FilledLike(const Value& x, double v) {
+  DT_ASSIGN_OR_RETURN(Tensor t, Full(x.local().shape(), v, x.dtype(), x.device()));
+  if (!x.is_dtensor()) return Value(t);
+  Layout l = x.dtensor().layout();
+  for (int m = 0; m < l.ndim(); ++m) {
+    if (l[m].is_partial()) l = l.WithPlacement(m, Replicate());
+  }
+  return Value(DTensor::WrapTrusted(t, x.dtensor().mesh(), l, op_util::ToShape(x.shape())));
+}
+}  // namespace
+
+absl::StatusOr<Value> OnesLike(const Value& x) { return FilledLike(x, 1.0); }
+absl::StatusOr<Value> ZerosLike(const Value& x) { return FilledLike(x, 0.0); }
+
+absl::StatusOr<Value> Dropout(const Value& x, double p, uint64_t seed) {
+  if (p < 0 || p >= 1) return op_util::Invalid("Dropout", absl::StrCat("p must be in [0, 1), got ", p));
+  if (p == 0) return x;
+  OpArgs args;
+  args.ints.push_back(static_cast<int64_t>(seed));
+  args.floats.push_back(p);
+  return op_util::First(Dispatch(kDropout, {x}, args));
+}
+
+}  // namespace fn
+
+// ---- Differentiable versions ----
+
+absl::StatusOr<Variable> Add(const Variable& a, const Variable& b) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::Add(a.value(), b.value()));
+  return op_util::Result1("Add", {a, b}, std::move(y),
+                          [sa = op_util::ToVec(a.value().shape()), sb = op_util::ToVec(b.value().shape()),
+                           na = NeedsGrad(a), nb = NeedsGrad(b)](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+                            std::vector<Value> r(2);
+                            if (na) {
+                              DT_ASSIGN_OR_RETURN(r[0], fn::SumTo(g, sa));
+                            }
+                            if (nb) {
+                              DT_ASSIGN_OR_RETURN(r[1], fn::SumTo(g, sb));
+                            }
+                            return r;
+                          });
+}
+
+absl::StatusOr<Variable> Sub(const Variable& a, const Variable& b) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::Sub(a.value(), b.value()));
+  return op_util::Result1("Sub", {a, b}, std::move(y),
+                          [sa = op_util::ToVec(a.value().shape()), sb = op_util::ToVec(b.value().shape()),
+                           na = NeedsGrad(a), nb = NeedsGrad(b)](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+                            std::vector<Value> r(2);
+                            if (na) {
+                              DT_ASSIGN_OR_RETURN(r[0], fn::SumTo(g, sa));
+                            }
+                            if (nb) {
+                              DT_ASSIGN_OR_RETURN(Value n, fn::Unary(UnaryOp::kNeg, g));
+                              DT_ASSIGN_OR_RETURN(r[1], fn::SumTo(n, sb));
+                            }
+                            return r;
+                          });
+}
+
+absl::StatusOr<Variable> Mul(const Variable& a, const Variable& b) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::Mul(a.value(), b.value()));
+  return op_util::Result1("Mul", {a, b}, std::move(y),
+                          [av = a.value(), bv = b.value(), na = NeedsGrad(a),
+                           nb = NeedsGrad(b)](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+                            std::vector<Value> r(2);
+                            if (na) {
+                              DT_ASSIGN_OR_RETURN(Value t, fn::Mul(g, bv));
+                              DT_ASSIGN_OR_RETURN(r[0], fn::SumTo(t, op_util::ToVec(av.shape())));
+                            }
+                            if (nb) {
+                              DT_ASSIGN_OR_RETURN(Value t, fn::Mul(g, av));
+                              DT_ASSIGN_OR_RETURN(r[1], fn::SumTo(t, op_util::ToVec(bv.shape())));
+                            }
+                            return r;
+                          });
+}
+
+absl::StatusOr<Variable> Div(const Variable& a, const Variable& b) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::Div(a.value(), b.value()));
+  return op_util::Result1("Div", {a, b}, y,
+                          [y, sa = op_util::ToVec(a.value().shape()), bv = b.value(), na = NeedsGrad(a),
+                           nb = NeedsGrad(b)](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+                            std::vector<Value> r(2);
+                            DT_ASSIGN_OR_RETURN(Value gb, fn::Div(g, bv));  // g / b
+                            if (na) {
+                              DT_ASSIGN_OR_RETURN(r[0], fn::SumTo(gb, sa));
+                            }
+                            if (nb) {  // -g a / b^2 = -(g / b) * y
+                              DT_ASSIGN_OR_RETURN(Value t, fn::Mul(gb, y));
+                              DT_ASSIGN_OR_RETURN(Value n, fn::Unary(UnaryOp::kNeg, t));
+                              DT_ASSIGN_OR_RETURN(r[1], fn::SumTo(n, op_util::ToVec(bv.shape())));
+                            }
+                            return r;
+                          });
+}
+
+absl::StatusOr<Variable> Scale(const Variable& a, double s) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::Scale(a.value(), s));
+  return op_util::Result1("Scale", {a}, std::move(y), [s](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+    DT_ASSIGN_OR_RETURN(Value r, fn::Scale(g, s));
+    return std::vector<Value>{r};
+  });
+}
+
+absl::StatusOr<Variable> AddScalar(const Variable& a, double s) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::AddScalar(a.value(), s));
+  return op_util::Result1("AddScalar", {a}, std::move(y),
+                          [](const Value& g) -> absl::StatusOr<std::vector<Value>> { return std::vector<Value>{g}; });
+}
+
+absl::StatusOr<Variable> Unary(UnaryOp op, const Variable& x) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::Unary(op, x.value()));
+  if (op == UnaryOp::kNeg) {
+    return op_util::Result1("Neg", {x}, std::move(y), [](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+      DT_ASSIGN_OR_RETURN(Value r, fn::Unary(UnaryOp::kNeg, g));
+      return std::vector<Value>{r};
+    });
+  }
+  if (op != UnaryOp::kGelu && op != UnaryOp::kRelu && op != UnaryOp::kTanh && op != UnaryOp::kExp &&
+      op != UnaryOp::kLog && op != UnaryOp::kSqrt) {
+    if (AnyRequiresGrad({x})) {
+      return absl::UnimplementedError(
+          absl::StrCat("[Unary] no gradient for unary op ", static_cast<int>(op), "; use it under NoGradGuard"));
+    }
+    return Variable::Leaf(std::move(y));
+  }
+  return op_util::Result1("Unary", {x}, std::move(y),
+                          [op, xv = x.value()](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+                            DT_ASSIGN_OR_RETURN(Value r, fn::UnaryBackward(op, g, xv));
+                            return std::vector<Value>{r};
+                          });
+}
+
+absl::StatusOr<Variable> Dropout(const Variable& x, double p, uint64_t seed, bool training) {
+  if (!training || p == 0) return x;
+  if (p < 0 || p >= 1) return op_util::Invalid("Dropout", absl::StrCat("p must be in [0, 1), got ", p));
+  OpArgs args;
+  args.ints.push_back(static_cast<int64_t>(seed));
+  args.floats.push_back(p);
+  DT_ASSIGN_OR_RETURN(std::vector<Value> ym, Dispatch(kDropout, {x.value()}, args));
+  return op_util::Result1("Dropout", {x}, ym[0], [mask = ym[1]](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+    DT_ASSIGN_OR_RETURN(Value r, fn::Mul(g, mask));
+    return std::vector<Value>{r};
+  });
+}
+
+}  // namespace dtensor

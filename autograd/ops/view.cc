@@ -1,0 +1,231 @@
+// Shape ops: reshape, transpose/permute, narrow (and its backward), contiguous.
+//
+// Sharding rule: a sharded dim moves with its data — permute moves the shard, narrow keeps
+// shards on other dims, reshape keeps a shard on the first dim of a group of merged/split
+// dims when the sizes divide evenly over the whole mesh (else the dim is gathered first).
+// Values are unchanged, so every Partial passes through. For DTensors the result may be a
+// view of the input's local piece.
+#include "autograd/functional.h"
+#include "autograd/ops.h"
+#include "autograd/ops/op_util.h"
+
+namespace dtensor {
+namespace {
+
+void PartialsPass(size_t n, std::vector<DimStrategy>* s) {
+  for (PartialOp op : {PartialOp::kSum, PartialOp::kAvg, PartialOp::kMax, PartialOp::kMin}) {
+    DimStrategy st;
+    st.inputs.assign(n, Partial(op));
+    st.outputs.assign(1, Partial(op));
+    s->push_back(st);
+  }
+}
+
+// ---- reshape: args.ints = the new shape (resolved) ----
+absl::StatusOr<std::vector<TensorMeta>> ReshapeMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
+  Shape out(args.ints.begin(), args.ints.end());
+  if (NumElements(out) != NumElements(in[0].shape)) {
+    return op_util::Invalid("Reshape",
+                            absl::StrCat("cannot reshape ", ShapeString(in[0].shape), " to ", ShapeString(out)));
+  }
+  return std::vector<TensorMeta>{{out, in[0].dtype}};
+}
+void ReshapeRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan mesh_shape, std::vector<DimStrategy>* s) {
+  PartialsPass(1, s);
+  const Shape& a = in[0].shape;
+  const Shape b(args.ints.begin(), args.ints.end());
+  if (NumElements(a) == 0) return;
+  const int64_t n = NumElements(mesh_shape);
+  size_t i = 0, j = 0;
+  while (i < a.size() && j < b.size()) {
+    const size_t i0 = i, j0 = j;
+    int64_t pa = a[i++], pb = b[j++];
+    while (pa != pb) {
+      if (pa < pb && i < a.size()) {
+        pa *= a[i++];
+      } else if (j < b.size()) {
+        pb *= b[j++];
+      } else {
+        break;
+      }
+    }
+    const bool one_to_one = i - i0 == 1 && j - j0 == 1;
+    if (one_to_one || (a[i0] % n == 0 && b[j0] % n == 0)) {
+      s->push_back({{Shard(static_cast<int64_t>(i0))}, {Shard(static_cast<int64_t>(j0))}});
+    }
+  }
+}
+absl::StatusOr<std::vector<Tensor>> ReshapeLocal(const LocalCall& c) {
+  const Shape out = op_util::LocalOutShape(c, 0, Shape(c.args.ints.begin(), c.args.ints.end()));
+  return op_util::One(dtensor::Reshape(c.inputs[0], out));
+}
+const OpDef kReshape = {"reshape", ReshapeRule, ReshapeMeta, ReshapeLocal};
+
+// ---- permute: args.ints = perm ----
+absl::StatusOr<std::vector<TensorMeta>> PermuteMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
+  Shape out;
+  for (int64_t p : args.ints) out.push_back(in[0].shape[static_cast<size_t>(p)]);
+  return std::vector<TensorMeta>{{out, in[0].dtype}};
+}
+void PermuteRule(absl::Span<const TensorMeta>, const OpArgs& args, IntSpan, std::vector<DimStrategy>* s) {
+  for (size_t j = 0; j < args.ints.size(); ++j) s->push_back({{Shard(args.ints[j])}, {Shard(static_cast<int64_t>(j))}});
+  PartialsPass(1, s);
+}
+absl::StatusOr<std::vector<Tensor>> PermuteLocal(const LocalCall& c) {
+  return op_util::One(c.inputs[0].Permute(c.args.ints));
+}
+const OpDef kPermute = {"permute", PermuteRule, PermuteMeta, PermuteLocal};
+
+// ---- narrow: args.ints = {dim, start, length} ----
+absl::StatusOr<std::vector<TensorMeta>> NarrowMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
+  Shape out = in[0].shape;
+  const int64_t dim = args.ints[0], start = args.ints[1], len = args.ints[2];
+  if (start < 0 || len < 0 || start + len > out[static_cast<size_t>(dim)]) {
+    return op_util::Invalid("Narrow", absl::StrCat("[", start, ", ", start + len, ") is out of range for dim ", dim,
+                                                   " of ", ShapeString(out)));
+  }
+  out[static_cast<size_t>(dim)] = len;
+  return std::vector<TensorMeta>{{out, in[0].dtype}};
+}
+void KeepOtherDims(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan, std::vector<DimStrategy>* s) {
+  for (int64_t d = 0; d < static_cast<int64_t>(in[0].shape.size()); ++d) {
+    if (d != args.ints[0]) s->push_back({{Shard(d)}, {Shard(d)}});
+  }
+}
+void NarrowRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan m, std::vector<DimStrategy>* s) {
+  KeepOtherDims(in, args, m, s);
+  PartialsPass(1, s);
+}
+absl::StatusOr<std::vector<Tensor>> NarrowLocal(const LocalCall& c) {
+  return op_util::One(c.inputs[0].Narrow(c.args.ints[0], c.args.ints[1], c.args.ints[2]));
+}
+const OpDef kNarrow = {"narrow", NarrowRule, NarrowMeta, NarrowLocal};
+
+// ---- narrow_backward: args.ints = {dim, start, ndim, shape...} ----
+absl::StatusOr<std::vector<TensorMeta>> NarrowBwdMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
+  return std::vector<TensorMeta>{{Shape(args.ints.begin() + 3, args.ints.end()), in[0].dtype}};
+}
+void NarrowBwdRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan m, std::vector<DimStrategy>* s) {
+  KeepOtherDims(in, args, m, s);
+  s->push_back({{Partial(PartialOp::kSum)}, {Partial(PartialOp::kSum)}});
+}
+absl::StatusOr<std::vector<Tensor>> NarrowBwdLocal(const LocalCall& c) {
+  const Tensor& g = c.inputs[0];
+  const Shape out = op_util::LocalOutShape(c, 0, Shape(c.args.ints.begin() + 3, c.args.ints.end()));
+  DT_ASSIGN_OR_RETURN(Tensor z, Zeros(out, g.dtype(), g.device()));
+  DT_ASSIGN_OR_RETURN(Tensor dst, z.Narrow(c.args.ints[0], c.args.ints[1], g.size(c.args.ints[0])));
+  DT_RETURN_IF_ERROR(Copy_(dst, g));
+  return std::vector<Tensor>{z};
+}
+const OpDef kNarrowBackward = {"narrow_backward", NarrowBwdRule, NarrowBwdMeta, NarrowBwdLocal};
+
+// ---- contiguous ----
+absl::StatusOr<std::vector<TensorMeta>> SameMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
+  return std::vector<TensorMeta>{in[0]};
+}
+void AllDimsRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  for (int64_t d = 0; d < static_cast<int64_t>(in[0].shape.size()); ++d) s->push_back({{Shard(d)}, {Shard(d)}});
+  PartialsPass(1, s);
+}
+absl::StatusOr<std::vector<Tensor>> ContiguousLocal(const LocalCall& c) {
+  return op_util::One(dtensor::Contiguous(c.inputs[0]));
+}
+const OpDef kContiguous = {"contiguous", AllDimsRule, SameMeta, ContiguousLocal};
+
+}  // namespace
+
+namespace fn {
+
+absl::StatusOr<Value> Reshape(const Value& x, std::vector<int64_t> shape) {
+  DT_ASSIGN_OR_RETURN(Shape s, InferViewShape("Reshape", shape, x.numel()));
+  if (IntSpan(s) == x.shape()) return x;
+  OpArgs args;
+  args.ints.assign(s.begin(), s.end());
+  return op_util::First(Dispatch(kReshape, {x}, args));
+}
+
+absl::StatusOr<Value> Permute(const Value& x, std::vector<int64_t> dims) {
+  if (static_cast<int64_t>(dims.size()) != x.dim()) {
+    return op_util::Invalid("Permute", absl::StrCat(dims.size(), " dims for a ", x.dim(), "-d tensor"));
+  }
+  std::vector<bool> seen(dims.size(), false);
+  for (int64_t& d : dims) {
+    DT_ASSIGN_OR_RETURN(d, NormalizeDim("Permute", d, x.dim()));
+    if (seen[static_cast<size_t>(d)]) return op_util::Invalid("Permute", "repeated dim");
+    seen[static_cast<size_t>(d)] = true;
+  }
+  OpArgs args;
+  args.ints.assign(dims.begin(), dims.end());
+  return op_util::First(Dispatch(kPermute, {x}, args));
+}
+
+absl::StatusOr<Value> Transpose(const Value& x, int64_t dim0, int64_t dim1) {
+  DT_ASSIGN_OR_RETURN(int64_t a, NormalizeDim("Transpose", dim0, x.dim()));
+  DT_ASSIGN_OR_RETURN(int64_t b, NormalizeDim("Transpose", dim1, x.dim()));
+  std::vector<int64_t> perm;
+  for (int64_t d = 0; d < x.dim(); ++d) perm.push_back(d);
+  std::swap(perm[static_cast<size_t>(a)], perm[static_cast<size_t>(b)]);
+  return Permute(x, perm);
+}
+
+absl::StatusOr<Value> Narrow(const Value& x, int64_t dim, int64_t start, int64_t length) {
+  DT_ASSIGN_OR_RETURN(int64_t d, NormalizeDim("Narrow", dim, x.dim()));
+  OpArgs args;
+  args.ints = {d, start, length};
+  return op_util::First(Dispatch(kNarrow, {x}, args));
+}
+
+absl::StatusOr<Value> NarrowBackward(const Value& g, std::vector<int64_t> shape, int64_t dim, int64_t start) {
+  DT_ASSIGN_OR_RETURN(int64_t d, NormalizeDim("NarrowBackward", dim, static_cast<int64_t>(shape.size())));
+  OpArgs args;
+  args.ints = {d, start, static_cast<int64_t>(shape.size())};
+  args.ints.insert(args.ints.end(), shape.begin(), shape.end());
+  return op_util::First(Dispatch(kNarrowBackward, {g}, args));
+}
+
+absl::StatusOr<Value> Contiguous(const Value& x) { return op_util::First(Dispatch(kContiguous, {x})); }
+
+}  // namespace fn
+
+absl::StatusOr<Variable> Reshape(const Variable& x, std::vector<int64_t> shape) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::Reshape(x.value(), std::move(shape)));
+  return op_util::Result1(
+      "Reshape", {x}, std::move(y),
+      [s = op_util::ToVec(x.value().shape())](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+        DT_ASSIGN_OR_RETURN(Value r, fn::Reshape(g, s));
+        return std::vector<Value>{r};
+      });
+}
+
+absl::StatusOr<Variable> Transpose(const Variable& x, int64_t dim0, int64_t dim1) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::Transpose(x.value(), dim0, dim1));
+  return op_util::Result1("Transpose", {x}, std::move(y),
+                          [dim0, dim1](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+                            DT_ASSIGN_OR_RETURN(Value r, fn::Transpose(g, dim0, dim1));
+                            return std::vector<Value>{r};
+                          });
+}
+
+absl::StatusOr<Variable> Narrow(const Variable& x, int64_t dim, int64_t start, int64_t length) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::Narrow(x.value(), dim, start, length));
+  return op_util::Result1(
+      "Narrow", {x}, std::move(y),
+      [s = op_util::ToVec(x.value().shape()), dim, start](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+        DT_ASSIGN_OR_RETURN(Value r, fn::NarrowBackward(g, s, dim, start));
+        return std::vector<Value>{r};
+      });
+}
+
+absl::StatusOr<std::vector<Variable>> Split(const Variable& x, int64_t split_size, int64_t dim) {
+  DT_ASSIGN_OR_RETURN(int64_t d, NormalizeDim("Split", dim, x.value().dim()));
+  if (split_size <= 0) return op_util::Invalid("Split", absl::StrCat("split_size must be > 0, got ", split_size));
+  std::vector<Variable> out;
+  const int64_t n = x.value().shape()[static_cast<size_t>(d)];
+  for (int64_t start = 0; start < n; start += split_size) {
+    DT_ASSIGN_OR_RETURN(Variable p, Narrow(x, d, start, std::min(split_size, n - start)));
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+}  // namespace dtensor

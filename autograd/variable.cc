@@ -1,0 +1,282 @@
+#include "autograd/variable.h"
+
+#include <atomic>
+#include <queue>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "autograd/functional.h"
+#include "dtensor/ops/ops.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor {
+
+struct VariableImpl {
+  Value value;
+  Value grad;
+  bool grad_owned = false;  // grad's memory is ours to accumulate into in place
+  bool requires_grad = false;
+  std::shared_ptr<Node> grad_fn;
+  int output_nr = 0;
+  std::string name;
+  std::vector<GradHook> hooks;  // leaves (non-leaf hooks live on grad_fn)
+  std::vector<std::function<absl::Status(Variable&)>> post_hooks;
+  std::weak_ptr<Node> accumulator;
+};
+
+namespace {
+
+std::atomic<uint64_t> g_next_sequence_nr{0};  // orders nodes; not state anyone configures
+thread_local bool t_grad_enabled = true;
+
+const Value& EmptyValue() {
+  static const Value* empty = new Value();
+  return *empty;
+}
+
+const std::string& EmptyString() {
+  static const std::string* empty = new std::string();
+  return *empty;
+}
+
+}  // namespace
+
+// ---- Variable ----
+
+Variable Variable::Leaf(Value value, bool requires_grad, std::string name) {
+  auto impl = std::make_shared<VariableImpl>();
+  impl->value = std::move(value);
+  impl->requires_grad = requires_grad;
+  impl->name = std::move(name);
+  return Variable(std::move(impl));
+}
+
+Variable Variable::FromNode(Value value, std::shared_ptr<Node> node, int output_nr) {
+  auto impl = std::make_shared<VariableImpl>();
+  impl->value = std::move(value);
+  impl->requires_grad = true;
+  impl->grad_fn = std::move(node);
+  impl->output_nr = output_nr;
+  return Variable(std::move(impl));
+}
+
+const Value& Variable::value() const { return impl_ ? impl_->value : EmptyValue(); }
+void Variable::set_value(Value v) { impl_->value = std::move(v); }
+const Value& Variable::grad() const { return impl_ ? impl_->grad : EmptyValue(); }
+void Variable::set_grad(Value g) {
+  impl_->grad = std::move(g);
+  impl_->grad_owned = impl_->grad.defined();
+}
+bool Variable::requires_grad() const { return impl_ && impl_->requires_grad; }
+void Variable::set_requires_grad(bool r) { impl_->requires_grad = r; }
+bool Variable::is_leaf() const { return impl_ && impl_->grad_fn == nullptr; }
+const std::string& Variable::name() const { return impl_ ? impl_->name : EmptyString(); }
+const std::shared_ptr<Node>& Variable::grad_fn() const {
+  static const std::shared_ptr<Node>* none = new std::shared_ptr<Node>();
+  return impl_ ? impl_->grad_fn : *none;
+}
+int Variable::output_nr() const { return impl_ ? impl_->output_nr : 0; }
+
+void Variable::RegisterHook(GradHook hook) {
+  if (impl_->grad_fn) {
+    impl_->grad_fn->AddPreHook(impl_->output_nr, std::move(hook));
+  } else {
+    impl_->hooks.push_back(std::move(hook));
+  }
+}
+
+void Variable::RegisterPostAccumulateGradHook(std::function<absl::Status(Variable&)> hook) {
+  impl_->post_hooks.push_back(std::move(hook));
+}
+
+// ---- Nodes ----
+
+Node::Node(std::string name, int num_outputs)
+    : name_(std::move(name)), num_outputs_(num_outputs), sequence_nr_(g_next_sequence_nr.fetch_add(1)) {}
+
+absl::StatusOr<std::vector<Value>> FunctionNode::Apply(std::vector<Value> grad_outputs) {
+  if (!fn_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "[Backward] ", name(), " ran a second time after its saved values were released; pass retain_graph=true"));
+  }
+  return fn_(grad_outputs);
+}
+
+// Accumulates into a leaf's grad.
+struct AccumulateGradNode : public Node {
+  explicit AccumulateGradNode(std::weak_ptr<VariableImpl> v) : Node("AccumulateGrad", 1), var(std::move(v)) {}
+  absl::StatusOr<std::vector<Value>> Apply(std::vector<Value> grads) override {
+    std::shared_ptr<VariableImpl> impl = var.lock();
+    if (impl == nullptr || !grads[0].defined()) return std::vector<Value>{};
+    Value g = std::move(grads[0]);
+    for (GradHook& h : impl->hooks) DT_RETURN_IF_ERROR(h(g));
+    if (!impl->grad.defined()) {
+      impl->grad = std::move(g);
+      impl->grad_owned = false;  // may alias a tensor of the graph
+    } else if (impl->grad_owned && impl->grad.is_dtensor() == g.is_dtensor() &&
+               (!g.is_dtensor() || impl->grad.dtensor().layout() == g.dtensor().layout())) {
+      DT_RETURN_IF_ERROR(Add_(impl->grad.local(), g.local()));
+    } else if (impl->grad_owned && g.is_dtensor() && impl->grad.is_dtensor()) {
+      DT_ASSIGN_OR_RETURN(DTensor r, g.dtensor().Redistribute(impl->grad.dtensor().layout()));
+      DT_RETURN_IF_ERROR(Add_(impl->grad.local(), r.ToLocal()));
+    } else {
+      DT_ASSIGN_OR_RETURN(impl->grad, AddGrads(impl->grad, g));
+      impl->grad_owned = true;
+    }
+    Variable v(impl);
+    for (auto& h : impl->post_hooks) DT_RETURN_IF_ERROR(h(v));
+    return std::vector<Value>{};
+  }
+  std::weak_ptr<VariableImpl> var;
+};
+
+Edge Node::EdgeOf(const Variable& v) {
+  if (!v.requires_grad()) return Edge{};
+  if (v.impl_->grad_fn) return Edge{v.impl_->grad_fn, v.impl_->output_nr};
+  std::shared_ptr<Node> acc = v.impl_->accumulator.lock();
+  if (acc == nullptr) {
+    acc = std::make_shared<AccumulateGradNode>(v.impl_);
+    v.impl_->accumulator = acc;
+  }
+  return Edge{acc, 0};
+}
+
+// ---- Grad mode ----
+
+bool GradEnabled() { return t_grad_enabled; }
+NoGradGuard::NoGradGuard() : prev_(t_grad_enabled) { t_grad_enabled = false; }
+NoGradGuard::~NoGradGuard() { t_grad_enabled = prev_; }
+
+bool AnyRequiresGrad(absl::Span<const Variable> inputs) {
+  if (!t_grad_enabled) return false;
+  for (const Variable& v : inputs) {
+    if (v.requires_grad()) return true;
+  }
+  return false;
+}
+
+std::vector<Variable> Record(const char* name, absl::Span<const Variable> inputs, std::vector<Value> outputs,
+                             FunctionNode::Fn backward) {
+  std::vector<Variable> result;
+  result.reserve(outputs.size());
+  if (!AnyRequiresGrad(inputs)) {
+    for (Value& v : outputs) result.push_back(Variable::Leaf(std::move(v)));
+    return result;
+  }
+  auto node = std::make_shared<FunctionNode>(name, static_cast<int>(outputs.size()), std::move(backward));
+  node->next_edges().reserve(inputs.size());
+  for (const Variable& v : inputs) node->next_edges().push_back(Node::EdgeOf(v));
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    result.push_back(Variable::FromNode(std::move(outputs[i]), node, static_cast<int>(i)));
+  }
+  return result;
+}
+
+absl::StatusOr<Value> AddGrads(const Value& a, const Value& b) {
+  if (!a.defined()) return b;
+  if (!b.defined()) return a;
+  return fn::Add(a, b);
+}
+
+// ---- The backward pass ----
+
+absl::Status RunBackward(absl::Span<const Variable> roots, absl::Span<const Value> grad_roots, bool retain_graph) {
+  // Dependencies: how many edges lead into each reachable node.
+  absl::flat_hash_map<Node*, int> deps;
+  std::vector<Node*> stack;
+  std::vector<Edge> root_edges;
+  for (const Variable& r : roots) {
+    Edge e = Node::EdgeOf(r);
+    if (e.node == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("[Backward] root ", r.name().empty() ? "variable" : r.name(), " does not require grad"));
+    }
+    root_edges.push_back(e);
+    if (deps.emplace(e.node.get(), 0).second) stack.push_back(e.node.get());
+  }
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (const Edge& e : n->next_edges()) {
+      if (e.node == nullptr) continue;
+      auto [it, fresh] = deps.emplace(e.node.get(), 0);
+      ++it->second;
+      if (fresh) stack.push_back(e.node.get());
+    }
+  }
+  // Gradient buffers per node, filled as producers run.
+  absl::flat_hash_map<Node*, std::vector<Value>> buffers;
+  auto deliver = [&](const Edge& e, Value g) -> absl::Status {
+    std::vector<Value>& buf = buffers[e.node.get()];
+    if (buf.empty()) buf.resize(static_cast<size_t>(e.node->num_outputs()));
+    Value& slot = buf[static_cast<size_t>(e.input_nr)];
+    DT_ASSIGN_OR_RETURN(slot, AddGrads(slot, g));
+    return absl::OkStatus();
+  };
+  for (size_t i = 0; i < roots.size(); ++i) {
+    Value g;
+    if (i < grad_roots.size() && grad_roots[i].defined()) {
+      g = grad_roots[i];
+    } else {
+      if (roots[i].value().numel() != 1) {
+        return absl::InvalidArgumentError(absl::StrCat("[Backward] a root without a gradient must have one element; ",
+                                                       roots[i].value().ToString(), " has ", roots[i].value().numel()));
+      }
+      DT_ASSIGN_OR_RETURN(g, fn::OnesLike(roots[i].value()));
+    }
+    DT_RETURN_IF_ERROR(deliver(root_edges[i], std::move(g)));
+  }
+  auto later_first = [](Node* a, Node* b) { return a->sequence_nr() < b->sequence_nr(); };
+  std::priority_queue<Node*, std::vector<Node*>, decltype(later_first)> ready(later_first);
+  for (const Edge& e : root_edges) {
+    if (deps[e.node.get()] == 0) {
+      deps[e.node.get()] = -1;  // queued
+      ready.push(e.node.get());
+    }
+  }
+  while (!ready.empty()) {
+    Node* n = ready.top();
+    ready.pop();
+    // (The roots hold the graph, so every node stays alive during the pass.)
+    std::vector<Value> in_grads;
+    auto buf = buffers.find(n);
+    if (buf != buffers.end()) {  // else no gradient reached it: skip it, but release what it feeds
+      std::vector<Value> grads = std::move(buf->second);
+      buffers.erase(buf);
+      grads.resize(static_cast<size_t>(n->num_outputs()));
+      for (auto& [nr, hook] : n->pre_hooks_) {
+        Value& g = grads[static_cast<size_t>(nr)];
+        if (g.defined()) DT_RETURN_IF_ERROR(hook(g));
+      }
+      DT_ASSIGN_OR_RETURN(in_grads, n->Apply(std::move(grads)));
+      if (!retain_graph) n->ReleaseSaved();
+    }
+    std::vector<Edge>& next = n->next_edges();
+    if (!in_grads.empty() && in_grads.size() != next.size()) {
+      return absl::InternalError(absl::StrCat("[Backward] ", n->name(), " returned ", in_grads.size(),
+                                              " gradients for ", next.size(), " inputs"));
+    }
+    for (size_t i = 0; i < next.size(); ++i) {
+      const Edge& e = next[i];
+      if (e.node == nullptr) continue;
+      if (i < in_grads.size() && in_grads[i].defined()) DT_RETURN_IF_ERROR(deliver(e, std::move(in_grads[i])));
+      int& d = deps[e.node.get()];
+      if (--d == 0) {
+        d = -1;
+        ready.push(e.node.get());
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Backward(const Variable& root, bool retain_graph) {
+  return RunBackward(absl::MakeConstSpan(&root, 1), {}, retain_graph);
+}
+
+absl::Status Backward(absl::Span<const Variable> roots, absl::Span<const Value> grad_roots, bool retain_graph) {
+  return RunBackward(roots, grad_roots, retain_graph);
+}
+
+}  // namespace dtensor

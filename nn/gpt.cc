@@ -1,0 +1,101 @@
+#include "nn/gpt.h"
+
+#include <cmath>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "dtensor/ops/ops.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor::nn {
+namespace {
+class Container : public Module {
+ public:
+  template <typename M>
+  M* Add(const std::string& name, std::unique_ptr<M> m) {
+    return RegisterModule(name, std::move(m));
+  }
+};
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<GPT>> GPT::Create(const GPTConfig& c) {
+  if (c.vocab_size <= 0 || c.block_size <= 0 || c.n_layer < 0 || c.n_head <= 0 || c.n_embd <= 0 ||
+      c.n_embd % c.n_head != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("[GPT] bad config: vocab_size ", c.vocab_size, ", block_size ",
+                                                   c.block_size, ", n_layer ", c.n_layer, ", n_head ", c.n_head,
+                                                   ", n_embd ", c.n_embd, " (n_embd must be a multiple of n_head)"));
+  }
+  if (c.dropout < 0 || c.dropout >= 1) {
+    return absl::InvalidArgumentError(absl::StrCat("[GPT] dropout must be in [0, 1), got ", c.dropout));
+  }
+  return std::make_unique<GPT>(c);
+}
+
+GPT::GPT(const GPTConfig& c) : config_(c) {
+  auto t = std::make_unique<Container>();
+  wte_ = t->Add("wte", std::make_unique<Embedding>(c.vocab_size, c.n_embd, c.dtype));
+  wpe_ = t->Add("wpe", std::make_unique<Embedding>(c.block_size, c.n_embd, c.dtype));
+  h_ = t->Add("h", std::make_unique<ModuleList>());
+  for (int64_t i = 0; i < c.n_layer; ++i) {
+    h_->Append(
+        std::make_unique<Block>(c.n_embd, c.n_head, c.dropout, c.dropout_seed * 1000 + static_cast<uint64_t>(i)));
+  }
+  ln_f_ = t->Add("ln_f", std::make_unique<LayerNorm>(c.n_embd, 1e-5, c.dtype));
+  transformer_ = RegisterModule("transformer", std::move(t));
+}
+
+int64_t GPT::NumParameters() {
+  int64_t n = 0;
+  for (Variable* p : Parameters()) n += p->value().numel();
+  return n;
+}
+
+absl::Status GPT::InitWeights(uint64_t seed) {
+  const double proj_std = 0.02 / std::sqrt(2.0 * static_cast<double>(config_.n_layer));
+  uint64_t index = 0;
+  for (auto& [name, p] : NamedParameters()) {
+    ++index;
+    const Tensor& local = p->value().local();
+    const bool is_ln = absl::StrContains(name, "ln_");
+    if (absl::EndsWith(name, ".bias")) {
+      DT_RETURN_IF_ERROR(Fill_(local, 0.0));
+    } else if (is_ln) {
+      DT_RETURN_IF_ERROR(Fill_(local, 1.0));
+    } else {
+      RandomSpec spec;
+      spec.kind = RandomSpec::Kind::kNormal;
+      spec.seed = seed * 0x100000001B3ull + index;
+      spec.a = 0.0;
+      spec.b = absl::EndsWith(name, "c_proj.weight") ? proj_std : 0.02;
+      Shape offset(static_cast<size_t>(local.dim()), 0);
+      if (p->value().is_dtensor()) offset = p->value().dtensor().local_box().offset;
+      DT_RETURN_IF_ERROR(FillRandom_(local, spec, p->value().shape(), offset));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<GPT::Output> GPT::Forward(const Variable& ids, const Variable& targets) {
+  IntSpan s = ids.value().shape();
+  if (s.size() != 2 || s[1] > config_.block_size || s[1] <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("[GPT] ids must be [B, T] with 0 < T <= block_size ",
+                                                   config_.block_size, "; got ", ShapeString(s)));
+  }
+  const int64_t t = s[1];
+  DT_ASSIGN_OR_RETURN(Tensor pos, Arange(t, DType::kInt64, ids.value().device()));
+  DT_ASSIGN_OR_RETURN(Variable tok_emb, wte_->Forward(ids));                      // [B, T, C]
+  DT_ASSIGN_OR_RETURN(Variable pos_emb, wpe_->Forward(Variable::Constant(pos)));  // [T, C]
+  DT_ASSIGN_OR_RETURN(Variable x, dtensor::Add(tok_emb, pos_emb));
+  for (int64_t i = 0; i < h_->size(); ++i) {
+    DT_ASSIGN_OR_RETURN(x, static_cast<Block*>((*h_)[i])->Forward(x));
+  }
+  DT_ASSIGN_OR_RETURN(x, ln_f_->Forward(x));
+  Output out;
+  DT_ASSIGN_OR_RETURN(out.logits, dtensor::Linear(x, *wte_->weight()));  // tied LM head: [B, T, V]
+  if (targets.defined()) {
+    DT_ASSIGN_OR_RETURN(out.loss, dtensor::CrossEntropy(out.logits, targets));
+  }
+  return out;
+}
+
+}  // namespace dtensor::nn

@@ -1,0 +1,81 @@
+// GPT: the GPT-2 architecture (learned position embeddings, pre-LN blocks, tanh-GELU MLP,
+// LM head tied to the token embedding) with PyTorch/nanoGPT state_dict names.
+//
+//   GPTConfig cfg{.vocab_size = 256, .block_size = 64, .n_layer = 4, .n_head = 4, .n_embd = 128};
+//   GPT model(cfg);
+//   DT_RETURN_IF_ERROR(model.InitWeights(/*seed=*/1337));          // GPT-2's init
+//   DT_RETURN_IF_ERROR(DistributeModule(model, mesh));              // parameters Replicate
+//   DT_ASSIGN_OR_RETURN(GPT::Output out, model.Forward(ids, targets));  // ids, targets [B, T]
+//   DT_RETURN_IF_ERROR(Backward(out.loss));
+#ifndef DTENSOR_NN_GPT_H_
+#define DTENSOR_NN_GPT_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "nn/layers.h"
+
+namespace dtensor::nn {
+
+struct GPTConfig {
+  int64_t vocab_size = 50257;
+  int64_t block_size = 1024;  // max sequence length
+  int64_t n_layer = 12;
+  int64_t n_head = 12;
+  int64_t n_embd = 768;
+  double dropout = 0.0;
+  uint64_t dropout_seed = 0;
+  DType dtype = DType::kFloat32;
+};
+
+// Holds children named "0", "1", ... (torch.nn.ModuleList).
+class ModuleList : public Module {
+ public:
+  template <typename M>
+  M* Append(std::unique_ptr<M> m) {
+    M* raw = RegisterModule(std::to_string(size_++), std::move(m));
+    items_.push_back(raw);
+    return raw;
+  }
+  int64_t size() const { return size_; }
+  Module* operator[](int64_t i) { return items_[static_cast<size_t>(i)]; }
+
+ private:
+  int64_t size_ = 0;
+  std::vector<Module*> items_;
+};
+
+class GPT : public Module {
+ public:
+  // InvalidArgument (from Create) for sizes that do not fit: n_embd % n_head != 0, etc.
+  static absl::StatusOr<std::unique_ptr<GPT>> Create(const GPTConfig& config);
+  explicit GPT(const GPTConfig& config);
+
+  const GPTConfig& config() const { return config_; }
+  int64_t NumParameters();
+
+  // GPT-2's initialisation from `seed`: Linear and Embedding weights N(0, 0.02), residual
+  // projections (c_proj) N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm weights 1. Each
+  // parameter's values depend only on (seed, name, element index), so every rank and every
+  // sharding draws the same model.
+  absl::Status InitWeights(uint64_t seed);
+
+  struct Output {
+    Variable logits;  // [B, T, V]
+    Variable loss;    // 0-d mean cross-entropy (undefined without targets)
+  };
+  // ids, targets: int32/int64 [B, T] with T <= block_size.
+  absl::StatusOr<Output> Forward(const Variable& ids, const Variable& targets = Variable());
+
+ private:
+  GPTConfig config_;
+  Module* transformer_;
+  Embedding* wte_;
+  Embedding* wpe_;
+  ModuleList* h_;
+  LayerNorm* ln_f_;
+};
+
+}  // namespace dtensor::nn
+
+#endif  // DTENSOR_NN_GPT_H_

@@ -1,0 +1,119 @@
+// The layers of a GPT: Linear, Embedding, LayerNorm, RMSNorm, GELU, Dropout,
+// CausalSelfAttention, MLP and Block. Shapes use llm.c's legend: B batch, T time, C channels,
+// H heads, D = C / H.
+//
+//   Linear fc(768, 3072);                         // weight [3072, 768], bias [3072]
+//   DT_ASSIGN_OR_RETURN(Variable h, fc.Forward(x));
+//
+// Parameters start as zeros (LayerNorm weights as ones); GPT::InitWeights gives GPT-2's init.
+// Every Forward works on Variables of plain Tensors or DTensors of any layout.
+#ifndef DTENSOR_NN_LAYERS_H_
+#define DTENSOR_NN_LAYERS_H_
+
+#include <cstdint>
+
+#include "autograd/ops.h"
+#include "nn/module.h"
+
+namespace dtensor::nn {
+
+class Linear : public Module {
+ public:
+  Linear(int64_t in, int64_t out, bool bias = true, DType dtype = DType::kFloat32);
+  absl::StatusOr<Variable> Forward(const Variable& x);  // [..., in] -> [..., out]
+  Variable* weight() { return weight_; }                // [out, in]
+  Variable* bias() { return bias_; }                    // [out] or nullptr
+
+ private:
+  Variable* weight_;
+  Variable* bias_ = nullptr;
+};
+
+class Embedding : public Module {
+ public:
+  Embedding(int64_t num, int64_t dim, DType dtype = DType::kFloat32);
+  absl::StatusOr<Variable> Forward(const Variable& ids);  // int [...] -> [..., dim]
+  Variable* weight() { return weight_; }                  // [num, dim]
+
+ private:
+  Variable* weight_;
+};
+
+class LayerNorm : public Module {
+ public:
+  explicit LayerNorm(int64_t c, double eps = 1e-5, DType dtype = DType::kFloat32);
+  absl::StatusOr<Variable> Forward(const Variable& x);
+
+ private:
+  Variable* weight_;
+  Variable* bias_;
+  double eps_;
+};
+
+class RMSNorm : public Module {
+ public:
+  explicit RMSNorm(int64_t c, double eps = 1e-6, DType dtype = DType::kFloat32);
+  absl::StatusOr<Variable> Forward(const Variable& x);
+
+ private:
+  Variable* weight_;
+  double eps_;
+};
+
+class GELU : public Module {
+ public:
+  absl::StatusOr<Variable> Forward(const Variable& x) { return dtensor::Gelu(x); }  // tanh approximation
+};
+
+// Inverted dropout; each call draws a new mask from (seed, call count), the same on every rank
+// and for every sharding.
+class Dropout : public Module {
+ public:
+  Dropout(double p, uint64_t seed) : p_(p), seed_(seed) {}
+  absl::StatusOr<Variable> Forward(const Variable& x);
+
+ private:
+  double p_;
+  uint64_t seed_;
+  uint64_t calls_ = 0;
+};
+
+class CausalSelfAttention : public Module {
+ public:
+  CausalSelfAttention(int64_t c, int64_t heads, double dropout = 0, uint64_t seed = 0);
+  absl::StatusOr<Variable> Forward(const Variable& x);  // [B, T, C] -> [B, T, C]
+
+ private:
+  int64_t c_, heads_;
+  Linear* c_attn_;  // [3C, C]: q, k, v in that order
+  Linear* c_proj_;
+  Dropout* resid_dropout_;
+};
+
+class MLP : public Module {
+ public:
+  MLP(int64_t c, double dropout = 0, uint64_t seed = 0);
+  absl::StatusOr<Variable> Forward(const Variable& x);
+
+ private:
+  Linear* c_fc_;
+  Linear* c_proj_;
+  Dropout* dropout_;
+};
+
+// Pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)).
+class Block : public Module {
+ public:
+  Block(int64_t c, int64_t heads, double dropout = 0, uint64_t seed = 0);
+  absl::StatusOr<Variable> Forward(const Variable& x);
+
+ private:
+  LayerNorm* ln_1_;
+  CausalSelfAttention* attn_;
+  LayerNorm* ln_2_;
+  MLP* mlp_;
+};
+
+}  // namespace dtensor::nn
+
+#endif  // DTENSOR_NN_LAYERS_H_

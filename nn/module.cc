@@ -1,0 +1,161 @@
+#include "nn/module.h"
+
+#include <algorithm>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "dtensor/ops/ops.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor::nn {
+
+void Module::Collect(const std::string& prefix, std::vector<std::pair<std::string, Variable*>>* out,
+                     std::vector<const VariableImpl*>* seen) {
+  auto add = [&](const std::string& name, Variable* v) {
+    if (std::find(seen->begin(), seen->end(), v->id()) != seen->end()) return;
+    seen->push_back(v->id());
+    out->emplace_back(prefix + name, v);
+  };
+  for (auto& [name, v] : params_) add(name, v.get());
+  for (auto& [name, v] : shared_params_) add(name, v);
+  for (auto& [name, m] : children_) m->Collect(prefix + name + ".", out, seen);
+}
+
+std::vector<std::pair<std::string, Variable*>> Module::NamedParameters() {
+  std::vector<std::pair<std::string, Variable*>> out;
+  std::vector<const VariableImpl*> seen;
+  Collect("", &out, &seen);
+  return out;
+}
+
+std::vector<Variable*> Module::Parameters() {
+  std::vector<Variable*> out;
+  for (auto& [name, v] : NamedParameters()) out.push_back(v);
+  return out;
+}
+
+std::vector<std::pair<std::string, Value*>> Module::NamedBuffers() {
+  std::vector<std::pair<std::string, Value*>> out;
+  for (auto& [name, m] : NamedModules()) {
+    for (auto& [b, v] : m->buffers_) out.emplace_back(name.empty() ? b : name + "." + b, v.get());
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, Module*>> Module::NamedModules() {
+  std::vector<std::pair<std::string, Module*>> out = {{"", this}};
+  for (auto& [name, m] : children_) {
+    for (auto& [sub, mm] : m->NamedModules()) out.emplace_back(sub.empty() ? name : name + "." + sub, mm);
+  }
+  return out;
+}
+
+Variable* Module::FindParameter(const std::string& dotted_name) {
+  for (auto& [name, v] : NamedParameters()) {
+    if (name == dotted_name) return v;
+  }
+  return nullptr;
+}
+
+void Module::Train(bool on) {
+  for (auto& [name, m] : NamedModules()) m->training_ = on;
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> Module::StateDict() {
+  std::vector<std::pair<std::string, Tensor>> out;
+  for (auto& [name, v] : NamedParameters()) {
+    const Value& val = v->value();
+    if (val.is_dtensor()) {
+      DT_ASSIGN_OR_RETURN(Tensor full, val.dtensor().FullTensor());
+      out.emplace_back(name, full);
+    } else {
+      out.emplace_back(name, val.local());
+    }
+  }
+  return out;
+}
+
+absl::Status Module::LoadStateDict(const std::vector<std::pair<std::string, Tensor>>& tensors, bool strict) {
+  absl::flat_hash_map<std::string, const Tensor*> given;
+  for (const auto& [name, t] : tensors) given[name] = &t;
+  size_t used = 0;
+  for (auto& [name, v] : NamedParameters()) {
+    auto it = given.find(name);
+    if (it == given.end()) {
+      if (strict) return absl::InvalidArgumentError(absl::StrCat("[LoadStateDict] missing parameter ", name));
+      continue;
+    }
+    ++used;
+    const Tensor& src = *it->second;
+    const Value& val = v->value();
+    if (src.shape() != val.shape()) {
+      return absl::InvalidArgumentError(absl::StrCat("[LoadStateDict] ", name, ": shape ", ShapeString(src.shape()),
+                                                     " does not match the parameter's ", ShapeString(val.shape())));
+    }
+    if (val.is_dtensor()) {
+      const DTensor& d = val.dtensor();
+      DT_ASSIGN_OR_RETURN(DTensor piece, DTensor::Distribute(src, d.mesh(), d.layout(), {.src_rank = std::nullopt}));
+      DT_RETURN_IF_ERROR(Copy_(d.ToLocal(), piece.ToLocal()));
+    } else {
+      DT_RETURN_IF_ERROR(Copy_(val.local(), src));
+    }
+  }
+  if (strict && used != tensors.size()) {
+    for (const auto& [name, t] : tensors) {
+      if (FindParameter(name) == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat("[LoadStateDict] unknown parameter ", name));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+Variable* Module::RegisterParameter(const std::string& name, Value value) {
+  params_.emplace_back(name, std::make_unique<Variable>(Variable::Leaf(std::move(value), true, name)));
+  return params_.back().second.get();
+}
+
+Variable* Module::RegisterSharedParameter(const std::string& name, Variable* shared) {
+  shared_params_.emplace_back(name, shared);
+  return shared;
+}
+
+Value* Module::RegisterBuffer(const std::string& name, Value value) {
+  buffers_.emplace_back(name, std::make_unique<Value>(std::move(value)));
+  return buffers_.back().second.get();
+}
+
+absl::StatusOr<Variable> Module::WithHooks(const std::function<absl::StatusOr<Variable>()>& body) {
+  for (Hook& h : pre_hooks_) DT_RETURN_IF_ERROR(h(*this));
+  DT_ASSIGN_OR_RETURN(Variable out, body());
+  for (Hook& h : post_hooks_) DT_RETURN_IF_ERROR(h(*this));
+  if (!backward_pre_hooks_.empty() && out.requires_grad()) {
+    out.RegisterHook([this](Value&) -> absl::Status {
+      for (Hook& h : backward_pre_hooks_) DT_RETURN_IF_ERROR(h(*this));
+      return absl::OkStatus();
+    });
+  }
+  return out;
+}
+
+absl::Status DistributeModule(Module& module, const DeviceMesh& mesh,
+                              const std::function<Layout(const std::string&, const Variable&)>& layout_for) {
+  for (auto& [name, v] : module.NamedParameters()) {
+    const Value& val = v->value();
+    if (val.is_dtensor()) {
+      return absl::InvalidArgumentError(absl::StrCat("[DistributeModule] ", name, " is already a DTensor"));
+    }
+    Layout layout = layout_for
+                        ? layout_for(name, *v)
+                        : Layout(absl::InlinedVector<Placement, 4>(static_cast<size_t>(mesh.ndim()), Replicate()));
+    DT_ASSIGN_OR_RETURN(DTensor d, DTensor::Distribute(val.local(), mesh, layout, {.src_rank = std::nullopt}));
+    // Own the piece (Distribute may return a view of the full tensor).
+    DT_ASSIGN_OR_RETURN(Tensor own, Clone(d.ToLocal()));
+    DT_ASSIGN_OR_RETURN(DTensor dd, DTensor::FromLocal(own, mesh, d.layout(),
+                                                       {.global_shape = Shape(d.shape().begin(), d.shape().end())}));
+    v->set_value(Value(dd));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace dtensor::nn

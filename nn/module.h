@@ -1,0 +1,101 @@
+// Module: named parameters, buffers and children, as torch.nn.Module.
+//
+//   class Mlp : public Module {
+//    public:
+//     Mlp(int64_t c) : fc_(RegisterModule("c_fc", std::make_unique<Linear>(c, 4 * c))) {}
+//     absl::StatusOr<Variable> Forward(const Variable& x) { ... }
+//    private:
+//     Linear* fc_;
+//   };
+//   for (auto& [name, p] : model.NamedParameters()) ...   // "c_fc.weight", "c_fc.bias"
+//   DT_RETURN_IF_ERROR(model.LoadStateDict(tensors));      // dotted names as in PyTorch
+//
+// Parameters are Variables (requires_grad) whose value is a Tensor or a DTensor; placement
+// transforms (DistributeModule here, FSDP and TP later) replace the values in place, so a
+// module and its optimizer keep pointing at the same Variables. Hooks: forward pre/post hooks
+// run around Forward (modules call RunForward*Hooks), and backward pre-hooks run when the
+// gradient of the module's output arrives (modules route their output through
+// AttachBackwardHooks).
+#ifndef DTENSOR_NN_MODULE_H_
+#define DTENSOR_NN_MODULE_H_
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "autograd/variable.h"
+#include "mesh/device_mesh.h"
+#include "placements/layout.h"
+
+namespace dtensor::nn {
+
+class Module {
+ public:
+  Module() = default;
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  // Every parameter of this module and its children, depth first in registration order, with
+  // dotted names; a Variable shared by two modules (tied weights) is listed once, under its
+  // first name.
+  std::vector<std::pair<std::string, Variable*>> NamedParameters();
+  std::vector<Variable*> Parameters();
+  std::vector<std::pair<std::string, Value*>> NamedBuffers();
+  std::vector<std::pair<std::string, Module*>> NamedModules();  // "" is this module
+  Variable* FindParameter(const std::string& dotted_name);
+
+  void Train(bool on = true);
+  void Eval() { Train(false); }
+  bool training() const { return training_; }
+
+  // Full values of every parameter (collective for DTensors: gathers each to every rank).
+  absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> StateDict();
+  // Copies full tensors into the parameters (each rank keeps its piece: no communication).
+  // strict: every parameter must be given and no unknown name may appear.
+  absl::Status LoadStateDict(const std::vector<std::pair<std::string, Tensor>>& tensors, bool strict = true);
+
+  using Hook = std::function<absl::Status(Module&)>;
+  void RegisterForwardPreHook(Hook h) { pre_hooks_.push_back(std::move(h)); }
+  void RegisterForwardHook(Hook h) { post_hooks_.push_back(std::move(h)); }
+  void RegisterBackwardPreHook(Hook h) { backward_pre_hooks_.push_back(std::move(h)); }
+
+ protected:
+  Variable* RegisterParameter(const std::string& name, Value value);
+  // A parameter that is another module's Variable (tied weights).
+  Variable* RegisterSharedParameter(const std::string& name, Variable* shared);
+  Value* RegisterBuffer(const std::string& name, Value value);
+  template <typename M>
+  M* RegisterModule(const std::string& name, std::unique_ptr<M> m) {
+    M* raw = m.get();
+    children_.emplace_back(name, std::move(m));
+    return raw;
+  }
+  // Runs `body` (the module's computation) between the forward pre- and post-hooks, and
+  // routes its output through the backward pre-hooks.
+  absl::StatusOr<Variable> WithHooks(const std::function<absl::StatusOr<Variable>()>& body);
+
+ private:
+  void Collect(const std::string& prefix, std::vector<std::pair<std::string, Variable*>>* out,
+               std::vector<const VariableImpl*>* seen);
+  std::vector<std::pair<std::string, std::unique_ptr<Variable>>> params_;
+  std::vector<std::pair<std::string, Variable*>> shared_params_;
+  std::vector<std::pair<std::string, std::unique_ptr<Value>>> buffers_;
+  std::vector<std::pair<std::string, std::unique_ptr<Module>>> children_;
+  std::vector<Hook> pre_hooks_, post_hooks_, backward_pre_hooks_;
+  bool training_ = true;
+};
+
+// Makes every parameter a DTensor on `mesh`, laid out as `layout_for(name, param)` returns
+// (Replicate everywhere when layout_for is null). Each rank keeps its piece of the value it
+// holds (all ranks must hold the same values, as after seeded initialisation): no
+// communication. PyTorch's distribute_module.
+absl::Status DistributeModule(Module& module, const DeviceMesh& mesh,
+                              const std::function<Layout(const std::string&, const Variable&)>& layout_for = nullptr);
+
+}  // namespace dtensor::nn
+
+#endif  // DTENSOR_NN_MODULE_H_

@@ -1,0 +1,238 @@
+#include "nn/optim.h"
+
+#include <cmath>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+#include "dtensor/ops/ops.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor::nn {
+namespace {
+
+bool HasShard(const Layout& l) {
+  for (const Placement& p : l.placements()) {
+    if (p.is_shard()) return true;
+  }
+  return false;
+}
+
+// The gradient of `p` laid out as p (collective when it must move).
+absl::StatusOr<Value> GradInParamLayout(const Variable& p) {
+  const Value& g = p.grad();
+  const Value& v = p.value();
+  if (!g.defined() || !v.is_dtensor()) return g;
+  if (!g.is_dtensor()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("[Optimizer] parameter ", p.name(), " is a DTensor but its gradient is a plain tensor"));
+  }
+  if (g.dtensor().layout() == v.dtensor().layout()) return g;
+  DT_ASSIGN_OR_RETURN(DTensor r, g.dtensor().Redistribute(v.dtensor().layout()));
+  return Value(r);
+}
+
+absl::StatusOr<Tensor> LocalGrad(Variable& p) {
+  DT_ASSIGN_OR_RETURN(Value g, GradInParamLayout(p));
+  if (g.local().shape() != p.value().local().shape()) {
+    return absl::InvalidArgumentError(absl::StrCat("[Optimizer] gradient of ", p.name(), " has local shape ",
+                                                   ShapeString(g.local().shape()), ", the parameter ",
+                                                   ShapeString(p.value().local().shape())));
+  }
+  return g.local();
+}
+
+}  // namespace
+
+absl::Status ReduceGradients(const std::vector<Variable*>& params, int64_t bucket_bytes) {
+  // Bucket: consecutive parameters with the same mesh, gradient layout and dtype, whose
+  // gradient only needs Partial -> Replicate (no Shard on either side).
+  std::vector<Variable*> bucket;
+  int64_t bucket_numel = 0;
+  auto flush = [&]() -> absl::Status {
+    if (bucket.empty()) return absl::OkStatus();
+    const DTensor& g0 = bucket[0]->grad().dtensor();
+    const Layout target = bucket[0]->value().dtensor().layout();
+    DT_ASSIGN_OR_RETURN(Tensor flat, Tensor::Empty({bucket_numel}, g0.dtype(), g0.ToLocal().device()));
+    int64_t off = 0;
+    for (Variable* p : bucket) {
+      const Tensor& l = p->grad().local();
+      DT_ASSIGN_OR_RETURN(Tensor dst, flat.Narrow(0, off, l.numel()));
+      DT_ASSIGN_OR_RETURN(Tensor src, Reshape(l, {l.numel()}));
+      DT_RETURN_IF_ERROR(Copy_(dst, src));
+      off += l.numel();
+    }
+    DT_ASSIGN_OR_RETURN(DTensor fd,
+                        DTensor::FromLocal(flat, g0.mesh(), g0.layout(), {.global_shape = Shape{bucket_numel}}));
+    DT_ASSIGN_OR_RETURN(DTensor reduced, fd.Redistribute(target));
+    off = 0;
+    for (Variable* p : bucket) {
+      const Value& pv = p->value();
+      const int64_t n = pv.local().numel();
+      DT_ASSIGN_OR_RETURN(Tensor piece, reduced.ToLocal().Narrow(0, off, n));
+      DT_ASSIGN_OR_RETURN(Tensor shaped, piece.View(pv.local().shape()));
+      p->set_grad(Value(
+          DTensor::WrapTrusted(shaped, pv.dtensor().mesh(), target, Shape(pv.shape().begin(), pv.shape().end()))));
+      off += n;
+    }
+    bucket.clear();
+    bucket_numel = 0;
+    return absl::OkStatus();
+  };
+  for (Variable* p : params) {
+    const Value& g = p->grad();
+    const Value& v = p->value();
+    if (!g.defined() || !v.is_dtensor() || !g.is_dtensor()) continue;
+    const Layout& gl = g.dtensor().layout();
+    const Layout& vl = v.dtensor().layout();
+    if (gl == vl) continue;
+    const bool bucketable = !HasShard(gl) && !HasShard(vl) && gl.is_default_order();
+    if (!bucketable) {
+      DT_ASSIGN_OR_RETURN(DTensor r, g.dtensor().Redistribute(vl));
+      p->set_grad(Value(r));
+      continue;
+    }
+    if (!bucket.empty()) {
+      const Value& b0 = bucket[0]->grad();
+      const bool same = b0.dtensor().mesh().SameAs(g.dtensor().mesh()) && b0.dtensor().layout() == gl &&
+                        b0.dtype() == g.dtype() && bucket[0]->value().dtensor().layout() == vl;
+      if (!same) DT_RETURN_IF_ERROR(flush());
+    }
+    bucket.push_back(p);
+    bucket_numel += g.local().numel();
+    if (bucket_numel * static_cast<int64_t>(ElementSize(g.dtype())) >= bucket_bytes) DT_RETURN_IF_ERROR(flush());
+  }
+  return flush();
+}
+
+absl::StatusOr<double> ClipGradNorm(const std::vector<Variable*>& params, double max_norm) {
+  // Sum of squares per (mesh, set of sharded mesh dims): reduced over those dims only.
+  struct Group {
+    const DeviceMesh* mesh = nullptr;
+    std::vector<int> dims;
+    double sumsq = 0;
+  };
+  std::map<std::pair<const void*, int>, Group> groups;
+  double plain = 0;
+  for (Variable* p : params) {
+    if (!p->grad().defined()) continue;
+    DT_ASSIGN_OR_RETURN(Value g, GradInParamLayout(*p));
+    if (p->grad().is_dtensor() && p->grad().dtensor().layout().has_partial()) p->set_grad(g);
+    DT_ASSIGN_OR_RETURN(Tensor sq, Mul(g.local(), g.local()));
+    DT_ASSIGN_OR_RETURN(Tensor s, Sum(sq));
+    DT_ASSIGN_OR_RETURN(std::vector<double> sv, ToDoubleVector(s));
+    if (!g.is_dtensor()) {
+      plain += sv[0];
+      continue;
+    }
+    const DTensor& d = g.dtensor();
+    int mask = 0;
+    std::vector<int> dims;
+    for (int m = 0; m < d.layout().ndim(); ++m) {
+      if (d.layout()[m].is_shard() && d.mesh().size(m) > 1) {
+        mask |= 1 << m;
+        dims.push_back(m);
+      }
+    }
+    Group& grp = groups[{d.mesh().root().world, mask}];
+    grp.mesh = &d.mesh();
+    grp.dims = dims;
+    grp.sumsq += sv[0];
+  }
+  double total = plain;
+  for (auto& [key, grp] : groups) {
+    if (grp.dims.empty()) {
+      total += grp.sumsq;
+      continue;
+    }
+    DT_ASSIGN_OR_RETURN(Communicator * comm, grp.mesh->comm(grp.dims));
+    DT_ASSIGN_OR_RETURN(Tensor t, Tensor::FromVector<float>({static_cast<float>(grp.sumsq)}, {1}));
+    DT_ASSIGN_OR_RETURN(t, To(t, comm->device()));
+    DT_RETURN_IF_ERROR(comm->AllReduce(t, t, CommReduceOp::kSum));
+    DT_ASSIGN_OR_RETURN(std::vector<double> r, ToDoubleVector(t));
+    total += r[0];
+  }
+  const double norm = std::sqrt(total);
+  if (max_norm > 0 && norm > max_norm) {
+    const double scale = max_norm / (norm + 1e-6);
+    for (Variable* p : params) {
+      if (p->grad().defined()) DT_RETURN_IF_ERROR(Scale_(p->grad().local(), scale));
+    }
+  }
+  return norm;
+}
+
+AdamW::AdamW(std::vector<Variable*> params, const AdamWOptions& options)
+    : params_(std::move(params)), options_(options) {}
+
+absl::Status AdamW::Step() {
+  if (m_.empty()) {
+    for (Variable* p : params_) {
+      const Tensor& l = p->value().local();
+      DT_ASSIGN_OR_RETURN(Tensor m, Zeros(l.shape(), DType::kFloat32, l.device()));
+      DT_ASSIGN_OR_RETURN(Tensor v, Zeros(l.shape(), DType::kFloat32, l.device()));
+      m_.push_back(m);
+      v_.push_back(v);
+    }
+  }
+  ++step_;
+  AdamWParams hp;
+  hp.lr = static_cast<float>(options_.lr);
+  hp.beta1 = static_cast<float>(options_.beta1);
+  hp.beta2 = static_cast<float>(options_.beta2);
+  hp.eps = static_cast<float>(options_.eps);
+  hp.weight_decay = static_cast<float>(options_.weight_decay);
+  hp.step = step_;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Variable* p = params_[i];
+    if (!p->grad().defined()) continue;
+    DT_ASSIGN_OR_RETURN(Tensor g, LocalGrad(*p));
+    DT_RETURN_IF_ERROR(AdamWStep_(p->value().local(), g, m_[i], v_[i], hp));
+  }
+  return absl::OkStatus();
+}
+
+void AdamW::ZeroGrad() {
+  for (Variable* p : params_) p->reset_grad();
+}
+
+SGD::SGD(std::vector<Variable*> params, const SgdOptions& options) : params_(std::move(params)), options_(options) {}
+
+absl::Status SGD::Step() {
+  if (buf_.empty()) buf_.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    Variable* p = params_[i];
+    if (!p->grad().defined()) continue;
+    DT_ASSIGN_OR_RETURN(Tensor g, LocalGrad(*p));
+    const Tensor& w = p->value().local();
+    if (options_.weight_decay != 0) {
+      DT_ASSIGN_OR_RETURN(Tensor wd, Scale(w, options_.weight_decay));
+      DT_ASSIGN_OR_RETURN(g, Add(g, wd));
+    }
+    if (options_.momentum != 0) {
+      if (!buf_[i].defined()) {
+        DT_ASSIGN_OR_RETURN(buf_[i], Clone(g));
+      } else {
+        DT_RETURN_IF_ERROR(Scale_(buf_[i], options_.momentum));
+        DT_RETURN_IF_ERROR(Add_(buf_[i], g));
+      }
+      g = buf_[i];
+    }
+    DT_ASSIGN_OR_RETURN(Tensor step, Scale(g, -options_.lr));
+    DT_RETURN_IF_ERROR(Add_(w, step));
+  }
+  return absl::OkStatus();
+}
+
+void SGD::ZeroGrad() {
+  for (Variable* p : params_) p->reset_grad();
+}
+
+double WarmupCosineLr(int64_t step, const CosineSchedule& s) {
+  if (s.warmup > 0 && step < s.warmup) return s.max_lr * static_cast<double>(step + 1) / static_cast<double>(s.warmup);
+  if (step >= s.total) return s.min_lr;
+  const double span = static_cast<double>(std::max<int64_t>(1, s.total - s.warmup));
+  const double ratio = static_cast<double>(step - s.warmup) / span;
+  return s.min_lr + 0.5 * (1.0 + std::cos(M_PI * ratio)) * (s.max_lr - s.min_lr);
+}
+
+}  // namespace dtensor::nn

@@ -1,0 +1,94 @@
+// Optimizers and gradient utilities over parameters that are Tensors or DTensors.
+//
+//   nn::AdamW opt(model.Parameters(), {.lr = 6e-4, .weight_decay = 0.1});
+//   DT_RETURN_IF_ERROR(Backward(loss));
+//   DT_RETURN_IF_ERROR(nn::ReduceGradients(model.Parameters()));     // Partial -> parameter layout
+//   DT_ASSIGN_OR_RETURN(double norm, nn::ClipGradNorm(model.Parameters(), 1.0));
+//   opt.set_lr(nn::WarmupCosineLr(step, {.max_lr = 6e-4, .warmup = 100, .total = 5000}));
+//   DT_RETURN_IF_ERROR(opt.Step());
+//   opt.ZeroGrad();
+//
+// Updates run on each rank's local pieces: a parameter's gradient must be laid out as the
+// parameter (ReduceGradients does it: the Partial(sum) gradient of a replicated parameter, as
+// data parallelism produces, becomes Replicate through bucketed all_reduces). Optimizer state
+// has the parameter's layout.
+#ifndef DTENSOR_NN_OPTIM_H_
+#define DTENSOR_NN_OPTIM_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "autograd/variable.h"
+
+namespace dtensor::nn {
+
+// Brings every gradient to its parameter's layout. Gradients that only need a Partial ->
+// Replicate reduction and share mesh, layout and dtype are packed into buckets of about
+// `bucket_bytes` so that a model's reduction is a few large all_reduces (DDP's buckets);
+// others are redistributed one by one. Collective over the parameters' meshes.
+absl::Status ReduceGradients(const std::vector<Variable*>& params, int64_t bucket_bytes = 25 << 20);
+
+// Scales gradients so that their global L2 norm is at most max_norm; returns the norm before
+// clipping. Correct for any placements: Shard pieces are summed over their mesh dims,
+// Replicate ones counted once, Partial gradients reduced first. max_norm <= 0: no clipping.
+absl::StatusOr<double> ClipGradNorm(const std::vector<Variable*>& params, double max_norm);
+
+struct AdamWOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+};
+
+// torch.optim.AdamW: decoupled weight decay (p -= lr * wd * p), bias-corrected moments.
+class AdamW {
+ public:
+  AdamW(std::vector<Variable*> params, const AdamWOptions& options);
+  absl::Status Step();
+  void ZeroGrad();  // drops the gradients (set_to_none)
+  void set_lr(double lr) { options_.lr = lr; }
+  double lr() const { return options_.lr; }
+  int64_t step_count() const { return step_; }
+
+ private:
+  std::vector<Variable*> params_;
+  AdamWOptions options_;
+  std::vector<Tensor> m_, v_;  // local pieces, created on the first step
+  int64_t step_ = 0;
+};
+
+struct SgdOptions {
+  double lr = 1e-2;
+  double momentum = 0.0;
+  double weight_decay = 0.0;
+};
+
+// torch.optim.SGD with momentum (buf = momentum * buf + g; p -= lr * buf).
+class SGD {
+ public:
+  SGD(std::vector<Variable*> params, const SgdOptions& options);
+  absl::Status Step();
+  void ZeroGrad();
+  void set_lr(double lr) { options_.lr = lr; }
+
+ private:
+  std::vector<Variable*> params_;
+  SgdOptions options_;
+  std::vector<Tensor> buf_;
+};
+
+struct CosineSchedule {
+  double max_lr = 6e-4;
+  double min_lr = 0.0;
+  int64_t warmup = 0;  // linear warmup steps
+  int64_t total = 1;   // steps over which to decay to min_lr
+};
+// Linear warmup to max_lr over `warmup` steps (step 0 gets max_lr / warmup), then cosine decay
+// to min_lr at `total`; min_lr afterwards.
+double WarmupCosineLr(int64_t step, const CosineSchedule& s);
+
+}  // namespace dtensor::nn
+
+#endif  // DTENSOR_NN_OPTIM_H_
