@@ -1,0 +1,360 @@
+// gpt_train: trains a GPT-2-style model on real text, data-parallel over N ranks.
+//
+//   gpt_train --text corpus.txt --steps 200                 # 1 rank
+//   gpt_train --text corpus.txt --ranks 2                   # 2 ranks as threads of this process
+//   dtrun --nproc-per-node 2 gpt_train --text corpus.txt    # 2 processes over UCX
+//
+// Reads top to bottom like llm.c's train_gpt2.c: build the mesh, build the GPT, distribute it,
+// then per step: read the global batch, shard it, forward, backward, reduce the gradients,
+// clip, step. Data parallelism is nothing but layouts: the batch is Shard(0) over the "dp"
+// mesh dim, parameters are Replicate, so each parameter's gradient comes out Partial(sum)
+// from DTensor's own autograd and ReduceGradients turns it Replicate in a few bucketed
+// all_reduces. Every rank reads the same global batches, so losses do not depend on the
+// number of ranks. Legend: B batch (global), T sequence length, C channels, V vocabulary.
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "autograd/ops.h"
+#include "collectives/threads/threads_communicator.h"
+#include "collectives/ucx/ucx_communicator.h"
+#include "dtensor/ops/ops.h"
+#include "dtensor/tensor/status.h"
+#include "examples/gpt/data.h"
+#include "examples/gpt/llmc.h"
+#include "nlohmann/json.hpp"
+#include "nn/gpt.h"
+#include "nn/optim.h"
+
+namespace dtensor {
+namespace {
+
+struct Flags {
+  std::string text, train_bin, init_llmc, metrics, fortunes;
+  int64_t n_layer = 4, n_head = 4, n_embd = 128, vocab = 256, seq = 64, batch = 8, steps = 50;
+  double lr = 1e-3, weight_decay = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, grad_clip = 0.0, dropout = 0.0;
+  std::string lr_schedule = "constant";  // or "cosine" (linear warmup, cosine decay to min-lr)
+  int64_t warmup = 0;
+  double min_lr = 0.0;
+  uint64_t seed = 1337;
+  int ranks = 1;
+  int64_t sample_tokens = 200, log_every = 1;
+};
+
+const char* kUsage =
+    "usage: gpt_train (--text PATH | --fortunes PATH | --train-bin PATH) [--init-llmc PATH] [--ranks N]\n"
+    "  --fortunes PATH writes an English corpus from the fortunes package's files to PATH and trains on it\n"
+    "  model:  --n-layer 4 --n-head 4 --n-embd 128 --vocab 256 --seq 64 --dropout 0\n"
+    "  train:  --batch 8 (global) --steps 50 --lr 1e-3 --lr-schedule constant|cosine --warmup 0\n"
+    "          --min-lr 0 --weight-decay 0 --beta1 0.9 --beta2 0.999 --eps 1e-8 --grad-clip 0 --seed 1337\n"
+    "  output: --metrics PATH (one JSON object per step) --sample-tokens 200 --log-every 1\n";
+
+bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string name = argv[i];
+    if (name == "--help" || name == "-h") {
+      *error = "";
+      return false;
+    }
+    if (i + 1 >= argc) {
+      *error = absl::StrCat("flag ", name, " needs a value");
+      return false;
+    }
+    const std::string v = argv[++i];
+    char* end = nullptr;
+    auto num = [&](auto* out) {
+      const double d = std::strtod(v.c_str(), &end);
+      if (end == v.c_str() || *end != '\0') return false;
+      *out = static_cast<std::remove_pointer_t<decltype(out)>>(d);
+      return true;
+    };
+    bool ok = true;
+    if (name == "--text")
+      f->text = v;
+    else if (name == "--fortunes")
+      f->fortunes = v;
+    else if (name == "--train-bin")
+      f->train_bin = v;
+    else if (name == "--init-llmc")
+      f->init_llmc = v;
+    else if (name == "--metrics")
+      f->metrics = v;
+    else if (name == "--lr-schedule")
+      f->lr_schedule = v;
+    else if (name == "--n-layer")
+      ok = num(&f->n_layer);
+    else if (name == "--n-head")
+      ok = num(&f->n_head);
+    else if (name == "--n-embd")
+      ok = num(&f->n_embd);
+    else if (name == "--vocab")
+      ok = num(&f->vocab);
+    else if (name == "--seq")
+      ok = num(&f->seq);
+    else if (name == "--batch")
+      ok = num(&f->batch);
+    else if (name == "--steps")
+      ok = num(&f->steps);
+    else if (name == "--lr")
+      ok = num(&f->lr);
+    else if (name == "--weight-decay")
+      ok = num(&f->weight_decay);
+    else if (name == "--beta1")
+      ok = num(&f->beta1);
+    else if (name == "--beta2")
+      ok = num(&f->beta2);
+    else if (name == "--eps")
+      ok = num(&f->eps);
+    else if (name == "--grad-clip")
+      ok = num(&f->grad_clip);
+    else if (name == "--dropout")
+      ok = num(&f->dropout);
+    else if (name == "--seed")
+      ok = num(&f->seed);
+    else if (name == "--ranks")
+      ok = num(&f->ranks);
+    else if (name == "--warmup")
+      ok = num(&f->warmup);
+    else if (name == "--min-lr")
+      ok = num(&f->min_lr);
+    else if (name == "--sample-tokens")
+      ok = num(&f->sample_tokens);
+    else if (name == "--log-every")
+      ok = num(&f->log_every);
+    else {
+      *error = absl::StrCat("unknown flag ", name);
+      return false;
+    }
+    if (!ok) {
+      *error = absl::StrCat("flag ", name, " needs a number, got '", v, "'");
+      return false;
+    }
+  }
+  if (!f->fortunes.empty() && f->text.empty()) f->text = f->fortunes;
+  if (f->text.empty() == f->train_bin.empty()) {
+    *error = "give exactly one of --text (or --fortunes) and --train-bin";
+    return false;
+  }
+  if (f->ranks < 1 || f->batch < 1 || f->seq < 1 || f->steps < 0 || f->log_every < 1 ||
+      (f->lr_schedule != "constant" && f->lr_schedule != "cosine")) {
+    *error =
+        "bad value: --ranks, --batch, --seq, --log-every must be >= 1, --steps >= 0, --lr-schedule constant|cosine";
+    return false;
+  }
+  return true;
+}
+
+std::string Decode(const std::vector<int64_t>& ids, int64_t vocab) {
+  std::string s;
+  for (int64_t id : ids) {
+    if (vocab <= 256) {
+      s.push_back(static_cast<char>(id));
+    } else {
+      absl::StrAppend(&s, "<", id, ">");
+    }
+  }
+  return s;
+}
+
+// One rank's whole run. `world` is this rank's communicator (threads or UCX).
+absl::Status TrainRank(Communicator& world, const Flags& f) {
+  const bool lead = world.rank() == 0;
+  auto say = [&](const char* fmt, auto... args) {
+    if (lead) std::printf(fmt, args...), std::fflush(stdout);
+  };
+
+  // ---- The mesh: one "dp" dim over all ranks ----
+  DT_ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::Create(world, {world.size()}, {"dp"}));
+
+  // ---- Data: a token stream read sequentially in global batches of B*T+1 tokens ----
+  std::vector<uint16_t> tokens;
+  if (!f.text.empty()) {
+    DT_ASSIGN_OR_RETURN(tokens, gpt::LoadTextTokens(f.text));
+  } else {
+    DT_ASSIGN_OR_RETURN(tokens, gpt::LoadLlmcTokens(f.train_bin));
+  }
+
+  // ---- The model: from flags, or from an llm.c checkpoint ----
+  nn::GPTConfig cfg{.vocab_size = f.vocab,
+                    .block_size = f.seq,
+                    .n_layer = f.n_layer,
+                    .n_head = f.n_head,
+                    .n_embd = f.n_embd,
+                    .dropout = f.dropout,
+                    .dropout_seed = f.seed};
+  gpt::LlmcCheckpoint ckpt;
+  if (!f.init_llmc.empty()) {
+    DT_ASSIGN_OR_RETURN(ckpt, gpt::ReadLlmcCheckpoint(f.init_llmc));
+    cfg.vocab_size = ckpt.config.vocab_size;
+    cfg.block_size = ckpt.config.max_seq_len;
+    cfg.n_layer = ckpt.config.num_layers;
+    cfg.n_head = ckpt.config.num_heads;
+    cfg.n_embd = ckpt.config.channels;
+    if (f.seq > cfg.block_size) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("[gpt_train] --seq ", f.seq, " exceeds the checkpoint's max_seq_len ", cfg.block_size));
+    }
+  }
+  DT_RETURN_IF_ERROR(gpt::ValidateTokens(tokens, cfg.vocab_size, f.text.empty() ? f.train_bin : f.text));
+  DT_ASSIGN_OR_RETURN(gpt::TokenLoader loader, gpt::TokenLoader::Create(std::move(tokens), f.batch, f.seq));
+  DT_ASSIGN_OR_RETURN(std::unique_ptr<nn::GPT> model, nn::GPT::Create(cfg));
+  if (f.init_llmc.empty()) {
+    DT_RETURN_IF_ERROR(model->InitWeights(f.seed));  // the same values on every rank
+  } else {
+    DT_RETURN_IF_ERROR(model->LoadStateDict(ckpt.params));
+  }
+  // Parameters Replicate over "dp" (each rank keeps its copy; no communication).
+  DT_RETURN_IF_ERROR(nn::DistributeModule(*model, mesh));
+  say("gpt_train: %d rank(s), %lld parameters, %lld layers, %lld heads, C=%lld, V=%lld, B=%lld (global), T=%lld, "
+      "%lld tokens\n",
+      world.size(), static_cast<long long>(model->NumParameters()), static_cast<long long>(cfg.n_layer),
+      static_cast<long long>(cfg.n_head), static_cast<long long>(cfg.n_embd), static_cast<long long>(cfg.vocab_size),
+      static_cast<long long>(f.batch), static_cast<long long>(f.seq), static_cast<long long>(loader.num_tokens()));
+
+  std::vector<Variable*> params = model->Parameters();
+  nn::AdamW opt(params, {.lr = f.lr, .beta1 = f.beta1, .beta2 = f.beta2, .eps = f.eps, .weight_decay = f.weight_decay});
+  std::ofstream metrics;
+  if (lead && !f.metrics.empty()) {
+    metrics.open(f.metrics, std::ios::trunc);
+    if (!metrics) return absl::InvalidArgumentError(absl::StrCat("[gpt_train] cannot open --metrics ", f.metrics));
+  }
+
+  // ---- Training ----
+  for (int64_t step = 0; step < f.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    gpt::Batch batch = loader.Next();  // the global batch [B, T], the same on every rank
+    DT_ASSIGN_OR_RETURN(Tensor inputs, Tensor::FromVector<int32_t>(batch.inputs, {f.batch, f.seq}));
+    DT_ASSIGN_OR_RETURN(Tensor targets, Tensor::FromVector<int32_t>(batch.targets, {f.batch, f.seq}));
+    // Shard(0): each rank keeps its rows of the batch (torch.chunk; no communication).
+    DT_ASSIGN_OR_RETURN(DTensor x, DTensor::Distribute(inputs, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+    DT_ASSIGN_OR_RETURN(DTensor y, DTensor::Distribute(targets, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+
+    DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(x), Variable::Constant(y)));
+    DT_RETURN_IF_ERROR(Backward(out.loss));           // parameter gradients: Partial(sum)
+    DT_RETURN_IF_ERROR(nn::ReduceGradients(params));  // -> Replicate, bucketed all_reduces
+    DT_ASSIGN_OR_RETURN(double norm, nn::ClipGradNorm(params, f.grad_clip));
+    const double lr =
+        f.lr_schedule == "cosine"
+            ? nn::WarmupCosineLr(step, {.max_lr = f.lr, .min_lr = f.min_lr, .warmup = f.warmup, .total = f.steps})
+            : f.lr;
+    opt.set_lr(lr);
+    DT_RETURN_IF_ERROR(opt.Step());
+    opt.ZeroGrad();
+
+    // The loss is Partial(sum) over the batch shards: one scalar all_reduce to read it.
+    DT_ASSIGN_OR_RETURN(DTensor loss, out.loss.value().dtensor().Redistribute({Replicate()}));
+    DT_ASSIGN_OR_RETURN(std::vector<double> lv, ToDoubleVector(loss.ToLocal()));
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double tok_s = static_cast<double>(f.batch * f.seq) / dt;
+    if (step % f.log_every == 0 || step + 1 == f.steps) {
+      say("step %4lld | loss %.6f | lr %.3g | norm %.4f | %.1f ms | %.0f tok/s\n", static_cast<long long>(step), lv[0],
+          lr, norm, dt * 1e3, tok_s);
+    }
+    if (metrics.is_open()) {
+      metrics << nlohmann::json{{"step", step},         {"loss", lv[0]},       {"lr", lr},
+                                {"grad_norm", norm},    {"step_ms", dt * 1e3}, {"tokens_per_s", tok_s},
+                                {"ranks", world.size()}}
+                     .dump()
+              << "\n"
+              << std::flush;
+    }
+  }
+
+  // ---- Sampling: every rank runs the same seeded draws (parameters are replicated) ----
+  if (f.sample_tokens > 0) {
+    NoGradGuard no_grad;
+    model->Eval();
+    std::mt19937_64 rng(f.seed);
+    std::vector<int64_t> ids = {f.text.empty() ? 50256 : '\n'};
+    if (cfg.vocab_size <= ids[0]) ids[0] = 0;
+    for (int64_t i = 0; i < f.sample_tokens; ++i) {
+      const int64_t t = std::min<int64_t>(static_cast<int64_t>(ids.size()), cfg.block_size);
+      std::vector<int64_t> ctx(ids.end() - t, ids.end());
+      DT_ASSIGN_OR_RETURN(Tensor in, Tensor::FromVector<int64_t>(ctx, {1, t}));
+      DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(in)));
+      const Value& lv = out.logits.value();
+      DT_ASSIGN_OR_RETURN(Tensor logits,
+                          lv.is_dtensor() ? lv.dtensor().FullTensor() : absl::StatusOr<Tensor>(lv.local()));
+      DT_ASSIGN_OR_RETURN(Tensor last, logits.Select(1, t - 1));
+      DT_ASSIGN_OR_RETURN(Tensor probs, dtensor::Softmax(last, -1));
+      DT_ASSIGN_OR_RETURN(std::vector<double> p, ToDoubleVector(probs));
+      std::discrete_distribution<int64_t> pick(p.begin(), p.end());
+      ids.push_back(pick(rng));
+    }
+    say("---- sample ----\n%s\n----------------\n",
+        Decode(std::vector<int64_t>(ids.begin() + 1, ids.end()), cfg.vocab_size).c_str());
+  }
+  return absl::OkStatus();
+}
+
+bool LaunchedAsProcess() {
+  return std::getenv("WORLD_SIZE") != nullptr || std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr ||
+         std::getenv("SLURM_NTASKS") != nullptr;
+}
+
+}  // namespace
+}  // namespace dtensor
+
+int main(int argc, char** argv) {
+  using namespace dtensor;
+  Flags f;
+  std::string error;
+  if (!ParseFlags(argc, argv, &f, &error)) {
+    std::fprintf(stderr, "%s%s%s", error.c_str(), error.empty() ? "" : "\n", kUsage);
+    return error.empty() ? 0 : 2;
+  }
+  if (!f.fortunes.empty()) {  // every process may do this: the file is replaced atomically
+    auto corpus = gpt::PrepareFortunesCorpus(f.fortunes);
+    if (!corpus.ok()) {
+      std::fprintf(stderr, "gpt_train: %s\n", corpus.status().ToString().c_str());
+      return 1;
+    }
+  }
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (LaunchedAsProcess()) {                              // one process per rank (dtrun, mpirun, srun): UCX
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");  // processes sharing this host's cores
+    omp_set_num_threads(std::max(1, cores / std::max(1, local ? std::atoi(local) : 1)));
+    auto comm = MakeUcxCommunicatorFromEnv();
+    if (!comm.ok()) {
+      std::fprintf(stderr, "gpt_train: %s\n", comm.status().ToString().c_str());
+      return 1;
+    }
+    absl::Status s = TrainRank(**comm, f);
+    if (!s.ok()) std::fprintf(stderr, "gpt_train rank %d: %s\n", (*comm)->rank(), s.ToString().c_str());
+    return s.ok() ? 0 : 1;
+  }
+  // N ranks as threads of this process; one OpenMP team per rank, sharing the cores.
+  auto comms = MakeThreadGroup(f.ranks);
+  if (!comms.ok()) {
+    std::fprintf(stderr, "gpt_train: %s\n", comms.status().ToString().c_str());
+    return 1;
+  }
+  std::vector<absl::Status> status(static_cast<size_t>(f.ranks));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < f.ranks; ++r) {
+    threads.emplace_back([&, r] {
+      omp_set_num_threads(std::max(1, cores / f.ranks));
+      status[static_cast<size_t>(r)] = TrainRank(*(*comms)[static_cast<size_t>(r)], f);
+    });
+  }
+  for (auto& t : threads) t.join();
+  int rc = 0;
+  for (int r = 0; r < f.ranks; ++r) {
+    if (!status[static_cast<size_t>(r)].ok()) {
+      std::fprintf(stderr, "gpt_train rank %d: %s\n", r, status[static_cast<size_t>(r)].ToString().c_str());
+      rc = 1;
+    }
+  }
+  return rc;
+}
