@@ -1,11 +1,18 @@
 // Cross-entropy over the last dim: forward, backward and sharding rule.
 //
+//   cross_entropy (logits [..., V] S(-1), targets R) -> (loss R, lse R, count R): loss parallel,
+//     the vocab-sharded logits stay sharded; each rank reduces its piece and three [rows]
+//     vectors (max, sum of exponentials, target logit) are all-reduced.
+//
 //   cross_entropy (logits [..., V], targets [...]) -> (loss 0-d, lse [...], count 0-d)
 //     S(d), S(d) -> P(sum), S(d), R   for batch dims d: each rank sums its rows' losses and
 //                                     divides by the global count of targets != ignore_index
 //                                     (one small all_reduce of the counts), so the Partial
 //                                     sum is the global mean, for uneven shards too.
 //   cross_entropy_backward (dloss, logits, targets, lse, count) -> dlogits, sharded as logits.
+#include <algorithm>
+#include <cmath>
+
 #include "autograd/functional.h"
 #include "autograd/ops.h"
 #include "autograd/ops/op_util.h"
@@ -31,8 +38,112 @@ void CeRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector
   for (int64_t d = 0; d < static_cast<int64_t>(in[1].shape.size()); ++d) {
     s->push_back({{Shard(d), Shard(d)}, {kP, Shard(d), Replicate()}});
   }
+  // Loss parallel: vocab-sharded logits, replicated targets; the logits are never gathered.
+  const int64_t v = static_cast<int64_t>(in[0].shape.size()) - 1;
+  s->push_back({{Shard(v), Replicate()}, {Replicate(), Replicate(), Replicate()}});
 }
+// Mesh dims (of size > 1) on which input `i` is sharded along tensor dim `d`.
+std::vector<int> ShardDims(const LocalCall& c, int i, int64_t d) {
+  std::vector<int> dims;
+  for (int m : op_util::ShardingMeshDims(c, i, d)) {
+    if (c.mesh->size(m) > 1) dims.push_back(m);
+  }
+  return dims;
+}
+
+absl::Status AllReduce(const LocalCall& c, const std::vector<int>& dims, const Tensor& t, CommReduceOp op) {
+  if (dims.empty()) return absl::OkStatus();
+  DT_ASSIGN_OR_RETURN(Communicator * comm, c.mesh->comm(dims));
+  if (CommCounter* counter = CommCounterOf(*c.mesh))
+    counter->Record(CommKind::kAllReduce, static_cast<int64_t>(t.nbytes()));
+  return comm->AllReduce(t, t, op);
+}
+
+// Per local row of the vocab-sharded logits [N, Vl]: the index of the target's logit in the
+// flattened [N * Vl] piece (0 when the target is on another rank), whether it is here, and
+// whether the row counts (target != ignore_index).
+struct TargetIndex {
+  Tensor flat_ids;  // int64 [N]
+  Tensor here;      // [N, 1] logits' dtype, 1 or 0
+  Tensor valid;     // [N, 1] logits' dtype, 1 or 0
+  double count = 0;
+};
+absl::StatusOr<TargetIndex> IndexTargets(const Tensor& targets, int64_t vocab_begin, int64_t vl, int64_t ignore,
+                                         DType dtype, Device device) {
+  DT_ASSIGN_OR_RETURN(std::vector<int64_t> t, ToInt64Vector(targets));
+  const int64_t n = static_cast<int64_t>(t.size());
+  std::vector<int64_t> ids(t.size(), 0);
+  std::vector<float> here(t.size(), 0.0f), valid(t.size(), 0.0f);
+  TargetIndex r;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t x = t[static_cast<size_t>(i)];
+    if (x == ignore) continue;
+    valid[static_cast<size_t>(i)] = 1.0f;
+    r.count += 1;
+    if (x >= vocab_begin && x < vocab_begin + vl) {
+      here[static_cast<size_t>(i)] = 1.0f;
+      ids[static_cast<size_t>(i)] = i * vl + (x - vocab_begin);
+    }
+  }
+  DT_ASSIGN_OR_RETURN(r.flat_ids, Tensor::FromVector<int64_t>(ids, {n}));
+  DT_ASSIGN_OR_RETURN(r.here, Tensor::FromVector<float>(here, {n, 1}));
+  DT_ASSIGN_OR_RETURN(r.valid, Tensor::FromVector<float>(valid, {n, 1}));
+  DT_ASSIGN_OR_RETURN(r.flat_ids, To(r.flat_ids, device));
+  DT_ASSIGN_OR_RETURN(r.here, Cast(r.here, dtype));
+  DT_ASSIGN_OR_RETURN(r.here, To(r.here, device));
+  DT_ASSIGN_OR_RETURN(r.valid, Cast(r.valid, dtype));
+  DT_ASSIGN_OR_RETURN(r.valid, To(r.valid, device));
+  return r;
+}
+
+// Cross-entropy of vocab-sharded logits: max, sum of exponentials and the target logit are
+// all-reduced over the vocab mesh dims ([N] floats each), never the logits.
+absl::StatusOr<std::vector<Tensor>> CeVocabParallel(const LocalCall& c, const std::vector<int>& vocab_dims,
+                                                    const std::vector<int>& batch_dims) {
+  const Tensor& logits = c.inputs[0];
+  const int64_t vl = logits.size(-1);
+  const int64_t vocab_begin = c.InputOffset(0).back();
+  DT_ASSIGN_OR_RETURN(Tensor x, dtensor::Reshape(logits, {-1, vl}));  // [N, Vl]
+  DT_ASSIGN_OR_RETURN(x, dtensor::Contiguous(x));
+  DT_ASSIGN_OR_RETURN(Tensor m, dtensor::Max(x, {-1}, true));  // [N, 1]
+  DT_RETURN_IF_ERROR(AllReduce(c, vocab_dims, m, CommReduceOp::kMax));
+  DT_ASSIGN_OR_RETURN(Tensor e, dtensor::Sub(x, m));
+  DT_ASSIGN_OR_RETURN(e, dtensor::Exp(e));
+  DT_ASSIGN_OR_RETURN(Tensor s, dtensor::Sum(e, {-1}, true));
+  DT_RETURN_IF_ERROR(AllReduce(c, vocab_dims, s, CommReduceOp::kSum));
+  DT_ASSIGN_OR_RETURN(Tensor lse, dtensor::Log(s));
+  DT_ASSIGN_OR_RETURN(lse, dtensor::Add(lse, m));  // [N, 1]
+  DT_ASSIGN_OR_RETURN(TargetIndex ti,
+                      IndexTargets(c.inputs[1], vocab_begin, vl, c.args.ints[0], x.dtype(), x.device()));
+  DT_ASSIGN_OR_RETURN(Tensor flat, x.View({x.numel(), 1}));
+  DT_ASSIGN_OR_RETURN(Tensor tl, dtensor::Embedding(flat, ti.flat_ids));  // [N, 1]
+  DT_ASSIGN_OR_RETURN(tl, dtensor::Mul(tl, ti.here));
+  DT_RETURN_IF_ERROR(AllReduce(c, vocab_dims, tl, CommReduceOp::kSum));
+  DT_ASSIGN_OR_RETURN(Tensor losses, dtensor::Sub(lse, tl));
+  DT_ASSIGN_OR_RETURN(losses, dtensor::Mul(losses, ti.valid));
+  DT_ASSIGN_OR_RETURN(Tensor total, dtensor::Sum(losses));
+  DT_ASSIGN_OR_RETURN(Tensor count, Full({}, ti.count, DType::kFloat32, x.device()));
+  DT_RETURN_IF_ERROR(AllReduce(c, batch_dims, count, CommReduceOp::kSum));
+  DT_ASSIGN_OR_RETURN(std::vector<double> cv, ToDoubleVector(count));
+  DT_ASSIGN_OR_RETURN(Tensor loss, dtensor::Scale(total, cv[0] == 0 ? std::nan("") : 1.0 / cv[0]));
+  DT_ASSIGN_OR_RETURN(loss, Cast(loss, DType::kFloat32));
+  DT_ASSIGN_OR_RETURN(lse, Cast(lse, DType::kFloat32));
+  DT_ASSIGN_OR_RETURN(lse, lse.View(c.inputs[1].shape()));
+  return std::vector<Tensor>{loss, lse, count};
+}
+
 absl::StatusOr<std::vector<Tensor>> CeLocal(const LocalCall& c) {
+  if (c.mesh != nullptr) {
+    std::vector<int> vocab_dims = ShardDims(c, 0, c.inputs[0].dim() - 1);
+    if (!vocab_dims.empty()) {
+      std::vector<int> batch_dims;
+      for (int64_t d = 0; d < c.inputs[1].dim(); ++d) {
+        for (int m : ShardDims(c, 1, d)) batch_dims.push_back(m);
+      }
+      std::sort(batch_dims.begin(), batch_dims.end());
+      return CeVocabParallel(c, vocab_dims, batch_dims);
+    }
+  }
   DT_ASSIGN_OR_RETURN(CrossEntropyOutput o, dtensor::CrossEntropy(c.inputs[0], c.inputs[1], c.args.ints[0]));
   Tensor count = o.count;
   Tensor loss = o.loss;
@@ -45,9 +156,8 @@ absl::StatusOr<std::vector<Tensor>> CeLocal(const LocalCall& c) {
   }
   if (!dims.empty()) {
     // loss_local = mean_local * count_local / count_global (0 for a piece with no targets).
-    DT_ASSIGN_OR_RETURN(Communicator * comm, c.mesh->comm(dims));
-    DT_ASSIGN_OR_RETURN(Tensor total, Tensor::Empty({}, DType::kFloat32, count.device()));
-    DT_RETURN_IF_ERROR(comm->AllReduce(count, total, CommReduceOp::kSum));
+    DT_ASSIGN_OR_RETURN(Tensor total, Clone(count));
+    DT_RETURN_IF_ERROR(AllReduce(c, dims, total, CommReduceOp::kSum));
     DT_ASSIGN_OR_RETURN(std::vector<double> lv, ToDoubleVector(o.loss));
     DT_ASSIGN_OR_RETURN(std::vector<double> cv, ToDoubleVector(count));
     DT_ASSIGN_OR_RETURN(std::vector<double> tv, ToDoubleVector(total));
@@ -68,8 +178,35 @@ void CeBwdRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vec
   for (int64_t d = 0; d < static_cast<int64_t>(in[2].shape.size()); ++d) {
     s->push_back({{Replicate(), Shard(d), Shard(d), Shard(d), Replicate()}, {Shard(d)}});
   }
+  const int64_t v = static_cast<int64_t>(in[1].shape.size()) - 1;
+  s->push_back({{Replicate(), Shard(v), Replicate(), Replicate(), Replicate()}, {Shard(v)}});
 }
+// dlogits = dloss / count * (softmax(logits) - onehot(target)) on this rank's vocab piece.
+absl::StatusOr<std::vector<Tensor>> CeBwdVocabParallel(const LocalCall& c) {
+  const Tensor& logits = c.inputs[1];
+  const int64_t vl = logits.size(-1);
+  const int64_t vocab_begin = c.InputOffset(1).back();
+  DT_ASSIGN_OR_RETURN(std::vector<double> dl, ToDoubleVector(c.inputs[0]));
+  DT_ASSIGN_OR_RETURN(std::vector<double> cnt, ToDoubleVector(c.inputs[4]));
+  const double scale = cnt[0] == 0 ? 0.0 : dl[0] / cnt[0];
+  DT_ASSIGN_OR_RETURN(Tensor x, dtensor::Reshape(logits, {-1, vl}));
+  DT_ASSIGN_OR_RETURN(Tensor lse, dtensor::Reshape(c.inputs[3], {-1, 1}));
+  DT_ASSIGN_OR_RETURN(lse, Cast(lse, x.dtype()));
+  DT_ASSIGN_OR_RETURN(TargetIndex ti,
+                      IndexTargets(c.inputs[2], vocab_begin, vl, c.args.ints[0], x.dtype(), x.device()));
+  DT_ASSIGN_OR_RETURN(Tensor p, dtensor::Sub(x, lse));
+  DT_ASSIGN_OR_RETURN(p, dtensor::Exp(p));
+  DT_ASSIGN_OR_RETURN(Tensor w, dtensor::Scale(ti.valid, scale));
+  DT_ASSIGN_OR_RETURN(p, dtensor::Mul(p, w));  // new contiguous [N, Vl]
+  DT_ASSIGN_OR_RETURN(Tensor onehot, dtensor::Mul(w, ti.here));
+  DT_ASSIGN_OR_RETURN(onehot, dtensor::Scale(onehot, -1.0));
+  DT_ASSIGN_OR_RETURN(Tensor flat, p.View({p.numel(), 1}));
+  DT_RETURN_IF_ERROR(EmbeddingBackward_(flat, onehot, ti.flat_ids));  // subtract at the targets
+  return op_util::One(p.View(logits.shape()));
+}
+
 absl::StatusOr<std::vector<Tensor>> CeBwdLocal(const LocalCall& c) {
+  if (c.mesh != nullptr && !ShardDims(c, 1, c.inputs[1].dim() - 1).empty()) return CeBwdVocabParallel(c);
   CrossEntropyOutput saved;
   DT_ASSIGN_OR_RETURN(saved.lse, dtensor::Contiguous(c.inputs[3]));
   DT_ASSIGN_OR_RETURN(saved.lse, saved.lse.View({-1}));

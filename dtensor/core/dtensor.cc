@@ -331,6 +331,7 @@ std::string DTensor::ToString() const {
 // ---- Mesh-attached state and debugging ----
 
 void SetCommCounter(const DeviceMesh& mesh, CommCounter* counter) { CoreStateOf(mesh).counter = counter; }
+CommCounter* CommCounterOf(const DeviceMesh& mesh) { return CoreStateOf(mesh).counter; }
 
 RedistributePlanner& PlannerOf(const DeviceMesh& mesh) { return CoreStateOf(mesh).planner; }
 

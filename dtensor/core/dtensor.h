@@ -148,6 +148,9 @@ class PendingDTensor {
 // Records every collective that DTensor operations on `mesh` (and its views) issue on this
 // rank into `counter` (nullptr: stop). The counter must outlive the attachment.
 void SetCommCounter(const DeviceMesh& mesh, CommCounter* counter);
+// The counter attached to `mesh` (nullptr when none): ops that call the mesh's communicators
+// directly record their collectives there too.
+CommCounter* CommCounterOf(const DeviceMesh& mesh);
 // The plan cache of `mesh` (shared by its views): hits, misses, clearing.
 RedistributePlanner& PlannerOf(const DeviceMesh& mesh);
 
