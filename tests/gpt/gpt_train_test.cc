@@ -7,8 +7,14 @@
 #include <string>
 #include <vector>
 
+#include "autograd/ops.h"
+#include "examples/gpt/data.h"
+#include "examples/gpt/llmc.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "nn/gpt.h"
+#include "nn/safetensors.h"
+#include "tests/testing/test_util.h"
 
 namespace dtensor {
 namespace {
@@ -62,6 +68,40 @@ TEST(GptTrainTest, DataParallelLossesEqualSingleRank) {
 TEST(GptTrainTest, UcxProcessesMatchThreads) {
   const std::vector<double> one = RunLosses("", "--batch 5 --ranks 1", "u1");
   ExpectSame(RunLosses(std::string(DTRUN_PATH) + " --nproc-per-node 2 ", "--batch 5", "u2"), one);
+}
+
+// --init-llmc + --train-bin: the trainer starts from an llm.c checkpoint (here PyTorch's golden
+// GPT written in llm.c's format) and its first loss equals the loss of nn::GPT loaded with the
+// same tensors by name, on the first llm.c batch of the token file.
+TEST(GptTrainTest, StartsFromAnLlmcCheckpoint) {
+  using testing::Unwrap;
+  NamedTensors golden = Unwrap(ReadSafetensors(std::string(DTENSOR_GOLDEN_DIR) + "/gpt2_tiny.safetensors"));
+  nn::GPTConfig cfg{.vocab_size = 61, .block_size = 12, .n_layer = 2, .n_head = 2, .n_embd = 16};
+  auto model = Unwrap(nn::GPT::Create(cfg));
+  std::vector<std::pair<std::string, Tensor>> params;
+  for (auto& [name, p] : model->NamedParameters()) params.emplace_back(name, *golden.Find(name));
+  ASSERT_TRUE(model->LoadStateDict(params).ok());
+  gpt::LlmcConfig lc{
+      .max_seq_len = 12, .vocab_size = 61, .padded_vocab_size = 64, .num_layers = 2, .num_heads = 2, .channels = 16};
+  const std::string ckpt = TempPath("tiny.llmc.bin"), bin = TempPath("tokens.bin");
+  ASSERT_TRUE(gpt::WriteLlmcCheckpoint(ckpt, lc, params).ok());
+  std::vector<uint16_t> stream;
+  for (int i = 0; i < 200; ++i) stream.push_back(static_cast<uint16_t>((i * 37 + i / 7) % 61));
+  ASSERT_TRUE(gpt::WriteLlmcTokens(bin, stream).ok());
+  // Expected: batch 0 = rows of 10 tokens from position 0, targets shifted by one.
+  std::vector<int32_t> in(stream.begin(), stream.begin() + 30), tg(stream.begin() + 1, stream.begin() + 31);
+  Variable ids = Variable::Constant(Unwrap(Tensor::FromVector<int32_t>(in, {3, 10})));
+  Variable targets = Variable::Constant(Unwrap(Tensor::FromVector<int32_t>(tg, {3, 10})));
+  const double expected = testing::Values(Unwrap(model->Forward(ids, targets)).loss.value().local())[0];
+  const std::string metrics = TempPath("llmc.jsonl");
+  const std::string cmd = std::string(GPT_TRAIN_PATH) + " --train-bin " + bin + " --init-llmc " + ckpt +
+                          " --seq 10 --batch 3 --steps 2 --ranks 2 --sample-tokens 5 --metrics " + metrics + " > " +
+                          TempPath("llmc.log") + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream f(metrics);
+  std::string line;
+  ASSERT_TRUE(std::getline(f, line));
+  EXPECT_NEAR(nlohmann::json::parse(line).at("loss").get<double>(), expected, 1e-5 * expected);
 }
 
 TEST(GptTrainTest, BadFlagsFailCleanly) {
