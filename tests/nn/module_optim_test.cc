@@ -1,0 +1,149 @@
+// Module bookkeeping and hooks, DistributeModule, and the optimizers/gradient utilities against
+// naive references (single-rank values, hand-written update rules).
+#include <cmath>
+#include <thread>
+
+#include "autograd/ops.h"
+#include "collectives/threads/threads_communicator.h"
+#include "gtest/gtest.h"
+#include "nn/gpt.h"
+#include "nn/optim.h"
+#include "tests/testing/test_util.h"
+
+namespace dtensor {
+namespace {
+
+using testing::Unwrap;
+
+nn::GPTConfig Tiny() { return {.vocab_size = 13, .block_size = 8, .n_layer = 2, .n_head = 2, .n_embd = 8}; }
+
+TEST(ModuleTest, NamesFollowPyTorchAndTiedWeightsAppearOnce) {
+  auto m = Unwrap(nn::GPT::Create(Tiny()));
+  auto named = m->NamedParameters();
+  ASSERT_EQ(named.size(), 4u + 12u * 2);  // wte, wpe, ln_f.{w,b} + 12 per block
+  EXPECT_EQ(named[0].first, "transformer.wte.weight");
+  EXPECT_EQ(named[2].first, "transformer.h.0.ln_1.weight");
+  EXPECT_NE(m->FindParameter("transformer.h.1.mlp.c_proj.bias"), nullptr);
+  EXPECT_EQ(m->FindParameter("lm_head.weight"), nullptr);
+  EXPECT_EQ(m->NumParameters(),
+            13 * 8 + 8 * 8 + 2 * 8 + 2 * (4 * 8 + 3 * 8 * 8 + 3 * 8 + 8 * 8 + 8 + 4 * 8 * 8 * 2 + 4 * 8 + 8));
+}
+
+TEST(ModuleTest, LoadStateDictRejectsBadInput) {
+  auto m = Unwrap(nn::GPT::Create(Tiny()));
+  auto sd = Unwrap(m->StateDict());
+  auto missing = sd;
+  missing.pop_back();
+  EXPECT_TRUE(absl::IsInvalidArgument(m->LoadStateDict(missing)));
+  auto extra = sd;
+  extra.emplace_back("nope.weight", Unwrap(Zeros({1}, DType::kFloat32)));
+  EXPECT_TRUE(absl::IsInvalidArgument(m->LoadStateDict(extra)));
+  auto bad = sd;
+  bad[0].second = Unwrap(Zeros({2, 2}, DType::kFloat32));
+  absl::Status s = m->LoadStateDict(bad);
+  EXPECT_TRUE(absl::IsInvalidArgument(s));
+  EXPECT_NE(s.message().find("transformer.wte.weight"), std::string::npos) << s;
+  EXPECT_TRUE(absl::IsInvalidArgument(nn::GPT::Create({.vocab_size = 5, .n_head = 3, .n_embd = 8}).status()));
+}
+
+TEST(ModuleTest, HooksRunAroundForwardAndBeforeBackward) {
+  nn::Linear lin(3, 2);
+  std::vector<std::string> log;
+  lin.RegisterForwardPreHook([&](nn::Module&) { return log.push_back("pre"), absl::OkStatus(); });
+  lin.RegisterForwardHook([&](nn::Module&) { return log.push_back("post"), absl::OkStatus(); });
+  lin.RegisterBackwardPreHook([&](nn::Module&) { return log.push_back("backward"), absl::OkStatus(); });
+  Variable x = Variable::Leaf(testing::Random({4, 3}, DType::kFloat32, 1), true);
+  Variable y = Unwrap(lin.Forward(x));
+  EXPECT_EQ(log, (std::vector<std::string>{"pre", "post"}));
+  ASSERT_TRUE(Backward(Unwrap(Sum(y))).ok());
+  EXPECT_EQ(log, (std::vector<std::string>{"pre", "post", "backward"}));
+  lin.RegisterForwardPreHook([](nn::Module&) { return absl::FailedPreconditionError("stop"); });
+  EXPECT_TRUE(absl::IsFailedPrecondition(lin.Forward(x).status()));
+}
+
+TEST(OptimTest, AdamWAndSgdMatchTheirFormulas) {
+  for (int which = 0; which < 2; ++which) {
+    Variable p = Variable::Leaf(Unwrap(Tensor::FromVector<float>({1.0f, -2.0f, 0.5f}, {3})), true);
+    const std::vector<double> g1 = {0.1, -0.3, 0.2}, g2 = {-0.2, 0.1, 0.05};
+    std::vector<double> w = {1.0, -2.0, 0.5}, m(3, 0), v(3, 0), buf(3, 0);
+    const double lr = 0.1, b1 = 0.9, b2 = 0.99, eps = 1e-8, wd = 0.05, mom = 0.8;
+    nn::AdamW adam({&p}, {.lr = lr, .beta1 = b1, .beta2 = b2, .eps = eps, .weight_decay = wd});
+    nn::SGD sgd({&p}, {.lr = lr, .momentum = mom, .weight_decay = wd});
+    int t = 0;
+    for (const auto& g : {g1, g2}) {
+      ++t;
+      p.set_grad(Value(testing::FromDoubles(g, {3}, DType::kFloat32)));
+      ASSERT_TRUE(which == 0 ? adam.Step().ok() : sgd.Step().ok());
+      for (size_t i = 0; i < 3; ++i) {
+        if (which == 0) {
+          w[i] *= 1 - lr * wd;
+          m[i] = b1 * m[i] + (1 - b1) * g[i];
+          v[i] = b2 * v[i] + (1 - b2) * g[i] * g[i];
+          const double mh = m[i] / (1 - std::pow(b1, t)), vh = v[i] / (1 - std::pow(b2, t));
+          w[i] -= lr * mh / (std::sqrt(vh) + eps);
+        } else {
+          const double gg = g[i] + wd * w[i];
+          buf[i] = t == 1 ? gg : mom * buf[i] + gg;
+          w[i] -= lr * buf[i];
+        }
+      }
+    }
+    testing::ExpectNear(testing::Values(p.value().local()), w, {1e-6, 1e-7}, which == 0 ? "adamw" : "sgd");
+  }
+}
+
+TEST(OptimTest, WarmupCosineSchedule) {
+  nn::CosineSchedule s{.max_lr = 1.0, .min_lr = 0.1, .warmup = 10, .total = 110};
+  EXPECT_NEAR(nn::WarmupCosineLr(0, s), 0.1, 1e-12);
+  EXPECT_NEAR(nn::WarmupCosineLr(9, s), 1.0, 1e-12);
+  EXPECT_NEAR(nn::WarmupCosineLr(10, s), 1.0, 1e-12);
+  EXPECT_NEAR(nn::WarmupCosineLr(60, s), 0.55, 1e-12);
+  EXPECT_NEAR(nn::WarmupCosineLr(110, s), 0.1, 1e-12);
+  EXPECT_NEAR(nn::WarmupCosineLr(500, s), 0.1, 1e-12);
+}
+
+// Gradients of a GPT under data parallelism: ReduceGradients issues few bucketed all_reduces
+// and ClipGradNorm gives the single-rank norm; also for Shard(0)-laid-out parameters.
+TEST(OptimTest, BucketedReductionAndGlobalNormOverRanks) {
+  auto ref = Unwrap(nn::GPT::Create(Tiny()));
+  ASSERT_TRUE(ref->InitWeights(5).ok());
+  Tensor ids = Unwrap(Tensor::FromVector<int32_t>({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5}, {3, 6}));
+  Tensor tg = Unwrap(Tensor::FromVector<int32_t>({2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6}, {3, 6}));
+  ASSERT_TRUE(Backward(Unwrap(ref->Forward(Variable::Constant(ids), Variable::Constant(tg))).loss).ok());
+  const double ref_norm = Unwrap(nn::ClipGradNorm(ref->Parameters(), 0.0));
+  for (bool shard_params : {false, true}) {
+    auto comms = Unwrap(MakeThreadGroup(2, absl::Seconds(20)));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2}));
+        auto m = Unwrap(nn::GPT::Create(Tiny()));
+        ASSERT_TRUE(m->InitWeights(5).ok());
+        ASSERT_TRUE(nn::DistributeModule(*m, mesh, [&](const std::string&, const Variable& v) {
+                      return shard_params && v.value().dim() == 2 ? Layout({Shard(0)}) : Layout({Replicate()});
+                    }).ok());
+        DTensor x = Unwrap(DTensor::Distribute(ids, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+        DTensor y = Unwrap(DTensor::Distribute(tg, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+        ASSERT_TRUE(Backward(Unwrap(m->Forward(Variable::Constant(x), Variable::Constant(y))).loss).ok());
+        CommCounter counter;
+        SetCommCounter(mesh, &counter);
+        ASSERT_TRUE(nn::ReduceGradients(m->Parameters()).ok());
+        SetCommCounter(mesh, nullptr);
+        if (!shard_params) {
+          EXPECT_EQ(counter.calls(CommKind::kAllReduce), 1) << counter.ToString();  // one bucket
+        }
+        for (Variable* p : m->Parameters()) EXPECT_EQ(p->grad().dtensor().layout(), p->value().dtensor().layout());
+        const double norm = Unwrap(nn::ClipGradNorm(m->Parameters(), 0.0));
+        EXPECT_NEAR(norm, ref_norm, 1e-5 * ref_norm);
+        // Clipping to half the norm halves every gradient.
+        const double clipped = Unwrap(nn::ClipGradNorm(m->Parameters(), norm / 2));
+        EXPECT_NEAR(clipped, ref_norm, 1e-5 * ref_norm);
+        EXPECT_NEAR(Unwrap(nn::ClipGradNorm(m->Parameters(), 0.0)), norm / 2, 1e-4 * norm);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+}
+
+}  // namespace
+}  // namespace dtensor
