@@ -112,8 +112,11 @@ struct AccumulateGradNode : public Node {
     Value g = std::move(grads[0]);
     for (GradHook& h : impl->hooks) DT_RETURN_IF_ERROR(h(g));
     if (!impl->grad.defined()) {
+      // Ours to accumulate into in place only when nothing else holds its memory (a gradient
+      // passed through unchanged may alias another tensor of the graph).
+      const auto& storage = g.local().storage();
+      impl->grad_owned = storage != nullptr && storage.use_count() == 1;
       impl->grad = std::move(g);
-      impl->grad_owned = false;  // may alias a tensor of the graph
     } else if (impl->grad_owned && impl->grad.is_dtensor() == g.is_dtensor() &&
                (!g.is_dtensor() || impl->grad.dtensor().layout() == g.dtensor().layout())) {
       DT_RETURN_IF_ERROR(Add_(impl->grad.local(), g.local()));

@@ -17,6 +17,15 @@ bool HasShard(const Layout& l) {
   return false;
 }
 
+// Whether the layouts differ only on mesh dims of size 1 (where every placement holds the same
+// data), with the same shard order elsewhere.
+bool OnlySizeOneDimsDiffer(const DeviceMesh& mesh, const Layout& a, const Layout& b) {
+  for (int m = 0; m < a.ndim(); ++m) {
+    if (mesh.size(m) > 1 && (a[m] != b[m] || a.nest_level(m) != b.nest_level(m))) return false;
+  }
+  return true;
+}
+
 // The gradient of `p` laid out as p (collective when it must move).
 absl::StatusOr<Value> GradInParamLayout(const Variable& p) {
   const Value& g = p.grad();
@@ -85,6 +94,11 @@ absl::Status ReduceGradients(const std::vector<Variable*>& params, int64_t bucke
     const Layout& gl = g.dtensor().layout();
     const Layout& vl = v.dtensor().layout();
     if (gl == vl) continue;
+    if (OnlySizeOneDimsDiffer(g.dtensor().mesh(), gl, vl)) {  // nothing moves: relabel
+      p->set_grad(
+          Value(DTensor::WrapTrusted(g.local(), g.dtensor().mesh(), vl, Shape(g.shape().begin(), g.shape().end()))));
+      continue;
+    }
     const bool bucketable = !HasShard(gl) && !HasShard(vl) && gl.is_default_order();
     if (!bucketable) {
       DT_ASSIGN_OR_RETURN(DTensor r, g.dtensor().Redistribute(vl));

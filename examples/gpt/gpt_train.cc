@@ -240,8 +240,11 @@ absl::Status TrainRank(Communicator& world, const Flags& f) {
     DT_ASSIGN_OR_RETURN(DTensor x, DTensor::Distribute(inputs, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
     DT_ASSIGN_OR_RETURN(DTensor y, DTensor::Distribute(targets, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
 
+    const auto t1 = std::chrono::steady_clock::now();
     DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(x), Variable::Constant(y)));
-    DT_RETURN_IF_ERROR(Backward(out.loss));           // parameter gradients: Partial(sum)
+    const auto t2 = std::chrono::steady_clock::now();
+    DT_RETURN_IF_ERROR(Backward(out.loss));  // parameter gradients: Partial(sum)
+    const auto t3 = std::chrono::steady_clock::now();
     DT_RETURN_IF_ERROR(nn::ReduceGradients(params));  // -> Replicate, bucketed all_reduces
     DT_ASSIGN_OR_RETURN(double norm, nn::ClipGradNorm(params, f.grad_clip));
     const double lr =
@@ -255,16 +258,26 @@ absl::Status TrainRank(Communicator& world, const Flags& f) {
     // The loss is Partial(sum) over the batch shards: one scalar all_reduce to read it.
     DT_ASSIGN_OR_RETURN(DTensor loss, out.loss.value().dtensor().Redistribute({Replicate()}));
     DT_ASSIGN_OR_RETURN(std::vector<double> lv, ToDoubleVector(loss.ToLocal()));
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const auto t4 = std::chrono::steady_clock::now();
+    auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+    const double dt = std::chrono::duration<double>(t4 - t0).count();
     const double tok_s = static_cast<double>(f.batch * f.seq) / dt;
     if (step % f.log_every == 0 || step + 1 == f.steps) {
       say("step %4lld | loss %.6f | lr %.3g | norm %.4f | %.1f ms | %.0f tok/s\n", static_cast<long long>(step), lv[0],
           lr, norm, dt * 1e3, tok_s);
     }
     if (metrics.is_open()) {
-      metrics << nlohmann::json{{"step", step},         {"loss", lv[0]},       {"lr", lr},
-                                {"grad_norm", norm},    {"step_ms", dt * 1e3}, {"tokens_per_s", tok_s},
-                                {"ranks", world.size()}}
+      metrics << nlohmann::json{{"step", step},
+                                {"loss", lv[0]},
+                                {"lr", lr},
+                                {"grad_norm", norm},
+                                {"step_ms", dt * 1e3},
+                                {"tokens_per_s", tok_s},
+                                {"ranks", world.size()},
+                                {"data_ms", ms(t0, t1)},
+                                {"forward_ms", ms(t1, t2)},
+                                {"backward_ms", ms(t2, t3)},
+                                {"update_ms", ms(t3, t4)}}
                      .dump()
               << "\n"
               << std::flush;
