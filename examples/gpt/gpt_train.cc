@@ -10,7 +10,8 @@
 // mesh dim, parameters are Replicate, so each parameter's gradient comes out Partial(sum)
 // from DTensor's own autograd and ReduceGradients turns it Replicate in a few bucketed
 // all_reduces. Every rank reads the same global batches, so losses do not depend on the
-// number of ranks. Legend: B batch (global), T sequence length, C channels, V vocabulary.
+// number of ranks (one rank runs the same code on plain Tensors, without a mesh). GPUs: one
+// process per GPU under dtrun, over NCCL. Legend: B batch (global), T sequence length, C channels, V vocabulary.
 #include <omp.h>
 
 #include <algorithm>
@@ -27,6 +28,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "autograd/ops.h"
+#include "collectives/nccl/nccl_communicator.h"
 #include "collectives/threads/threads_communicator.h"
 #include "collectives/ucx/ucx_communicator.h"
 #include "dtensor/ops/ops.h"
@@ -44,6 +46,7 @@ struct Flags {
   std::string text, train_bin, init_llmc, metrics, fortunes;
   int64_t n_layer = 4, n_head = 4, n_embd = 128, vocab = 256, seq = 64, batch = 8, steps = 50;
   double lr = 1e-3, weight_decay = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, grad_clip = 0.0, dropout = 0.0;
+  std::string device = "auto";           // auto: a GPU per process when CUDA devices are visible, else cpu
   std::string lr_schedule = "constant";  // or "cosine" (linear warmup, cosine decay to min-lr)
   int64_t warmup = 0;
   double min_lr = 0.0;
@@ -58,6 +61,7 @@ const char* kUsage =
     "  model:  --n-layer 4 --n-head 4 --n-embd 128 --vocab 256 --seq 64 --dropout 0\n"
     "  train:  --batch 8 (global) --steps 50 --lr 1e-3 --lr-schedule constant|cosine --warmup 0\n"
     "          --min-lr 0 --weight-decay 0 --beta1 0.9 --beta2 0.999 --eps 1e-8 --grad-clip 0 --seed 1337\n"
+    "  device: --device auto|cpu|cuda (auto: one GPU per process over NCCL when GPUs are visible)\n"
     "  output: --metrics PATH (one JSON object per step) --sample-tokens 200 --log-every 1\n";
 
 bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
@@ -147,9 +151,11 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
     return false;
   }
   if (f->ranks < 1 || f->batch < 1 || f->seq < 1 || f->steps < 0 || f->log_every < 1 ||
-      (f->lr_schedule != "constant" && f->lr_schedule != "cosine")) {
+      (f->lr_schedule != "constant" && f->lr_schedule != "cosine") ||
+      (f->device != "auto" && f->device != "cpu" && f->device != "cuda")) {
     *error =
-        "bad value: --ranks, --batch, --seq, --log-every must be >= 1, --steps >= 0, --lr-schedule constant|cosine";
+        "bad value: --ranks, --batch, --seq, --log-every must be >= 1, --steps >= 0, --lr-schedule constant|cosine, "
+        "--device auto|cpu|cuda";
     return false;
   }
   return true;
@@ -168,14 +174,17 @@ std::string Decode(const std::vector<int64_t>& ids, int64_t vocab) {
 }
 
 // One rank's whole run. `world` is this rank's communicator (threads or UCX).
-absl::Status TrainRank(Communicator& world, const Flags& f) {
+absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   const bool lead = world.rank() == 0;
   auto say = [&](const char* fmt, auto... args) {
     if (lead) std::printf(fmt, args...), std::fflush(stdout);
   };
 
-  // ---- The mesh: one "dp" dim over all ranks ----
-  DT_ASSIGN_OR_RETURN(DeviceMesh mesh, DeviceMesh::Create(world, {world.size()}, {"dp"}));
+  // ---- The mesh: one "dp" dim over all ranks (one rank needs none: plain Tensors) ----
+  DeviceMesh mesh;
+  if (world.size() > 1) {
+    DT_ASSIGN_OR_RETURN(mesh, DeviceMesh::Create(world, {world.size()}, {"dp"}));
+  }
 
   // ---- Data: a token stream read sequentially in global batches of B*T+1 tokens ----
   std::vector<uint16_t> tokens;
@@ -214,13 +223,19 @@ absl::Status TrainRank(Communicator& world, const Flags& f) {
   } else {
     DT_RETURN_IF_ERROR(model->LoadStateDict(ckpt.params));
   }
+  for (Variable* p : model->Parameters()) {  // to this rank's device (a no-op on CPU)
+    DT_ASSIGN_OR_RETURN(Tensor on_device, To(p->value().local(), device));
+    p->set_value(Value(on_device));
+  }
   // Parameters Replicate over "dp" (each rank keeps its copy; no communication).
-  DT_RETURN_IF_ERROR(nn::DistributeModule(*model, mesh));
-  say("gpt_train: %d rank(s), %lld parameters, %lld layers, %lld heads, C=%lld, V=%lld, B=%lld (global), T=%lld, "
+  if (mesh.defined()) DT_RETURN_IF_ERROR(nn::DistributeModule(*model, mesh));
+  say("gpt_train: %d rank(s) on %s (%s), %lld parameters, %lld layers, %lld heads, C=%lld, V=%lld, B=%lld (global), "
+      "T=%lld, "
       "%lld tokens\n",
-      world.size(), static_cast<long long>(model->NumParameters()), static_cast<long long>(cfg.n_layer),
-      static_cast<long long>(cfg.n_head), static_cast<long long>(cfg.n_embd), static_cast<long long>(cfg.vocab_size),
-      static_cast<long long>(f.batch), static_cast<long long>(f.seq), static_cast<long long>(loader.num_tokens()));
+      world.size(), device.ToString().c_str(), world.backend(), static_cast<long long>(model->NumParameters()),
+      static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_head), static_cast<long long>(cfg.n_embd),
+      static_cast<long long>(cfg.vocab_size), static_cast<long long>(f.batch), static_cast<long long>(f.seq),
+      static_cast<long long>(loader.num_tokens()));
 
   std::vector<Variable*> params = model->Parameters();
   nn::AdamW opt(params, {.lr = f.lr, .beta1 = f.beta1, .beta2 = f.beta2, .eps = f.eps, .weight_decay = f.weight_decay});
@@ -236,9 +251,14 @@ absl::Status TrainRank(Communicator& world, const Flags& f) {
     gpt::Batch batch = loader.Next();  // the global batch [B, T], the same on every rank
     DT_ASSIGN_OR_RETURN(Tensor inputs, Tensor::FromVector<int32_t>(batch.inputs, {f.batch, f.seq}));
     DT_ASSIGN_OR_RETURN(Tensor targets, Tensor::FromVector<int32_t>(batch.targets, {f.batch, f.seq}));
+    DT_ASSIGN_OR_RETURN(inputs, To(inputs, device));
+    DT_ASSIGN_OR_RETURN(targets, To(targets, device));
     // Shard(0): each rank keeps its rows of the batch (torch.chunk; no communication).
-    DT_ASSIGN_OR_RETURN(DTensor x, DTensor::Distribute(inputs, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
-    DT_ASSIGN_OR_RETURN(DTensor y, DTensor::Distribute(targets, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+    Value x = inputs, y = targets;
+    if (mesh.defined()) {
+      DT_ASSIGN_OR_RETURN(x, DTensor::Distribute(inputs, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+      DT_ASSIGN_OR_RETURN(y, DTensor::Distribute(targets, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+    }
 
     const auto t1 = std::chrono::steady_clock::now();
     DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(x), Variable::Constant(y)));
@@ -256,8 +276,11 @@ absl::Status TrainRank(Communicator& world, const Flags& f) {
     opt.ZeroGrad();
 
     // The loss is Partial(sum) over the batch shards: one scalar all_reduce to read it.
-    DT_ASSIGN_OR_RETURN(DTensor loss, out.loss.value().dtensor().Redistribute({Replicate()}));
-    DT_ASSIGN_OR_RETURN(std::vector<double> lv, ToDoubleVector(loss.ToLocal()));
+    Value loss = out.loss.value();
+    if (loss.is_dtensor()) {
+      DT_ASSIGN_OR_RETURN(loss, loss.dtensor().Redistribute({Replicate()}));
+    }
+    DT_ASSIGN_OR_RETURN(std::vector<double> lv, ToDoubleVector(loss.local()));
     const auto t4 = std::chrono::steady_clock::now();
     auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
     const double dt = std::chrono::duration<double>(t4 - t0).count();
@@ -295,6 +318,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f) {
       const int64_t t = std::min<int64_t>(static_cast<int64_t>(ids.size()), cfg.block_size);
       std::vector<int64_t> ctx(ids.end() - t, ids.end());
       DT_ASSIGN_OR_RETURN(Tensor in, Tensor::FromVector<int64_t>(ctx, {1, t}));
+      DT_ASSIGN_OR_RETURN(in, To(in, device));
       DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(in)));
       const Value& lv = out.logits.value();
       DT_ASSIGN_OR_RETURN(Tensor logits,
@@ -335,17 +359,49 @@ int main(int argc, char** argv) {
     }
   }
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  if (LaunchedAsProcess()) {                              // one process per rank (dtrun, mpirun, srun): UCX
+  const bool gpus = CudaDeviceCount() > 0;
+  if (f.device == "cuda" && !gpus) {
+    std::fprintf(stderr, "gpt_train: --device cuda but no CUDA device is visible (CUDA built: %s)\n",
+                 CudaBuilt() ? "yes" : "no");
+    return 1;
+  }
+  const bool use_cuda = f.device == "cuda" || (f.device == "auto" && gpus);
+  if (LaunchedAsProcess()) {  // one process per rank (dtrun, mpirun, srun): NCCL on GPUs, else UCX
     const char* local = std::getenv("LOCAL_WORLD_SIZE");  // processes sharing this host's cores
     omp_set_num_threads(std::max(1, cores / std::max(1, local ? std::atoi(local) : 1)));
-    auto comm = MakeUcxCommunicatorFromEnv();
+    absl::StatusOr<std::unique_ptr<Communicator>> comm;
+    std::unique_ptr<StoreClient> store;  // NCCL's rendezvous store lives as long as the run
+    Device device = Device::Cpu();
+    if (use_cuda) {
+      auto info = LaunchInfoFromEnv();
+      if (info.ok()) {
+        auto s = ConnectStore(*info, DefaultTimeout());
+        if (s.ok()) {
+          store = *std::move(s);
+          device = Device::Cuda(info->local_rank % CudaDeviceCount());
+          comm = MakeNcclCommunicator(*info, *store, device.index);
+        } else {
+          comm = s.status();
+        }
+      } else {
+        comm = info.status();
+      }
+    } else {
+      comm = MakeUcxCommunicatorFromEnv();
+    }
     if (!comm.ok()) {
       std::fprintf(stderr, "gpt_train: %s\n", comm.status().ToString().c_str());
       return 1;
     }
-    absl::Status s = TrainRank(**comm, f);
+    absl::Status s = TrainRank(**comm, f, device);
     if (!s.ok()) std::fprintf(stderr, "gpt_train rank %d: %s\n", (*comm)->rank(), s.ToString().c_str());
     return s.ok() ? 0 : 1;
+  }
+  if (use_cuda && f.ranks > 1) {
+    std::fprintf(stderr,
+                 "gpt_train: thread ranks run on the CPU; for GPUs start one process per GPU with dtrun "
+                 "(or pass --device cpu)\n");
+    return 1;
   }
   // N ranks as threads of this process; one OpenMP team per rank, sharing the cores.
   auto comms = MakeThreadGroup(f.ranks);
@@ -358,7 +414,8 @@ int main(int argc, char** argv) {
   for (int r = 0; r < f.ranks; ++r) {
     threads.emplace_back([&, r] {
       omp_set_num_threads(std::max(1, cores / f.ranks));
-      status[static_cast<size_t>(r)] = TrainRank(*(*comms)[static_cast<size_t>(r)], f);
+      status[static_cast<size_t>(r)] =
+          TrainRank(*(*comms)[static_cast<size_t>(r)], f, use_cuda ? Device::Cuda(0) : Device::Cpu());
     });
   }
   for (auto& t : threads) t.join();
