@@ -12,21 +12,73 @@
 namespace dtensor {
 namespace {
 
+// The cache key: op, input shapes / dtypes / layouts, static args, mesh shape. Lookups hash
+// the call's Values directly (KeyView, heterogeneous lookup); the Key is built only on a miss.
 struct Key {
   const OpDef* op;
   absl::InlinedVector<Shape, 4> shapes;
   absl::InlinedVector<DType, 4> dtypes;
   absl::InlinedVector<Layout, 4> layouts;
+  absl::InlinedVector<bool, 4> plain;  // a plain Tensor (read as Replicate)
   OpArgs args;
   Shape mesh_shape;
-  friend bool operator==(const Key& a, const Key& b) {
-    return a.op == b.op && a.shapes == b.shapes && a.dtypes == b.dtypes && a.layouts == b.layouts && a.args == b.args &&
-           a.mesh_shape == b.mesh_shape;
+  size_t hash;
+};
+
+struct KeyView {
+  const OpDef* op;
+  absl::Span<const Value> inputs;
+  const OpArgs* args;
+  IntSpan mesh_shape;
+  size_t hash;
+};
+
+inline size_t Mix(size_t h, size_t v) { return (h ^ v) * 0x9E3779B97F4A7C15ull + (h >> 29); }
+
+size_t HashCall(const OpDef* op, absl::Span<const Value> inputs, const OpArgs& args, IntSpan mesh_shape) {
+  size_t h = Mix(0, reinterpret_cast<uintptr_t>(op));
+  for (const Value& v : inputs) {
+    for (int64_t d : v.shape()) h = Mix(h, static_cast<size_t>(d));
+    h = Mix(h, 0xD1 + static_cast<size_t>(v.dtype()) + (static_cast<size_t>(v.dim()) << 8));
+    h = Mix(h, v.is_dtensor() ? absl::Hash<Layout>()(v.dtensor().layout()) : 0x5EED);
   }
-  template <typename H>
-  friend H AbslHashValue(H h, const Key& k) {
-    return H::combine(std::move(h), k.op, k.shapes, k.dtypes, k.layouts, k.args, k.mesh_shape);
+  h = Mix(h, absl::Hash<OpArgs>()(args));
+  for (int64_t d : mesh_shape) h = Mix(h, static_cast<size_t>(d));
+  return h;
+}
+
+struct KeyHash {
+  using is_transparent = void;
+  size_t operator()(const Key& k) const { return k.hash; }
+  size_t operator()(const KeyView& k) const { return k.hash; }
+};
+
+bool LayoutMatches(const Layout& l, bool plain, const Value& v) {
+  if (plain != !v.is_dtensor()) return false;
+  return plain || l == v.dtensor().layout();
+}
+
+struct KeyEq {
+  using is_transparent = void;
+  bool operator()(const Key& a, const Key& b) const {
+    return a.op == b.op && a.shapes == b.shapes && a.dtypes == b.dtypes && a.layouts == b.layouts &&
+           a.plain == b.plain && a.args == b.args && a.mesh_shape == b.mesh_shape;
   }
+  bool operator()(const Key& a, const KeyView& b) const {
+    if (a.op != b.op || a.shapes.size() != b.inputs.size() || !(a.args == *b.args) ||
+        IntSpan(a.mesh_shape) != b.mesh_shape) {
+      return false;
+    }
+    for (size_t i = 0; i < b.inputs.size(); ++i) {
+      const Value& v = b.inputs[i];
+      if (IntSpan(a.shapes[i]) != v.shape() || a.dtypes[i] != v.dtype() ||
+          !LayoutMatches(a.layouts[i], a.plain[i], v)) {
+        return false;
+      }
+    }
+    return true;
+  }
+  bool operator()(const KeyView& b, const Key& a) const { return (*this)(a, b); }
 };
 
 struct Choice {
@@ -39,7 +91,7 @@ struct Choice {
 };
 
 struct OpsState {
-  absl::flat_hash_map<Key, std::unique_ptr<Choice>> cache;
+  absl::flat_hash_map<Key, std::unique_ptr<Choice>, KeyHash, KeyEq> cache;
   DispatchStats stats;
 };
 
@@ -126,25 +178,30 @@ absl::StatusOr<std::vector<OpStrategy>> Enumerate(const OpDef& op, absl::Span<co
 absl::StatusOr<Choice*> Choose(const OpDef& op, absl::Span<const Value> inputs, const OpArgs& args,
                                const DeviceMesh& mesh) {
   OpsState& state = OpsStateOf(mesh);
-  Key key{&op, {}, {}, {}, args, Shape(mesh.shape().begin(), mesh.shape().end())};
-  for (const Value& v : inputs) {
-    key.shapes.emplace_back(v.shape().begin(), v.shape().end());
-    key.dtypes.push_back(v.dtype());
-    key.layouts.push_back(CurrentLayout(v, mesh.ndim()));
-  }
-  auto it = state.cache.find(key);
+  const KeyView view{&op, inputs, &args, mesh.shape(), HashCall(&op, inputs, args, mesh.shape())};
+  auto it = state.cache.find(view);
   if (it != state.cache.end()) {
     ++state.stats.hits;
     return it->second.get();
   }
   ++state.stats.misses;
+  Key key{&op, {}, {}, {}, {}, args, Shape(mesh.shape().begin(), mesh.shape().end()), view.hash};
+  for (const Value& v : inputs) {
+    key.shapes.emplace_back(v.shape().begin(), v.shape().end());
+    key.dtypes.push_back(v.dtype());
+    key.layouts.push_back(CurrentLayout(v, mesh.ndim()));
+    key.plain.push_back(!v.is_dtensor());
+  }
   auto choice = std::make_unique<Choice>();
   for (size_t i = 0; i < inputs.size(); ++i) choice->in_meta.push_back({key.shapes[i], key.dtypes[i]});
   DT_ASSIGN_OR_RETURN(choice->out_meta, op.meta(choice->in_meta, args));
   DT_ASSIGN_OR_RETURN(std::vector<OpStrategy> all,
                       Enumerate(op, choice->in_meta, args, mesh.shape(), choice->out_meta.size()));
-  // Output layouts must fit the output shapes (a rule may not know them).
+  // The cheapest strategy: fewest bytes moved, then fewest inputs redistributed at all (so
+  // Replicate inputs stay Replicate rather than being sliced to a free Shard), then the rule's
+  // order. Output layouts must fit the output shapes (a rule may not know them).
   double best = std::numeric_limits<double>::infinity();
+  int best_moves = std::numeric_limits<int>::max();
   const OpStrategy* pick = nullptr;
   RedistributePlanner& planner = PlannerOf(mesh);
   for (const OpStrategy& s : all) {
@@ -154,8 +211,10 @@ absl::StatusOr<Choice*> Choose(const OpDef& op, absl::Span<const Value> inputs, 
                .ok();
     }
     double cost = 0;
+    int moves = 0;
     for (size_t i = 0; i < inputs.size() && ok; ++i) {
       if (key.layouts[i] == s.inputs[i]) continue;
+      ++moves;
       auto plan = planner.Plan(key.shapes[i], mesh.shape(), key.layouts[i], s.inputs[i],
                                static_cast<int64_t>(ElementSize(key.dtypes[i])));
       if (!plan.ok()) {
@@ -164,8 +223,9 @@ absl::StatusOr<Choice*> Choose(const OpDef& op, absl::Span<const Value> inputs, 
         cost += (*plan)->cost;
       }
     }
-    if (ok && cost < best) {
+    if (ok && (cost < best || (cost == best && moves < best_moves))) {
       best = cost;
+      best_moves = moves;
       pick = &s;
     }
   }

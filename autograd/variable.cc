@@ -92,8 +92,8 @@ void Variable::RegisterPostAccumulateGradHook(std::function<absl::Status(Variabl
 
 // ---- Nodes ----
 
-Node::Node(std::string name, int num_outputs)
-    : name_(std::move(name)), num_outputs_(num_outputs), sequence_nr_(g_next_sequence_nr.fetch_add(1)) {}
+Node::Node(const char* name, int num_outputs)
+    : name_(name), num_outputs_(num_outputs), sequence_nr_(g_next_sequence_nr.fetch_add(1)) {}
 
 absl::StatusOr<std::vector<Value>> FunctionNode::Apply(std::vector<Value> grad_outputs) {
   if (!fn_) {

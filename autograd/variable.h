@@ -87,7 +87,8 @@ struct Edge {
 
 class Node {
  public:
-  explicit Node(std::string name, int num_outputs);
+  // `name` must outlive the node (a string literal).
+  explicit Node(const char* name, int num_outputs);
   virtual ~Node() = default;
   // Gradients of the inputs (one per next edge; undefined Values where none) from those of
   // the outputs (one per output; undefined where no gradient arrived).
@@ -95,7 +96,7 @@ class Node {
   // Frees saved tensors after the node ran.
   virtual void ReleaseSaved() {}
 
-  const std::string& name() const { return name_; }
+  const char* name() const { return name_; }
   int num_outputs() const { return num_outputs_; }
   uint64_t sequence_nr() const { return sequence_nr_; }
   std::vector<Edge>& next_edges() { return next_; }
@@ -107,7 +108,7 @@ class Node {
 
  private:
   friend absl::Status RunBackward(absl::Span<const Variable>, absl::Span<const Value>, bool);
-  std::string name_;
+  const char* name_;
   int num_outputs_;
   uint64_t sequence_nr_;
   std::vector<Edge> next_;
@@ -119,7 +120,7 @@ class Node {
 class FunctionNode : public Node {
  public:
   using Fn = std::function<absl::StatusOr<std::vector<Value>>(std::vector<Value>& grad_outputs)>;
-  FunctionNode(std::string name, int num_outputs, Fn fn) : Node(std::move(name), num_outputs), fn_(std::move(fn)) {}
+  FunctionNode(const char* name, int num_outputs, Fn fn) : Node(name, num_outputs), fn_(std::move(fn)) {}
   absl::StatusOr<std::vector<Value>> Apply(std::vector<Value> grad_outputs) override;
   void ReleaseSaved() override { fn_ = nullptr; }
 

@@ -81,6 +81,7 @@ absl::StatusOr<std::vector<Value>> CausalAttentionBackward(const Value& dout, co
 
 absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, const Variable& v, double scale) {
   DT_ASSIGN_OR_RETURN(fn::AttentionResult r, fn::CausalAttention(q.value(), k.value(), v.value(), scale));
+  if (!AnyRequiresGrad({q, k, v})) return Variable::Leaf(r.out);  // no tape: skip the captures
   return op_util::Result1(
       "CausalAttention", {q, k, v}, r.out,
       [qv = q.value(), kv = k.value(), vv = v.value(), r, scale](const Value& g) -> absl::StatusOr<std::vector<Value>> {

@@ -125,6 +125,7 @@ absl::StatusOr<Value> EmbeddingBackward(const Value& dout, const Value& ids, int
 
 absl::StatusOr<Variable> Embedding(const Variable& weight, const Variable& ids) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Embedding(weight.value(), ids.value()));
+  if (!AnyRequiresGrad({weight, ids})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1(
       "Embedding", {weight, ids}, std::move(y),
       [idv = ids.value(), vocab = weight.value().shape()[0]](const Value& g) -> absl::StatusOr<std::vector<Value>> {

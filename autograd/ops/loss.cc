@@ -239,6 +239,7 @@ absl::StatusOr<Value> CrossEntropyBackward(const Value& dloss, const Value& logi
 
 absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Variable& targets, int64_t ignore_index) {
   DT_ASSIGN_OR_RETURN(fn::CrossEntropyResult r, fn::CrossEntropy(logits.value(), targets.value(), ignore_index));
+  if (!AnyRequiresGrad({logits, targets})) return Variable::Leaf(r.loss);  // no tape: skip the captures
   return op_util::Result1("CrossEntropy", {logits, targets}, r.loss,
                           [lv = logits.value(), tv = targets.value(), r,
                            ignore_index](const Value& g) -> absl::StatusOr<std::vector<Value>> {

@@ -181,6 +181,7 @@ absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const Vari
     DT_ASSIGN_OR_RETURN(y, fn::Add(y, b.value()));
   }
   Variable none;
+  if (!AnyRequiresGrad({x, w, has_bias ? b : none})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1("Linear", {x, w, has_bias ? b : none}, std::move(y),
                           [xv = x.value(), wv = w.value(), nx = x.requires_grad(), nw = w.requires_grad(),
                            nb = has_bias && b.requires_grad(),
@@ -202,6 +203,7 @@ absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const Vari
 
 absl::StatusOr<Variable> Matmul(const Variable& a, const Variable& b, bool ta, bool tb) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Matmul(a.value(), b.value(), ta, tb));
+  if (!AnyRequiresGrad({a, b})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1("Matmul", {a, b}, std::move(y),
                           [av = a.value(), bv = b.value(), ta, tb, na = a.requires_grad(),
                            nb = b.requires_grad()](const Value& g) -> absl::StatusOr<std::vector<Value>> {

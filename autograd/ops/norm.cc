@@ -180,6 +180,7 @@ absl::StatusOr<Value> SoftmaxBackward(const Value& dy, const Value& y, int64_t d
 
 absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& w, const Variable& b, double eps) {
   DT_ASSIGN_OR_RETURN(fn::NormResult r, fn::LayerNorm(x.value(), w.value(), b.value(), eps));
+  if (!AnyRequiresGrad({x, w, b})) return Variable::Leaf(r.y);  // no tape: skip the captures
   return op_util::Result1("LayerNorm", {x, w, b}, r.y,
                           [xv = x.value(), wv = w.value(), r](const Value& g) -> absl::StatusOr<std::vector<Value>> {
                             return fn::LayerNormBackward(g, xv, wv, r);
@@ -188,6 +189,7 @@ absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& w, const V
 
 absl::StatusOr<Variable> RmsNorm(const Variable& x, const Variable& w, double eps) {
   DT_ASSIGN_OR_RETURN(fn::NormResult r, fn::RmsNorm(x.value(), w.value(), eps));
+  if (!AnyRequiresGrad({x, w})) return Variable::Leaf(r.y);  // no tape: skip the captures
   return op_util::Result1("RmsNorm", {x, w}, r.y,
                           [xv = x.value(), wv = w.value(), r](const Value& g) -> absl::StatusOr<std::vector<Value>> {
                             return fn::RmsNormBackward(g, xv, wv, r);
@@ -196,6 +198,7 @@ absl::StatusOr<Variable> RmsNorm(const Variable& x, const Variable& w, double ep
 
 absl::StatusOr<Variable> Softmax(const Variable& x, int64_t dim) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Softmax(x.value(), dim));
+  if (!AnyRequiresGrad({x})) return Variable::Leaf(y);  // no tape: skip the captures
   return op_util::Result1("Softmax", {x}, y, [y, dim](const Value& g) -> absl::StatusOr<std::vector<Value>> {
     DT_ASSIGN_OR_RETURN(Value r, fn::SoftmaxBackward(g, y, dim, false));
     return std::vector<Value>{r};
@@ -204,6 +207,7 @@ absl::StatusOr<Variable> Softmax(const Variable& x, int64_t dim) {
 
 absl::StatusOr<Variable> LogSoftmax(const Variable& x, int64_t dim) {
   DT_ASSIGN_OR_RETURN(Value y, fn::LogSoftmax(x.value(), dim));
+  if (!AnyRequiresGrad({x})) return Variable::Leaf(y);  // no tape: skip the captures
   return op_util::Result1("LogSoftmax", {x}, y, [y, dim](const Value& g) -> absl::StatusOr<std::vector<Value>> {
     DT_ASSIGN_OR_RETURN(Value r, fn::SoftmaxBackward(g, y, dim, true));
     return std::vector<Value>{r};

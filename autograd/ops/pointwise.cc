@@ -203,6 +203,7 @@ absl::StatusOr<Value> Dropout(const Value& x, double p, uint64_t seed) {
 
 absl::StatusOr<Variable> Add(const Variable& a, const Variable& b) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Add(a.value(), b.value()));
+  if (!AnyRequiresGrad({a, b})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1("Add", {a, b}, std::move(y),
                           [sa = op_util::ToVec(a.value().shape()), sb = op_util::ToVec(b.value().shape()),
                            na = NeedsGrad(a), nb = NeedsGrad(b)](const Value& g) -> absl::StatusOr<std::vector<Value>> {
@@ -219,6 +220,7 @@ absl::StatusOr<Variable> Add(const Variable& a, const Variable& b) {
 
 absl::StatusOr<Variable> Sub(const Variable& a, const Variable& b) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Sub(a.value(), b.value()));
+  if (!AnyRequiresGrad({a, b})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1("Sub", {a, b}, std::move(y),
                           [sa = op_util::ToVec(a.value().shape()), sb = op_util::ToVec(b.value().shape()),
                            na = NeedsGrad(a), nb = NeedsGrad(b)](const Value& g) -> absl::StatusOr<std::vector<Value>> {
@@ -236,6 +238,7 @@ absl::StatusOr<Variable> Sub(const Variable& a, const Variable& b) {
 
 absl::StatusOr<Variable> Mul(const Variable& a, const Variable& b) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Mul(a.value(), b.value()));
+  if (!AnyRequiresGrad({a, b})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1("Mul", {a, b}, std::move(y),
                           [av = a.value(), bv = b.value(), na = NeedsGrad(a),
                            nb = NeedsGrad(b)](const Value& g) -> absl::StatusOr<std::vector<Value>> {
@@ -254,6 +257,7 @@ absl::StatusOr<Variable> Mul(const Variable& a, const Variable& b) {
 
 absl::StatusOr<Variable> Div(const Variable& a, const Variable& b) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Div(a.value(), b.value()));
+  if (!AnyRequiresGrad({a, b})) return Variable::Leaf(y);  // no tape: skip the captures
   return op_util::Result1("Div", {a, b}, y,
                           [y, sa = op_util::ToVec(a.value().shape()), bv = b.value(), na = NeedsGrad(a),
                            nb = NeedsGrad(b)](const Value& g) -> absl::StatusOr<std::vector<Value>> {
@@ -273,6 +277,7 @@ absl::StatusOr<Variable> Div(const Variable& a, const Variable& b) {
 
 absl::StatusOr<Variable> Scale(const Variable& a, double s) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Scale(a.value(), s));
+  if (!AnyRequiresGrad({a})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1("Scale", {a}, std::move(y), [s](const Value& g) -> absl::StatusOr<std::vector<Value>> {
     DT_ASSIGN_OR_RETURN(Value r, fn::Scale(g, s));
     return std::vector<Value>{r};
@@ -281,6 +286,7 @@ absl::StatusOr<Variable> Scale(const Variable& a, double s) {
 
 absl::StatusOr<Variable> AddScalar(const Variable& a, double s) {
   DT_ASSIGN_OR_RETURN(Value y, fn::AddScalar(a.value(), s));
+  if (!AnyRequiresGrad({a})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1("AddScalar", {a}, std::move(y),
                           [](const Value& g) -> absl::StatusOr<std::vector<Value>> { return std::vector<Value>{g}; });
 }
@@ -288,6 +294,7 @@ absl::StatusOr<Variable> AddScalar(const Variable& a, double s) {
 absl::StatusOr<Variable> Unary(UnaryOp op, const Variable& x) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Unary(op, x.value()));
   if (op == UnaryOp::kNeg) {
+    if (!AnyRequiresGrad({x})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
     return op_util::Result1("Neg", {x}, std::move(y), [](const Value& g) -> absl::StatusOr<std::vector<Value>> {
       DT_ASSIGN_OR_RETURN(Value r, fn::Unary(UnaryOp::kNeg, g));
       return std::vector<Value>{r};
@@ -301,6 +308,7 @@ absl::StatusOr<Variable> Unary(UnaryOp op, const Variable& x) {
     }
     return Variable::Leaf(std::move(y));
   }
+  if (!AnyRequiresGrad({x})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1("Unary", {x}, std::move(y),
                           [op, xv = x.value()](const Value& g) -> absl::StatusOr<std::vector<Value>> {
                             DT_ASSIGN_OR_RETURN(Value r, fn::UnaryBackward(op, g, xv));
@@ -315,6 +323,7 @@ absl::StatusOr<Variable> Dropout(const Variable& x, double p, uint64_t seed, boo
   args.ints.push_back(static_cast<int64_t>(seed));
   args.floats.push_back(p);
   DT_ASSIGN_OR_RETURN(std::vector<Value> ym, Dispatch(kDropout, {x.value()}, args));
+  if (!AnyRequiresGrad({x})) return Variable::Leaf(ym[0]);  // no tape: skip the captures
   return op_util::Result1("Dropout", {x}, ym[0], [mask = ym[1]](const Value& g) -> absl::StatusOr<std::vector<Value>> {
     DT_ASSIGN_OR_RETURN(Value r, fn::Mul(g, mask));
     return std::vector<Value>{r};

@@ -36,6 +36,7 @@ absl::StatusOr<Variable> Redistribute(const Variable& x, const Layout& layout) {
   const Value& v = x.value();
   if (!v.is_dtensor()) return op_util::Invalid("Redistribute", "the input is not a DTensor: " + v.ToString());
   DT_ASSIGN_OR_RETURN(DTensor y, v.dtensor().Redistribute(layout));
+  if (!AnyRequiresGrad({x})) return Variable::Leaf(Value(y));  // no tape: skip the captures
   return op_util::Result1("Redistribute", {x}, Value(y),
                           [mesh = v.dtensor().mesh(), back = PartialAsReplicate(v.dtensor().layout()),
                            shape = op_util::ToShape(v.shape())](const Value& g) -> absl::StatusOr<std::vector<Value>> {
@@ -50,6 +51,7 @@ absl::StatusOr<Variable> FromLocal(const Variable& local, const DeviceMesh& mesh
     return op_util::Invalid("FromLocal", "the input is already a DTensor: " + local.value().ToString());
   }
   DT_ASSIGN_OR_RETURN(DTensor y, DTensor::FromLocal(local.value().local(), mesh, layout, options));
+  if (!AnyRequiresGrad({local})) return Variable::Leaf(Value(y));  // no tape: skip the captures
   return op_util::Result1("FromLocal", {local}, Value(y),
                           [mesh, back = PartialAsReplicate(y.layout()),
                            shape = op_util::ToShape(y.shape())](const Value& g) -> absl::StatusOr<std::vector<Value>> {
@@ -61,6 +63,7 @@ absl::StatusOr<Variable> FromLocal(const Variable& local, const DeviceMesh& mesh
 absl::StatusOr<Variable> ToLocal(const Variable& x) {
   const Value& v = x.value();
   if (!v.is_dtensor()) return op_util::Invalid("ToLocal", "the input is not a DTensor: " + v.ToString());
+  if (!AnyRequiresGrad({x})) return Variable::Leaf(Value(v.local()));  // no tape: skip the captures
   return op_util::Result1(
       "ToLocal", {x}, Value(v.local()), [d = v.dtensor()](const Value& g) -> absl::StatusOr<std::vector<Value>> {
         return std::vector<Value>{

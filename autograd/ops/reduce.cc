@@ -235,6 +235,7 @@ absl::StatusOr<Value> ReduceMaxBackward(const Value& dy, const Value& x, const V
 
 absl::StatusOr<Variable> Sum(const Variable& x, std::vector<int64_t> dims, bool keepdim) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Sum(x.value(), dims, keepdim));
+  if (!AnyRequiresGrad({x})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1(
       "Sum", {x}, std::move(y),
       [shape = ToVec(x.value().shape()), dims, keepdim](const Value& g) -> absl::StatusOr<std::vector<Value>> {
@@ -254,6 +255,7 @@ absl::StatusOr<Variable> Mean(const Variable& x, std::vector<int64_t> dims, bool
       count *= x.value().shape()[static_cast<size_t>(nd)];
     }
   }
+  if (!AnyRequiresGrad({x})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1(
       "Mean", {x}, std::move(y),
       [shape = ToVec(x.value().shape()), dims, keepdim, count](const Value& g) -> absl::StatusOr<std::vector<Value>> {
@@ -265,6 +267,7 @@ absl::StatusOr<Variable> Mean(const Variable& x, std::vector<int64_t> dims, bool
 
 absl::StatusOr<Variable> Max(const Variable& x, std::vector<int64_t> dims, bool keepdim) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Max(x.value(), dims, keepdim));
+  if (!AnyRequiresGrad({x})) return Variable::Leaf(y);  // no tape: skip the captures
   return op_util::Result1("Max", {x}, y,
                           [xv = x.value(), y, dims, keepdim](const Value& g) -> absl::StatusOr<std::vector<Value>> {
                             // y may be Partial(max) on a DTensor: compare against its reduced value.

@@ -189,6 +189,7 @@ absl::StatusOr<Value> Contiguous(const Value& x) { return op_util::First(Dispatc
 
 absl::StatusOr<Variable> Reshape(const Variable& x, std::vector<int64_t> shape) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Reshape(x.value(), std::move(shape)));
+  if (!AnyRequiresGrad({x})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1(
       "Reshape", {x}, std::move(y),
       [s = op_util::ToVec(x.value().shape())](const Value& g) -> absl::StatusOr<std::vector<Value>> {
@@ -199,6 +200,7 @@ absl::StatusOr<Variable> Reshape(const Variable& x, std::vector<int64_t> shape) 
 
 absl::StatusOr<Variable> Transpose(const Variable& x, int64_t dim0, int64_t dim1) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Transpose(x.value(), dim0, dim1));
+  if (!AnyRequiresGrad({x})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1("Transpose", {x}, std::move(y),
                           [dim0, dim1](const Value& g) -> absl::StatusOr<std::vector<Value>> {
                             DT_ASSIGN_OR_RETURN(Value r, fn::Transpose(g, dim0, dim1));
@@ -208,6 +210,7 @@ absl::StatusOr<Variable> Transpose(const Variable& x, int64_t dim0, int64_t dim1
 
 absl::StatusOr<Variable> Narrow(const Variable& x, int64_t dim, int64_t start, int64_t length) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Narrow(x.value(), dim, start, length));
+  if (!AnyRequiresGrad({x})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   return op_util::Result1(
       "Narrow", {x}, std::move(y),
       [s = op_util::ToVec(x.value().shape()), dim, start](const Value& g) -> absl::StatusOr<std::vector<Value>> {

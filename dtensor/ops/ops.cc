@@ -377,6 +377,10 @@ absl::StatusOr<Tensor> Binary(BinaryOp bop, const Tensor& a, const Tensor& b) {
   DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, a));
   DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(shape, a.dtype(), a.device()));
   if (out.numel() == 0) return out;
+  if (a.shape() == IntSpan(shape) && b.shape() == IntSpan(shape)) {  // no broadcast: skip the views
+    DT_RETURN_IF_ERROR(PrefixStatus(op, k->Binary(bop, a, b, out)));
+    return out;
+  }
   DT_ASSIGN_OR_RETURN(Tensor ea, a.Expand(shape));
   DT_ASSIGN_OR_RETURN(Tensor eb, b.Expand(shape));
   DT_RETURN_IF_ERROR(PrefixStatus(op, k->Binary(bop, ea, eb, out)));
