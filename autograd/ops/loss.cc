@@ -12,6 +12,7 @@
 //   cross_entropy_backward (dloss, logits, targets, lse, count) -> dlogits, sharded as logits.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "autograd/functional.h"
 #include "autograd/ops.h"
@@ -103,21 +104,40 @@ absl::StatusOr<std::vector<Tensor>> CeVocabParallel(const LocalCall& c, const st
   const Tensor& logits = c.inputs[0];
   const int64_t vl = logits.size(-1);
   const int64_t vocab_begin = c.InputOffset(0).back();
-  DT_ASSIGN_OR_RETURN(Tensor x, dtensor::Reshape(logits, {-1, vl}));  // [N, Vl]
+  DT_ASSIGN_OR_RETURN(
+      Tensor x, dtensor::Reshape(logits, {NumElements(logits.shape().subspan(0, static_cast<size_t>(logits.dim() - 1))),
+                                          vl}));  // [N, Vl]
   DT_ASSIGN_OR_RETURN(x, dtensor::Contiguous(x));
-  DT_ASSIGN_OR_RETURN(Tensor m, dtensor::Max(x, {-1}, true));  // [N, 1]
+  const int64_t rows = x.size(0);
+  // An empty vocab piece (e.g. 6 over 4 ranks) still joins every all_reduce, with identities.
+  Tensor m;
+  if (vl > 0) {
+    DT_ASSIGN_OR_RETURN(m, dtensor::Max(x, {-1}, true));  // [N, 1]
+  } else {
+    DT_ASSIGN_OR_RETURN(m, Full({rows, 1}, -std::numeric_limits<double>::infinity(), x.dtype(), x.device()));
+  }
   DT_RETURN_IF_ERROR(AllReduce(c, vocab_dims, m, CommReduceOp::kMax));
   DT_ASSIGN_OR_RETURN(Tensor e, dtensor::Sub(x, m));
   DT_ASSIGN_OR_RETURN(e, dtensor::Exp(e));
-  DT_ASSIGN_OR_RETURN(Tensor s, dtensor::Sum(e, {-1}, true));
+  Tensor s;
+  if (vl > 0) {
+    DT_ASSIGN_OR_RETURN(s, dtensor::Sum(e, {-1}, true));
+  } else {
+    DT_ASSIGN_OR_RETURN(s, Zeros({rows, 1}, x.dtype(), x.device()));
+  }
   DT_RETURN_IF_ERROR(AllReduce(c, vocab_dims, s, CommReduceOp::kSum));
   DT_ASSIGN_OR_RETURN(Tensor lse, dtensor::Log(s));
   DT_ASSIGN_OR_RETURN(lse, dtensor::Add(lse, m));  // [N, 1]
   DT_ASSIGN_OR_RETURN(TargetIndex ti,
                       IndexTargets(c.inputs[1], vocab_begin, vl, c.args.ints[0], x.dtype(), x.device()));
-  DT_ASSIGN_OR_RETURN(Tensor flat, x.View({x.numel(), 1}));
-  DT_ASSIGN_OR_RETURN(Tensor tl, dtensor::Embedding(flat, ti.flat_ids));  // [N, 1]
-  DT_ASSIGN_OR_RETURN(tl, dtensor::Mul(tl, ti.here));
+  Tensor tl;
+  if (vl > 0) {
+    DT_ASSIGN_OR_RETURN(Tensor flat, x.View({x.numel(), 1}));
+    DT_ASSIGN_OR_RETURN(tl, dtensor::Embedding(flat, ti.flat_ids));  // [N, 1]
+    DT_ASSIGN_OR_RETURN(tl, dtensor::Mul(tl, ti.here));
+  } else {
+    DT_ASSIGN_OR_RETURN(tl, Zeros({rows, 1}, x.dtype(), x.device()));
+  }
   DT_RETURN_IF_ERROR(AllReduce(c, vocab_dims, tl, CommReduceOp::kSum));
   DT_ASSIGN_OR_RETURN(Tensor losses, dtensor::Sub(lse, tl));
   DT_ASSIGN_OR_RETURN(losses, dtensor::Mul(losses, ti.valid));
@@ -189,7 +209,9 @@ absl::StatusOr<std::vector<Tensor>> CeBwdVocabParallel(const LocalCall& c) {
   DT_ASSIGN_OR_RETURN(std::vector<double> dl, ToDoubleVector(c.inputs[0]));
   DT_ASSIGN_OR_RETURN(std::vector<double> cnt, ToDoubleVector(c.inputs[4]));
   const double scale = cnt[0] == 0 ? 0.0 : dl[0] / cnt[0];
-  DT_ASSIGN_OR_RETURN(Tensor x, dtensor::Reshape(logits, {-1, vl}));
+  DT_ASSIGN_OR_RETURN(
+      Tensor x,
+      dtensor::Reshape(logits, {NumElements(logits.shape().subspan(0, static_cast<size_t>(logits.dim() - 1))), vl}));
   DT_ASSIGN_OR_RETURN(Tensor lse, dtensor::Reshape(c.inputs[3], {-1, 1}));
   DT_ASSIGN_OR_RETURN(lse, Cast(lse, x.dtype()));
   DT_ASSIGN_OR_RETURN(TargetIndex ti,
@@ -200,8 +222,10 @@ absl::StatusOr<std::vector<Tensor>> CeBwdVocabParallel(const LocalCall& c) {
   DT_ASSIGN_OR_RETURN(p, dtensor::Mul(p, w));  // new contiguous [N, Vl]
   DT_ASSIGN_OR_RETURN(Tensor onehot, dtensor::Mul(w, ti.here));
   DT_ASSIGN_OR_RETURN(onehot, dtensor::Scale(onehot, -1.0));
-  DT_ASSIGN_OR_RETURN(Tensor flat, p.View({p.numel(), 1}));
-  DT_RETURN_IF_ERROR(EmbeddingBackward_(flat, onehot, ti.flat_ids));  // subtract at the targets
+  if (vl > 0) {
+    DT_ASSIGN_OR_RETURN(Tensor flat, p.View({p.numel(), 1}));
+    DT_RETURN_IF_ERROR(EmbeddingBackward_(flat, onehot, ti.flat_ids));  // subtract at the targets
+  }
   return op_util::One(p.View(logits.shape()));
 }
 

@@ -19,7 +19,11 @@ using op_util::One;
 const Placement kP = Partial(PartialOp::kSum);
 
 // [..., n] -> [rows, n] (a view when possible).
-absl::StatusOr<Tensor> As2d(const Tensor& t) { return dtensor::Reshape(t, {-1, t.size(-1)}); }
+// (The row count is explicit: -1 cannot be inferred when this rank's piece of the last dim is
+// empty, e.g. 6 features over 4 ranks.)
+absl::StatusOr<Tensor> As2d(const Tensor& t) {
+  return dtensor::Reshape(t, {NumElements(t.shape().subspan(0, static_cast<size_t>(t.dim() - 1))), t.size(-1)});
+}
 
 absl::StatusOr<Tensor> Unflatten(const Tensor& t2, IntSpan lead, int64_t last) {
   Shape s(lead.begin(), lead.end());

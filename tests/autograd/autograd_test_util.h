@@ -1,0 +1,198 @@
+// Helpers for the autograd tests: thread ranks with a mesh, enumeration of input layouts,
+// distributing full tensors and comparing gathered results with single-rank ones.
+//
+//   agtest::RunMesh({2, 2}, [&](const DeviceMesh& mesh) {
+//     for (const std::vector<Layout>& ls : agtest::LayoutCombos(cands, groups, full_inputs, mesh.ndim(), 400)) {
+//       std::vector<Value> in = agtest::DistributeAll(full_inputs, mesh, ls);
+//       ...
+//       agtest::ExpectClose(out[0], reference, "what");
+//     }
+//   });
+#ifndef DTENSOR_TESTS_AUTOGRAD_AUTOGRAD_TEST_UTIL_H_
+#define DTENSOR_TESTS_AUTOGRAD_AUTOGRAD_TEST_UTIL_H_
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <ostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "autograd/functional.h"
+#include "autograd/ops.h"
+#include "collectives/threads/threads_communicator.h"
+#include "dtensor/core/dtensor.h"
+#include "dtensor/tensor/status.h"
+#include "gtest/gtest.h"
+#include "tests/testing/test_util.h"
+
+namespace dtensor {
+// Readable Layouts in gtest messages.
+inline void PrintTo(const Layout& l, std::ostream* os) { *os << l.ToString(); }
+}  // namespace dtensor
+
+namespace dtensor::agtest {
+
+using testing::Unwrap;
+
+// The mesh shapes every distributed check runs on.
+inline std::vector<Shape> MeshShapes() { return {Shape{2}, Shape{4}, Shape{2, 2}}; }
+
+inline std::string MeshName(IntSpan s) { return absl::StrCat("mesh[", absl::StrJoin(s, "x"), "]"); }
+
+// Runs fn on NumElements(mesh_shape) thread ranks, each with its DeviceMesh of that shape.
+inline void RunMesh(IntSpan mesh_shape, const std::function<void(const DeviceMesh& mesh)>& fn) {
+  const int world = static_cast<int>(NumElements(mesh_shape));
+  auto comms = MakeThreadGroup(world, absl::Seconds(20));
+  ASSERT_TRUE(comms.ok()) << comms.status();
+  const Shape shape(mesh_shape.begin(), mesh_shape.end());
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto mesh = DeviceMesh::Create(*(*comms)[static_cast<size_t>(r)], shape);
+      ASSERT_TRUE(mesh.ok()) << mesh.status();
+      fn(*mesh);
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(s, 15.0) << MeshName(shape) << ": took too long (a rank waited for a timeout?)";
+}
+
+// Whether `ok` holds on every rank of the mesh (collective over its world): after an op failed
+// on some ranks only, every rank skips the checks instead of waiting in a collective.
+inline bool AllOk(const DeviceMesh& mesh, bool ok) {
+  Tensor t = Unwrap(Tensor::FromVector<float>({ok ? 1.0f : 0.0f}, {1}), "AllOk");
+  absl::Status st = mesh.world().AllReduce(t, t, CommReduceOp::kMin);
+  if (!st.ok()) {
+    ADD_FAILURE() << "AllOk: " << st;
+    return false;
+  }
+  return testing::Values(t)[0] == 1.0;
+}
+
+// Whether placement p fits a tensor of `ndim` dims (and `is_int` tensors are never Partial).
+inline bool Fits(const Placement& p, int64_t ndim, bool is_int) {
+  if (p.is_partial()) return !is_int;
+  if (p.is_shard()) return p.shard_dim() >= -ndim && p.shard_dim() < ndim;
+  return true;
+}
+
+// Input layouts to try on a mesh of `mesh_ndim` dims: for input i, every combination of one
+// candidate placement per mesh dim. Inputs with the same group id take the same candidate
+// index on each mesh dim (so a group's inputs are laid out alike); each input is its own
+// group when the independent product has at most `limit` combos. Layouts that do not
+// normalise (mixed Partial ops) or do not fit an input are skipped.
+inline std::vector<std::vector<Layout>> LayoutCombos(const std::vector<std::vector<Placement>>& cands,
+                                                     const std::vector<int>& groups, const std::vector<Tensor>& inputs,
+                                                     int mesh_ndim, int64_t limit) {
+  const size_t n = cands.size();
+  std::vector<int> group(n);
+  int64_t independent = 1;
+  for (size_t i = 0; i < n; ++i) {
+    for (int m = 0; m < mesh_ndim; ++m) independent *= static_cast<int64_t>(cands[i].size());
+  }
+  for (size_t i = 0; i < n; ++i) {
+    group[i] = (independent <= limit || groups.empty()) ? static_cast<int>(i) : groups[i];
+  }
+  // The leader (first input) of each group decides the candidate count.
+  std::vector<size_t> leaders;
+  std::vector<int> leader_of(n);
+  for (size_t i = 0; i < n; ++i) {
+    size_t l = i;
+    for (size_t j = 0; j < i; ++j) {
+      if (group[j] == group[i]) {
+        l = j;
+        break;
+      }
+    }
+    if (l == i) leaders.push_back(i);
+    leader_of[i] = static_cast<int>(l);
+  }
+  // Digits: per leader, per mesh dim.
+  std::vector<size_t> radix;
+  for (size_t l : leaders) {
+    for (int m = 0; m < mesh_ndim; ++m) radix.push_back(cands[l].size());
+  }
+  std::vector<std::vector<Layout>> out;
+  std::vector<size_t> digit(radix.size(), 0);
+  while (true) {
+    std::vector<Layout> combo;
+    bool ok = true;
+    for (size_t i = 0; i < n && ok; ++i) {
+      const size_t li = static_cast<size_t>(
+          std::find(leaders.begin(), leaders.end(), static_cast<size_t>(leader_of[i])) - leaders.begin());
+      Placements ps;
+      for (int m = 0; m < mesh_ndim; ++m) {
+        const size_t k = digit[li * static_cast<size_t>(mesh_ndim) + static_cast<size_t>(m)];
+        Placement p = k < cands[i].size() ? cands[i][k] : Placement(Replicate());
+        const bool is_int = inputs[i].dtype() == DType::kInt32 || inputs[i].dtype() == DType::kInt64;
+        if (!Fits(p, inputs[i].dim(), is_int)) p = Replicate();
+        ps.push_back(p);
+      }
+      auto l = NormalizeLayout("test", Layout(ps), inputs[i].dim(), mesh_ndim);
+      if (!l.ok()) {
+        ok = false;
+      } else {
+        combo.push_back(*l);
+      }
+    }
+    if (ok && std::find(out.begin(), out.end(), combo) == out.end()) out.push_back(std::move(combo));
+    size_t d = 0;
+    while (d < digit.size() && ++digit[d] == radix[d]) digit[d++] = 0;
+    if (d == digit.size()) break;
+  }
+  return out;
+}
+
+inline std::string LayoutsString(const std::vector<Layout>& ls) {
+  std::vector<std::string> s;
+  for (const Layout& l : ls) s.push_back(l.ToString());
+  return absl::StrJoin(s, ", ");
+}
+
+// Every rank holds the same full tensors; each keeps its piece of input i laid out as ls[i].
+inline std::vector<Value> DistributeAll(const std::vector<Tensor>& full, const DeviceMesh& mesh,
+                                        const std::vector<Layout>& ls) {
+  std::vector<Value> out;
+  for (size_t i = 0; i < full.size(); ++i) {
+    out.emplace_back(Unwrap(DTensor::Distribute(full[i], mesh, ls[i], {.src_rank = std::nullopt}), "Distribute"));
+  }
+  return out;
+}
+
+// The full value of v (FullTensor for a DTensor; collective).
+inline Tensor Full(const Value& v) {
+  if (!v.is_dtensor()) return v.local();
+  return Unwrap(v.dtensor().FullTensor(), "FullTensor");
+}
+
+inline constexpr testing::Tolerance kTight = {1e-5, 1e-5};
+
+// Compares the full value of `actual` (same shape) with `expected`.
+inline void ExpectClose(const Value& actual, const Tensor& expected, const std::string& what,
+                        testing::Tolerance tol = kTight) {
+  ASSERT_TRUE(actual.defined()) << what << ": undefined";
+  ASSERT_EQ(Shape(actual.shape().begin(), actual.shape().end()),
+            Shape(expected.shape().begin(), expected.shape().end()))
+      << what;
+  Tensor full = Full(actual);
+  testing::ExpectNear(testing::Values(full), testing::Values(expected), tol, what);
+}
+
+// A fixed random float32 tensor.
+inline Tensor Rand(IntSpan shape, uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  return testing::Random(shape, DType::kFloat32, seed, lo, hi);
+}
+
+inline Tensor Ids(const std::vector<int64_t>& v, IntSpan shape) {
+  return Unwrap(Tensor::FromVector<int64_t>(v, shape), "Ids");
+}
+
+}  // namespace dtensor::agtest
+
+#endif  // DTENSOR_TESTS_AUTOGRAD_AUTOGRAD_TEST_UTIL_H_

@@ -1,0 +1,484 @@
+// The reverse-mode engine (autograd/variable.h) and the DTensor boundaries (Redistribute,
+// FromLocal, ToLocal), each against gradients worked out by hand here:
+// accumulation over several paths and over several backward passes, the no-grad scope,
+// retain_graph and the release of saved tensors, gradient and post-accumulate hooks, roots
+// with and without gradients, Redistribute's backward as the transposed redistribution, and
+// a data-parallel linear layer whose Replicate weight gets a Partial(sum) gradient.
+#include <atomic>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/autograd/autograd_test_util.h"
+
+namespace dtensor {
+namespace {
+
+using agtest::Rand;
+using testing::Unwrap;
+using testing::Values;
+
+const Placement R = Replicate();
+const Placement S0 = Shard(0);
+const Placement S1 = Shard(1);
+const Placement P = Partial(PartialOp::kSum);
+
+// a*x + b elementwise, as a tensor.
+Tensor Affine(const Tensor& x, double a, double b) {
+  std::vector<double> v = Values(x);
+  for (double& e : v) e = a * e + b;
+  return testing::FromDoubles(v, x.shape(), DType::kFloat32);
+}
+
+void ExpectValues(const Value& v, const Tensor& expected, const std::string& what) {
+  agtest::ExpectClose(v, expected, what);
+}
+
+// loss = sum(x*x + 3x): d/dx = 2x + 3 (x reaches the sum along two paths).
+absl::StatusOr<Variable> TwoPathLoss(const Variable& x) {
+  DT_ASSIGN_OR_RETURN(Variable sq, Mul(x, x));
+  DT_ASSIGN_OR_RETURN(Variable lin, Scale(x, 3.0));
+  DT_ASSIGN_OR_RETURN(Variable s, Add(sq, lin));
+  return Sum(s);
+}
+
+TEST(Engine, GradientsOfSeveralPathsAreSummed) {
+  const Tensor xv = Rand({3, 4}, 1);
+  Variable x = Variable::Leaf(xv, true, "x");
+  Variable loss = Unwrap(TwoPathLoss(x));
+  EXPECT_FALSE(loss.is_leaf());
+  EXPECT_TRUE(loss.requires_grad());
+  ASSERT_TRUE(Backward(loss).ok());
+  ExpectValues(x.grad(), Affine(xv, 2, 3), "d/dx (x*x + 3x)");
+}
+
+TEST(Engine, BackwardTwiceAccumulates) {
+  const Tensor xv = Rand({3, 4}, 2);
+  Variable x = Variable::Leaf(xv, true, "x");
+  Variable loss = Unwrap(TwoPathLoss(x));
+  ASSERT_TRUE(Backward(loss, /*retain_graph=*/true).ok());
+  ExpectValues(x.grad(), Affine(xv, 2, 3), "after one pass");
+  ASSERT_TRUE(Backward(loss, /*retain_graph=*/true).ok());
+  ExpectValues(x.grad(), Affine(xv, 4, 6), "after two passes");
+  // A second forward (gradient accumulation over micro-batches) adds again.
+  Variable loss2 = Unwrap(TwoPathLoss(x));
+  ASSERT_TRUE(Backward(loss2).ok());
+  ExpectValues(x.grad(), Affine(xv, 6, 9), "after a second graph");
+  // reset_grad starts over.
+  x.reset_grad();
+  EXPECT_FALSE(x.grad().defined());
+  ASSERT_TRUE(Backward(loss).ok());
+  ExpectValues(x.grad(), Affine(xv, 2, 3), "after reset_grad");
+}
+
+// A gradient passed through unchanged (here the caller's own root gradient) is not modified by
+// later accumulation.
+TEST(Engine, AccumulationDoesNotWriteIntoTheCallersGradient) {
+  const Tensor xv = Rand({2, 3}, 3), gv = Rand({2, 3}, 4);
+  const std::vector<double> g_before = Values(gv);
+  Variable x = Variable::Leaf(xv, true, "x");
+  Variable y = Unwrap(AddScalar(x, 1.0));  // backward: the gradient itself
+  ASSERT_TRUE(Backward({y}, {Value(gv)}, /*retain_graph=*/true).ok());
+  ASSERT_TRUE(Backward({y}, {Value(gv)}).ok());
+  EXPECT_EQ(Values(gv), g_before) << "the root gradient was modified in place";
+  ExpectValues(x.grad(), Affine(gv, 2, 0), "two passes of g");
+}
+
+// Add's backward hands the same gradient tensor to both inputs: accumulating into one leaf's
+// gradient must not change the other's.
+TEST(Engine, OneGradientTensorForTwoLeaves) {
+  const Tensor av = Rand({2, 3}, 17), bv = Rand({2, 3}, 18), wv = Rand({2, 3}, 19);
+  Variable a = Variable::Leaf(av, true, "a"), b = Variable::Leaf(bv, true, "b");
+  Variable loss = Unwrap(Sum(Unwrap(Mul(Unwrap(Add(a, b)), Variable::Constant(wv)))));
+  for (int pass = 1; pass <= 3; ++pass) {
+    ASSERT_TRUE(Backward(loss, /*retain_graph=*/true).ok());
+    ExpectValues(a.grad(), Affine(wv, pass, 0), absl::StrCat("a.grad after ", pass, " passes"));
+    ExpectValues(b.grad(), Affine(wv, pass, 0), absl::StrCat("b.grad after ", pass, " passes"));
+  }
+}
+
+TEST(Engine, NoGradGuardRecordsNothing) {
+  Variable x = Variable::Leaf(Rand({3}, 5), true, "x");
+  EXPECT_TRUE(GradEnabled());
+  {
+    NoGradGuard ng;
+    EXPECT_FALSE(GradEnabled());
+    // Grad mode is per thread: another thread still records.
+    std::atomic<bool> other{false};
+    std::thread t([&] { other = GradEnabled(); });
+    t.join();
+    EXPECT_TRUE(other.load());
+    Variable y = Unwrap(Mul(x, x));
+    EXPECT_FALSE(y.requires_grad());
+    EXPECT_TRUE(y.is_leaf());
+    EXPECT_EQ(y.grad_fn(), nullptr);
+    Variable s = Unwrap(Sum(y));
+    absl::Status st = Backward(s);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    {
+      NoGradGuard nested;
+      EXPECT_FALSE(GradEnabled());
+    }
+    EXPECT_FALSE(GradEnabled()) << "a nested guard restores the outer state";
+  }
+  EXPECT_TRUE(GradEnabled());
+  Variable y = Unwrap(Mul(x, x));
+  EXPECT_TRUE(y.requires_grad());
+  EXPECT_NE(y.grad_fn(), nullptr);
+  // Nothing requires grad: nothing recorded either.
+  Variable c = Variable::Constant(Rand({3}, 6));
+  Variable z = Unwrap(Mul(c, c));
+  EXPECT_FALSE(z.requires_grad());
+  EXPECT_EQ(z.grad_fn(), nullptr);
+}
+
+TEST(Engine, SecondBackwardWithoutRetainGraphFails) {
+  Variable x = Variable::Leaf(Rand({3, 4}, 7), true, "x");
+  Variable loss = Unwrap(TwoPathLoss(x));
+  ASSERT_TRUE(Backward(loss).ok());
+  absl::Status st = Backward(loss);
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("retain_graph"));
+  // retain_graph keeps the graph for one more pass, which then releases it.
+  Variable loss2 = Unwrap(TwoPathLoss(x));
+  ASSERT_TRUE(Backward(loss2, true).ok());
+  ASSERT_TRUE(Backward(loss2, false).ok());
+  EXPECT_EQ(Backward(loss2).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(Engine, SavedTensorsAreReleasedAfterBackward) {
+  const Tensor xv = Rand({3, 4}, 8);
+  Variable x = Variable::Leaf(xv, true, "x");
+  const long before = x.value().local().storage().use_count();
+  Variable y = Unwrap(Mul(x, x));  // saves x twice
+  Variable loss = Unwrap(Sum(y));
+  EXPECT_GT(x.value().local().storage().use_count(), before) << "Mul saved nothing?";
+  ASSERT_TRUE(Backward(loss, /*retain_graph=*/true).ok());
+  EXPECT_GT(x.value().local().storage().use_count(), before) << "retain_graph released the saved x";
+  ASSERT_TRUE(Backward(loss).ok());
+  EXPECT_EQ(x.value().local().storage().use_count(), before) << "the graph still holds x after backward";
+}
+
+TEST(Engine, GradientHooks) {
+  const Tensor xv = Rand({3, 4}, 9);
+  // A hook on a leaf replaces the gradient before it is accumulated.
+  {
+    Variable x = Variable::Leaf(xv, true, "x");
+    x.RegisterHook([](Value& g) -> absl::Status {
+      DT_ASSIGN_OR_RETURN(g, fn::Scale(g, 2.0));
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(Backward(Unwrap(TwoPathLoss(x))).ok());
+    ExpectValues(x.grad(), Affine(xv, 4, 6), "leaf hook doubling");
+  }
+  // A hook on an intermediate sees dL/dh and changes what flows further back.
+  {
+    Variable x = Variable::Leaf(xv, true, "x");
+    Variable h = Unwrap(Mul(x, x));
+    const Tensor w = Rand({3, 4}, 10);
+    int calls = 0;
+    h.RegisterHook([&](Value& g) -> absl::Status {
+      ++calls;
+      testing::ExpectNear(Values(g.local()), Values(w), agtest::kTight, "dL/dh seen by the hook");
+      DT_ASSIGN_OR_RETURN(g, fn::Scale(g, -1.0));
+      return absl::OkStatus();
+    });
+    Variable loss = Unwrap(Sum(Unwrap(Mul(h, Variable::Constant(w)))));
+    ASSERT_TRUE(Backward(loss).ok());
+    EXPECT_EQ(calls, 1);
+    // dL/dx = -(w * 2x)
+    std::vector<double> e = Values(xv), wv = Values(w);
+    for (size_t i = 0; i < e.size(); ++i) e[i] = -2 * e[i] * wv[i];
+    ExpectValues(x.grad(), testing::FromDoubles(e, xv.shape(), DType::kFloat32), "intermediate hook negating");
+  }
+  // A hook's error stops the pass.
+  {
+    Variable x = Variable::Leaf(xv, true, "x");
+    x.RegisterHook([](Value&) { return absl::InternalError("hook says no"); });
+    absl::Status st = Backward(Unwrap(TwoPathLoss(x)));
+    EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+    EXPECT_FALSE(x.grad().defined());
+  }
+}
+
+TEST(Engine, PostAccumulateHookRunsOncePerLeafPerBackward) {
+  const Tensor xv = Rand({3, 4}, 11), wv = Rand({4}, 12);
+  Variable x = Variable::Leaf(xv, true, "x");
+  Variable w = Variable::Leaf(wv, true, "w");
+  int x_calls = 0, w_calls = 0;
+  std::vector<std::vector<double>> seen;
+  x.RegisterPostAccumulateGradHook([&](Variable& v) -> absl::Status {
+    ++x_calls;
+    if (!v.grad().defined()) return absl::InternalError("grad not accumulated yet");
+    seen.push_back(Values(v.grad().local()));
+    return absl::OkStatus();
+  });
+  w.RegisterPostAccumulateGradHook([&](Variable&) -> absl::Status {
+    ++w_calls;
+    return absl::OkStatus();
+  });
+  // x reaches the loss along three paths, w along two.
+  auto build = [&]() -> absl::StatusOr<Variable> {
+    DT_ASSIGN_OR_RETURN(Variable a, Mul(x, w));
+    DT_ASSIGN_OR_RETURN(Variable b, Add(a, x));
+    DT_ASSIGN_OR_RETURN(Variable c, Mul(b, x));
+    DT_ASSIGN_OR_RETURN(Variable d, Add(c, w));
+    return Sum(d);
+  };
+  Variable loss = Unwrap(build());
+  ASSERT_TRUE(Backward(loss, true).ok());
+  EXPECT_EQ(x_calls, 1);
+  EXPECT_EQ(w_calls, 1);
+  ASSERT_TRUE(Backward(loss).ok());
+  EXPECT_EQ(x_calls, 2);
+  EXPECT_EQ(w_calls, 2);
+  // loss = sum((x w + x) x + w): dx = 2x(w + 1), dw = sum_rows(x^2) + 3.
+  std::vector<double> dx = Values(xv), dw(4, 3.0);
+  const std::vector<double> wvv = Values(wv), xvv = Values(xv);
+  for (size_t i = 0; i < dx.size(); ++i) {
+    dx[i] = 2 * xvv[i] * (wvv[i % 4] + 1);
+    dw[i % 4] += xvv[i] * xvv[i];
+  }
+  ASSERT_EQ(seen.size(), 2u);
+  testing::ExpectNear(seen[0], dx, agtest::kTight, "x.grad in the first hook call");
+  for (double& e : dx) e *= 2;
+  for (double& e : dw) e *= 2;
+  testing::ExpectNear(seen[1], dx, agtest::kTight, "x.grad in the second hook call (accumulated)");
+  testing::ExpectNear(Values(w.grad().local()), dw, agtest::kTight, "w.grad after two passes");
+}
+
+TEST(Engine, Roots) {
+  const Tensor xv = Rand({2, 3}, 13), gv = Rand({2, 3}, 14);
+  Variable x = Variable::Leaf(xv, true, "x");
+  Variable y = Unwrap(Scale(x, 2.0));
+  // A non-scalar root needs a gradient.
+  absl::Status st = Backward(y);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_FALSE(x.grad().defined());
+  ASSERT_TRUE(Backward({y}, {Value(gv)}).ok());
+  ExpectValues(x.grad(), Affine(gv, 2, 0), "d(2x)/dx . g");
+  // A root that does not require grad.
+  Variable c = Variable::Constant(xv);
+  EXPECT_EQ(Backward(Unwrap(Sum(c))).code(), absl::StatusCode::kInvalidArgument);
+  // Several roots: their gradients add up.
+  Variable x2 = Variable::Leaf(xv, true, "x2");
+  Variable a = Unwrap(Sum(x2));
+  Variable b = Unwrap(Sum(Unwrap(Scale(x2, 3.0))));
+  ASSERT_TRUE(Backward({a, b}, {}).ok());
+  ExpectValues(x2.grad(), Affine(xv, 0, 4), "two roots");
+  // A leaf root: its own gradient is the ones.
+  Variable s = Variable::Leaf(Unwrap(Full({}, 2.0, DType::kFloat32)), true, "s");
+  ASSERT_TRUE(Backward(s).ok());
+  ExpectValues(s.grad(), Unwrap(Full({}, 1.0, DType::kFloat32)), "leaf root");
+}
+
+TEST(Engine, UnaryWithoutGradientIsRefusedUnlessNoGrad) {
+  Variable x = Variable::Leaf(Rand({3}, 15), true, "x");
+  auto y = Unary(UnaryOp::kAbs, x);
+  EXPECT_EQ(y.status().code(), absl::StatusCode::kUnimplemented) << y.status();
+  NoGradGuard ng;
+  EXPECT_TRUE(Unary(UnaryOp::kAbs, x).ok());
+}
+
+// Outputs that do not reach the loss get no gradient; their producer still runs for the others.
+TEST(Engine, UnusedOutputsGetNoGradient) {
+  const Tensor xv = Rand({2, 6}, 16);
+  Variable x = Variable::Leaf(xv, true, "x");
+  std::vector<Variable> parts = Unwrap(Split(x, 2, 1));
+  ASSERT_EQ(parts.size(), 3u);
+  Variable loss = Unwrap(Sum(Unwrap(Scale(parts[1], 5.0))));
+  ASSERT_TRUE(Backward(loss).ok());
+  const std::vector<double> want = {0, 0, 5, 5, 0, 0, 0, 0, 5, 5, 0, 0};
+  testing::ExpectNear(Values(x.grad().local()), want, agtest::kTight, "gradient of the middle part");
+  // A leaf that is not on the path to the root keeps no gradient.
+  Variable other = Variable::Leaf(xv, true, "other");
+  Variable unused = Unwrap(Mul(other, x));
+  (void)unused;
+  ASSERT_TRUE(Backward(Unwrap(Sum(x))).ok());
+  EXPECT_FALSE(other.grad().defined());
+}
+
+// ---- DTensor boundaries ----
+
+// Forward x (layout `from`) -> Redistribute(to) -> sum(y * W): the gradient of x is W laid out
+// as `from` with Partial read as Replicate.
+void CheckRedistributeBackward(IntSpan mesh_shape, const Layout& from, const Layout& to, const Layout& want_grad) {
+  const Tensor xv = Rand({5, 6}, 21), wv = Rand({5, 6}, 22);
+  agtest::RunMesh(mesh_shape, [&](const DeviceMesh& mesh) {
+    const std::string what = absl::StrCat(agtest::MeshName(mesh_shape), " ", from.ToString(), " -> ", to.ToString());
+    Variable x = Variable::Leaf(Unwrap(DTensor::Distribute(xv, mesh, from, {.src_rank = std::nullopt})), true, "x");
+    Variable y = Unwrap(Redistribute(x, to));
+    ASSERT_EQ(y.value().dtensor().layout(), to);
+    Variable loss = Unwrap(Sum(Unwrap(Mul(y, Variable::Constant(wv)))));
+    ASSERT_TRUE(Backward(loss).ok()) << what;
+    ASSERT_TRUE(x.grad().is_dtensor()) << what;
+    EXPECT_EQ(x.grad().dtensor().layout(), want_grad) << what;
+    ExpectValues(x.grad(), wv, what + ": gradient");
+  });
+}
+
+TEST(Engine, RedistributeBackwardIsTheTransposedRedistribution) {
+  for (int64_t n : {2, 4}) {
+    CheckRedistributeBackward({n}, {S0}, {R}, {S0});  // all_gather forward, the gradient comes back S(0)
+    CheckRedistributeBackward({n}, {P}, {R}, {R});    // all_reduce forward, the gradient stays R
+    CheckRedistributeBackward({n}, {R}, {S1}, {R});   // a local slice forward, R back
+    CheckRedistributeBackward({n}, {S0}, {S1}, {S0});
+    CheckRedistributeBackward({n}, {R}, {P}, {R});
+  }
+  CheckRedistributeBackward({2, 2}, {S0, S1}, {R, R}, {S0, S1});
+  CheckRedistributeBackward({2, 2}, {P, S0}, {R, S1}, {R, S0});
+}
+
+// With a Partial gradient arriving at Redistribute(S(0) -> R), the backward is one
+// reduce_scatter (the transpose of the forward all_gather).
+TEST(Engine, RedistributeBackwardOfAllGatherIsReduceScatter) {
+  const Tensor xv = Rand({5, 6}, 23), gv = Rand({5, 6}, 24);
+  for (int64_t n : {2, 4}) {
+    agtest::RunMesh({n}, [&](const DeviceMesh& mesh) {
+      Variable x = Variable::Leaf(Unwrap(DTensor::Distribute(xv, mesh, {S0}, {.src_rank = std::nullopt})), true, "x");
+      Variable y = Unwrap(Redistribute(x, {R}));
+      DTensor g = Unwrap(DTensor::Distribute(gv, mesh, {P}, {.src_rank = std::nullopt}));
+      CommCounter counter;
+      SetCommCounter(mesh, &counter);
+      absl::Status st = Backward({y}, {Value(g)});
+      SetCommCounter(mesh, nullptr);
+      ASSERT_TRUE(st.ok()) << st;
+      EXPECT_EQ(counter.calls(CommKind::kReduceScatter), 1) << counter.ToString();
+      EXPECT_EQ(counter.total_calls(), 1) << counter.ToString();
+      EXPECT_EQ(x.grad().dtensor().layout(), Layout({S0}));
+      ExpectValues(x.grad(), gv, "reduce-scattered gradient");
+    });
+  }
+}
+
+TEST(Engine, RedistributeOfAPlainTensorIsRefused) {
+  Variable x = Variable::Leaf(Rand({2, 2}, 25), true);
+  auto y = Redistribute(x, {R});
+  EXPECT_EQ(y.status().code(), absl::StatusCode::kInvalidArgument) << y.status();
+}
+
+// Data parallel: the batch is Shard(0) (uneven: 5 rows), the parameters Replicate leaves. Their
+// gradients come out Partial(sum) (each rank's batch rows' contribution) and, reduced to
+// Replicate, equal the single-rank gradients.
+TEST(Engine, DataParallelLinearGradientIsPartial) {
+  const Tensor xv = Rand({5, 6}, 31), wv = Rand({3, 6}, 32), bv = Rand({3}, 33);
+  auto loss_of = [](const Variable& x, const Variable& w, const Variable& b) -> absl::StatusOr<Variable> {
+    DT_ASSIGN_OR_RETURN(Variable y, Linear(x, w, b));
+    DT_ASSIGN_OR_RETURN(Variable a, Gelu(y));
+    return Mean(a);
+  };
+  Variable w1 = Variable::Leaf(wv, true, "w"), b1 = Variable::Leaf(bv, true, "b");
+  Variable l1 = Unwrap(loss_of(Variable::Constant(xv), w1, b1));
+  ASSERT_TRUE(Backward(l1).ok());
+  const Tensor dw = w1.grad().local(), db = b1.grad().local();
+  for (int64_t n : {2, 4}) {
+    agtest::RunMesh({n}, [&](const DeviceMesh& mesh) {
+      const std::string what = absl::StrCat(n, " ranks");
+      Variable x = Variable::Constant(Unwrap(DTensor::Distribute(xv, mesh, {S0}, {.src_rank = std::nullopt})));
+      Variable w = Variable::Leaf(Unwrap(DTensor::Distribute(wv, mesh, {R}, {.src_rank = std::nullopt})), true, "w");
+      Variable b = Variable::Leaf(Unwrap(DTensor::Distribute(bv, mesh, {R}, {.src_rank = std::nullopt})), true, "b");
+      Variable loss = Unwrap(loss_of(x, w, b));
+      EXPECT_EQ(loss.value().dtensor().layout(), Layout({P})) << loss.value().ToString();
+      agtest::ExpectClose(loss.value(), l1.value().local(), what + " loss");
+      ASSERT_TRUE(Backward(loss).ok());
+      ASSERT_TRUE(w.grad().is_dtensor() && b.grad().is_dtensor());
+      EXPECT_EQ(w.grad().dtensor().layout(), Layout({P})) << w.grad().ToString();
+      EXPECT_EQ(b.grad().dtensor().layout(), Layout({P})) << b.grad().ToString();
+      // Partial indeed: this rank holds its rows' contribution only.
+      if (mesh.coordinate(0) == 0) {
+        std::vector<double> mine = Values(w.grad().local()), full = Values(dw);
+        double diff = 0;
+        for (size_t i = 0; i < full.size(); ++i) diff += std::fabs(mine[i] - full[i]);
+        EXPECT_GT(diff, 1e-4) << "rank 0's partial gradient is already the full one";
+      }
+      DTensor gw = Unwrap(w.grad().dtensor().Redistribute({R}));
+      DTensor gb = Unwrap(b.grad().dtensor().Redistribute({R}));
+      testing::ExpectNear(Values(gw.ToLocal()), Values(dw), agtest::kTight, what + " dw reduced to R");
+      testing::ExpectNear(Values(gb.ToLocal()), Values(db), agtest::kTight, what + " db reduced to R");
+      // A second micro-batch accumulates into the Partial gradient.
+      Variable loss2 = Unwrap(loss_of(x, w, b));
+      ASSERT_TRUE(Backward(loss2).ok());
+      EXPECT_EQ(w.grad().dtensor().layout(), Layout({P}));
+      agtest::ExpectClose(w.grad(), Affine(dw, 2, 0), what + " dw after two micro-batches");
+    });
+  }
+}
+
+// DDP's pattern: a post-accumulate hook reduces each Partial gradient to Replicate right away
+// (set_grad); the next backward accumulates its Partial gradient into that Replicate one.
+TEST(Engine, PostAccumulateHookReducesPartialGradients) {
+  const Tensor xv = Rand({5, 6}, 34), wv = Rand({3, 6}, 35);
+  Variable w1 = Variable::Leaf(wv, true, "w");
+  ASSERT_TRUE(Backward(Unwrap(Sum(Unwrap(Linear(Variable::Constant(xv), w1))))).ok());
+  const Tensor dw = w1.grad().local();
+  agtest::RunMesh({4}, [&](const DeviceMesh& mesh) {
+    Variable x = Variable::Constant(Unwrap(DTensor::Distribute(xv, mesh, {S0}, {.src_rank = std::nullopt})));
+    Variable w = Variable::Leaf(Unwrap(DTensor::Distribute(wv, mesh, {R}, {.src_rank = std::nullopt})), true, "w");
+    int calls = 0;
+    w.RegisterPostAccumulateGradHook([&](Variable& v) -> absl::Status {
+      ++calls;
+      if (v.grad().dtensor().layout().has_partial()) {
+        DT_ASSIGN_OR_RETURN(DTensor r, v.grad().dtensor().Redistribute({R}));
+        v.set_grad(r);
+      }
+      return absl::OkStatus();
+    });
+    for (int step = 1; step <= 2; ++step) {
+      ASSERT_TRUE(Backward(Unwrap(Sum(Unwrap(Linear(x, w))))).ok());
+      EXPECT_EQ(calls, step);
+      EXPECT_EQ(w.grad().dtensor().layout(), Layout({R}));
+      testing::ExpectNear(Values(w.grad().local()), Values(Affine(dw, step, 0)), agtest::kTight,
+                          absl::StrCat("replicated dw after ", step, " passes"));
+    }
+  });
+}
+
+// Gradients with different layouts reaching one variable are combined by the dispatched Add.
+TEST(Engine, GradientsOfDifferentLayoutsAreSummed) {
+  const Tensor xv = Rand({4, 6}, 41), cv = Rand({4, 6}, 42);
+  agtest::RunMesh({2}, [&](const DeviceMesh& mesh) {
+    Variable x = Variable::Leaf(Unwrap(DTensor::Distribute(xv, mesh, {R}, {.src_rank = std::nullopt})), true, "x");
+    Variable c = Variable::Constant(Unwrap(DTensor::Distribute(cv, mesh, {S0}, {.src_rank = std::nullopt})));
+    Variable a = Unwrap(Mul(x, c));             // gradient to x laid out S(0)
+    Variable b = Unwrap(Scale(x, 2.0));         // gradient to x laid out R
+    Variable p = Unwrap(Redistribute(x, {P}));  // and through P
+    Variable loss = Unwrap(Add(Unwrap(Add(Unwrap(Sum(a)), Unwrap(Sum(b)))), Unwrap(Sum(p))));
+    ASSERT_TRUE(Backward(loss).ok());
+    ExpectValues(x.grad(), Affine(cv, 1, 3), "c + 2 + 1");
+  });
+}
+
+// FromLocal / ToLocal: the gradient crosses between a rank's piece and the DTensor.
+TEST(Engine, FromLocalAndToLocal) {
+  const Tensor xv = Rand({5, 6}, 51), wv = Rand({5, 6}, 52);
+  for (int64_t n : {2, 4}) {
+    agtest::RunMesh({n}, [&](const DeviceMesh& mesh) {
+      const LocalBox box = LocalBoxOf(xv.shape(), mesh.shape(), Layout({S0}), mesh.coordinate());
+      const Tensor mine = Unwrap(Contiguous(Unwrap(xv.Narrow(0, box.offset[0], box.shape[0]))));
+      const Tensor wmine = Unwrap(Contiguous(Unwrap(wv.Narrow(0, box.offset[0], box.shape[0]))));
+      // FromLocal: loss = sum(gelu(X) * W) over the global X; d/d(local) = this rank's rows.
+      Variable local = Variable::Leaf(mine, true, "local");
+      Variable d = Unwrap(FromLocal(local, mesh, {S0}, {.global_shape = Shape{5, 6}}));
+      Variable loss = Unwrap(Sum(Unwrap(Mul(Unwrap(Gelu(d)), Variable::Constant(wv)))));
+      ASSERT_TRUE(Backward(loss).ok());
+      ASSERT_FALSE(local.grad().is_dtensor());
+      const Tensor want = Unwrap(fn::UnaryBackward(UnaryOp::kGelu, wmine, mine)).local();
+      testing::ExpectNear(Values(local.grad().local()), Values(want), agtest::kTight, "FromLocal gradient");
+      // ToLocal: each rank's local loss; the DTensor's gradient is each rank's piece, S(0).
+      Variable x = Variable::Leaf(Unwrap(DTensor::Distribute(xv, mesh, {S0}, {.src_rank = std::nullopt})), true, "x");
+      Variable l = Unwrap(ToLocal(x));
+      ASSERT_FALSE(l.value().is_dtensor());
+      Variable ll = Unwrap(Sum(Unwrap(Mul(l, Variable::Constant(wmine)))));
+      ASSERT_TRUE(Backward(ll).ok());
+      ASSERT_TRUE(x.grad().is_dtensor());
+      EXPECT_EQ(x.grad().dtensor().layout(), Layout({S0}));
+      ExpectValues(x.grad(), wv, "ToLocal gradient");
+    });
+  }
+}
+
+}  // namespace
+}  // namespace dtensor
