@@ -89,4 +89,9 @@ absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, c
       });
 }
 
+namespace op_defs {
+const OpDef& Attention() { return kAttention; }
+const OpDef& AttentionBackward() { return kAttentionBackward; }
+}  // namespace op_defs
+
 }  // namespace dtensor

@@ -134,4 +134,9 @@ absl::StatusOr<Variable> Embedding(const Variable& weight, const Variable& ids) 
       });
 }
 
+namespace op_defs {
+const OpDef& Embedding() { return kEmbedding; }
+const OpDef& EmbeddingBackward() { return kEmbeddingBackward; }
+}  // namespace op_defs
+
 }  // namespace dtensor

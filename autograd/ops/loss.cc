@@ -272,4 +272,9 @@ absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Variable& ta
                           });
 }
 
+namespace op_defs {
+const OpDef& CrossEntropy() { return kCrossEntropy; }
+const OpDef& CrossEntropyBackward() { return kCrossEntropyBackward; }
+}  // namespace op_defs
+
 }  // namespace dtensor

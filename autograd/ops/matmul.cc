@@ -235,4 +235,11 @@ absl::StatusOr<Variable> Matmul(const Variable& a, const Variable& b, bool ta, b
                           });
 }
 
+namespace op_defs {
+const OpDef& Linear() { return kLinear; }
+const OpDef& LinearDx() { return kLinearDx; }
+const OpDef& LinearDw() { return kLinearDw; }
+const OpDef& Matmul() { return kMatmul; }
+}  // namespace op_defs
+
 }  // namespace dtensor

@@ -214,4 +214,13 @@ absl::StatusOr<Variable> LogSoftmax(const Variable& x, int64_t dim) {
   });
 }
 
+namespace op_defs {
+const OpDef& LayerNorm() { return kLayerNorm; }
+const OpDef& LayerNormBackward() { return kLayerNormBackward; }
+const OpDef& RmsNorm() { return kRmsNorm; }
+const OpDef& RmsNormBackward() { return kRmsNormBackward; }
+const OpDef& Softmax() { return kSoftmax; }
+const OpDef& SoftmaxBackward() { return kSoftmaxBackward; }
+}  // namespace op_defs
+
 }  // namespace dtensor

@@ -330,4 +330,12 @@ absl::StatusOr<Variable> Dropout(const Variable& x, double p, uint64_t seed, boo
   });
 }
 
+namespace op_defs {
+const OpDef& Binary() { return kBinary; }
+const OpDef& Scalar() { return kScalar; }
+const OpDef& Unary() { return kUnary; }
+const OpDef& UnaryBackward() { return kUnaryBackward; }
+const OpDef& Dropout() { return kDropout; }
+}  // namespace op_defs
+
 }  // namespace dtensor

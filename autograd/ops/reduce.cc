@@ -285,4 +285,10 @@ absl::StatusOr<Variable> Max(const Variable& x, std::vector<int64_t> dims, bool 
                           });
 }
 
+namespace op_defs {
+const OpDef& Reduce() { return kReduce; }
+const OpDef& Expand() { return kExpand; }
+const OpDef& Equal() { return kEqual; }
+}  // namespace op_defs
+
 }  // namespace dtensor

@@ -231,4 +231,12 @@ absl::StatusOr<std::vector<Variable>> Split(const Variable& x, int64_t split_siz
   return out;
 }
 
+namespace op_defs {
+const OpDef& Reshape() { return kReshape; }
+const OpDef& Permute() { return kPermute; }
+const OpDef& Narrow() { return kNarrow; }
+const OpDef& NarrowBackward() { return kNarrowBackward; }
+const OpDef& Contiguous() { return kContiguous; }
+}  // namespace op_defs
+
 }  // namespace dtensor
