@@ -9,6 +9,9 @@ build_dir="${BUILD_DIR:-build}"
 export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
 cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$build_dir" -j "$(nproc)" --target gpt_train
+# Idle OpenMP threads sleep instead of spinning: on a shared or small machine spinning threads
+# steal the cores the other rank needs (libgomp reads this when the program starts).
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
 # A small GPT-2 (4 layers, 4 heads, C=128, byte vocabulary) on the fortunes corpus, data-parallel
 # over 2 CPU ranks (threads of one process): prints falling loss, then a sample.
 "$build_dir/examples/gpt/gpt_train" --fortunes "$build_dir/fortunes.txt" --ranks 2 \
