@@ -69,6 +69,11 @@ void EmbRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vecto
 absl::StatusOr<std::vector<Tensor>> EmbLocal(const LocalCall& c) {
   const Tensor& w = c.inputs[0];
   if (!VocabSharded(c, 0)) return op_util::One(dtensor::Embedding(w, c.inputs[1]));
+  if (w.size(0) == 0) {  // an empty vocab piece (6 rows over 4 ranks): contributes zeros
+    Shape out(c.inputs[1].shape().begin(), c.inputs[1].shape().end());
+    out.push_back(w.size(1));
+    return op_util::One(Zeros(out, w.dtype(), w.device()));
+  }
   auto [begin, end] = LocalRows(c, 0, c.input_meta[0], w.size(0));
   DT_ASSIGN_OR_RETURN(auto lm, LocalIds(c.inputs[1], begin, end, w.dtype()));
   DT_ASSIGN_OR_RETURN(Tensor rows, dtensor::Embedding(w, lm.first));
@@ -98,6 +103,7 @@ absl::StatusOr<std::vector<Tensor>> EmbBwdLocal(const LocalCall& c) {
   const Shape out = op_util::LocalOutShape(c, 0, Shape{c.args.ints[0], dout.size(-1)});
   DT_ASSIGN_OR_RETURN(Tensor dw, Zeros(out, dout.dtype(), dout.device()));
   const bool vocab_sharded = c.mesh != nullptr && out[0] != c.args.ints[0];
+  if (out[0] == 0 || out[1] == 0) return std::vector<Tensor>{dw};  // an empty piece: nothing to scatter
   if (!vocab_sharded) {
     DT_RETURN_IF_ERROR(EmbeddingBackward_(dw, dout, c.inputs[1]));
     return std::vector<Tensor>{dw};

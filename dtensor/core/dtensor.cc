@@ -189,7 +189,7 @@ absl::StatusOr<DTensor> DTensor::Redistribute(const Layout& layout) const {
   DT_ASSIGN_OR_RETURN(
       std::shared_ptr<const RedistributePlan> plan,
       PlannerOf(mesh_).Plan(global_shape_, mesh_.shape(), layout_, layout, static_cast<int64_t>(ElementSize(dtype()))));
-  DT_ASSIGN_OR_RETURN(Tensor local, internal::ExecuteSteps(*plan, 0, local_, mesh_));
+  DT_ASSIGN_OR_RETURN(Tensor local, internal::ExecuteSteps(plan, 0, local_, mesh_));
   return DTensor(std::move(local), mesh_, plan->dst, global_shape_);
 }
 
@@ -216,9 +216,10 @@ absl::StatusOr<PendingDTensor> DTensor::RedistributeAsync(const Layout& layout) 
   state->local = local_;
   // Local steps up to the first collective run now; the collective is started.
   const RedistributePlan& plan = *state->plan;
+  const internal::PlanGeometry& geometry = internal::GeometryOf(state->plan, mesh_);
   while (state->next < plan.steps.size()) {
     DT_ASSIGN_OR_RETURN(internal::StartedStep s,
-                        internal::StartStep(plan.steps[state->next], state->local, mesh_, global_shape_));
+                        internal::StartStep(plan.steps[state->next], geometry.steps[state->next], state->local, mesh_));
     ++state->next;
     if (s.work != nullptr) {
       state->started = std::move(s);
@@ -243,7 +244,7 @@ absl::StatusOr<DTensor> PendingDTensor::Wait() {
     DT_RETURN_IF_ERROR(s.started.work->Wait());
     DT_ASSIGN_OR_RETURN(s.local, s.started.finish());
   }
-  DT_ASSIGN_OR_RETURN(Tensor local, internal::ExecuteSteps(*s.plan, s.next, s.local, s.mesh));
+  DT_ASSIGN_OR_RETURN(Tensor local, internal::ExecuteSteps(s.plan, s.next, s.local, s.mesh));
   return DTensor(std::move(local), s.mesh, s.plan->dst, s.plan->global_shape);
 }
 

@@ -7,6 +7,8 @@
 #include <memory>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
 #include "collectives/communicator.h"
 #include "dtensor/core/comm_counter.h"
@@ -15,10 +17,31 @@
 
 namespace dtensor::internal {
 
+// The box arithmetic of one plan step for one mesh coordinate: what StartStep needs besides
+// the tensors. Pure; computed once per (plan, coordinate) and cached (PlanGeometry).
+struct StepGeometry {
+  LocalBox before, after;                  // this rank's boxes
+  absl::InlinedVector<int, 4> group;       // the step's mesh dims, ascending
+  absl::InlinedVector<LocalBox, 4> parts;  // all_gather: members' before boxes; reduce_scatter: after
+  absl::InlinedVector<int64_t, 4> counts;  // numel of parts
+  bool even = false;                       // all counts equal
+  bool consecutive = false;                // parts are consecutive blocks of after (gather) / before (scatter)
+  absl::InlinedVector<LocalBox, 4> send_regions, recv_regions;  // all_to_all
+  bool uniform = false;                                         // all_to_all: every pair moves the same count
+};
+struct PlanGeometry {
+  std::shared_ptr<const RedistributePlan> plan;  // kept alive: the cache is keyed by its address
+  std::vector<StepGeometry> steps;
+};
+
 // Kept in MeshRoot::core_state: shared by a mesh and its views, one per rank.
 struct CoreState {
   RedistributePlanner planner;
   CommCounter* counter = nullptr;
+  // Step geometry per (plan, mesh coordinate): a redistribution that hits the plan cache does
+  // no box arithmetic. Views of one mesh with the same shape and coordinate share entries
+  // (the geometry depends on nothing else).
+  absl::flat_hash_map<std::pair<const RedistributePlan*, Shape>, std::unique_ptr<PlanGeometry>> geometry;
 };
 CoreState& CoreStateOf(const DeviceMesh& mesh);
 
@@ -33,12 +56,16 @@ struct StartedStep {
   std::function<absl::StatusOr<Tensor>()> finish;
 };
 
-// Starts step `step` of a plan for the global shape `global_shape` on `mesh`, with this rank's
-// input `local` (its box in step.before). Local steps complete at once (work is null).
-absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor& local, const DeviceMesh& mesh,
-                                      IntSpan global_shape);
+// The cached geometry of every step of `plan` at this rank's coordinate of `mesh`.
+const PlanGeometry& GeometryOf(const std::shared_ptr<const RedistributePlan>& plan, const DeviceMesh& mesh);
+
+// Starts step `step` (with its geometry `g`) of a plan on `mesh`, with this rank's input
+// `local` (its box in step.before). Local steps complete at once (work is null).
+absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGeometry& g, const Tensor& local,
+                                      const DeviceMesh& mesh);
 // Runs steps [first, end) of `plan` on `local`, synchronously.
-absl::StatusOr<Tensor> ExecuteSteps(const RedistributePlan& plan, size_t first, Tensor local, const DeviceMesh& mesh);
+absl::StatusOr<Tensor> ExecuteSteps(const std::shared_ptr<const RedistributePlan>& plan, size_t first, Tensor local,
+                                    const DeviceMesh& mesh);
 
 // Moves boxes between the ranks of `comm` in one all_to_all: send_regions[j] (a region of
 // `local`, whose box is local_box) goes to rank j, recv_regions[j] (a region of the output,

@@ -241,12 +241,72 @@ absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, co
   return out;
 }
 
-absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor& local, const DeviceMesh& mesh,
-                                      IntSpan global_shape) {
+namespace {
+
+StepGeometry ComputeGeometry(const RedistributeStep& step, IntSpan global_shape, IntSpan mshape, IntSpan coord) {
+  StepGeometry g;
+  g.before = LocalBoxOf(global_shape, mshape, step.before, coord);
+  g.after = LocalBoxOf(global_shape, mshape, step.after, coord);
+  g.group = Sorted(step.mesh_dims);
+  switch (step.kind) {
+    case StepKind::kAllGather: {
+      Boxes parts = MemberBoxes(global_shape, mshape, step.before, coord, g.group);
+      g.parts.assign(parts.begin(), parts.end());
+      g.consecutive = ConsecutiveBlocks(g.after, parts);
+      break;
+    }
+    case StepKind::kReduceScatter: {
+      Boxes parts = MemberBoxes(global_shape, mshape, step.after, coord, g.group);
+      g.parts.assign(parts.begin(), parts.end());
+      g.consecutive = ConsecutiveBlocks(g.before, parts);
+      break;
+    }
+    case StepKind::kAllToAll: {
+      const Boxes befores = MemberBoxes(global_shape, mshape, step.before, coord, g.group);
+      const Boxes afters = MemberBoxes(global_shape, mshape, step.after, coord, g.group);
+      for (size_t j = 0; j < befores.size(); ++j) {
+        g.send_regions.push_back(Intersect(g.before, afters[j]));
+        g.recv_regions.push_back(Intersect(befores[j], g.after));
+      }
+      // Every member moves the same count to every member (the same on every rank: each
+      // knows all members' boxes) -> the even all_to_all.
+      g.uniform = true;
+      const int64_t n = Intersect(befores[0], afters[0]).numel();
+      for (size_t i = 0; i < befores.size() && g.uniform; ++i) {
+        for (size_t j = 0; j < afters.size() && g.uniform; ++j) {
+          g.uniform = Intersect(befores[i], afters[j]).numel() == n;
+        }
+      }
+      break;
+    }
+    default:
+      break;
+  }
+  for (const LocalBox& b : g.parts) g.counts.push_back(b.numel());
+  g.even = AllEqual(g.counts);
+  return g;
+}
+
+}  // namespace
+
+const PlanGeometry& GeometryOf(const std::shared_ptr<const RedistributePlan>& plan, const DeviceMesh& mesh) {
+  CoreState& state = CoreStateOf(mesh);
+  std::pair<const RedistributePlan*, Shape> key(plan.get(), Shape(mesh.coordinate().begin(), mesh.coordinate().end()));
+  auto it = state.geometry.find(key);
+  if (it != state.geometry.end()) return *it->second;
+  auto g = std::make_unique<PlanGeometry>();
+  g->plan = plan;
+  for (const RedistributeStep& step : plan->steps) {
+    g->steps.push_back(ComputeGeometry(step, plan->global_shape, mesh.shape(), mesh.coordinate()));
+  }
+  return *state.geometry.emplace(std::move(key), std::move(g)).first->second;
+}
+
+absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGeometry& g, const Tensor& local,
+                                      const DeviceMesh& mesh) {
   const IntSpan mshape = mesh.shape();
-  const IntSpan coord = mesh.coordinate();
-  const LocalBox before = LocalBoxOf(global_shape, mshape, step.before, coord);
-  const LocalBox after = LocalBoxOf(global_shape, mshape, step.after, coord);
+  const LocalBox& before = g.before;
+  const LocalBox& after = g.after;
   const int64_t esize = static_cast<int64_t>(ElementSize(local.dtype()));
   switch (step.kind) {
     case StepKind::kRelabel:
@@ -266,8 +326,7 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
     default:
       break;
   }
-  const Dims group = Sorted(step.mesh_dims);
-  DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(group));
+  DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(g.group));
   DT_ASSIGN_OR_RETURN(Tensor input, Contiguous(local));
   switch (step.kind) {
     case StepKind::kAllReduce: {
@@ -280,42 +339,39 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
                          }};
     }
     case StepKind::kAllGather: {
-      Boxes parts = MemberBoxes(global_shape, mshape, step.before, coord, group);
-      const Counts counts = CountsOf(parts);
-      const bool even = AllEqual(counts);
       DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(after.shape, local.dtype(), local.device()));
       Record(CommKind::kAllGather, after.numel() * esize, mesh);
-      if (ConsecutiveBlocks(after, parts)) {
+      const Counts counts(g.counts.begin(), g.counts.end());
+      if (g.consecutive) {
         DT_ASSIGN_OR_RETURN(auto work,
-                            even ? comm->AllGatherAsync(input, out) : comm->AllGatherVAsync(input, out, counts));
+                            g.even ? comm->AllGatherAsync(input, out) : comm->AllGatherVAsync(input, out, counts));
         return StartedStep{std::move(work), [out, input]() -> absl::StatusOr<Tensor> {
                              (void)input;  // kept alive until the collective is done
                              return out;
                            }};
       }
       DT_ASSIGN_OR_RETURN(Tensor staging, Tensor::Empty({after.numel()}, local.dtype(), local.device()));
-      DT_ASSIGN_OR_RETURN(auto work,
-                          even ? comm->AllGatherAsync(input, staging) : comm->AllGatherVAsync(input, staging, counts));
-      auto finish = [out, input, staging, after, parts = std::move(parts)]() -> absl::StatusOr<Tensor> {
+      DT_ASSIGN_OR_RETURN(
+          auto work, g.even ? comm->AllGatherAsync(input, staging) : comm->AllGatherVAsync(input, staging, counts));
+      auto finish = [out, input, staging, &g]() -> absl::StatusOr<Tensor> {
         (void)input;
-        DT_RETURN_IF_ERROR(Unpack(staging, parts, out, after));
+        DT_RETURN_IF_ERROR(Unpack(staging, g.parts, out, g.after));
         return out;
       };
       return StartedStep{std::move(work), std::move(finish)};
     }
     case StepKind::kReduceScatter: {
-      const Boxes parts = MemberBoxes(global_shape, mshape, step.after, coord, group);
-      const Counts counts = CountsOf(parts);
       DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(after.shape, local.dtype(), local.device()));
       Tensor send = input;
-      if (!ConsecutiveBlocks(before, parts)) {
+      if (!g.consecutive) {
         DT_ASSIGN_OR_RETURN(send, Tensor::Empty({before.numel()}, local.dtype(), local.device()));
-        DT_RETURN_IF_ERROR(Pack(input, before, parts, send));
+        DT_RETURN_IF_ERROR(Pack(input, before, g.parts, send));
       }
       Record(CommKind::kReduceScatter, before.numel() * esize, mesh);
       const CommReduceOp op = ToCommReduceOp(*step.before.partial_op());
-      DT_ASSIGN_OR_RETURN(auto work, AllEqual(counts) ? comm->ReduceScatterAsync(send, out, op)
-                                                      : comm->ReduceScatterVAsync(send, out, counts, op));
+      const Counts counts(g.counts.begin(), g.counts.end());
+      DT_ASSIGN_OR_RETURN(auto work, g.even ? comm->ReduceScatterAsync(send, out, op)
+                                            : comm->ReduceScatterVAsync(send, out, counts, op));
       // The buffers must live until the collective is done: the finisher holds them.
       return StartedStep{std::move(work), [out, send, input]() -> absl::StatusOr<Tensor> {
                            (void)send;
@@ -324,22 +380,8 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
                          }};
     }
     case StepKind::kAllToAll: {
-      const Boxes befores = MemberBoxes(global_shape, mshape, step.before, coord, group);
-      const Boxes afters = MemberBoxes(global_shape, mshape, step.after, coord, group);
-      Boxes send_regions, recv_regions;
-      for (size_t j = 0; j < befores.size(); ++j) {
-        send_regions.push_back(Intersect(before, afters[j]));
-        recv_regions.push_back(Intersect(befores[j], after));
-      }
-      // Every member moves the same count to every member (the same on every rank: each
-      // knows all members' boxes) -> the even all_to_all.
-      bool uniform = true;
-      const int64_t n = Intersect(befores[0], afters[0]).numel();
-      for (size_t i = 0; i < befores.size() && uniform; ++i) {
-        for (size_t j = 0; j < afters.size() && uniform; ++j) uniform = Intersect(befores[i], afters[j]).numel() == n;
-      }
-      DT_ASSIGN_OR_RETURN(Tensor out, TransferBoxes(*comm, input, before, send_regions, after, recv_regions, uniform,
-                                                    CoreStateOf(mesh).counter));
+      DT_ASSIGN_OR_RETURN(Tensor out, TransferBoxes(*comm, input, before, g.send_regions, after, g.recv_regions,
+                                                    g.uniform, CoreStateOf(mesh).counter));
       return Done(std::move(out));
     }
     default:
@@ -347,9 +389,12 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const Tensor
   }
 }
 
-absl::StatusOr<Tensor> ExecuteSteps(const RedistributePlan& plan, size_t first, Tensor local, const DeviceMesh& mesh) {
-  for (size_t i = first; i < plan.steps.size(); ++i) {
-    DT_ASSIGN_OR_RETURN(StartedStep started, StartStep(plan.steps[i], local, mesh, plan.global_shape));
+absl::StatusOr<Tensor> ExecuteSteps(const std::shared_ptr<const RedistributePlan>& plan, size_t first, Tensor local,
+                                    const DeviceMesh& mesh) {
+  if (first >= plan->steps.size()) return local;
+  const PlanGeometry& geometry = GeometryOf(plan, mesh);
+  for (size_t i = first; i < plan->steps.size(); ++i) {
+    DT_ASSIGN_OR_RETURN(StartedStep started, StartStep(plan->steps[i], geometry.steps[i], local, mesh));
     if (started.work != nullptr) DT_RETURN_IF_ERROR(started.work->Wait());
     DT_ASSIGN_OR_RETURN(local, started.finish());
   }
