@@ -3,7 +3,7 @@
 //
 //   agtest::RunMesh({2, 2}, [&](const DeviceMesh& mesh) {
 //     for (const std::vector<Layout>& ls : agtest::LayoutCombos(cands, groups, full_inputs, mesh.ndim(), 400)) {
-//       std::vector<Value> in = agtest::DistributeAll(full_inputs, mesh, ls);
+//       std::vector<Value> in = agtest::DistributeAll(full_inputs, mesh, ls);  // or DistributeParts
 //       ...
 //       agtest::ExpectClose(out[0], reference, "what");
 //     }
@@ -13,6 +13,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdint>
 #include <functional>
 #include <ostream>
 #include <string>
@@ -161,6 +163,64 @@ inline std::vector<Value> DistributeAll(const std::vector<Tensor>& full, const D
   std::vector<Value> out;
   for (size_t i = 0; i < full.size(); ++i) {
     out.emplace_back(Unwrap(DTensor::Distribute(full[i], mesh, ls[i], {.src_rank = std::nullopt}), "Distribute"));
+  }
+  return out;
+}
+
+// Like DistributeAll, but an input laid out Partial holds unequal parts on the ranks of its
+// Partial mesh dims (DTensor::Distribute gives them equal ones): with g this rank's index
+// among the n ranks of those dims and N_0..N_{n-1} random tensors of the global shape (the same
+// on every rank, from `seed`), the part is
+//   sum: full / n + N_g - N_{(g+1) % n}    avg: full + N_g - N_{(g+1) % n}
+//   max: full on the element's owner g = e % n, full - |N_g| - 0.1 elsewhere (min: + instead)
+// so that the parts sum to / average / max / min to the full value, and no rank holds it all.
+// No communication.
+inline std::vector<Value> DistributeParts(const std::vector<Tensor>& full, const DeviceMesh& mesh,
+                                          const std::vector<Layout>& ls, uint64_t seed) {
+  std::vector<Value> out;
+  for (size_t i = 0; i < full.size(); ++i) {
+    const Layout& l = ls[i];
+    if (!l.has_partial()) {
+      out.emplace_back(Unwrap(DTensor::Distribute(full[i], mesh, l, {.src_rank = std::nullopt}), "Distribute"));
+      continue;
+    }
+    int64_t n = 1, g = 0;
+    Layout base = l;
+    for (int m = 0; m < l.ndim(); ++m) {
+      if (!l[m].is_partial()) continue;
+      g = g * mesh.size(m) + mesh.coordinate()[static_cast<size_t>(m)];
+      n *= mesh.size(m);
+      base = base.WithPlacement(m, Replicate());
+    }
+    const PartialOp op = *l.partial_op();
+    const IntSpan shape = full[i].shape();
+    const uint64_t s = seed * 7919 + i * 131;
+    std::vector<double> v = testing::Values(full[i]);
+    const std::vector<double> ng =
+        testing::Values(testing::Random(shape, DType::kFloat32, s + static_cast<uint64_t>(g), -0.5, 0.5));
+    const std::vector<double> nn =
+        testing::Values(testing::Random(shape, DType::kFloat32, s + static_cast<uint64_t>((g + 1) % n), -0.5, 0.5));
+    for (size_t e = 0; e < v.size(); ++e) {
+      switch (op) {
+        case PartialOp::kSum:
+          v[e] = v[e] / static_cast<double>(n) + ng[e] - nn[e];
+          break;
+        case PartialOp::kAvg:
+          v[e] = v[e] + ng[e] - nn[e];
+          break;
+        case PartialOp::kMax:
+          if (static_cast<int64_t>(e) % n != g) v[e] -= std::abs(ng[e]) + 0.1;
+          break;
+        case PartialOp::kMin:
+          if (static_cast<int64_t>(e) % n != g) v[e] += std::abs(ng[e]) + 0.1;
+          break;
+      }
+    }
+    const Tensor mine = testing::FromDoubles(v, shape, full[i].dtype());
+    DTensor piece = Unwrap(DTensor::Distribute(mine, mesh, base, {.src_rank = std::nullopt}), "Distribute");
+    out.emplace_back(
+        Unwrap(DTensor::FromLocal(piece.ToLocal(), mesh, l, {.global_shape = Shape(shape.begin(), shape.end())}),
+               "FromLocal"));
   }
   return out;
 }
