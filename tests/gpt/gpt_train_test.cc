@@ -104,6 +104,13 @@ TEST(GptTrainTest, StartsFromAnLlmcCheckpoint) {
   EXPECT_NEAR(nlohmann::json::parse(line).at("loss").get<double>(), expected, 1e-5 * expected);
 }
 
+// The same binary started by Open MPI's mpirun (OMPI_COMM_WORLD_* rendezvous) is a UCX rank.
+TEST(GptTrainTest, MpirunProcessesMatchThreads) {
+  if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun is not installed";
+  const std::vector<double> one = RunLosses("", "--batch 5 --ranks 1", "m1");
+  ExpectSame(RunLosses("mpirun --allow-run-as-root --oversubscribe -np 2 ", "--batch 5", "m2"), one);
+}
+
 TEST(GptTrainTest, BadFlagsFailCleanly) {
   const std::string cmd = std::string(GPT_TRAIN_PATH) + " --text /nonexistent/file --steps 1 > /dev/null 2>&1";
   EXPECT_NE(std::system(cmd.c_str()), 0);
