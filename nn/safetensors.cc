@@ -18,6 +18,7 @@
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 #include "nlohmann/json.hpp"
+#include "nn/file_io.h"
 
 namespace dtensor {
 namespace {
@@ -50,21 +51,6 @@ absl::Status ErrnoError(const char* op, const std::string& what, const std::stri
   return absl::ErrnoToStatus(err, absl::StrCat("[", op, "] ", what, " '", path, "'"));
 }
 
-// Writes all of [data, data + n) to fd, retrying on short writes and EINTR.
-bool WriteAll(int fd, const void* data, size_t n) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    p += w;
-    n -= static_cast<size_t>(w);
-  }
-  return true;
-}
-
 // Reads exactly n bytes at `offset`; false with errno set (0 for an unexpected end of file).
 bool ReadAllAt(int fd, void* data, size_t n, uint64_t offset) {
   char* p = static_cast<char*>(data);
@@ -83,54 +69,6 @@ bool ReadAllAt(int fd, void* data, size_t n, uint64_t offset) {
     offset += static_cast<uint64_t>(r);
   }
   return true;
-}
-
-// Closes the fd and removes the temporary file unless released (the rename succeeded).
-class TempFile {
- public:
-  TempFile() = default;
-  TempFile(const TempFile&) = delete;
-  TempFile& operator=(const TempFile&) = delete;
-  ~TempFile() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!path_.empty()) ::unlink(path_.c_str());
-  }
-  // Creates "<target>.tmp.<pid>.<n>" next to target (mode 0666 minus umask, like a plain open).
-  absl::Status Create(const std::string& target) {
-    static std::atomic<uint64_t> counter{0};
-    for (int attempt = 0; attempt < 100; ++attempt) {
-      std::string p = absl::StrCat(target, ".tmp.", ::getpid(), ".", counter.fetch_add(1));
-      int fd = ::open(p.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
-      if (fd >= 0) {
-        fd_ = fd;
-        path_ = p;
-        return absl::OkStatus();
-      }
-      if (errno != EEXIST) return ErrnoError("WriteSafetensors", "cannot create temporary file", p, errno);
-    }
-    return absl::AlreadyExistsError(
-        absl::StrCat("[WriteSafetensors] cannot find a free temporary file name next to '", target, "'"));
-  }
-  int fd() const { return fd_; }
-  const std::string& path() const { return path_; }
-  // Closes the fd; returns errno on failure (0 on success).
-  int Close() {
-    int rc = ::close(fd_);
-    fd_ = -1;
-    return rc == 0 ? 0 : errno;
-  }
-  void Release() { path_.clear(); }
-
- private:
-  int fd_ = -1;
-  std::string path_;
-};
-
-std::string DirectoryOf(const std::string& path) {
-  size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
 }
 
 // Prefix for read errors: "[ReadSafetensors] <path>: ".
@@ -280,24 +218,9 @@ absl::Status WriteSafetensors(const std::string& path, absl::Span<const std::pai
   uint8_t len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(static_cast<uint64_t>(text.size()) >> (8 * i));
 
-  TempFile tmp;
-  DT_RETURN_IF_ERROR(tmp.Create(path));
-  bool ok = WriteAll(tmp.fd(), len, 8) && WriteAll(tmp.fd(), text.data(), text.size());
-  for (size_t i = 0; ok && i < host.size(); ++i) ok = WriteAll(tmp.fd(), host[i].raw_data(), host[i].nbytes());
-  if (!ok) return ErrnoError(kOp, "cannot write", tmp.path(), errno);
-  if (::fsync(tmp.fd()) != 0) return ErrnoError(kOp, "cannot fsync", tmp.path(), errno);
-  if (int err = tmp.Close(); err != 0) return ErrnoError(kOp, "cannot close", tmp.path(), err);
-  if (::rename(tmp.path().c_str(), path.c_str()) != 0) {
-    return ErrnoError(kOp, absl::StrCat("cannot rename '", tmp.path(), "' to"), path, errno);
-  }
-  tmp.Release();
-  // Make the rename itself durable.
-  const std::string dir = DirectoryOf(path);
-  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  std::vector<absl::string_view> pieces = {absl::string_view(reinterpret_cast<const char*>(len), 8), text};
+  for (const Tensor& t : host) pieces.emplace_back(static_cast<const char*>(t.raw_data()), t.nbytes());
+  DT_RETURN_IF_ERROR(WriteFileAtomically(kOp, path, pieces));
   return absl::OkStatus();
 }
 

@@ -25,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "nn/file_io.h"  // WriteFileAtomically, ReadFileBytes
 
 namespace dtensor::gpt {
 
@@ -94,13 +95,6 @@ class TokenLoader {
 // returns it.
 absl::StatusOr<std::string> PrepareFortunesCorpus(const std::string& out_path,
                                                   const std::vector<std::string>& dirs = {"/usr/share/games/fortunes"});
-
-// Writes `pieces` back to back to `path` atomically: a temporary file in the same directory is
-// written, fsync'ed and renamed over `path`. `op` names the operation in error messages.
-absl::Status WriteFileAtomically(const char* op, const std::string& path, absl::Span<const absl::string_view> pieces);
-
-// The whole contents of `path`; NotFound for a missing file. `op` names the operation in errors.
-absl::StatusOr<std::string> ReadFileBytes(const char* op, const std::string& path);
 
 }  // namespace dtensor::gpt
 
