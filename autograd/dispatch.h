@@ -6,7 +6,8 @@
 //   - plain Tensors only: calls the local function directly (no mesh, no strategy);
 //   - any DTensor: every strategy is the product of one DimStrategy per mesh dim (plus
 //     Replicate everywhere); the one whose input redistributions move the fewest bytes
-//     (RedistributePlan::cost, ties to the earlier strategy) is chosen, inputs are
+//     (RedistributePlan::cost; ties to the one redistributing fewer inputs, so Replicate stays
+//     Replicate, then to the earlier strategy) is chosen, inputs are
 //     redistributed, the local function runs and the outputs are wrapped as DTensors.
 //     The choice is cached per (op, input shapes, dtypes, layouts, static args, mesh shape)
 //     in the mesh (no global cache).
