@@ -253,6 +253,18 @@ inline Tensor Ids(const std::vector<int64_t>& v, IntSpan shape) {
   return Unwrap(Tensor::FromVector<int64_t>(v, shape), "Ids");
 }
 
+// Short placement names for the tables of the tests: `using namespace agtest::placements;`.
+namespace placements {
+inline const Placement R = Replicate();
+inline const Placement S0 = Shard(0);
+inline const Placement S1 = Shard(1);
+inline const Placement S2 = Shard(2);
+inline const Placement S3 = Shard(3);
+inline const Placement P = Partial(PartialOp::kSum);
+inline const Placement PA = Partial(PartialOp::kAvg);
+inline const Placement PM = Partial(PartialOp::kMax);
+}  // namespace placements
+
 }  // namespace dtensor::agtest
 
 #endif  // DTENSOR_TESTS_AUTOGRAD_AUTOGRAD_TEST_UTIL_H_

@@ -21,10 +21,7 @@ using agtest::Rand;
 using testing::Unwrap;
 using testing::Values;
 
-const Placement R = Replicate();
-const Placement S0 = Shard(0);
-const Placement S1 = Shard(1);
-const Placement P = Partial(PartialOp::kSum);
+using namespace agtest::placements;  // R, S0, S1, S2, S3, P, PA, PM
 
 // a*x + b elementwise, as a tensor.
 Tensor Affine(const Tensor& x, double a, double b) {

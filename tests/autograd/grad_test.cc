@@ -24,11 +24,7 @@ using agtest::Ids;
 using agtest::Rand;
 using testing::Unwrap;
 
-const Placement R = Replicate();
-const Placement S0 = Shard(0);
-const Placement S1 = Shard(1);
-const Placement S2 = Shard(2);
-const Placement P = Partial(PartialOp::kSum);
+using namespace agtest::placements;  // R, S0, S1, S2, S3, P, PA, PM
 
 using FwdFn = std::function<absl::StatusOr<Variable>(const std::vector<Variable>&)>;
 

@@ -26,14 +26,7 @@ using agtest::Ids;
 using agtest::Rand;
 using testing::Unwrap;
 
-const Placement R = Replicate();
-const Placement S0 = Shard(0);
-const Placement S1 = Shard(1);
-const Placement S2 = Shard(2);
-const Placement S3 = Shard(3);
-const Placement P = Partial(PartialOp::kSum);
-const Placement PA = Partial(PartialOp::kAvg);
-const Placement PM = Partial(PartialOp::kMax);
+using namespace agtest::placements;  // R, S0, S1, S2, S3, P, PA, PM
 
 using RunFn = std::function<absl::StatusOr<std::vector<Value>>(const std::vector<Value>&)>;
 

@@ -11,37 +11,13 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "tests/testing/test_util.h"
 
 namespace dtensor::gpt {
 namespace {
 
 namespace fs = std::filesystem;
-
-// A fresh directory under the test temp dir, removed at the end of the test.
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = ::testing::TempDir() + "gpt_data_XXXXXX";
-    char* p = ::mkdtemp(tmpl.data());
-    EXPECT_NE(p, nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string Path(const std::string& name) const { return path_ + "/" + name; }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-void WriteBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream f(path, std::ios::binary);
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(f.good()) << path;
-}
+using testing::WriteBytes;
 
 std::string ReadBytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -60,7 +36,7 @@ std::string LlmcTokenBytes(int32_t magic, int32_t version, int32_t count, const 
 }
 
 TEST(TextTokensTest, OneTokenPerByte) {
-  TempDir dir;
+  testing::ScopedTempDir dir("gpt_data");
   WriteBytes(dir.Path("t.txt"), std::string("Hi\xff\n\0z", 6));
   auto tokens = LoadTextTokens(dir.Path("t.txt"));
   ASSERT_TRUE(tokens.ok()) << tokens.status();
@@ -68,7 +44,7 @@ TEST(TextTokensTest, OneTokenPerByte) {
 }
 
 TEST(TextTokensTest, MissingAndEmptyFiles) {
-  TempDir dir;
+  testing::ScopedTempDir dir("gpt_data");
   auto missing = LoadTextTokens(dir.Path("nope.txt"));
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
   EXPECT_NE(missing.status().message().find("nope.txt"), std::string::npos) << missing.status();
@@ -79,7 +55,7 @@ TEST(TextTokensTest, MissingAndEmptyFiles) {
 }
 
 TEST(LlmcTokensTest, ReadsValidFile) {
-  TempDir dir;
+  testing::ScopedTempDir dir("gpt_data");
   const std::vector<uint16_t> tokens = {50256, 0, 1, 65535, 464, 3290};
   WriteBytes(dir.Path("ok.bin"), LlmcTokenBytes(20240520, 1, 6, tokens));
   auto read = LoadLlmcTokens(dir.Path("ok.bin"));
@@ -88,7 +64,7 @@ TEST(LlmcTokensTest, ReadsValidFile) {
 }
 
 TEST(LlmcTokensTest, WriteMatchesHandWrittenBytes) {
-  TempDir dir;
+  testing::ScopedTempDir dir("gpt_data");
   const std::vector<uint16_t> tokens = {7, 8, 9, 40000};
   ASSERT_TRUE(WriteLlmcTokens(dir.Path("w.bin"), tokens).ok());
   EXPECT_EQ(ReadBytes(dir.Path("w.bin")), LlmcTokenBytes(20240520, 1, 4, tokens));
@@ -108,7 +84,7 @@ void ExpectError(const std::string& path, absl::StatusCode code, const std::vect
 }
 
 TEST(LlmcTokensTest, Errors) {
-  TempDir dir;
+  testing::ScopedTempDir dir("gpt_data");
   const std::vector<uint16_t> tokens = {1, 2, 3, 4, 5};
   ExpectError(dir.Path("missing.bin"), absl::StatusCode::kNotFound, {"missing.bin"});
 
@@ -145,7 +121,7 @@ TEST(ValidateTokensTest, NamesTheFirstTokenOutsideTheVocab) {
 // Checks the loader against a naive recomputation of llm.c's sequential loader: batch k of an
 // epoch starts at token k*B*T, and there are floor((N-1)/(B*T)) batches per epoch.
 void CheckLoaderSequence(int64_t n, int64_t B, int64_t T, int steps) {
-  SCOPED_TRACE(testing::Message() << "N=" << n << " B=" << B << " T=" << T);
+  SCOPED_TRACE(::testing::Message() << "N=" << n << " B=" << B << " T=" << T);
   std::mt19937 rng(static_cast<uint32_t>(n * 131 + B * 7 + T));
   std::vector<uint16_t> tokens(static_cast<size_t>(n));
   for (auto& t : tokens) t = static_cast<uint16_t>(rng() % 65536);
@@ -198,7 +174,7 @@ TEST(TokenLoaderTest, ResetAndErrors) {
 }
 
 TEST(FortunesCorpusTest, BuildsFromFakeFortuneFiles) {
-  TempDir dir;
+  testing::ScopedTempDir dir("gpt_data");
   const std::string src = dir.Path("fortunes");
   fs::create_directories(src + "/off");
   WriteBytes(src + "/zoo", "Zebra.\n%\n\n  Indented\nline.\n\n%\n%\nLast one.\n");
@@ -232,7 +208,7 @@ TEST(FortunesCorpusTest, BuildsFromFakeFortuneFiles) {
 }
 
 TEST(FortunesCorpusTest, NoFortuneFilesIsNotFound) {
-  TempDir dir;
+  testing::ScopedTempDir dir("gpt_data");
   fs::create_directories(dir.Path("empty"));
   WriteBytes(dir.Path("empty/x.dat"), "index");
   auto r = PrepareFortunesCorpus(dir.Path("out.txt"), {dir.Path("empty"), dir.Path("missing")});
@@ -244,7 +220,7 @@ TEST(FortunesCorpusTest, NoFortuneFilesIsNotFound) {
 TEST(FortunesCorpusTest, DebianFortunesPackage) {
   const std::string system_dir = "/usr/share/games/fortunes";
   if (!fs::exists(system_dir + "/fortunes")) GTEST_SKIP() << "Debian's fortunes package is not installed";
-  TempDir dir;
+  testing::ScopedTempDir dir("gpt_data");
   auto r = PrepareFortunesCorpus(dir.Path("corpus.txt"));
   ASSERT_TRUE(r.ok()) << r.status();
   const std::string text = ReadBytes(*r);

@@ -19,30 +19,7 @@ namespace dtensor::gpt {
 namespace {
 
 namespace fs = std::filesystem;
-
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = ::testing::TempDir() + "gpt_llmc_XXXXXX";
-    char* p = ::mkdtemp(tmpl.data());
-    EXPECT_NE(p, nullptr);
-    path_ = tmpl;
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  std::string Path(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
-
-void WriteBytes(const std::string& path, const std::string& bytes) {
-  std::ofstream f(path, std::ios::binary);
-  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(f.good()) << path;
-}
+using testing::WriteBytes;
 
 std::string ReadBytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
@@ -161,7 +138,7 @@ void ExpectMatchesHandFile(const LlmcCheckpoint& ckpt, const HandFile& f, const 
 }
 
 TEST(LlmcCheckpointTest, ReadsHandWrittenFp32AndWritesIdenticalBytes) {
-  TempDir dir;
+  testing::ScopedTempDir dir("gpt_llmc");
   const LlmcConfig c = TinyConfig();
   const HandFile f = MakeHandFile(c, 3, 0.0f);
   WriteBytes(dir.Path("v3.bin"), f.bytes);
@@ -182,7 +159,7 @@ TEST(LlmcCheckpointTest, ReadsHandWrittenFp32AndWritesIdenticalBytes) {
 }
 
 TEST(LlmcCheckpointTest, WriteReadRoundTripOfArbitraryTensors) {
-  TempDir dir;
+  testing::ScopedTempDir dir("gpt_llmc");
   LlmcConfig c = TinyConfig();
   c.padded_vocab_size = 0;  // -> rounded up to 128, as llm.c pads
   std::vector<std::pair<std::string, Tensor>> params;
@@ -219,7 +196,7 @@ TEST(LlmcCheckpointTest, WriteReadRoundTripOfArbitraryTensors) {
 }
 
 TEST(LlmcCheckpointTest, ReadsBf16Version5) {
-  TempDir dir;
+  testing::ScopedTempDir dir("gpt_llmc");
   const LlmcConfig c = TinyConfig();
   const HandFile f = MakeHandFile(c, 5, /*pad_value=*/3.0f);  // padding rows are dropped, whatever they hold
   EXPECT_EQ(f.bytes.size(), 1024u + 2u * (16 * 4 + 8 * 4 + 2 * (12 * 16 + 13 * 4) + 2 * 4));
@@ -248,7 +225,7 @@ std::string WithHeaderWord(std::string bytes, int index, int32_t value) {
 }
 
 TEST(LlmcCheckpointTest, ReadErrors) {
-  TempDir dir;
+  testing::ScopedTempDir dir("gpt_llmc");
   const LlmcConfig c = TinyConfig();
   const std::string good = MakeHandFile(c, 3, 0.0f).bytes;
   ExpectReadError(dir.Path("missing.bin"), absl::StatusCode::kNotFound, {"missing.bin"});
@@ -291,7 +268,7 @@ TEST(LlmcCheckpointTest, ReadErrors) {
 }
 
 TEST(LlmcCheckpointTest, WriteErrors) {
-  TempDir dir;
+  testing::ScopedTempDir dir("gpt_llmc");
   const LlmcConfig c = TinyConfig();
   std::vector<std::pair<std::string, Tensor>> params;
   for (const auto& [name, shape] : LlmcParamShapes(c))

@@ -1,7 +1,12 @@
 #include "tests/testing/test_util.h"
 
+#include <stdlib.h>
+
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <numeric>
+#include <system_error>
 
 namespace dtensor::testing {
 
@@ -91,6 +96,27 @@ std::vector<double> FiniteDifference(const std::function<double(const std::vecto
 std::vector<int64_t> StridesOf(IntSpan shape) {
   Shape s = ContiguousStrides(shape);
   return std::vector<int64_t>(s.begin(), s.end());
+}
+
+ScopedTempDir::ScopedTempDir(const std::string& name) {
+  std::string tmpl = ::testing::TempDir() + name + "_XXXXXX";
+  if (::mkdtemp(tmpl.data()) != nullptr) {
+    path_ = tmpl;
+  } else {
+    ADD_FAILURE() << "mkdtemp(" << tmpl << ") failed";
+  }
+}
+
+ScopedTempDir::~ScopedTempDir() {
+  if (path_.empty()) return;
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+void WriteBytes(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  if (!f.good()) ADD_FAILURE() << "cannot write " << path;
 }
 
 }  // namespace dtensor::testing

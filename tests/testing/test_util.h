@@ -55,6 +55,24 @@ std::vector<double> FiniteDifference(const std::function<double(const std::vecto
 // Row-major index helpers for naive references.
 std::vector<int64_t> StridesOf(IntSpan shape);
 
+// A fresh directory under GoogleTest's temp dir (prefix `name`), removed with its contents at
+// the end of the scope. path() is empty (and the test has failed) when it cannot be made.
+class ScopedTempDir {
+ public:
+  explicit ScopedTempDir(const std::string& name = "dtensor");
+  ~ScopedTempDir();
+  ScopedTempDir(const ScopedTempDir&) = delete;
+  ScopedTempDir& operator=(const ScopedTempDir&) = delete;
+  const std::string& path() const { return path_; }
+  std::string Path(const std::string& file) const { return path_ + "/" + file; }
+
+ private:
+  std::string path_;
+};
+
+// Writes `bytes` to `path` (ADD_FAILURE on error).
+void WriteBytes(const std::string& path, const std::string& bytes);
+
 }  // namespace dtensor::testing
 
 #endif  // DTENSOR_TESTS_TESTING_TEST_UTIL_H_
