@@ -138,6 +138,32 @@ absl::StatusOr<Variable> Module::WithHooks(const std::function<absl::StatusOr<Va
   return out;
 }
 
+absl::Status Module::To(Device device) {
+  for (auto& [name, v] : NamedParameters()) {
+    if (v->value().is_dtensor()) {
+      return absl::InvalidArgumentError(absl::StrCat("[Module::To] parameter ", name, " is a DTensor (on ",
+                                                     v->value().dtensor().mesh().ToString(),
+                                                     "); it lives on its mesh's device"));
+    }
+    DT_ASSIGN_OR_RETURN(Tensor moved, dtensor::To(v->value().local(), device));
+    Value grad = v->grad();
+    v->set_value(Value(std::move(moved)));
+    if (grad.defined() && !grad.is_dtensor()) {
+      DT_ASSIGN_OR_RETURN(Tensor g, dtensor::To(grad.local(), device));
+      v->set_grad(Value(std::move(g)));
+    }
+  }
+  for (auto& [name, b] : NamedBuffers()) {
+    if (!b->defined()) continue;
+    if (b->is_dtensor()) {
+      return absl::InvalidArgumentError(absl::StrCat("[Module::To] buffer ", name, " is a DTensor"));
+    }
+    DT_ASSIGN_OR_RETURN(Tensor moved, dtensor::To(b->local(), device));
+    *b = Value(std::move(moved));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status DistributeModule(Module& module, const DeviceMesh& mesh,
                               const std::function<Layout(const std::string&, const Variable&)>& layout_for) {
   for (auto& [name, v] : module.NamedParameters()) {
@@ -148,7 +174,8 @@ absl::Status DistributeModule(Module& module, const DeviceMesh& mesh,
     Layout layout = layout_for
                         ? layout_for(name, *v)
                         : Layout(absl::InlinedVector<Placement, 4>(static_cast<size_t>(mesh.ndim()), Replicate()));
-    DT_ASSIGN_OR_RETURN(DTensor d, DTensor::Distribute(val.local(), mesh, layout, {.src_rank = std::nullopt}));
+    DT_ASSIGN_OR_RETURN(Tensor on_device, To(val.local(), mesh.device()));
+    DT_ASSIGN_OR_RETURN(DTensor d, DTensor::Distribute(on_device, mesh, layout, {.src_rank = std::nullopt}));
     // Own the piece (Distribute may return a view of the full tensor).
     DT_ASSIGN_OR_RETURN(Tensor own, Clone(d.ToLocal()));
     DT_ASSIGN_OR_RETURN(DTensor dd, DTensor::FromLocal(own, mesh, d.layout(),

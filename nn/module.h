@@ -48,6 +48,11 @@ class Module {
   std::vector<std::pair<std::string, Module*>> NamedModules();  // "" is this module
   Variable* FindParameter(const std::string& dotted_name);
 
+  // Moves every parameter, its gradient and every buffer to `device` (torch's module.to(device));
+  // values already there are kept as they are. Plain tensors only: a DTensor parameter lives on
+  // its mesh's device (InvalidArgument naming it).
+  absl::Status To(Device device);
+
   void Train(bool on = true);
   void Eval() { Train(false); }
   bool training() const { return training_; }
@@ -92,7 +97,8 @@ class Module {
 // Makes every parameter a DTensor on `mesh`, laid out as `layout_for(name, param)` returns
 // (Replicate everywhere when layout_for is null). Each rank keeps its piece of the value it
 // holds (all ranks must hold the same values, as after seeded initialisation): no
-// communication. PyTorch's distribute_module.
+// communication. Pieces are moved to the mesh's device (cuda:r on an NCCL mesh), as
+// PyTorch's distribute_module / distribute_tensor do.
 absl::Status DistributeModule(Module& module, const DeviceMesh& mesh,
                               const std::function<Layout(const std::string&, const Variable&)>& layout_for = nullptr);
 

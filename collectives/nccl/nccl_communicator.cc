@@ -671,8 +671,16 @@ class NcclCommunicator final : public Communicator {
     config.blocking = 0;
     ncclComm_t child = nullptr;
     const ncclResult_t r = ncclCommSplit(state_->comm(), color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config);
-    // The split is collective over this communicator: settle it there first, then the child.
-    absl::Status s = state_->Settle(kOp, -1, r);
+    // The split is collective over this communicator and runs as an NCCL job attached to it,
+    // which writes `child` when it completes (the call may return before that, even with
+    // ncclSuccess): poll this communicator until the job is done whatever the call returned,
+    // so `child` is final (and no job writes to this frame after we return). Then the child.
+    absl::Status s = state_->Settle(kOp, -1, r == ncclSuccess ? ncclInProgress : r);
+    if (s.ok() && color >= 0 && child == nullptr) {
+      s = absl::InternalError(absl::StrCat("[", kOp, "] rank ", rank(), " (cuda:", device,
+                                           "): NCCL completed the split but returned no communicator for color ",
+                                           color));
+    }
     bool timed_out = false;
     ncclResult_t cr = ncclSuccess;
     if (s.ok() && child != nullptr) {
@@ -880,7 +888,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const LaunchI
   const absl::Time deadline = absl::Now() + timeout;
   bool timed_out = false;
   const ncclResult_t started = ncclCommInitRankConfig(&comm, info.world_size, id, info.rank, &config);
-  const ncclResult_t r = comm != nullptr ? PollComm(comm, started, deadline, &timed_out) : started;
+  // Polled even after ncclSuccess: the init job may still be finishing in the background.
+  const ncclResult_t r = comm != nullptr && (started == ncclSuccess || started == ncclInProgress)
+                             ? PollComm(comm, ncclInProgress, deadline, &timed_out)
+                             : started;
   if (timed_out || r != ncclSuccess) {
     const absl::Status s = timed_out
                                ? absl::DeadlineExceededError(absl::StrCat(

@@ -96,6 +96,8 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
       f->metrics = v;
     else if (name == "--lr-schedule")
       f->lr_schedule = v;
+    else if (name == "--device")
+      f->device = v;
     else if (name == "--n-layer")
       ok = num(&f->n_layer);
     else if (name == "--n-head")
@@ -223,10 +225,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   } else {
     DT_RETURN_IF_ERROR(model->LoadStateDict(ckpt.params));
   }
-  for (Variable* p : model->Parameters()) {  // to this rank's device (a no-op on CPU)
-    DT_ASSIGN_OR_RETURN(Tensor on_device, To(p->value().local(), device));
-    p->set_value(Value(on_device));
-  }
+  DT_RETURN_IF_ERROR(model->To(device));  // this rank's device (a no-op on the CPU)
   // Parameters Replicate over "dp" (each rank keeps its copy; no communication).
   if (mesh.defined()) DT_RETURN_IF_ERROR(nn::DistributeModule(*model, mesh));
   say("gpt_train: %d rank(s) on %s (%s), %lld parameters, %lld layers, %lld heads, C=%lld, V=%lld, B=%lld (global), "
@@ -365,8 +364,10 @@ int main(int argc, char** argv) {
                  CudaBuilt() ? "yes" : "no");
     return 1;
   }
-  const bool use_cuda = f.device == "cuda" || (f.device == "auto" && gpus);
-  if (LaunchedAsProcess()) {  // one process per rank (dtrun, mpirun, srun): NCCL on GPUs, else UCX
+  if (LaunchedAsProcess()) {
+    const bool use_cuda =
+        f.device == "cuda" ||
+        (f.device == "auto" && gpus);  // one process per rank (dtrun, mpirun, srun): NCCL on GPUs, else UCX
     const char* local = std::getenv("LOCAL_WORLD_SIZE");  // processes sharing this host's cores
     omp_set_num_threads(std::max(1, cores / std::max(1, local ? std::atoi(local) : 1)));
     absl::StatusOr<std::unique_ptr<Communicator>> comm;
@@ -397,6 +398,9 @@ int main(int argc, char** argv) {
     if (!s.ok()) std::fprintf(stderr, "gpt_train rank %d: %s\n", (*comm)->rank(), s.ToString().c_str());
     return s.ok() ? 0 : 1;
   }
+  // Thread ranks share one process: one rank may run on cuda:0; several run on the CPU ("auto"
+  // picks the CPU for them; NCCL wants one process per GPU).
+  const bool use_cuda = f.device == "cuda" || (f.device == "auto" && gpus && f.ranks == 1);
   if (use_cuda && f.ranks > 1) {
     std::fprintf(stderr,
                  "gpt_train: thread ranks run on the CPU; for GPUs start one process per GPU with dtrun "

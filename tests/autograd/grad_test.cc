@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "dtensor/ops/ops.h"
+#include "dtensor/tensor/device.h"
 #include "gtest/gtest.h"
 #include "tests/autograd/autograd_test_util.h"
 
@@ -131,6 +133,25 @@ void CheckGrad(const GradCase& c) {
     for (double x : g) gmax = std::max(gmax, std::fabs(x));
     EXPECT_GT(gmax, 1e-3) << "input " << i << ": a zero gradient checks nothing";
   }
+  // ---- 1 GPU, where one is visible: the same loss and gradients on cuda:0 (plain Tensors) ----
+  if (CudaDeviceCount() > 0) {
+    auto gpu = [](const Tensor& t) { return Unwrap(To(t, Device::Cuda(0)), "to cuda:0"); };
+    std::vector<Value> on_gpu;
+    for (const Tensor& t : c.inputs) on_gpu.push_back(Value(gpu(t)));
+    auto r = RunGrad(c, on_gpu, gpu(w));
+    ASSERT_TRUE(r.ok()) << "cuda:0: " << r.status();
+    EXPECT_EQ(r->loss.local().device(), Device::Cuda(0));
+    // Reductions run in another order on the GPU (and exp/tanh are other approximations).
+    const testing::Tolerance tol = {1e-4, 1e-5};
+    agtest::ExpectClose(r->loss, ref->loss.local(), c.name + " loss on cuda:0", tol);
+    for (size_t i = 0; i < c.inputs.size(); ++i) {
+      if (!c.diff[i]) continue;
+      ASSERT_TRUE(r->grads[i].defined()) << "cuda:0: no gradient for input " << i;
+      EXPECT_EQ(r->grads[i].local().device(), Device::Cuda(0)) << "input " << i;
+      agtest::ExpectClose(r->grads[i], ref->grads[i].local(), absl::StrCat(c.name, " d/d input ", i, " on cuda:0"),
+                          tol);
+    }
+  }
   // ---- 2, 4 ranks and 2x2: equal to the single-rank gradient ----
   for (const Shape& ms : agtest::MeshShapes()) {
     agtest::RunMesh(ms, [&](const DeviceMesh& mesh) {
@@ -175,6 +196,14 @@ FwdFn Fwd2(std::function<absl::StatusOr<Variable>(const Variable&, const Variabl
 }
 
 // ---- Pointwise ----
+
+TEST(Grad, GpuComparisonsNeedAGpu) {
+  // CheckGrad compares every op's loss and gradients on cuda:0 with the CPU's where a GPU is
+  // visible; this test only says so when none is.
+  if (CudaDeviceCount() == 0)
+    GTEST_SKIP() << "no CUDA device visible: the cuda:0 comparisons of every case are skipped";
+  EXPECT_TRUE(To(Rand({2}, 1), Device::Cuda(0)).ok());
+}
 
 TEST(Grad, Binary) {
   const Tensor a = Rand({5, 6}, 1), b6 = Rand({6}, 2), b51 = Rand({5, 1}, 3), b = Rand({5, 6}, 4);

@@ -34,6 +34,13 @@ using CommPtr = std::unique_ptr<Communicator>;
 
 constexpr DType kAllTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kInt32, DType::kInt64};
 
+// Asserts that a Status is OK, printing it otherwise.
+#define ASSERT_OK(expr)                                    \
+  do {                                                     \
+    const absl::Status status_ = (expr);                   \
+    ASSERT_TRUE(status_.ok()) << #expr << ": " << status_; \
+  } while (false)
+
 #define SKIP_WITHOUT_GPUS(n)                                                                                      \
   do {                                                                                                            \
     if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: the nccl backend needs a GPU";           \
@@ -90,8 +97,11 @@ Tensor OnGpu(const Tensor& x, int device) { return Unwrap(To(x, Device::Cuda(dev
 
 // Rank r's deterministic input (integers in [-9, 9] for integer types, so products stay exact).
 Tensor Input(IntSpan shape, DType dtype, int rank, int salt) {
-  const bool integer = dtype == DType::kInt32 || dtype == DType::kInt64;
-  return Random(shape, dtype, static_cast<uint64_t>(1000 * salt + rank), integer ? -9.0 : -1.0, integer ? 9.0 : 1.0);
+  const uint64_t seed = static_cast<uint64_t>(1000 * salt + rank);
+  if (dtype == DType::kInt32 || dtype == DType::kInt64) {  // random integers: rounded float draws
+    return testing::FromDoubles(Values(Random(shape, DType::kFloat32, seed, -9.0, 9.0)), shape, dtype);
+  }
+  return Random(shape, dtype, seed);
 }
 
 testing::Tolerance GroupTol(DType dtype, int world) {
@@ -174,22 +184,23 @@ TEST(NcclTest, SingleRankCollectivesMoveExactlyTheirElements) {
       const Tensor out = Unwrap(buf.Narrow(0, 0, n));
       for (CommReduceOp op :
            {CommReduceOp::kSum, CommReduceOp::kAvg, CommReduceOp::kMax, CommReduceOp::kMin, CommReduceOp::kProduct}) {
-        ASSERT_TRUE(comm->AllReduce(x, out, op).ok()) << CommReduceOpName(op);
+        const absl::Status st = comm->AllReduce(x, out, op);
+        ASSERT_TRUE(st.ok()) << CommReduceOpName(op) << ": " << st;
         testing::ExpectNear(Values(out), xv, testing::Tol(dtype), CommReduceOpName(op));
       }
-      ASSERT_TRUE(comm->AllGather(x, out).ok());
+      ASSERT_OK(comm->AllGather(x, out));
       testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "AllGather");
-      ASSERT_TRUE(comm->ReduceScatter(x, out, CommReduceOp::kSum).ok());
+      ASSERT_OK(comm->ReduceScatter(x, out, CommReduceOp::kSum));
       testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "ReduceScatter");
-      ASSERT_TRUE(comm->AllToAll(x, out).ok());
+      ASSERT_OK(comm->AllToAll(x, out));
       testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "AllToAll");
-      ASSERT_TRUE(comm->AllGatherV(x, out, {n}).ok());
+      ASSERT_OK(comm->AllGatherV(x, out, {n}));
       testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "AllGatherV");
-      ASSERT_TRUE(comm->ReduceScatterV(x, out, {n}, CommReduceOp::kMax).ok());
+      ASSERT_OK(comm->ReduceScatterV(x, out, {n}, CommReduceOp::kMax));
       testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "ReduceScatterV");
-      ASSERT_TRUE(comm->AllToAllV(x, out, {n}, {n}).ok());
+      ASSERT_OK(comm->AllToAllV(x, out, {n}, {n}));
       testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "AllToAllV");
-      ASSERT_TRUE(comm->Broadcast(out, 0).ok());
+      ASSERT_OK(comm->Broadcast(out, 0));
       testing::ExpectNear(Values(out), xv, testing::Tol(dtype), "Broadcast");
       const std::vector<double> all = Values(buf);
       for (int64_t i = n; i < n + 64; ++i) ASSERT_EQ(all[static_cast<size_t>(i)], 7.0) << "guard element " << i;
@@ -206,12 +217,12 @@ TEST(NcclTest, SingleRankInPlaceEmptyAndByteTypes) {
   // In place.
   const Tensor x = OnGpu(Input({5, 7}, DType::kFloat32, 0, 2), 0);
   const std::vector<double> xv = Values(x);
-  ASSERT_TRUE(comm->AllReduce(x, x, CommReduceOp::kAvg).ok());
+  ASSERT_OK(comm->AllReduce(x, x, CommReduceOp::kAvg));
   testing::ExpectNear(Values(x), xv, testing::Tol(DType::kFloat32), "in place");
   // Overlapping (shifted) input and output are staged, not raced.
   const Tensor buf = OnGpu(Unwrap(Arange(20, DType::kFloat32)), 0);
   const Tensor in = Unwrap(buf.Narrow(0, 0, 16)), out = Unwrap(buf.Narrow(0, 4, 16));
-  ASSERT_TRUE(comm->AllToAll(in, out).ok());
+  ASSERT_OK(comm->AllToAll(in, out));
   const std::vector<double> got = Values(buf);
   for (int i = 0; i < 16; ++i) EXPECT_EQ(got[static_cast<size_t>(4 + i)], i) << i;
   // Empty tensors.
@@ -222,13 +233,13 @@ TEST(NcclTest, SingleRankInPlaceEmptyAndByteTypes) {
   // bool reduces as or / and; float8 moves as bytes.
   const Tensor b = OnGpu(testing::FromDoubles({1, 0, 1, 1, 0}, {5}, DType::kBool), 0);
   const Tensor bo = Unwrap(Tensor::Empty({5}, DType::kBool, Device::Cuda(0)));
-  ASSERT_TRUE(comm->AllReduce(b, bo, CommReduceOp::kSum).ok());
+  ASSERT_OK(comm->AllReduce(b, bo, CommReduceOp::kSum));
   EXPECT_EQ(Values(bo), Values(b));
-  ASSERT_TRUE(comm->AllReduce(b, bo, CommReduceOp::kProduct).ok());
+  ASSERT_OK(comm->AllReduce(b, bo, CommReduceOp::kProduct));
   EXPECT_EQ(Values(bo), Values(b));
   const Tensor f8 = OnGpu(Unwrap(Cast(Input({9}, DType::kFloat32, 0, 3), DType::kFloat8E4M3)), 0);
   const Tensor f8o = Unwrap(Tensor::Empty({9}, DType::kFloat8E4M3, Device::Cuda(0)));
-  ASSERT_TRUE(comm->AllGather(f8, f8o).ok());
+  ASSERT_OK(comm->AllGather(f8, f8o));
   EXPECT_EQ(Values(f8o), Values(f8));
 }
 
@@ -491,9 +502,9 @@ TEST(NcclTest, DebugModeLetsMatchingCallsThrough) {
   CommPtr comm = SingleRank(store, client);
   ASSERT_NE(comm, nullptr);
   const Tensor x = Unwrap(Full({7}, 2.0, DType::kFloat32, Device::Cuda(0)));
-  ASSERT_TRUE(comm->AllReduce(x, x, CommReduceOp::kSum).ok());
+  ASSERT_OK(comm->AllReduce(x, x, CommReduceOp::kSum));
   EXPECT_EQ(Values(x), std::vector<double>(7, 2.0));
-  ASSERT_TRUE(comm->Barrier().ok());
+  ASSERT_OK(comm->Barrier());
 }
 
 TEST(NcclTest, MultiRankDebugModeReportsMismatchedCallsOnEveryRank) {

@@ -4,10 +4,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
 #include "autograd/ops.h"
+#include "dtensor/tensor/device.h"
 #include "examples/gpt/data.h"
 #include "examples/gpt/llmc.h"
 #include "gtest/gtest.h"
@@ -61,7 +63,7 @@ TEST(GptTrainTest, DataParallelLossesEqualSingleRank) {
   const std::vector<double> one = RunLosses("", "--batch 6 --ranks 1", "r1");
   ASSERT_EQ(one.size(), 6u);
   EXPECT_LT(one.back(), one.front() - 0.3) << "loss did not fall";
-  ExpectSame(RunLosses("", "--batch 6 --ranks 2", "r2"), one);
+  ExpectSame(RunLosses("", "--batch 6 --ranks 2 --device cpu", "r2"), one);
   ExpectSame(RunLosses("", "--batch 6 --ranks 4", "r4"), one);  // 6 rows over 4 ranks: 2, 2, 2, 0
 }
 
@@ -116,6 +118,22 @@ TEST(GptTrainTest, BadFlagsFailCleanly) {
   EXPECT_NE(std::system(cmd.c_str()), 0);
   const std::string cmd2 = std::string(GPT_TRAIN_PATH) + " --text x --n-embd 30 --n-head 4 > /dev/null 2>&1";
   EXPECT_NE(std::system(cmd2.c_str()), 0);
+  const std::string log = TempPath("bad_device.log");
+  const std::string cmd3 = std::string(GPT_TRAIN_PATH) + " --text x --device tpu > " + log + " 2>&1";
+  EXPECT_NE(std::system(cmd3.c_str()), 0);
+  std::ifstream in(log);
+  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(out.find("--device auto|cpu|cuda"), std::string::npos) << out;
+}
+
+// One rank on cuda:0 trains to the CPU's losses (float32 on both; GPU reductions run in
+// another order).
+TEST(GptTrainTest, OneGpuMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
+  const std::vector<double> cpu = RunLosses("", "--batch 4 --ranks 1 --device cpu", "c1");
+  const std::vector<double> gpu = RunLosses("", "--batch 4 --ranks 1 --device cuda", "g1");
+  ASSERT_EQ(gpu.size(), cpu.size());
+  for (size_t i = 0; i < cpu.size(); ++i) EXPECT_NEAR(gpu[i], cpu[i], 1e-4 * std::abs(cpu[i])) << "step " << i;
 }
 
 }  // namespace

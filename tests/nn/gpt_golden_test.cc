@@ -1,12 +1,15 @@
 // The GPT of nn/gpt.h against golden tensors from PyTorch (tests/golden/make_gpt_golden.py):
 // logits, loss, every parameter's gradient and the parameters after one AdamW step, on one
 // rank (plain tensors) and data-parallel over 2 and 3 thread ranks (batch Shard(0), uneven for
-// 2 ranks: rows 2 + 1; parameters Replicate; gradients reduced by ReduceGradients).
+// 2 ranks: rows 2 + 1; parameters Replicate; gradients reduced by ReduceGradients). Where a
+// GPU is visible, also on cuda:0: plain tensors, and DTensors on a one-rank NCCL mesh.
 #include <cmath>
 #include <string>
 #include <thread>
 
 #include "autograd/ops.h"
+#include "collectives/nccl/nccl_communicator.h"
+#include "collectives/store/tcp_store.h"
 #include "collectives/threads/threads_communicator.h"
 #include "gtest/gtest.h"
 #include "nn/gpt.h"
@@ -59,7 +62,7 @@ double RelErr(const Tensor& a, const Tensor& b) {
 Tensor Full(const Value& v) { return v.is_dtensor() ? Unwrap(v.dtensor().FullTensor()) : v.local(); }
 
 // One rank's run: returns nothing, checks with EXPECT (rank 0 reports).
-void RunGolden(const DeviceMesh* mesh) {
+void RunGolden(const DeviceMesh* mesh, Device device = Device::Cpu()) {
   const Golden& g = LoadGolden();
   auto model = Unwrap(nn::GPT::Create(g.config));
   std::vector<std::pair<std::string, Tensor>> params;
@@ -67,17 +70,19 @@ void RunGolden(const DeviceMesh* mesh) {
   ASSERT_TRUE(model->LoadStateDict(params).ok());
   const Tensor& tokens = g.Get("tokens");  // int64 [B, T+1]
   const int64_t t = tokens.size(1) - 1;
-  Tensor inputs = Unwrap(Contiguous(Unwrap(tokens.Narrow(1, 0, t))));
-  Tensor targets = Unwrap(Contiguous(Unwrap(tokens.Narrow(1, 1, t))));
+  Tensor inputs = Unwrap(To(Unwrap(Contiguous(Unwrap(tokens.Narrow(1, 0, t)))), device));
+  Tensor targets = Unwrap(To(Unwrap(Contiguous(Unwrap(tokens.Narrow(1, 1, t)))), device));
   Variable ids, tg;
   if (mesh != nullptr) {
-    ASSERT_TRUE(nn::DistributeModule(*model, *mesh).ok());
+    ASSERT_TRUE(nn::DistributeModule(*model, *mesh).ok());  // to the mesh's device
     ids = Variable::Constant(Unwrap(DTensor::Distribute(inputs, *mesh, {Shard(0)}, {.src_rank = std::nullopt})));
     tg = Variable::Constant(Unwrap(DTensor::Distribute(targets, *mesh, {Shard(0)}, {.src_rank = std::nullopt})));
   } else {
+    ASSERT_TRUE(model->To(device).ok());
     ids = Variable::Constant(inputs);
     tg = Variable::Constant(targets);
   }
+  for (auto& [name, p] : model->NamedParameters()) ASSERT_EQ(p->value().local().device(), device) << name;
   nn::GPT::Output out = Unwrap(model->Forward(ids, tg));
   const bool report = mesh == nullptr || mesh->coordinate()[0] == 0;
   const double logits_err = RelErr(Full(out.logits.value()), g.Get("logits"));
@@ -107,9 +112,10 @@ void RunGolden(const DeviceMesh* mesh) {
   for (auto& [name, p] : model->NamedParameters()) {
     worst_step = std::max(worst_step, RelErr(Full(p->value()), g.Get("step1." + name)));
   }
+  for (auto& [name, p] : model->NamedParameters()) EXPECT_EQ(p->value().local().device(), device) << name;
   if (report) {
-    std::printf("logits %.3g loss %.3g grad %.3g (%s) step %.3g\n", logits_err, loss_err, worst_grad,
-                worst_name.c_str(), worst_step);
+    std::printf("%s: logits %.3g loss %.3g grad %.3g (%s) step %.3g\n", device.ToString().c_str(), logits_err, loss_err,
+                worst_grad, worst_name.c_str(), worst_step);
     EXPECT_LT(logits_err, 1e-5);
     EXPECT_LT(loss_err, 1e-5);
     EXPECT_LT(worst_grad, 1e-5) << "worst gradient: " << worst_name;
@@ -135,6 +141,27 @@ TEST_P(GptGoldenDpTest, DataParallelMatchesPyTorch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, GptGoldenDpTest, ::testing::Values(2, 3));
+
+TEST(GptGoldenTest, OneGpuMatchesPyTorch) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
+  RunGolden(nullptr, Device::Cuda(0));
+}
+
+// DTensors on cuda:0 over a one-rank NCCL communicator: the DTensor dispatch, the optimizer
+// and ReduceGradients on device memory with the nccl backend underneath.
+TEST(GptGoldenTest, OneGpuNcclMeshMatchesPyTorch) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: the nccl backend needs a GPU";
+  auto server = Unwrap(StoreServer::Start("127.0.0.1", 0));
+  auto client = Unwrap(StoreClient::Connect("127.0.0.1", server->port(), absl::Seconds(60)));
+  LaunchInfo info;
+  info.rank = 0;
+  info.world_size = 1;
+  info.local_rank = 0;
+  info.local_world_size = 1;
+  auto comm = Unwrap(MakeNcclCommunicator(info, *client, 0, absl::Seconds(60)));
+  DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comm, {1}, {"dp"}));
+  RunGolden(&mesh, Device::Cuda(0));
+}
 
 }  // namespace
 }  // namespace dtensor
