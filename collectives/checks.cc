@@ -47,6 +47,29 @@ absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, 
   return sum;
 }
 
+absl::StatusOr<DType> CheckBlocks(const char* op, int rank, absl::Span<const Tensor> sends,
+                                  absl::Span<const Tensor> recvs, int size) {
+  for (const auto& [name, blocks] : {std::pair{"sends", sends}, std::pair{"recvs", recvs}}) {
+    if (static_cast<int64_t>(blocks.size()) != size) {
+      return InvalidArg(op, "rank ", rank, ": ", name, " has ", blocks.size(), " blocks, expected ", size,
+                        " (one per rank)");
+    }
+    for (size_t j = 0; j < blocks.size(); ++j) {
+      if (!blocks[j].defined()) return InvalidArg(op, "rank ", rank, ": ", name, "[", j, "] is undefined");
+    }
+  }
+  const DType dtype = sends[0].dtype();
+  for (const auto& [name, blocks] : {std::pair{"sends", sends}, std::pair{"recvs", recvs}}) {
+    for (size_t j = 0; j < blocks.size(); ++j) {
+      if (blocks[j].dtype() != dtype) {
+        return InvalidArg(op, "rank ", rank, ": ", name, "[", j, "] is ", DTypeName(blocks[j].dtype()),
+                          " but sends[0] is ", DTypeName(dtype));
+      }
+    }
+  }
+  return dtype;
+}
+
 absl::Status CheckPeer(const char* op, int rank, const char* what, int peer, int size) {
   if (peer < 0 || peer >= size) {
     return InvalidArg(op, "rank ", rank, ": ", what, " ", peer, " is out of range for a group of size ", size);

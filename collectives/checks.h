@@ -34,6 +34,9 @@ absl::Status CheckNumel(const char* op, int rank, const char* name, const Tensor
 // One non-negative count per rank; returns their sum.
 absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, absl::Span<const int64_t> counts,
                                     int size);
+// AllToAllBlocks' arguments: `size` defined blocks each way, one dtype (returned).
+absl::StatusOr<DType> CheckBlocks(const char* op, int rank, absl::Span<const Tensor> sends,
+                                  absl::Span<const Tensor> recvs, int size);
 // A root or peer index in [0, size).
 absl::Status CheckPeer(const char* op, int rank, const char* what, int peer, int size);
 // Reductions: float8 is storage-only (Unimplemented); avg is not defined for bool.

@@ -1,7 +1,13 @@
 #include "collectives/communicator.h"
 
 #include <cstdlib>
+#include <numeric>
 #include <string>
+#include <vector>
+
+#include "collectives/checks.h"
+#include "dtensor/ops/ops.h"
+#include "dtensor/tensor/status.h"
 
 namespace dtensor {
 
@@ -62,6 +68,63 @@ absl::Status Communicator::ReduceScatterV(const Tensor& input, const Tensor& out
 absl::Status Communicator::AllToAllV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> send_counts,
                                      absl::Span<const int64_t> recv_counts) {
   return WaitOn(AllToAllVAsync(input, output, send_counts, recv_counts));
+}
+
+namespace {
+
+// The first non-empty block when the blocks' bytes already lie back to back, each block
+// contiguous, in one storage (then one flat view over them needs no copy); else null.
+const Tensor* BackToBack(absl::Span<const Tensor> blocks) {
+  const Tensor* first = nullptr;
+  const char* next = nullptr;
+  for (const Tensor& b : blocks) {
+    if (b.numel() == 0) continue;
+    if (!b.is_contiguous()) return nullptr;
+    if (first != nullptr && (b.storage() != first->storage() || b.raw_data() != next)) return nullptr;
+    if (first == nullptr) first = &b;
+    next = static_cast<const char*>(b.raw_data()) + b.nbytes();
+  }
+  return first;
+}
+
+// A flat tensor of `total` elements: a view over back-to-back blocks, or a new buffer.
+absl::StatusOr<Tensor> FlatOf(absl::Span<const Tensor> blocks, int64_t total, DType dtype, Device device,
+                              bool* is_view) {
+  const Tensor* first = BackToBack(blocks);
+  *is_view = first != nullptr;
+  if (first != nullptr) return first->AsStrided({total}, {1}, first->storage_offset());
+  return Tensor::Empty({total}, dtype, device);
+}
+
+// Packs (or unpacks, when `pack` is false) the blocks into / out of the flat `flat`.
+absl::Status CopyBlocks(absl::Span<const Tensor> blocks, const Tensor& flat, bool pack) {
+  int64_t at = 0;
+  for (const Tensor& b : blocks) {
+    if (b.numel() == 0) continue;
+    DT_ASSIGN_OR_RETURN(Tensor piece, flat.Narrow(0, at, b.numel()));
+    DT_ASSIGN_OR_RETURN(piece, piece.View(b.shape()));
+    DT_RETURN_IF_ERROR(pack ? CopyBlock(piece, b) : CopyBlock(b, piece));
+    at += b.numel();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status Communicator::AllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs) {
+  constexpr const char* kOp = "AllToAllBlocks";
+  DT_ASSIGN_OR_RETURN(const DType dtype, internal::CheckBlocks(kOp, rank(), sends, recvs, size()));
+  std::vector<int64_t> send_counts, recv_counts;
+  for (const Tensor& b : sends) send_counts.push_back(b.numel());
+  for (const Tensor& b : recvs) recv_counts.push_back(b.numel());
+  const int64_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
+  const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
+  bool send_view = false, recv_view = false;
+  DT_ASSIGN_OR_RETURN(Tensor send, FlatOf(sends, send_total, dtype, device(), &send_view));
+  if (!send_view) DT_RETURN_IF_ERROR(CopyBlocks(sends, send, /*pack=*/true));
+  DT_ASSIGN_OR_RETURN(Tensor recv, FlatOf(recvs, recv_total, dtype, device(), &recv_view));
+  DT_RETURN_IF_ERROR(AllToAllV(send, recv, send_counts, recv_counts));
+  return recv_view ? absl::OkStatus() : CopyBlocks(recvs, recv, /*pack=*/false);
 }
 
 }  // namespace dtensor

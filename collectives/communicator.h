@@ -92,6 +92,14 @@ class Communicator {
                                                                absl::Span<const int64_t> recv_counts) = 0;
   virtual absl::Status Barrier() = 0;
 
+  // All-to-all of blocks given as views of any strides (the column blocks of a row-major
+  // matrix, say): sends[j] goes to rank j and lands in recvs[j], element for element in
+  // row-major order, so sends[j].numel() on rank i must equal recvs[i].numel() on rank j.
+  // One dtype for every block; blocks may be empty. Transports that read a peer's memory
+  // directly (threads) move each block once, from view to view; the default packs blocks that
+  // are not already back to back into contiguous buffers around AllToAllV (and unpacks).
+  virtual absl::Status AllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs);
+
   // Sub-communicators: ranks calling with the same color form a group ordered by (key, rank);
   // a negative color joins no group and gets nullptr. Collective over this communicator.
   virtual absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) = 0;

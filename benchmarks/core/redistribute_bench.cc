@@ -495,9 +495,11 @@ class RankRunner {
     }
   }
 
-  // The same for S(0) -> S(1) of a [2g, 2g] tensor (64 B at g = 2), whose executor path is
-  // TransferBoxes (redistribute.cc): all_to_all_v between a packed send buffer and a recv
-  // buffer, each region copied with Copy_ through Narrow / View views, then the output.
+  // The same for S(0) -> S(1) of a [2g, 2g] tensor (64 B at g = 2). Its executor path is
+  // TransferBoxes -> Communicator::AllToAllBlocks: on the threads backend each rank copies the
+  // column blocks straight from the peers' views into its output; the re-enactment below is
+  // the packing path (pack, all_to_all_v, unpack) of the default AllToAllBlocks that the ucx
+  // and nccl transports inherit.
   void BreakdownAllToAll() {
     const int64_t g = world_.size();
     DeviceMesh mesh = Must(DeviceMesh::Create(world_, {g}), "DeviceMesh::Create");
@@ -517,9 +519,8 @@ class RankRunner {
       Must(comm->AllToAllV(local, out, counts, counts), "all_to_all_v");
     };
     auto redist = [&] { out = Must(x.Redistribute(dst), "Redistribute").ToLocal(); };
-    // The executor's step re-enacted with public calls (redistribute.cc TransferBoxes): boxes,
-    // send / recv staging, per-region Narrow + Copy_ pack, all_to_all_v (when `with_comm`),
-    // output, per-region unpack.
+    // The packing path re-enacted with public calls: boxes, send / recv staging, per-region
+    // Narrow + Copy_ pack, all_to_all_v (when `with_comm`), output, per-region unpack.
     const IntSpan mshape = mesh.shape(), coord = mesh.coordinate();
     auto plan0 = Must(PlannerOf(mesh).Plan(global, mshape, src, dst, 4), "Plan");
     const RedistributeStep step0 = plan0->steps.at(0);
@@ -570,7 +571,7 @@ class RankRunner {
       std::printf("  %-60s %8.3f  (+%.3f)\n", "comm.AllToAllV + Empty", t_a2av * 1e6, (t_a2av - t_a2a) * 1e6);
       std::printf("  %-60s %8.3f  (+%.3f over AllToAllV, second run %.3f)\n", "DTensor::Redistribute", t_rd * 1e6,
                   (t_rd - t_a2av2) * 1e6, t_a2av2 * 1e6);
-      std::printf("  %-60s %8.3f  (Redistribute beside it %.3f)\n", "TransferBoxes re-enacted with public calls",
+      std::printf("  %-60s %8.3f  (Redistribute beside it %.3f)\n", "packing path re-enacted with public calls",
                   t_emul * 1e6, t_rd2 * 1e6);
       std::printf("  %-60s %8.3f  (AllToAllV beside it %.3f)\n",
                   "  its host work alone (no all_to_all), every rank at once", t_host_all * 1e6, t_a2av3 * 1e6);
@@ -631,9 +632,9 @@ class RankRunner {
       });
       (void)after;
       rows.Total();
-      // At 1 MiB the copies dominate: TransferBoxes packs the column blocks with Copy_ and
-      // unpacks the received blocks with Copy_, although they land as consecutive row blocks
-      // of the output (an all_to_all straight into it would need no unpack).
+      // At 1 MiB the copies dominate. The packing path copies every byte twice more than the
+      // raw all_to_all (pack, unpack); the threads backend's view-to-view copy moves it once,
+      // row by row (the "memcpy per row" line: ~15% over one contiguous memcpy).
       const int64_t n = 512, k = 512, rows_per = n / g, cols = k / g;
       Tensor big = Must(Full({rows_per, k}, 1.0, DType::kFloat32), "full");
       Tensor send = Must(Tensor::Empty({rows_per * k}, DType::kFloat32), "empty");

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "collectives/checks.h"
+#include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 
 namespace dtensor {
@@ -189,6 +190,7 @@ enum class CallKind : uint8_t {
   kAllGatherV,
   kReduceScatterV,
   kAllToAllV,
+  kAllToAllBlocks,
   kBarrier,
   kSplit,
 };
@@ -211,6 +213,8 @@ const char* CallName(CallKind k) {
       return "ReduceScatterV";
     case CallKind::kAllToAllV:
       return "AllToAllV";
+    case CallKind::kAllToAllBlocks:
+      return "AllToAllBlocks";
     case CallKind::kBarrier:
       return "Barrier";
     case CallKind::kSplit:
@@ -231,6 +235,7 @@ struct Call {
   char* out = nullptr;
   std::vector<int64_t> counts;       // *V counts; AllToAllV: send counts
   std::vector<int64_t> recv_counts;  // AllToAllV
+  std::vector<Tensor> blocks;        // AllToAllBlocks: the send views, read by the peers
   int color = -1;
   int key = 0;
   std::shared_ptr<ThreadGroup> split;  // Split: the new group, set by its first member
@@ -250,6 +255,7 @@ std::string Describe(const Call& c) {
       absl::StrAppend(&s, ", counts [", absl::StrJoin(c.counts, ", "), "]");
       break;
     case CallKind::kAllToAllV:
+    case CallKind::kAllToAllBlocks:
       absl::StrAppend(&s, ", send [", absl::StrJoin(c.counts, ", "), "], recv [", absl::StrJoin(c.recv_counts, ", "),
                       "]");
       break;
@@ -275,6 +281,7 @@ bool SameCall(const Call& a, const Call& b) {
     case CallKind::kReduceScatterV:
       return a.counts == b.counts;
     case CallKind::kAllToAllV:
+    case CallKind::kAllToAllBlocks:
       return true;
     case CallKind::kBroadcast:
       return a.numel == b.numel && a.root == b.root;
@@ -648,6 +655,36 @@ class ThreadsCommunicator final : public Communicator {
     return Done(RunAllToAll(std::move(call)));
   }
 
+  // Each rank copies the block every peer addressed to it straight from the peer's view into
+  // its own (strided on either side): every block is moved once, and nothing is packed.
+  absl::Status AllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs) override {
+    constexpr const char* kOp = "AllToAllBlocks";
+    DT_ASSIGN_OR_RETURN(const DType dtype, CheckBlocks(kOp, rank_, sends, recvs, size()));
+    Call call;
+    call.kind = CallKind::kAllToAllBlocks;
+    call.dtype = dtype;
+    for (size_t j = 0; j < sends.size(); ++j) {
+      DT_RETURN_IF_ERROR(CheckDevice(kOp, absl::StrCat("sends[", j, "]"), sends[j]));
+      DT_RETURN_IF_ERROR(CheckDevice(kOp, absl::StrCat("recvs[", j, "]"), recvs[j]));
+      call.counts.push_back(sends[j].numel());
+      call.recv_counts.push_back(recvs[j].numel());
+    }
+    call.blocks.assign(sends.begin(), sends.end());
+    DT_RETURN_IF_ERROR(Begin(kOp, std::move(call)));
+    absl::Status status;
+    for (int j = 0; j < size() && status.ok(); ++j) {
+      const Tensor& dst = recvs[static_cast<size_t>(j)];
+      const Tensor& src = Peer(j).blocks[static_cast<size_t>(rank_)];
+      status = CopyElements(dst, src);
+    }
+    // Everyone reaches the closing barrier (peers still read this rank's blocks until then).
+    const absl::Status synced = Sync(kOp);
+    if (!status.ok()) {
+      return absl::Status(status.code(), absl::StrCat("[", kOp, "] rank ", rank_, ": ", status.message()));
+    }
+    return synced;
+  }
+
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(const Tensor& tensor, int root) override {
     constexpr const char* kOp = "Broadcast";
     DT_RETURN_IF_ERROR(CheckTensor(kOp, rank_, "tensor", tensor));
@@ -729,6 +766,27 @@ class ThreadsCommunicator final : public Communicator {
 
   absl::Status Sync(const char* op) { return group_->Arrive(rank_, ++epoch_, op, timeout_); }
 
+  absl::Status CheckDevice(const char* op, const std::string& name, const Tensor& t) const {
+    if (t.device().is_cpu()) return absl::OkStatus();
+    return absl::UnimplementedError(
+        absl::StrCat("[", op, "] rank ", rank_, ": ", name, " is on ", t.device().ToString(),
+                     "; the threads backend moves CPU tensors only (use the nccl backend)"));
+  }
+
+  // dst = src element for element in row-major order (equal counts, shapes may differ).
+  static absl::Status CopyElements(const Tensor& dst, const Tensor& src) {
+    if (dst.numel() == 0) return absl::OkStatus();
+    Tensor from = src;
+    if (Overlap(dst, src)) {  // a rank's own block sent onto itself, or shared memory
+      DT_ASSIGN_OR_RETURN(from, Clone(src));
+    }
+    if (from.shape() != dst.shape()) {
+      DT_ASSIGN_OR_RETURN(from, Contiguous(from));
+      DT_ASSIGN_OR_RETURN(from, from.View(dst.shape()));
+    }
+    return CopyBlock(dst, from);
+  }
+
   // Publishes `call`, waits for every rank's, and checks that they match (every rank reaches
   // the same verdict from the same slots).
   absl::Status Begin(const char* op, Call call) {
@@ -743,14 +801,14 @@ class ThreadsCommunicator final : public Communicator {
         return InvalidArg("Debug", "rank 0 called ", Describe(first), " but rank ", j, " called ", Describe(other));
       }
     }
-    if (first.kind == CallKind::kAllToAllV) {
+    if (first.kind == CallKind::kAllToAllV || first.kind == CallKind::kAllToAllBlocks) {
       for (int i = 0; i < size(); ++i) {
         for (int j = 0; j < size(); ++j) {
           const int64_t sends = group_->slot(seq_, i).counts[static_cast<size_t>(j)];
           const int64_t expects = group_->slot(seq_, j).recv_counts[static_cast<size_t>(i)];
           if (sends != expects) {
-            return InvalidArg("Debug", "in AllToAllV rank ", i, " sends ", sends, " elements to rank ", j, " but rank ",
-                              j, " expects ", expects, " from rank ", i);
+            return InvalidArg("Debug", "in ", CallName(first.kind), " rank ", i, " sends ", sends, " elements to rank ",
+                              j, " but rank ", j, " expects ", expects, " from rank ", i);
           }
         }
       }

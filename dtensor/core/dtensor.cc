@@ -169,8 +169,8 @@ absl::StatusOr<DTensor> DTensor::Distribute(const Tensor& global, const DeviceMe
         }
       }
       recv[static_cast<size_t>(src)] = mine;
-      DT_ASSIGN_OR_RETURN(local,
-                          internal::TransferBoxes(*comm, global, whole, send, mine, recv, /*uniform=*/false, counter));
+      DT_ASSIGN_OR_RETURN(local, internal::TransferBoxes(*comm, global, whole, send, mine, recv,
+                                                         internal::TransferKind::kBlocks, counter));
     }
   }
   const int64_t divisor = SumPartialDivisor(l, mesh);
@@ -305,8 +305,8 @@ absl::StatusOr<DTensor> DTensor::Redistribute(const DeviceMesh& mesh, const Layo
     }
     DT_ASSIGN_OR_RETURN(Tensor input, Contiguous(x.local_));
     DT_ASSIGN_OR_RETURN(local, internal::TransferBoxes(world, input, before[static_cast<size_t>(me)], send,
-                                                       after[static_cast<size_t>(me)], recv, /*uniform=*/false,
-                                                       CoreStateOf(mesh_).counter));
+                                                       after[static_cast<size_t>(me)], recv,
+                                                       internal::TransferKind::kBlocks, CoreStateOf(mesh_).counter));
   }
   // 3. Partial placements of the target, locally.
   const int64_t divisor = SumPartialDivisor(target, mesh);

@@ -28,6 +28,7 @@ struct StepGeometry {
   bool consecutive = false;                // parts are consecutive blocks of after (gather) / before (scatter)
   absl::InlinedVector<LocalBox, 4> send_regions, recv_regions;  // all_to_all
   bool uniform = false;                                         // all_to_all: every pair moves the same count
+  bool blocks = false;  // all_to_all: some member's regions are not back to back (AllToAllBlocks)
 };
 struct PlanGeometry {
   std::shared_ptr<const RedistributePlan> plan;  // kept alive: the cache is keyed by its address
@@ -67,15 +68,21 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
 absl::StatusOr<Tensor> ExecuteSteps(const std::shared_ptr<const RedistributePlan>& plan, size_t first, Tensor local,
                                     const DeviceMesh& mesh);
 
+// Which all_to_all moves the boxes; the caller picks it alike on every rank (the transports
+// check that all ranks make the same call).
+enum class TransferKind {
+  kAllToAll,   // every rank's regions are back to back and every pair moves the same count
+  kAllToAllV,  // every rank's regions are back to back
+  kBlocks,     // any regions: Communicator::AllToAllBlocks, view to view
+};
+
 // Moves boxes between the ranks of `comm` in one all_to_all: send_regions[j] (a region of
 // `local`, whose box is local_box) goes to rank j, recv_regions[j] (a region of the output,
-// whose box is out_box) comes from rank j. Empty regions send nothing. `uniform`: every rank
-// sends every rank the same count (the caller knows it for all ranks alike) -> the even
-// AllToAll instead of AllToAllV. Records one all_to_all into `counter` (if any) with the bytes
-// this rank sends.
+// whose box is out_box) comes from rank j. Empty regions send nothing. Records one
+// all_to_all into `counter` (if any) with the bytes this rank sends.
 absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, const LocalBox& local_box,
                                      absl::Span<const LocalBox> send_regions, const LocalBox& out_box,
-                                     absl::Span<const LocalBox> recv_regions, bool uniform, CommCounter* counter);
+                                     absl::Span<const LocalBox> recv_regions, TransferKind kind, CommCounter* counter);
 
 // Divides by `divisor` (R -> P(sum)); a copy, any dtype (integers truncate).
 absl::StatusOr<Tensor> DivideForPartial(const Tensor& x, int64_t divisor);

@@ -91,38 +91,6 @@ absl::StatusOr<Tensor> Block(const Tensor& flat, int64_t start, IntSpan shape) {
   return piece.View(shape);
 }
 
-// dst = src for the equal-shaped views of packing and unpacking. On the CPU, when both have
-// unit stride along the last dim, one memcpy per row, on the calling thread: these copies run
-// on every rank at once (threads of one process, in the threads backend), where the op
-// library's parallel copy would start one OpenMP team per rank and oversubscribe the cores.
-absl::Status CopyBlock(const Tensor& dst, const Tensor& src) {
-  const int64_t nd = dst.dim();
-  if (dst.device() != Device::Cpu() || src.device() != Device::Cpu() || nd == 0 || dst.stride(nd - 1) != 1 ||
-      src.stride(nd - 1) != 1 || dst.dtype() != src.dtype() || dst.shape() != src.shape()) {
-    return Copy_(dst, src);
-  }
-  if (dst.numel() == 0) return absl::OkStatus();
-  const int64_t es = static_cast<int64_t>(ElementSize(dst.dtype()));
-  const size_t row_bytes = static_cast<size_t>(dst.size(nd - 1) * es);
-  char* d = static_cast<char*>(dst.raw_data());
-  const char* s = static_cast<const char*>(src.raw_data());
-  Shape index(static_cast<size_t>(nd - 1), 0);
-  const int64_t rows = dst.numel() / dst.size(nd - 1);
-  for (int64_t r = 0; r < rows; ++r) {
-    int64_t doff = 0, soff = 0;
-    for (int64_t k = 0; k < nd - 1; ++k) {
-      doff += index[static_cast<size_t>(k)] * dst.stride(k);
-      soff += index[static_cast<size_t>(k)] * src.stride(k);
-    }
-    std::memcpy(d + doff * es, s + soff * es, row_bytes);
-    for (int64_t k = nd - 2; k >= 0; --k) {  // next row index, row-major
-      if (++index[static_cast<size_t>(k)] < dst.size(k)) break;
-      index[static_cast<size_t>(k)] = 0;
-    }
-  }
-  return absl::OkStatus();
-}
-
 void Record(CommKind kind, int64_t bytes, const DeviceMesh& mesh) {
   if (CommCounter* c = CoreStateOf(mesh).counter) c->Record(kind, bytes);
 }
@@ -201,43 +169,59 @@ absl::Status Unpack(const Tensor& flat, absl::Span<const LocalBox> regions, cons
   return absl::OkStatus();
 }
 
+// The view of `t` (whose box is t_box) for each region; empty regions give empty tensors.
+absl::StatusOr<std::vector<Tensor>> RegionViews(const Tensor& t, const LocalBox& t_box,
+                                                absl::Span<const LocalBox> regions) {
+  std::vector<Tensor> views;
+  views.reserve(regions.size());
+  for (const LocalBox& r : regions) {
+    if (r.numel() == 0) {
+      DT_ASSIGN_OR_RETURN(Tensor empty, t.AsStrided({0}, {1}, t.storage_offset()));
+      views.push_back(std::move(empty));
+    } else {
+      DT_ASSIGN_OR_RETURN(Tensor v, RegionOf(t, t_box, r));
+      views.push_back(std::move(v));
+    }
+  }
+  return views;
+}
+
 }  // namespace
 
 absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, const LocalBox& local_box,
                                      absl::Span<const LocalBox> send_regions, const LocalBox& out_box,
-                                     absl::Span<const LocalBox> recv_regions, bool uniform, CommCounter* counter) {
+                                     absl::Span<const LocalBox> recv_regions, TransferKind kind, CommCounter* counter) {
   const Counts send_counts = CountsOf(send_regions);
   const Counts recv_counts = CountsOf(recv_regions);
   const int64_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
   const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
-  // Pack only when the blocks are not already consecutive in the tensors.
-  Tensor send = local;
-  if (!local.is_contiguous() || !ConsecutiveBlocks(local_box, send_regions)) {
-    DT_ASSIGN_OR_RETURN(send, Tensor::Empty({send_total}, local.dtype(), local.device()));
-    DT_RETURN_IF_ERROR(Pack(local, local_box, send_regions, send));
-  } else if (send.numel() != send_total) {
-    DT_ASSIGN_OR_RETURN(send, send.View({send.numel()}));
-    DT_ASSIGN_OR_RETURN(send, send.Narrow(0, 0, send_total));
-  }
   DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_box.shape, local.dtype(), local.device()));
-  const bool direct = ConsecutiveBlocks(out_box, recv_regions);
-  Tensor recv = out;
-  if (!direct) {
-    DT_ASSIGN_OR_RETURN(recv, Tensor::Empty({recv_total}, local.dtype(), local.device()));
-  } else if (out.numel() != recv_total) {
-    DT_ASSIGN_OR_RETURN(recv, out.View({out.numel()}));
-    DT_ASSIGN_OR_RETURN(recv, recv.Narrow(0, 0, recv_total));
-  }
   if (counter != nullptr) {
     counter->Record(CommKind::kAllToAll, send_total * static_cast<int64_t>(ElementSize(local.dtype())));
   }
-  if (uniform) {
+  if (kind == TransferKind::kBlocks) {
+    // Regions that are not back to back (the column blocks of S(0) -> S(1)): the transport
+    // moves them view to view (threads) or packs them around its all_to_all_v.
+    DT_ASSIGN_OR_RETURN(std::vector<Tensor> sends, RegionViews(local, local_box, send_regions));
+    DT_ASSIGN_OR_RETURN(std::vector<Tensor> recvs, RegionViews(out, out_box, recv_regions));
+    DT_RETURN_IF_ERROR(comm.AllToAllBlocks(sends, recvs));
+    return out;
+  }
+  DT_ASSIGN_OR_RETURN(Tensor send, Contiguous(local));
+  if (send.numel() != send_total) {
+    DT_ASSIGN_OR_RETURN(send, send.View({send.numel()}));
+    DT_ASSIGN_OR_RETURN(send, send.Narrow(0, 0, send_total));
+  }
+  Tensor recv = out;
+  if (out.numel() != recv_total) {
+    DT_ASSIGN_OR_RETURN(recv, out.View({out.numel()}));
+    DT_ASSIGN_OR_RETURN(recv, recv.Narrow(0, 0, recv_total));
+  }
+  if (kind == TransferKind::kAllToAll) {
     DT_RETURN_IF_ERROR(comm.AllToAll(send, recv));
   } else {
     DT_RETURN_IF_ERROR(comm.AllToAllV(send, recv, send_counts, recv_counts));
   }
-  if (direct) return out;
-  DT_RETURN_IF_ERROR(Unpack(recv, recv_regions, out, out_box));
   return out;
 }
 
@@ -270,6 +254,15 @@ StepGeometry ComputeGeometry(const RedistributeStep& step, IntSpan global_shape,
       }
       // Every member moves the same count to every member (the same on every rank: each
       // knows all members' boxes) -> the even all_to_all.
+      // AllToAllBlocks unless every member's regions are back to back in its boxes.
+      for (size_t i = 0; i < befores.size() && !g.blocks; ++i) {
+        Boxes sends, recvs;
+        for (size_t j = 0; j < afters.size(); ++j) {
+          sends.push_back(Intersect(befores[i], afters[j]));
+          recvs.push_back(Intersect(befores[j], afters[i]));
+        }
+        g.blocks = !ConsecutiveBlocks(befores[i], sends) || !ConsecutiveBlocks(afters[i], recvs);
+      }
       g.uniform = true;
       const int64_t n = Intersect(befores[0], afters[0]).numel();
       for (size_t i = 0; i < befores.size() && g.uniform; ++i) {
@@ -380,8 +373,11 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
                          }};
     }
     case StepKind::kAllToAll: {
-      DT_ASSIGN_OR_RETURN(Tensor out, TransferBoxes(*comm, input, before, g.send_regions, after, g.recv_regions,
-                                                    g.uniform, CoreStateOf(mesh).counter));
+      const TransferKind kind = g.blocks    ? TransferKind::kBlocks
+                                : g.uniform ? TransferKind::kAllToAll
+                                            : TransferKind::kAllToAllV;
+      DT_ASSIGN_OR_RETURN(Tensor out, TransferBoxes(*comm, input, before, g.send_regions, after, g.recv_regions, kind,
+                                                    CoreStateOf(mesh).counter));
       return Done(std::move(out));
     }
     default:

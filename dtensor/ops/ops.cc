@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <initializer_list>
 
 #include "absl/strings/match.h"
@@ -284,6 +285,45 @@ absl::StatusOr<Tensor> Stack(absl::Span<const Tensor> xs, int64_t dim) {
     expanded.push_back(std::move(u));
   }
   return Cat(expanded, d);
+}
+
+absl::Status CopyBlock(const Tensor& dst, const Tensor& src) {
+  const int64_t nd = dst.dim();
+  if (dst.device() != Device::Cpu() || src.device() != Device::Cpu() || nd == 0 || dst.stride(nd - 1) != 1 ||
+      src.stride(nd - 1) != 1 || dst.dtype() != src.dtype() || dst.shape() != src.shape()) {
+    return Copy_(dst, src);
+  }
+  if (dst.numel() == 0) return absl::OkStatus();
+  // Trailing dims contiguous in both views merge into one run of `run` elements: dims [k, nd).
+  int64_t run = dst.size(nd - 1), k = nd - 1;
+  while (k > 0 && (dst.size(k - 1) == 1 || (dst.stride(k - 1) == run && src.stride(k - 1) == run))) {
+    run *= dst.size(k - 1);
+    --k;
+  }
+  const int64_t es = static_cast<int64_t>(ElementSize(dst.dtype()));
+  const size_t run_bytes = static_cast<size_t>(run * es);
+  char* d = static_cast<char*>(dst.raw_data());
+  const char* s = static_cast<const char*>(src.raw_data());
+  const int64_t runs = dst.numel() / run;
+  if (k <= 1) {  // one outer dim (the column blocks of a matrix): step the pointers
+    const int64_t ds = k == 1 ? dst.stride(0) * es : 0, ss = k == 1 ? src.stride(0) * es : 0;
+    for (int64_t r = 0; r < runs; ++r, d += ds, s += ss) std::memcpy(d, s, run_bytes);
+    return absl::OkStatus();
+  }
+  Shape index(static_cast<size_t>(k), 0);
+  for (int64_t r = 0; r < runs; ++r) {
+    int64_t doff = 0, soff = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      doff += index[static_cast<size_t>(i)] * dst.stride(i);
+      soff += index[static_cast<size_t>(i)] * src.stride(i);
+    }
+    std::memcpy(d + doff * es, s + soff * es, run_bytes);
+    for (int64_t i = k - 1; i >= 0; --i) {  // next run, row-major
+      if (++index[static_cast<size_t>(i)] < dst.size(i)) break;
+      index[static_cast<size_t>(i)] = 0;
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<double>> ToDoubleVector(const Tensor& x) {

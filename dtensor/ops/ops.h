@@ -43,6 +43,11 @@ absl::Status FillRandom_(const Tensor& dst, const RandomSpec& spec, IntSpan glob
 // ---- Copies, casts, layout ----
 // dst = src (broadcasting src to dst's shape), converting dtype and crossing devices as needed.
 absl::Status Copy_(const Tensor& dst, const Tensor& src);
+// Copy_ for equal-shaped views of one dtype (the blocks that collectives and redistributions
+// move): on the CPU, when both have unit stride along the last dim, one memcpy per row on the
+// calling thread. Ranks that are threads of one process copy at once, and the parallel
+// Copy_ would start one OpenMP team per rank and oversubscribe the cores. Else Copy_.
+absl::Status CopyBlock(const Tensor& dst, const Tensor& src);
 absl::Status Fill_(const Tensor& dst, double value);
 // A contiguous tensor with the same values (returns `x` itself when already contiguous).
 absl::StatusOr<Tensor> Contiguous(const Tensor& x);
