@@ -26,11 +26,10 @@ constexpr uint32_t kAllGatherSteps = 0x8000;  // AllReduce's all-gather phase nu
 constexpr int kMaxCommId = 0x7fff;
 constexpr int kMaxShmRanks = 64;                          // larger groups on one host use UCX
 constexpr size_t kShmFullReduceBytes = size_t{16} << 10;  // below: every rank reduces everything
-// Pure data movement (gather, all-to-all, broadcast) between two ranks takes the shared-memory
-// channel only below this size: above it UCX's zero-copy (CMA) rendezvous moves each byte once,
-// where the channel copies it in and out (benchmarks/collectives/compare.sh: ~1.6x at 1 MiB).
-// With more ranks the channel's one-copy-in, everyone-reads scheme wins at every size.
-constexpr size_t kShmMoveBytes = size_t{256} << 10;
+// Ranks of one host move data through the shared-memory channel at every size: it beat UCX's
+// zero-copy (CMA) rendezvous for gather, all-to-all and broadcast on 2 ranks too, from 64 KiB
+// to 64 MiB (1.1-1.8x Open MPI's busbw there, where the CMA path gave 0.75-1.2x; compare.sh,
+// 2026-11-22), so there is no size threshold.
 
 // ---------------------------------------------------------------------------------------------
 // Validation (local to one rank).
@@ -482,23 +481,31 @@ class UcxCommunicator final : public Communicator {
   // ---- Algorithms on bytes ----
 
   // out gets every rank's block at b.off; this rank's block comes from in.
+  // `in` overlaps no other rank's block of out (DoAllGatherV stages it otherwise).
   absl::Status GatherBytes(const char* in, char* out, const Blocks& b) {
     const size_t r = static_cast<size_t>(rank_);
-    if (out + b.off[r] != in && b.len[r] > 0) std::memmove(out + b.off[r], in, b.len[r]);
-    if (size() == 1) return absl::OkStatus();
-    if (shm_ != nullptr && (size() > 2 || b.total < kShmMoveBytes)) return ShmGather(out, b);
-    if (b.total < kSmallBytes || size() == 2) {
-      for (int j = 0; j < size(); ++j) {
-        if (j != rank_ && b.len[static_cast<size_t>(j)] > 0) {
-          DT_RETURN_IF_ERROR(Recv(j, 0, out + b.off[static_cast<size_t>(j)], b.len[static_cast<size_t>(j)]));
-        }
-      }
-      if (b.len[r] > 0) {
-        for (int k = 1; k < size(); ++k) DT_RETURN_IF_ERROR(Send(Mod(rank_ + k), 0, out + b.off[r], b.len[r]));
-      }
-      return WaitAll();
+    auto copy_mine = [&] {
+      if (out + b.off[r] != in && b.len[r] > 0) std::memmove(out + b.off[r], in, b.len[r]);
+    };
+    const bool direct = shm_ == nullptr && size() > 1 && (b.total < kSmallBytes || size() == 2);
+    if (!direct) {
+      copy_mine();
+      if (size() == 1) return absl::OkStatus();
+      if (shm_ != nullptr) return ShmGather(out, b);
+      return RingAllGather(out, b, 0);
     }
-    return RingAllGather(out, b, 0);
+    // Every block straight to every peer: post the transfers (sent from `in`), copy this
+    // rank's own block while they run, then wait.
+    for (int j = 0; j < size(); ++j) {
+      if (j != rank_ && b.len[static_cast<size_t>(j)] > 0) {
+        DT_RETURN_IF_ERROR(Recv(j, 0, out + b.off[static_cast<size_t>(j)], b.len[static_cast<size_t>(j)]));
+      }
+    }
+    if (b.len[r] > 0) {
+      for (int k = 1; k < size(); ++k) DT_RETURN_IF_ERROR(Send(Mod(rank_ + k), 0, in, b.len[r]));
+    }
+    copy_mine();
+    return WaitAll();
   }
 
   // Ring all-gather in place on out (this rank's block already there). At step s rank r sends
@@ -670,7 +677,7 @@ class UcxCommunicator final : public Communicator {
     const char* in = Bytes(input);
     char* out = Bytes(output);
     if (Overlap(in, sb.total, out, rb.total)) in = Stage(in, sb.total);
-    if (shm_ != nullptr && uniform && (size() > 2 || sb.max_len * static_cast<size_t>(size()) < kShmMoveBytes)) {
+    if (shm_ != nullptr && uniform) {
       return ShmAllToAll(in, out, sb.max_len);
     }
     for (int j = 0; j < size(); ++j) {
@@ -689,7 +696,7 @@ class UcxCommunicator final : public Communicator {
   // Small: the root sends to everyone. Large: a chain root -> root + 1 -> ..., in chunks.
   absl::Status DoBroadcast(char* data, size_t bytes, int root) {
     if (bytes == 0 || size() == 1) return absl::OkStatus();
-    if (shm_ != nullptr && (size() > 2 || bytes < kShmMoveBytes)) return ShmBroadcast(data, bytes, root);
+    if (shm_ != nullptr) return ShmBroadcast(data, bytes, root);
     if (bytes < kSmallBytes || size() == 2) {
       if (rank_ == root) {
         for (int k = 1; k < size(); ++k) DT_RETURN_IF_ERROR(Send(Mod(root + k), 0, data, bytes));
