@@ -365,9 +365,8 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (LaunchedAsProcess()) {
-    const bool use_cuda =
-        f.device == "cuda" ||
-        (f.device == "auto" && gpus);  // one process per rank (dtrun, mpirun, srun): NCCL on GPUs, else UCX
+    // One process per rank (dtrun, mpirun, srun): NCCL on GPUs, else UCX.
+    const bool use_cuda = f.device == "cuda" || (f.device == "auto" && gpus);
     const char* local = std::getenv("LOCAL_WORLD_SIZE");  // processes sharing this host's cores
     omp_set_num_threads(std::max(1, cores / std::max(1, local ? std::atoi(local) : 1)));
     absl::StatusOr<std::unique_ptr<Communicator>> comm;
@@ -375,7 +374,12 @@ int main(int argc, char** argv) {
     Device device = Device::Cpu();
     if (use_cuda) {
       auto info = LaunchInfoFromEnv();
-      if (info.ok()) {
+      if (info.ok() && info->local_world_size > CudaDeviceCount()) {  // NCCL wants a GPU per rank
+        comm = absl::FailedPreconditionError(
+            absl::StrCat("[gpt_train] ", info->local_world_size, " processes on this host but ", CudaDeviceCount(),
+                         " CUDA device(s) visible: NCCL needs one GPU per process (start at most ", CudaDeviceCount(),
+                         " per host, or pass --device cpu for UCX)"));
+      } else if (info.ok()) {
         auto s = ConnectStore(*info, DefaultTimeout());
         if (s.ok()) {
           store = *std::move(s);

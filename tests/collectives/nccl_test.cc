@@ -285,6 +285,27 @@ TEST(NcclTest, SingleRankValidation) {
   EXPECT_TRUE(comm->Barrier().ok());
 }
 
+// AllToAllBlocks (the default: pack, ncclSend/Recv, unpack) with strided CUDA views on both
+// sides: a column block of a matrix into the transpose of a buffer.
+TEST(NcclTest, SingleRankAllToAllBlocksOfStridedViews) {
+  SKIP_WITHOUT_GPUS(1);
+  LocalStore store;
+  std::unique_ptr<StoreClient> client;
+  CommPtr comm = SingleRank(store, client);
+  ASSERT_NE(comm, nullptr);
+  const Tensor matrix = OnGpu(Input({4, 6}, DType::kFloat32, 0, 7), 0);
+  const Tensor send = Unwrap(matrix.Narrow(1, 1, 3));  // [4, 3], row stride 6
+  const Tensor buf = OnGpu(Unwrap(Full({3, 4}, -1.0, DType::kFloat32)), 0);
+  const Tensor recv = Unwrap(buf.Transpose(0, 1));  // [4, 3], strides (1, 4)
+  ASSERT_OK(comm->AllToAllBlocks({send}, {recv}));
+  EXPECT_EQ(Values(Unwrap(Contiguous(recv))), Values(Unwrap(Contiguous(send))));
+  // The same through back-to-back contiguous blocks (no packing: one flat view each way).
+  const Tensor flat_in = OnGpu(Input({6}, DType::kFloat32, 0, 8), 0);
+  const Tensor flat_out = OnGpu(Unwrap(Full({6}, -1.0, DType::kFloat32)), 0);
+  ASSERT_OK(comm->AllToAllBlocks({flat_in}, {flat_out}));
+  EXPECT_EQ(Values(flat_out), Values(flat_in));
+}
+
 TEST(NcclTest, SingleRankAsyncSplitAndBarrier) {
   SKIP_WITHOUT_GPUS(1);
   LocalStore store;
