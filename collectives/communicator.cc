@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "collectives/checks.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
@@ -111,7 +112,8 @@ absl::Status CopyBlocks(absl::Span<const Tensor> blocks, const Tensor& flat, boo
 
 }  // namespace
 
-absl::Status Communicator::AllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs) {
+absl::Status Communicator::AllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs,
+                                          bool uniform) {
   constexpr const char* kOp = "AllToAllBlocks";
   DT_ASSIGN_OR_RETURN(const DType dtype, internal::CheckBlocks(kOp, rank(), sends, recvs, size()));
   std::vector<int64_t> send_counts, recv_counts;
@@ -123,7 +125,18 @@ absl::Status Communicator::AllToAllBlocks(absl::Span<const Tensor> sends, absl::
   DT_ASSIGN_OR_RETURN(Tensor send, FlatOf(sends, send_total, dtype, device(), &send_view));
   if (!send_view) DT_RETURN_IF_ERROR(CopyBlocks(sends, send, /*pack=*/true));
   DT_ASSIGN_OR_RETURN(Tensor recv, FlatOf(recvs, recv_total, dtype, device(), &recv_view));
-  DT_RETURN_IF_ERROR(AllToAllV(send, recv, send_counts, recv_counts));
+  if (uniform) {
+    for (size_t j = 0; j < send_counts.size(); ++j) {
+      if (send_counts[j] != send_counts[0] || recv_counts[j] != send_counts[0]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "[", kOp, "] rank ", rank(), ": uniform, but the blocks' element counts differ (sends[", j, "] ",
+            send_counts[j], ", recvs[", j, "] ", recv_counts[j], ", sends[0] ", send_counts[0], ")"));
+      }
+    }
+    DT_RETURN_IF_ERROR(AllToAll(send, recv));
+  } else {
+    DT_RETURN_IF_ERROR(AllToAllV(send, recv, send_counts, recv_counts));
+  }
   return recv_view ? absl::OkStatus() : CopyBlocks(recvs, recv, /*pack=*/false);
 }
 

@@ -98,7 +98,10 @@ class Communicator {
   // One dtype for every block; blocks may be empty. Transports that read a peer's memory
   // directly (threads) move each block once, from view to view; the default packs blocks that
   // are not already back to back into contiguous buffers around AllToAllV (and unpacks).
-  virtual absl::Status AllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs);
+  // `uniform`: every block of every rank has the same element count, which all ranks pass
+  // alike (then the default uses the even AllToAll, which some transports do faster).
+  virtual absl::Status AllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs,
+                                      bool uniform = false);
 
   // Sub-communicators: ranks calling with the same color form a group ordered by (key, rank);
   // a negative color joins no group and gets nullptr. Collective over this communicator.

@@ -657,7 +657,8 @@ class ThreadsCommunicator final : public Communicator {
 
   // Each rank copies the block every peer addressed to it straight from the peer's view into
   // its own (strided on either side): every block is moved once, and nothing is packed.
-  absl::Status AllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs) override {
+  absl::Status AllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs,
+                              bool /*uniform: every block moves the same way here*/) override {
     constexpr const char* kOp = "AllToAllBlocks";
     DT_ASSIGN_OR_RETURN(const DType dtype, CheckBlocks(kOp, rank_, sends, recvs, size()));
     Call call;

@@ -71,9 +71,10 @@ absl::StatusOr<Tensor> ExecuteSteps(const std::shared_ptr<const RedistributePlan
 // Which all_to_all moves the boxes; the caller picks it alike on every rank (the transports
 // check that all ranks make the same call).
 enum class TransferKind {
-  kAllToAll,   // every rank's regions are back to back and every pair moves the same count
-  kAllToAllV,  // every rank's regions are back to back
-  kBlocks,     // any regions: Communicator::AllToAllBlocks, view to view
+  kAllToAll,    // every rank's regions are back to back and every pair moves the same count
+  kAllToAllV,   // every rank's regions are back to back
+  kBlocks,      // any regions: Communicator::AllToAllBlocks, view to view
+  kEvenBlocks,  // any regions, every pair moves the same count: AllToAllBlocks(uniform)
 };
 
 // Moves boxes between the ranks of `comm` in one all_to_all: send_regions[j] (a region of

@@ -199,12 +199,12 @@ absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, co
   if (counter != nullptr) {
     counter->Record(CommKind::kAllToAll, send_total * static_cast<int64_t>(ElementSize(local.dtype())));
   }
-  if (kind == TransferKind::kBlocks) {
+  if (kind == TransferKind::kBlocks || kind == TransferKind::kEvenBlocks) {
     // Regions that are not back to back (the column blocks of S(0) -> S(1)): the transport
     // moves them view to view (threads) or packs them around its all_to_all_v.
     DT_ASSIGN_OR_RETURN(std::vector<Tensor> sends, RegionViews(local, local_box, send_regions));
     DT_ASSIGN_OR_RETURN(std::vector<Tensor> recvs, RegionViews(out, out_box, recv_regions));
-    DT_RETURN_IF_ERROR(comm.AllToAllBlocks(sends, recvs));
+    DT_RETURN_IF_ERROR(comm.AllToAllBlocks(sends, recvs, kind == TransferKind::kEvenBlocks));
     return out;
   }
   DT_ASSIGN_OR_RETURN(Tensor send, Contiguous(local));
@@ -373,9 +373,8 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
                          }};
     }
     case StepKind::kAllToAll: {
-      const TransferKind kind = g.blocks    ? TransferKind::kBlocks
-                                : g.uniform ? TransferKind::kAllToAll
-                                            : TransferKind::kAllToAllV;
+      const TransferKind kind = g.blocks ? (g.uniform ? TransferKind::kEvenBlocks : TransferKind::kBlocks)
+                                         : (g.uniform ? TransferKind::kAllToAll : TransferKind::kAllToAllV);
       DT_ASSIGN_OR_RETURN(Tensor out, TransferBoxes(*comm, input, before, g.send_regions, after, g.recv_regions, kind,
                                                     CoreStateOf(mesh).counter));
       return Done(std::move(out));

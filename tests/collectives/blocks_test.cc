@@ -169,6 +169,32 @@ TEST(BlocksTest, ShapesMayDifferAndOwnBlockMayAlias) {
   }
 }
 
+// `uniform` (every block the same count on every rank): the default takes the even AllToAll.
+TEST(BlocksTest, UniformEvenSplitOnBothPaths) {
+  for (bool use_default : {false, true}) {
+    RunRanks(2, use_default, [&](int rank, Communicator& comm) {
+      const Tensor local = Matrix(2 * rank, 2, 0, 4);  // rows 2r, 2r+1 of a [4, 4] matrix
+      const Tensor out = testing::Unwrap(Tensor::Empty({4, 2}, DType::kFloat32));
+      std::vector<Tensor> sends, recvs;
+      for (int j = 0; j < 2; ++j) {
+        sends.push_back(testing::Unwrap(local.Narrow(1, 2 * j, 2)));
+        recvs.push_back(testing::Unwrap(out.Narrow(0, 2 * j, 2)));
+      }
+      const absl::Status s = comm.AllToAllBlocks(sends, recvs, /*uniform=*/true);
+      ASSERT_TRUE(s.ok()) << s;
+      EXPECT_EQ(testing::Values(out), testing::Values(Matrix(0, 4, 2 * rank, 2))) << "rank " << rank;
+    });
+  }
+  // The default checks the promise.
+  RunRanks(1, true, [&](int, Communicator& comm) {
+    const Tensor f = testing::Unwrap(Tensor::Empty({2}, DType::kFloat32));
+    const Tensor g = testing::Unwrap(Tensor::Empty({3}, DType::kFloat32));
+    const absl::Status s = comm.AllToAllBlocks({f}, {g}, /*uniform=*/true);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("uniform, but"));
+  });
+}
+
 TEST(BlocksTest, BadArgumentsNameTheBlock) {
   RunRanks(1, false, [&](int, Communicator& comm) {
     const Tensor f = testing::Unwrap(Tensor::Empty({2}, DType::kFloat32));
