@@ -678,8 +678,10 @@ class ThreadsCommunicator final : public Communicator {
       const Tensor& src = Peer(j).blocks[static_cast<size_t>(rank_)];
       status = CopyElements(dst, src);
     }
-    // Everyone reaches the closing barrier (peers still read this rank's blocks until then).
+    // Everyone reaches the closing barrier (peers still read this rank's blocks until then);
+    // then the slot lets go of the views, so that they do not keep the caller's memory alive.
     const absl::Status synced = Sync(kOp);
+    if (synced.ok()) group_->slot(seq_, rank_).blocks.clear();
     if (!status.ok()) {
       return absl::Status(status.code(), absl::StrCat("[", kOp, "] rank ", rank_, ": ", status.message()));
     }
