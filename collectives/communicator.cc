@@ -121,11 +121,7 @@ absl::Status Communicator::AllToAllBlocks(absl::Span<const Tensor> sends, absl::
   for (const Tensor& b : recvs) recv_counts.push_back(b.numel());
   const int64_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
   const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
-  bool send_view = false, recv_view = false;
-  DT_ASSIGN_OR_RETURN(Tensor send, FlatOf(sends, send_total, dtype, device(), &send_view));
-  if (!send_view) DT_RETURN_IF_ERROR(CopyBlocks(sends, send, /*pack=*/true));
-  DT_ASSIGN_OR_RETURN(Tensor recv, FlatOf(recvs, recv_total, dtype, device(), &recv_view));
-  if (uniform) {
+  if (uniform) {  // the caller's promise, checked before any copying
     for (size_t j = 0; j < send_counts.size(); ++j) {
       if (send_counts[j] != send_counts[0] || recv_counts[j] != send_counts[0]) {
         return absl::InvalidArgumentError(absl::StrCat(
@@ -133,6 +129,12 @@ absl::Status Communicator::AllToAllBlocks(absl::Span<const Tensor> sends, absl::
             send_counts[j], ", recvs[", j, "] ", recv_counts[j], ", sends[0] ", send_counts[0], ")"));
       }
     }
+  }
+  bool send_view = false, recv_view = false;
+  DT_ASSIGN_OR_RETURN(Tensor send, FlatOf(sends, send_total, dtype, device(), &send_view));
+  if (!send_view) DT_RETURN_IF_ERROR(CopyBlocks(sends, send, /*pack=*/true));
+  DT_ASSIGN_OR_RETURN(Tensor recv, FlatOf(recvs, recv_total, dtype, device(), &recv_view));
+  if (uniform) {
     DT_RETURN_IF_ERROR(AllToAll(send, recv));
   } else {
     DT_RETURN_IF_ERROR(AllToAllV(send, recv, send_counts, recv_counts));

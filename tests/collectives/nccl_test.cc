@@ -86,12 +86,14 @@ void RunRanks(int world, const std::function<void(int, Communicator&)>& fn,
   for (auto& t : threads) t.join();
 }
 
-// A single-rank communicator on cuda:0.
-CommPtr SingleRank(LocalStore& store, std::unique_ptr<StoreClient>& client) {
-  client = store.Client();
-  if (client == nullptr) return nullptr;
-  return Unwrap(MakeNcclCommunicator(World(0, 1), *client, 0, absl::Seconds(60)), "MakeNcclCommunicator");
-}
+// A single-rank communicator on cuda:0 with its store (comm is null if forming it failed).
+struct SingleRank {
+  LocalStore store;
+  std::unique_ptr<StoreClient> client = store.Client();
+  CommPtr comm = client == nullptr
+                     ? nullptr
+                     : Unwrap(MakeNcclCommunicator(World(0, 1), *client, 0, absl::Seconds(60)), "MakeNcclCommunicator");
+};
 
 Tensor OnGpu(const Tensor& x, int device) { return Unwrap(To(x, Device::Cuda(device)), "To"); }
 
@@ -169,9 +171,8 @@ TEST(NcclTest, FactoryRejectsBadDeviceAndRank) {
 
 TEST(NcclTest, SingleRankCollectivesMoveExactlyTheirElements) {
   SKIP_WITHOUT_GPUS(1);
-  LocalStore store;
-  std::unique_ptr<StoreClient> client;
-  CommPtr comm = SingleRank(store, client);
+  SingleRank world;
+  CommPtr& comm = world.comm;
   ASSERT_NE(comm, nullptr);
   for (DType dtype : kAllTypes) {
     for (int64_t n : {1, 3, 17, 127, 4099}) {
@@ -210,9 +211,8 @@ TEST(NcclTest, SingleRankCollectivesMoveExactlyTheirElements) {
 
 TEST(NcclTest, SingleRankInPlaceEmptyAndByteTypes) {
   SKIP_WITHOUT_GPUS(1);
-  LocalStore store;
-  std::unique_ptr<StoreClient> client;
-  CommPtr comm = SingleRank(store, client);
+  SingleRank world;
+  CommPtr& comm = world.comm;
   ASSERT_NE(comm, nullptr);
   // In place.
   const Tensor x = OnGpu(Input({5, 7}, DType::kFloat32, 0, 2), 0);
@@ -245,9 +245,8 @@ TEST(NcclTest, SingleRankInPlaceEmptyAndByteTypes) {
 
 TEST(NcclTest, SingleRankValidation) {
   SKIP_WITHOUT_GPUS(1);
-  LocalStore store;
-  std::unique_ptr<StoreClient> client;
-  CommPtr comm = SingleRank(store, client);
+  SingleRank world;
+  CommPtr& comm = world.comm;
   ASSERT_NE(comm, nullptr);
   const Tensor g = OnGpu(Input({4, 6}, DType::kFloat32, 0, 4), 0);
   auto code_of = [](const absl::Status& s) { return s.code(); };
@@ -289,9 +288,8 @@ TEST(NcclTest, SingleRankValidation) {
 // sides: a column block of a matrix into the transpose of a buffer.
 TEST(NcclTest, SingleRankAllToAllBlocksOfStridedViews) {
   SKIP_WITHOUT_GPUS(1);
-  LocalStore store;
-  std::unique_ptr<StoreClient> client;
-  CommPtr comm = SingleRank(store, client);
+  SingleRank world;
+  CommPtr& comm = world.comm;
   ASSERT_NE(comm, nullptr);
   const Tensor matrix = OnGpu(Input({4, 6}, DType::kFloat32, 0, 7), 0);
   const Tensor send = Unwrap(matrix.Narrow(1, 1, 3));  // [4, 3], row stride 6
@@ -308,9 +306,8 @@ TEST(NcclTest, SingleRankAllToAllBlocksOfStridedViews) {
 
 TEST(NcclTest, SingleRankAsyncSplitAndBarrier) {
   SKIP_WITHOUT_GPUS(1);
-  LocalStore store;
-  std::unique_ptr<StoreClient> client;
-  CommPtr comm = SingleRank(store, client);
+  SingleRank world;
+  CommPtr& comm = world.comm;
   ASSERT_NE(comm, nullptr);
   EXPECT_TRUE(comm->Barrier().ok());
   // The collective is ordered after compute queued before it, and the Work keeps the input
@@ -339,7 +336,7 @@ TEST(NcclTest, SingleRankAsyncSplitAndBarrier) {
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_EQ(*none, nullptr);
   // Two communicators on one store get different NCCL ids.
-  auto second = MakeNcclCommunicator(World(0, 1), *client, 0, absl::Seconds(60));
+  auto second = MakeNcclCommunicator(World(0, 1), *world.client, 0, absl::Seconds(60));
   ASSERT_TRUE(second.ok()) << second.status();
   EXPECT_TRUE((*second)->Barrier().ok());
 }
@@ -518,9 +515,8 @@ class ScopedDebugEnv {
 TEST(NcclTest, DebugModeLetsMatchingCallsThrough) {
   SKIP_WITHOUT_GPUS(1);
   ScopedDebugEnv debug;
-  LocalStore store;
-  std::unique_ptr<StoreClient> client;
-  CommPtr comm = SingleRank(store, client);
+  SingleRank world;
+  CommPtr& comm = world.comm;
   ASSERT_NE(comm, nullptr);
   const Tensor x = Unwrap(Full({7}, 2.0, DType::kFloat32, Device::Cuda(0)));
   ASSERT_OK(comm->AllReduce(x, x, CommReduceOp::kSum));
