@@ -2,8 +2,8 @@
 # compare.sh: dtensor's collectives (threads and ucx backends) beside Open MPI, measured in one
 # run with the same program logic (coll_bench / mpi_coll_bench share coll_bench_common.h).
 #
-#   benchmarks/collectives/compare.sh BUILD_DIR [--quick] [--ranks "2 4"] [--out DIR] [--strict]
-#                                     [-- FLAGS for both benchmarks, e.g. --ops all_reduce]
+#   benchmarks/collectives/compare.sh BUILD_DIR [--quick] [--ranks "2 4"] [--rounds K] [--out DIR]
+#                                     [--strict] [-- FLAGS for both benchmarks, e.g. --ops all_reduce]
 #
 # For each rank count N it runs
 #   threads  BUILD/benchmarks/coll_bench --backend threads --ranks N
@@ -12,7 +12,11 @@
 #                   --mca pml_ucx_devices any BUILD/benchmarks/mpi_coll_bench
 # keeps their nccl-tests tables under --out (default: a fresh temporary folder), and prints one
 # merged table per (collective, N): busbw of each (GB/s), ucx/ompi, the per-call times of
-# ucx and ompi, and the target with an ok / BELOW flag:
+# ucx and ompi, and the target with an ok / BELOW flag. With --rounds K (default 1) the three
+# runs repeat K times, interleaved (threads, ucx, ompi, threads, ucx, ...), and every cell is the
+# median over the rounds; the "rounds" column gives the lowest and highest per-round ucx/ompi.
+# (This 2-core VM's small-message times move by up to 2x between runs of either program as the
+# host places its vCPUs; interleaved rounds keep such drift out of the ratio.)
 #   ucx busbw >= ompi busbw at every size; >= 2x ompi for all_reduce and reduce_scatter at
 #   >= 4 MiB; the 4 KiB all_reduce under 1.5 us.
 # Exit status: 1 if a run failed or reported wrong elements (or, with --strict, if a row is
@@ -20,7 +24,7 @@
 set -u -o pipefail
 
 usage() {
-  sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 }
 
@@ -29,6 +33,7 @@ build=$(cd "$1" 2>/dev/null && pwd) || { echo "compare.sh: no build folder '$1'"
 shift
 quick=()
 ranks="2 4"
+rounds=1
 out=""
 strict=0
 extra=()
@@ -36,6 +41,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --quick) quick=(--quick) ;;
     --ranks) ranks="$2"; shift ;;
+    --rounds) rounds="$2"; shift ;;
     --out) out="$2"; shift ;;
     --strict) strict=1 ;;
     --) shift; extra=("$@"); break ;;
@@ -64,17 +70,20 @@ fi
 mkdir -p "$out"
 
 failed=0
-# run NAME N COMMAND...: the table (dtrun's "[rank 0] " prefix removed) goes to $out/NAME.N.txt.
+[[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "compare.sh: --rounds wants a positive integer, not '$rounds'" >&2; exit 2; }
+
+# run NAME N ROUND COMMAND...: the table (dtrun's "[rank 0] " prefix removed) goes to
+# $out/NAME.N.ROUND.txt.
 run() {
-  local name=$1 n=$2
-  shift 2
-  local file="$out/$name.$n.txt"
+  local name=$1 n=$2 round=$3
+  shift 3
+  local file="$out/$name.$n.$round.txt"
   local start=$SECONDS
   "$@" >"$file.raw" 2>"$out/$name.$n.err"
   local rc=$?
   sed -n 's/^\[rank 0\] //; /^[ #]/p' "$file.raw" >"$file"
   rm -f "$file.raw"
-  echo "  $name, $n ranks: exit $rc, $((SECONDS - start)) s" >&2
+  echo "  $name, $n ranks, round $round: exit $rc, $((SECONDS - start)) s" >&2
   if [[ $rc -ne 0 ]]; then
     failed=1
     echo "  $name, $n ranks FAILED; its stderr ($out/$name.$n.err) ends:" >&2
@@ -85,23 +94,21 @@ run() {
 echo "compare.sh: tables under $out" >&2
 echo "# compare.sh $(date -u '+%F %T UTC'), $(nproc) cores, load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for n in $ranks; do
-  run threads "$n" "$bench" --backend threads --ranks "$n" "${quick[@]}" "${extra[@]}"
-  run ucx "$n" "$dtrun" --nproc-per-node "$n" "$bench" --backend ucx "${quick[@]}" "${extra[@]}"
-  if [[ $have_mpi -eq 1 ]]; then
-    run ompi "$n" mpirun --allow-run-as-root --oversubscribe -np "$n" --mca pml ucx --mca pml_ucx_tls any \
-      --mca pml_ucx_devices any "$mpi_bench" "${quick[@]}" "${extra[@]}"
-  fi
+  for ((k = 1; k <= rounds; ++k)); do
+    run threads "$n" "$k" "$bench" --backend threads --ranks "$n" "${quick[@]}" "${extra[@]}"
+    run ucx "$n" "$k" "$dtrun" --nproc-per-node "$n" "$bench" --backend ucx "${quick[@]}" "${extra[@]}"
+    if [[ $have_mpi -eq 1 ]]; then
+      run ompi "$n" "$k" mpirun --allow-run-as-root --oversubscribe -np "$n" --mca pml ucx --mca pml_ucx_tls any \
+        --mca pml_ucx_devices any "$mpi_bench" "${quick[@]}" "${extra[@]}"
+    fi
+  done
 done
 
 echo "# load after: $(cut -d' ' -f1-3 /proc/loadavg)"
 below=0
 for n in $ranks; do
-  files=()
-  for name in threads ucx ompi; do
-    [[ -f "$out/$name.$n.txt" ]] && files+=("$out/$name.$n.txt") || files+=(/dev/null)
-  done
-  awk -v n="$n" -v f_threads="${files[0]}" -v f_ucx="${files[1]}" -v f_ompi="${files[2]}" '
-    function load(file, tag,   line, f, op) {
+  awk -v n="$n" -v rounds="$rounds" -v dir="$out" '
+    function load(file, tag, k,   line, f, op, key) {
       op = ""
       while ((getline line < file) > 0) {
         if (line ~ /^# collective /) { split(line, f, " "); op = f[3]; if (!(op in seen)) { seen[op] = 1; ops[++nops] = op } continue }
@@ -109,27 +116,51 @@ for n in $ranks; do
         split(line, f, " ")  # size count type redop root time algbw busbw #wrong
         key = op SUBSEP f[1]
         if (!(key in has_size)) { has_size[key] = 1; sizes[op, ++nsizes[op]] = f[1] }
-        bus[tag, key] = f[8]; us[tag, key] = f[6]; wrong[tag, key] = f[9]
+        rbus[tag, key, k] = f[8]; rus[tag, key, k] = f[6]
+        if (f[9] != "0") wrong[tag, key] = f[9]
       }
       close(file)
     }
+    # Median over the rounds that have (tag, key), into bus[] and us[].
+    function median(tag, key,   k, m, i, j, t, v, w) {
+      m = 0
+      for (k = 1; k <= rounds; ++k) if ((tag, key, k) in rbus) { ++m; v[m] = rbus[tag, key, k] + 0; w[m] = rus[tag, key, k] + 0 }
+      if (m == 0) return
+      for (i = 2; i <= m; ++i) for (j = i; j > 1 && v[j] < v[j - 1]; --j) { t = v[j]; v[j] = v[j - 1]; v[j - 1] = t }
+      for (i = 2; i <= m; ++i) for (j = i; j > 1 && w[j] < w[j - 1]; --j) { t = w[j]; w[j] = w[j - 1]; w[j - 1] = t }
+      bus[tag, key] = sprintf("%.3f", m % 2 ? v[(m + 1) / 2] : (v[m / 2] + v[m / 2 + 1]) / 2)
+      us[tag, key] = sprintf("%.2f", m % 2 ? w[(m + 1) / 2] : (w[m / 2] + w[m / 2 + 1]) / 2)
+    }
     function cell(tag, key, arr) { return ((tag, key) in arr) ? arr[tag, key] : "-" }
     BEGIN {
-      load(f_threads, "threads"); load(f_ucx, "ucx"); load(f_ompi, "ompi")
+      for (k = 1; k <= rounds; ++k) {
+        load(dir "/threads." n "." k ".txt", "threads", k); load(dir "/ucx." n "." k ".txt", "ucx", k)
+        load(dir "/ompi." n "." k ".txt", "ompi", k)
+      }
       for (i = 1; i <= nops; ++i) {
         op = ops[i]
-        printf "\n## %s, %d ranks: busbw in GB/s (nccl-tests), time per call in us\n", op, n
-        printf "%10s | %9s | %9s | %9s | %8s | %9s | %9s | %s\n", "size (B)", "threads", "ucx", "ompi", "ucx/ompi",
-               "ucx us", "ompi us", "target"
+        printf "\n## %s, %d ranks: busbw in GB/s (nccl-tests), time per call in us%s\n", op, n,
+               (rounds > 1 ? ", medians of " rounds " rounds" : "")
+        printf "%10s | %9s | %9s | %9s | %8s | %11s | %9s | %9s | %s\n", "size (B)", "threads", "ucx", "ompi", "ucx/ompi",
+               "rounds", "ucx us", "ompi us", "target"
         for (j = 1; j <= nsizes[op]; ++j) {
           size = sizes[op, j]; key = op SUBSEP size
+          median("threads", key); median("ucx", key); median("ompi", key)
           need = ((op == "all_reduce" || op == "reduce_scatter") && size >= 4194304) ? 2 : 1
           target = need == 2 ? "ucx >= 2x ompi" : "ucx >= ompi"
-          ratio = "-"; flag = "n/a"
+          ratio = "-"; flag = "n/a"; spread = "-"
           if (("ucx", key) in bus && ("ompi", key) in bus) {
             u = bus["ucx", key] + 0; o = bus["ompi", key] + 0
             ratio = o > 0 ? sprintf("%.2fx", u / o) : "inf"
             flag = (u >= need * o) ? "ok" : "BELOW"
+            lo = ""; hi = ""
+            for (k = 1; k <= rounds; ++k) {
+              if (!(("ucx", key, k) in rbus) || !(("ompi", key, k) in rbus) || rbus["ompi", key, k] + 0 <= 0) continue
+              x = rbus["ucx", key, k] / rbus["ompi", key, k]
+              if (lo == "" || x < lo) lo = x
+              if (hi == "" || x > hi) hi = x
+            }
+            if (lo != "") spread = sprintf("%.2f-%.2f", lo, hi)
           }
           if (op == "all_reduce" && size == 4096) {
             target = target ", < 1.5 us"
@@ -144,9 +175,9 @@ for n in $ranks; do
             if ((tag, key) in wrong && wrong[tag, key] != "0") bad = bad " " tag "-WRONG"
           }
           if (flag == "BELOW") ++below
-          printf "%10s | %9s | %9s | %9s | %8s | %9s | %9s | %s: %s%s\n", size, cell("threads", key, bus),
-                 cell("ucx", key, bus), cell("ompi", key, bus), ratio, cell("ucx", key, us), cell("ompi", key, us),
-                 target, flag, bad
+          printf "%10s | %9s | %9s | %9s | %8s | %11s | %9s | %9s | %s: %s%s\n", size, cell("threads", key, bus),
+                 cell("ucx", key, bus), cell("ompi", key, bus), ratio, spread, cell("ucx", key, us),
+                 cell("ompi", key, us), target, flag, bad
         }
       }
       exit below > 0 ? 3 : 0
