@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "collectives/checks.h"
@@ -54,15 +55,20 @@ bool Overlap(const char* a, size_t an, const char* b, size_t bn) {
 
 char* Bytes(const Tensor& t) { return static_cast<char*>(t.raw_data()); }
 
+// Per-rank numbers of one call, inline up to 8 ranks (no allocation on the small-message path).
+using Counts = absl::InlinedVector<int64_t, 8>;
+
 // Byte blocks of a collective: block j is [off[j], off[j] + len[j]).
 struct Blocks {
-  std::vector<size_t> off, len;
+  absl::InlinedVector<size_t, 8> off, len;
   size_t total = 0;
   size_t max_len = 0;
 };
 
 Blocks MakeBlocks(absl::Span<const int64_t> counts, size_t es) {
   Blocks b;
+  b.off.reserve(counts.size());
+  b.len.reserve(counts.size());
   for (int64_t c : counts) {
     b.off.push_back(b.total);
     b.len.push_back(static_cast<size_t>(c) * es);
@@ -73,8 +79,8 @@ Blocks MakeBlocks(absl::Span<const int64_t> counts, size_t es) {
 }
 
 // torch.chunk-like even split of n elements over p ranks (the first n % p get one more).
-std::vector<int64_t> EvenCounts(int64_t n, int p) {
-  std::vector<int64_t> c(static_cast<size_t>(p), n / p);
+Counts EvenCounts(int64_t n, int p) {
+  Counts c(static_cast<size_t>(p), n / p);
   for (int64_t i = 0; i < n % p; ++i) c[static_cast<size_t>(i)] += 1;
   return c;
 }
@@ -169,7 +175,7 @@ class P2PWork final : public Work {
   }
   absl::Status Wait() override {
     if (!waited_) {
-      UcxWaitContext ctx{op_, rank_, Deadline(timeout_), timeout_};
+      UcxWaitContext ctx{op_, rank_, timeout_};
       result_ = world_->Wait(req_, ctx);
       if (!result_.ok()) world_->Abandon(req_);
       waited_ = true;
@@ -177,10 +183,6 @@ class P2PWork final : public Work {
     return result_;
   }
   bool IsCompleted() override { return waited_ || world_->Test(req_); }
-
-  static absl::Time Deadline(absl::Duration timeout) {
-    return timeout == absl::InfiniteDuration() ? absl::InfiniteFuture() : absl::Now() + timeout;
-  }
 
  private:
   std::shared_ptr<UcxWorld> world_;
@@ -222,7 +224,7 @@ class UcxCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input"));
     DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
-    const CallDesc d = Describe(kOp, &input, input.numel(), static_cast<int>(op));
+    const auto d = [&] { return Describe(kOp, &input, input.numel(), static_cast<int>(op)); };
     return Done(Run(kOp, d, [&] { return DoAllReduce(input, output, op); }));
   }
 
@@ -230,8 +232,10 @@ class UcxCommunicator final : public Communicator {
     constexpr const char* kOp = "AllGather";
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, size() * input.numel(), "size * input elements"));
-    const std::vector<int64_t> counts(members_.size(), input.numel());
-    return Done(Run(kOp, Describe(kOp, &input, input.numel()), [&] { return DoAllGatherV(input, output, counts); }));
+    const Counts counts(members_.size(), input.numel());
+    return Done(Run(
+        kOp, [&] { return Describe(kOp, &input, input.numel()); },
+        [&] { return DoAllGatherV(input, output, counts); }));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllGatherVAsync(const Tensor& input, const Tensor& output,
@@ -241,7 +245,7 @@ class UcxCommunicator final : public Communicator {
     DT_ASSIGN_OR_RETURN(const int64_t total, CheckCounts(kOp, rank_, "counts", counts, size()));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, counts[static_cast<size_t>(rank_)], "counts[rank]"));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, total, "sum of counts"));
-    const CallDesc d = Describe(kOp, &input, total, -1, -1, counts);
+    const auto d = [&] { return Describe(kOp, &input, total, -1, -1, counts); };
     return Done(Run(kOp, d, [&] { return DoAllGatherV(input, output, counts); }));
   }
 
@@ -251,8 +255,8 @@ class UcxCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, size() * output.numel(), "size * output elements"));
     DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
-    const std::vector<int64_t> counts(members_.size(), output.numel());
-    const CallDesc d = Describe(kOp, &input, input.numel(), static_cast<int>(op));
+    const Counts counts(members_.size(), output.numel());
+    const auto d = [&] { return Describe(kOp, &input, input.numel(), static_cast<int>(op)); };
     return Done(Run(kOp, d, [&] { return DoReduceScatterV(input, output, counts, op); }));
   }
 
@@ -265,7 +269,7 @@ class UcxCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, total, "sum of counts"));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, counts[static_cast<size_t>(rank_)], "counts[rank]"));
     DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
-    const CallDesc d = Describe(kOp, &input, total, static_cast<int>(op), -1, counts);
+    const auto d = [&] { return Describe(kOp, &input, total, static_cast<int>(op), -1, counts); };
     return Done(Run(kOp, d, [&] { return DoReduceScatterV(input, output, counts, op); }));
   }
 
@@ -277,9 +281,10 @@ class UcxCommunicator final : public Communicator {
                         " elements, not divisible by the group size ", size());
     }
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input"));
-    const std::vector<int64_t> counts(members_.size(), input.numel() / size());
-    return Done(Run(kOp, Describe(kOp, &input, input.numel()),
-                    [&] { return DoAllToAllV(input, output, counts, counts, /*uniform=*/true); }));
+    const Counts counts(members_.size(), input.numel() / size());
+    return Done(Run(
+        kOp, [&] { return Describe(kOp, &input, input.numel()); },
+        [&] { return DoAllToAllV(input, output, counts, counts, /*uniform=*/true); }));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(const Tensor& input, const Tensor& output,
@@ -296,14 +301,16 @@ class UcxCommunicator final : public Communicator {
       return InvalidArg(kOp, "rank ", rank_, ": send_counts[", rank_, "] is ", send_counts[r], " but recv_counts[",
                         rank_, "] is ", recv_counts[r], " (what a rank sends itself)");
     }
-    return Done(Run(kOp, Describe(kOp, &input), [&] { return DoAllToAllV(input, output, send_counts, recv_counts); }));
+    return Done(Run(
+        kOp, [&] { return Describe(kOp, &input); },
+        [&] { return DoAllToAllV(input, output, send_counts, recv_counts); }));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(const Tensor& tensor, int root) override {
     constexpr const char* kOp = "Broadcast";
     DT_RETURN_IF_ERROR(CheckTensor(kOp, rank_, "tensor", tensor));
     DT_RETURN_IF_ERROR(CheckPeer(kOp, rank_, "root", root, size()));
-    const CallDesc d = Describe(kOp, &tensor, tensor.numel(), -1, root);
+    const auto d = [&] { return Describe(kOp, &tensor, tensor.numel(), -1, root); };
     return Done(Run(kOp, d, [&] { return DoBroadcast(Bytes(tensor), tensor.nbytes(), root); }));
   }
 
@@ -315,16 +322,19 @@ class UcxCommunicator final : public Communicator {
   }
 
   absl::Status Barrier() override {
-    return Run("Barrier", Describe("Barrier"), [&] { return DoBarrier(); });
+    return Run(
+        "Barrier", [&] { return Describe("Barrier"); }, [&] { return DoBarrier(); });
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
     std::vector<int64_t> all(3 * members_.size());
-    absl::Status s = Run("Split", Describe("Split"), [&] {
-      const int64_t mine[3] = {color, key, world_->next_comm_id()};
-      const Blocks b = MakeBlocks(std::vector<int64_t>(members_.size(), 3), sizeof(int64_t));
-      return GatherBytes(reinterpret_cast<const char*>(mine), reinterpret_cast<char*>(all.data()), b);
-    });
+    absl::Status s = Run(
+        "Split", [&] { return Describe("Split"); },
+        [&] {
+          const int64_t mine[3] = {color, key, world_->next_comm_id()};
+          const Blocks b = MakeBlocks(std::vector<int64_t>(members_.size(), 3), sizeof(int64_t));
+          return GatherBytes(reinterpret_cast<const char*>(mine), reinterpret_cast<char*>(all.data()), b);
+        });
     DT_RETURN_IF_ERROR(s);
     int64_t base = 0;
     std::vector<int64_t> colors;
@@ -375,16 +385,18 @@ class UcxCommunicator final : public Communicator {
       }
     }
     std::vector<char> all(members_.size());
-    const absl::Status s = Run("Setup", Describe("Setup"), [&]() -> absl::Status {
-      DT_RETURN_IF_ERROR(DoBroadcast(name, sizeof(name), 0));
-      if (rank_ != 0 && eligible && name[0] != '\0') {
-        absl::StatusOr<std::unique_ptr<ShmGroup>> g =
-            ShmGroup::Map(name, /*create=*/false, rank_, members_, world_.get());
-        if (g.ok()) group = *std::move(g);
-      }
-      const char ok = group != nullptr ? 1 : 0;
-      return GatherBytes(&ok, all.data(), MakeBlocks(std::vector<int64_t>(members_.size(), 1), 1));
-    });
+    const absl::Status s = Run(
+        "Setup", [&] { return Describe("Setup"); },
+        [&]() -> absl::Status {
+          DT_RETURN_IF_ERROR(DoBroadcast(name, sizeof(name), 0));
+          if (rank_ != 0 && eligible && name[0] != '\0') {
+            absl::StatusOr<std::unique_ptr<ShmGroup>> g =
+                ShmGroup::Map(name, /*create=*/false, rank_, members_, world_.get());
+            if (g.ok()) group = *std::move(g);
+          }
+          const char ok = group != nullptr ? 1 : 0;
+          return GatherBytes(&ok, all.data(), MakeBlocks(std::vector<int64_t>(members_.size(), 1), 1));
+        });
     if (rank_ == 0 && name[0] != '\0') ShmGroup::Unlink(name);  // every rank has it mapped (or gave up)
     DT_RETURN_IF_ERROR(s);
     if (std::all_of(all.begin(), all.end(), [](char c) { return c == 1; })) shm_ = std::move(group);
@@ -396,20 +408,20 @@ class UcxCommunicator final : public Communicator {
 
   // Runs one collective: checks the sticky failure, numbers the call, and on an error cancels
   // what is still in flight and fails the world.
-  // With DTENSOR_DEBUG=1 the ranks first compare their calls (`call`); a mismatch is
+  // With DTENSOR_DEBUG=1 the ranks first compare their calls (`describe()`, made only then); a mismatch is
   // InvalidArgument on every rank and leaves the communicator usable.
-  template <typename F>
-  absl::Status Run(const char* op, const CallDesc& call, F&& body) {
+  template <typename D, typename F>
+  absl::Status Run(const char* op, D&& describe, F&& body) {
     if (!world_->failure().ok()) {
       if (shm_ != nullptr) shm_->MarkFailed();  // peers waiting here give up at once
       return world_->failure();
     }
-    ctx_ = UcxWaitContext{op, rank_, P2PWork::Deadline(timeout_), timeout_};
+    ctx_ = UcxWaitContext{op, rank_, timeout_};
     reqs_.clear();
     absl::Status s;
     if (debug_ && size() > 1) {
       ++seq_;
-      s = CheckCalls(call);
+      s = CheckCalls(describe());
       if (absl::IsInvalidArgument(s)) return s;
     }
     if (s.ok()) {
@@ -428,7 +440,7 @@ class UcxCommunicator final : public Communicator {
 
   absl::Status CheckCalls(const CallDesc& mine) {
     std::vector<CallDesc> all(members_.size());
-    const Blocks b = MakeBlocks(std::vector<int64_t>(members_.size(), 1), sizeof(CallDesc));
+    const Blocks b = MakeBlocks(Counts(members_.size(), 1), sizeof(CallDesc));
     DT_RETURN_IF_ERROR(GatherBytes(reinterpret_cast<const char*>(&mine), reinterpret_cast<char*>(all.data()), b));
     for (size_t j = 0; j < all.size(); ++j) {
       if (!SameCall(all[j], mine)) {
@@ -806,19 +818,17 @@ class UcxCommunicator final : public Communicator {
   }
 
   // out already holds this rank's block; per step each rank publishes the next slot-sized
-  // window of its block and copies the others'.
+  // window of its block and copies each other rank's as soon as it is there.
   absl::Status ShmGather(char* out, const Blocks& b) {
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t w = ShmGroup::kSlotBytes;
     const size_t r = static_cast<size_t>(rank_);
     for (size_t at = 0; at < b.max_len; at += w) {
       if (b.len[r] > at) std::memcpy(shm_->slot(rank_), out + b.off[r] + at, std::min(w, b.len[r] - at));
-      DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
-      for (size_t j = 0; j < b.len.size(); ++j) {
-        if (j != r && b.len[j] > at) {
-          std::memcpy(out + b.off[j] + at, shm_->slot(static_cast<int>(j)), std::min(w, b.len[j] - at));
-        }
-      }
+      DT_RETURN_IF_ERROR(shm_->SyncEach(ctx_, [&](int jj) {
+        const size_t j = static_cast<size_t>(jj);
+        if (b.len[j] > at) std::memcpy(out + b.off[j] + at, shm_->slot(jj), std::min(w, b.len[j] - at));
+      }));
       shm_->NextStep();
     }
     return absl::OkStatus();
@@ -861,7 +871,7 @@ class UcxCommunicator final : public Communicator {
   }
 
   // Blocks of `len` bytes: per step each rank puts the next window of block j in its slot at
-  // j * window and copies window `rank` of every slot.
+  // j * window and copies window `rank` of each slot as soon as its rank is there.
   absl::Status ShmAllToAll(const char* in, char* out, size_t len) {
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t p = members_.size(), r = static_cast<size_t>(rank_);
@@ -871,10 +881,9 @@ class UcxCommunicator final : public Communicator {
       for (size_t j = 0; j < p; ++j) {
         if (j != r) std::memcpy(shm_->slot(rank_) + j * w, in + j * len + at, m);
       }
-      DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
-      for (size_t j = 0; j < p; ++j) {
-        if (j != r) std::memcpy(out + j * len + at, shm_->slot(static_cast<int>(j)) + r * w, m);
-      }
+      DT_RETURN_IF_ERROR(shm_->SyncEach(ctx_, [&](int j) {
+        std::memcpy(out + static_cast<size_t>(j) * len + at, shm_->slot(j) + r * w, m);
+      }));
       shm_->NextStep();
     }
     if (len > 0) std::memmove(out + r * len, in + r * len, len);
@@ -890,7 +899,7 @@ class UcxCommunicator final : public Communicator {
     const int src = is_send ? rank_ : peer;
     const uint32_t n = is_send ? send_seq_[p]++ : recv_seq_[p]++;
     const uint64_t tag = (uint64_t{1} << 63) | (uint64_t{id_} << 48) | (static_cast<uint64_t>(src) << 32) | n;
-    const UcxWaitContext ctx{op, rank_, absl::InfiniteFuture(), timeout_};
+    const UcxWaitContext ctx{op, rank_, timeout_};
     absl::StatusOr<UcxRequest> r = is_send
                                        ? world_->PostSend(ctx, peer, members_[p], tag, Bytes(tensor), tensor.nbytes())
                                        : world_->PostRecv(ctx, peer, members_[p], tag, Bytes(tensor), tensor.nbytes());

@@ -95,6 +95,7 @@ absl::StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::Map(const std::string& name,
   g->members_ = std::move(members);
   g->world_ = world;
   const bool own_cores = static_cast<int>(p) <= CpuCount();
+  g->oversubscribed_ = !own_cores;
   g->spin_ns_ = own_cores ? kSpinNs : 0;
   g->yield_ns_ = own_cores ? kYieldNs : kOversubYieldNs;
   return g;
@@ -121,6 +122,10 @@ void ShmGroup::Arrive() {
   if (std::atomic_ref<uint32_t>(*waiters_of(rank_)).load(std::memory_order_relaxed) != 0) {
     FutexWakeAll(word_of(rank_));
   }
+}
+
+bool ShmGroup::Arrived(int j, uint64_t e) const {
+  return std::atomic_ref<uint64_t>(*epoch_of(j)).load(std::memory_order_acquire) >= e;
 }
 
 absl::Status ShmGroup::WaitRank(int j, uint64_t e, const UcxWaitContext& ctx) {
@@ -173,8 +178,7 @@ absl::Status ShmGroup::BeginWrite(const UcxWaitContext& ctx) {
 absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx) {
   std::atomic_ref<uint64_t> theirs(*epoch_of(j));
   const int64_t start = NowNs();
-  const int64_t deadline =
-      ctx.deadline == absl::InfiniteFuture() ? INT64_MAX : start + absl::ToInt64Nanoseconds(ctx.deadline - absl::Now());
+  const int64_t deadline = ctx.DeadlineNs(start);
   int64_t last_check = start;
   for (;;) {
     for (int i = 0; i < 32; ++i) {

@@ -57,8 +57,47 @@ class ShmGroup {
   char* result() const { return base_ + ctl_bytes_ + (2 * members_.size() + static_cast<size_t>(buf_)) * kSlotBytes; }
   void NextStep() { buf_ ^= 1; }
 
-  // Publishes this rank's arrival and waits for every rank (honouring ctx.deadline).
+  // Publishes this rank's arrival and waits for every rank (honouring ctx's deadline).
   absl::Status Sync(const UcxWaitContext& ctx);
+  // Sync(), then read(j) for every other rank j. When ranks share cores they arrive one
+  // scheduling slice apart: then read(j) runs as soon as j has arrived, in arrival order, so
+  // a rank copies the early peers' slots while later ones are still on their way. (With a
+  // core per rank the plain order measured faster: 0.40 vs 0.45-0.6 us for a 2-rank 4 KiB
+  // all_to_all; 4 ranks on 2 cores: 6.1 vs 7.5 us.)
+  template <typename Read>
+  absl::Status SyncEach(const UcxWaitContext& ctx, Read&& read) {
+    if (!oversubscribed_) {
+      absl::Status s = Sync(ctx);
+      if (!s.ok()) return s;
+      for (int j = 0; j < static_cast<int>(members_.size()); ++j) {
+        if (j != rank_) read(j);
+      }
+      return absl::OkStatus();
+    }
+    Arrive();
+    uint64_t pending = 0;  // bit j: rank j not read yet (at most 64 ranks share a segment)
+    for (size_t j = 0; j < members_.size(); ++j) {
+      if (static_cast<int>(j) != rank_) pending |= uint64_t{1} << j;
+    }
+    while (pending != 0) {
+      bool any = false;
+      for (uint64_t m = pending; m != 0; m &= m - 1) {
+        const int j = std::countr_zero(m);
+        if (Arrived(j, epoch_)) {
+          read(j);
+          pending &= ~(uint64_t{1} << j);
+          any = true;
+        }
+      }
+      if (!any) {
+        absl::Status s = WaitRank(std::countr_zero(pending), epoch_, ctx);
+        if (!s.ok()) return s;
+      }
+    }
+    relaxed_ = false;
+    last_full_ = epoch_;
+    return absl::OkStatus();
+  }
 
   // One-to-many steps (broadcast) need not be lock-step: the root writes its slot and
   // Arrive()s without waiting; a reader WaitRank(root, epoch() + 1)s, reads, then Arrive()s
@@ -88,6 +127,7 @@ class ShmGroup {
  private:
   ShmGroup() = default;
   absl::Status WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx);
+  bool Arrived(int j, uint64_t epoch) const;
   uint64_t* epoch_of(int j) const { return reinterpret_cast<uint64_t*>(base_ + static_cast<size_t>(j) * 64); }
   uint32_t* failed_of(int j) const { return reinterpret_cast<uint32_t*>(base_ + static_cast<size_t>(j) * 64 + 8); }
   // The futex word sleepers wait on: the low half of rank j's epoch (little-endian), which
@@ -107,6 +147,7 @@ class ShmGroup {
   uint64_t epoch_ = 0;
   uint64_t last_full_ = 0;  // the last step that wrote (or may have written) this rank's slot
   bool relaxed_ = false;
+  bool oversubscribed_ = false;  // more ranks on this host than cores this process may use
   int64_t spin_ns_ = 0;
   int64_t yield_ns_ = 0;
   std::vector<int> members_;

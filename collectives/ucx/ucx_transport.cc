@@ -313,8 +313,7 @@ absl::Status UcxWorld::Wait(UcxRequest& r, const UcxWaitContext& ctx) {
   if (r.done) return Finish(r, ctx);
   if (!failure_.ok()) return failure_;
   const int64_t start = NowNs();
-  const int64_t deadline =
-      ctx.deadline == absl::InfiniteFuture() ? INT64_MAX : start + absl::ToInt64Nanoseconds(ctx.deadline - absl::Now());
+  const int64_t deadline = ctx.DeadlineNs(start);
   int64_t last_peer_check = start;
   for (int iter = 0;; ++iter) {
     ucp_worker_progress(worker_);

@@ -39,8 +39,18 @@ struct UcxRequest {
 struct UcxWaitContext {
   const char* op = "";
   int rank = 0;  // this rank in the group
-  absl::Time deadline = absl::InfiniteFuture();
   absl::Duration timeout = absl::InfiniteDuration();
+  // Steady-clock nanoseconds at which the call's waits give up. Set by the first wait that
+  // has to block (now + timeout), so a call whose peers are already there never reads the
+  // clock; 0 = not yet.
+  mutable int64_t deadline_ns = 0;
+
+  int64_t DeadlineNs(int64_t now) const {
+    if (deadline_ns == 0) {
+      deadline_ns = timeout == absl::InfiniteDuration() ? INT64_MAX : now + absl::ToInt64Nanoseconds(timeout);
+    }
+    return deadline_ns;
+  }
 };
 
 // A process's UCX state for one world, shared by the world communicator, its splits and their
@@ -62,7 +72,7 @@ class UcxWorld {
                                       const void* buf, size_t bytes);
   absl::StatusOr<UcxRequest> PostRecv(const UcxWaitContext& ctx, int peer, int world_peer, uint64_t tag, void* buf,
                                       size_t bytes);
-  // Waits for r to complete (progressing the worker), honouring ctx.deadline and peer liveness.
+  // Waits for r to complete (progressing the worker), honouring ctx's deadline and peer liveness.
   absl::Status Wait(UcxRequest& r, const UcxWaitContext& ctx);
   // Non-blocking: progresses once and reports whether r completed.
   bool Test(UcxRequest& r);
