@@ -756,7 +756,8 @@ class UcxCommunicator final : public Communicator {
 
   // Small: every rank copies its input into its slot and reduces all slots (in rank order, so
   // every rank gets the same bits): one Sync. Large, per slot-sized chunk: copy in, Sync, each
-  // rank reduces its 1/P of the chunk into the shared result, Sync, everyone copies it out.
+  // rank reduces its 1/P of the chunk into the shared result, Sync, everyone copies it out;
+  // the copy-in of the next chunk shares the second Sync (one Sync per chunk).
   absl::Status ShmAllReduce(const char* in, char* out, int64_t n, DType dtype, CommReduceOp op) {
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t es = ElementSize(dtype);
@@ -772,16 +773,29 @@ class UcxCommunicator final : public Communicator {
     }
     // A rank's own slice never goes through its slot: it reduces it from its input directly.
     const int64_t per = static_cast<int64_t>(ShmGroup::kSlotBytes / es);
+    auto slice = [&](int64_t m, int j) { return m * j / p; };  // rank j's slice of an m-element chunk
+    // Copies chunk `at` of the input, less this rank's slice, to `slot`.
+    auto copy_in = [&](int64_t at, char* slot) {
+      const int64_t m = std::min(per, n - at);
+      const size_t lo = static_cast<size_t>(slice(m, rank_)) * es, hi = static_cast<size_t>(slice(m, rank_ + 1)) * es;
+      const char* chunk = in + static_cast<size_t>(at) * es;
+      std::memcpy(slot, chunk, lo);
+      std::memcpy(slot + hi, chunk + hi, static_cast<size_t>(m) * es - hi);
+    };
+    // One Sync per chunk: after the Sync that publishes chunk k's slots, a rank reduces its
+    // slice of k into this step's result and fills its next slot with chunk k + 1; the next
+    // Sync publishes both, then it copies result k out. Slots of a step are read only between
+    // its Sync and the next, results only after the Sync that completes them and before the
+    // one after, so each buffer is rewritten only after every rank is done with it.
+    copy_in(0, shm_->slot(rank_));
+    DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
     for (int64_t at = 0; at < n; at += per) {
       const int64_t m = std::min(per, n - at);
-      const int64_t lo = m * rank_ / p, hi = m * (rank_ + 1) / p;
+      const int64_t lo = slice(m, rank_), hi = slice(m, rank_ + 1);
       const char* chunk = in + static_cast<size_t>(at) * es;
-      std::memcpy(shm_->slot(rank_), chunk, static_cast<size_t>(lo) * es);
-      std::memcpy(shm_->slot(rank_) + static_cast<size_t>(hi) * es, chunk + static_cast<size_t>(hi) * es,
-                  static_cast<size_t>(m - hi) * es);
-      DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
       for (int j = 0; j < p; ++j) srcs[j] = (j == rank_ ? chunk : shm_->slot(j)) + static_cast<size_t>(lo) * es;
       Reduce(dtype, op, srcs, p, hi - lo, shm_->result() + static_cast<size_t>(lo) * es, p);
+      if (at + per < n) copy_in(at + per, shm_->next_slot(rank_));
       DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
       std::memcpy(out + static_cast<size_t>(at) * es, shm_->result(), static_cast<size_t>(m) * es);
       shm_->NextStep();
@@ -881,9 +895,8 @@ class UcxCommunicator final : public Communicator {
       for (size_t j = 0; j < p; ++j) {
         if (j != r) std::memcpy(shm_->slot(rank_) + j * w, in + j * len + at, m);
       }
-      DT_RETURN_IF_ERROR(shm_->SyncEach(ctx_, [&](int j) {
-        std::memcpy(out + static_cast<size_t>(j) * len + at, shm_->slot(j) + r * w, m);
-      }));
+      DT_RETURN_IF_ERROR(shm_->SyncEach(
+          ctx_, [&](int j) { std::memcpy(out + static_cast<size_t>(j) * len + at, shm_->slot(j) + r * w, m); }));
       shm_->NextStep();
     }
     if (len > 0) std::memmove(out + r * len, in + r * len, len);

@@ -51,9 +51,11 @@ class ShmGroup {
   ShmGroup& operator=(const ShmGroup&) = delete;
 
   // Rank j's slot / the result buffer of the current step.
-  char* slot(int j) const {
-    return base_ + ctl_bytes_ + (static_cast<size_t>(buf_) * members_.size() + static_cast<size_t>(j)) * kSlotBytes;
-  }
+  char* slot(int j) const { return slot_in(buf_, j); }
+  // Rank j's slot of the next step. A rank may fill its own before the Sync of this step when
+  // every rank read it last before the previous Sync (pipelines that read slots only between
+  // one Sync and the next).
+  char* next_slot(int j) const { return slot_in(buf_ ^ 1, j); }
   char* result() const { return base_ + ctl_bytes_ + (2 * members_.size() + static_cast<size_t>(buf_)) * kSlotBytes; }
   void NextStep() { buf_ ^= 1; }
 
@@ -126,6 +128,9 @@ class ShmGroup {
 
  private:
   ShmGroup() = default;
+  char* slot_in(int buf, int j) const {
+    return base_ + ctl_bytes_ + (static_cast<size_t>(buf) * members_.size() + static_cast<size_t>(j)) * kSlotBytes;
+  }
   absl::Status WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx);
   bool Arrived(int j, uint64_t epoch) const;
   uint64_t* epoch_of(int j) const { return reinterpret_cast<uint64_t*>(base_ + static_cast<size_t>(j) * 64); }
