@@ -757,7 +757,8 @@ class UcxCommunicator final : public Communicator {
   // Small: every rank copies its input into its slot and reduces all slots (in rank order, so
   // every rank gets the same bits): one Sync. Large, per slot-sized chunk: copy in, Sync, each
   // rank reduces its 1/P of the chunk into the shared result, Sync, everyone copies it out;
-  // the copy-in of the next chunk shares the second Sync (one Sync per chunk).
+  // the copy-in of the next chunk shares the second Sync (one Sync per chunk). Large with a
+  // core per rank: ShmReduceScatter, then ShmGather.
   absl::Status ShmAllReduce(const char* in, char* out, int64_t n, DType dtype, CommReduceOp op) {
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t es = ElementSize(dtype);
@@ -770,6 +771,16 @@ class UcxCommunicator final : public Communicator {
       Reduce(dtype, op, srcs, p, n, out, p);
       shm_->NextStep();
       return absl::OkStatus();
+    }
+    if (!shm_->oversubscribed()) {
+      // With a core per rank, a reduce-scatter into this rank's block of `out` and an
+      // all-gather from there measured faster than the fused loop below (2 ranks, 1-16 MiB:
+      // 4 MiB 0.40-0.47 vs 0.52-0.67 ms, interleaved); ranks that share cores lose more to
+      // its extra Syncs than they gain (4 ranks on 2 cores).
+      const Counts counts = EvenCounts(n, p);
+      const Blocks b = MakeBlocks(counts, es);
+      DT_RETURN_IF_ERROR(ShmReduceScatter(in, out + b.off[static_cast<size_t>(rank_)], counts, b, dtype, op));
+      return ShmGather(out, b);
     }
     // A rank's own slice never goes through its slot: it reduces it from its input directly.
     const int64_t per = static_cast<int64_t>(ShmGroup::kSlotBytes / es);

@@ -111,6 +111,8 @@ class ShmGroup {
   void Arrive();
   absl::Status WaitRank(int j, uint64_t epoch, const UcxWaitContext& ctx);
   uint64_t epoch() const { return epoch_; }
+  // More ranks on this host than cores this process may use (they take turns on the cores).
+  bool oversubscribed() const { return oversubscribed_; }
   void MarkRelaxed() { relaxed_ = true; }
 
   // Small one-to-many messages may run further ahead: the root's slot (both buffers) is a
