@@ -10,7 +10,8 @@
 //     1-d to 4-d meshes.
 // Threads backend: every rank is a thread of this process. Each timed batch starts after a
 // Barrier; its time is the slowest rank's; dtensor and raw batches alternate; medians of
-// --trials trials. Every row also checks Redistribute's output against the raw result.
+// --trials trials (the ratio: the median of each trial's dtensor/raw ratio). Every row also
+// checks Redistribute's output against the raw result.
 //   redistribute_bench [--trials N] [--batch-ms M] [--with-2x2] [--only tables|breakdown|planner]
 //                      [--sizes BYTES,BYTES,...] [--quick]
 #include <algorithm>
@@ -220,7 +221,12 @@ class RankRunner {
 
   // Median seconds per call of a and b over the trials, batches alternating (order swapped on
   // every other trial).
-  std::pair<double, double> SideBySide(const std::function<void()>& a, const std::function<void()>& b) {
+  // Median seconds per call of a and of b, and the median over trials of a's time over b's in
+  // the same trial (adjacent batches: drift of the machine between trials cancels).
+  struct Paired {
+    double a, b, ratio;
+  };
+  Paired SideBySide(const std::function<void()>& a, const std::function<void()>& b) {
     a();  // warm-up: the plan is cached, the allocator holds the blocks
     b();
     const int64_t ia = Calibrate(a);
@@ -235,7 +241,9 @@ class RankRunner {
         ta.push_back(Batch(a, ia) / static_cast<double>(ia));
       }
     }
-    return {Median(ta), Median(tb)};
+    std::vector<double> ratios;
+    for (size_t t = 0; t < ta.size(); ++t) ratios.push_back(ta[t] / tb[t]);
+    return {Median(ta), Median(tb), Median(ratios)};
   }
 
   // True on every rank iff `mine` is true on every rank.
@@ -327,7 +335,7 @@ class RankRunner {
             };
             break;
         }
-        auto [t_dt, t_raw] = SideBySide(run_dt, run_raw);
+        const auto [t_dt, t_raw, ratio] = SideBySide(run_dt, run_raw);
         // The results must agree (all_to_all without packing is a different layout).
         bool same = true;
         if (op.raw != Raw::kAllToAll) {
@@ -340,7 +348,6 @@ class RankRunner {
         if (!all_same) ++wrong;
         if (print) {
           const double added = (t_dt - t_raw) * 1e6;
-          const double ratio = t_dt / t_raw;
           const char* verdict = "-";
           if (bytes >= (1 << 20)) verdict = ratio <= 1.03 ? "ok" : "BELOW";
           if (sizes[si] <= 8) verdict = added <= 2.0 ? "ok" : "BELOW";  // the 8-byte row
@@ -393,9 +400,9 @@ class RankRunner {
     auto empty3 = [&] {
       for (int i = 0; i < 3; ++i) Sink(Must(Tensor::Empty(global, DType::kFloat32), "empty").numel());
     };
-    auto [t_ag, t_agv] = SideBySide(ag, agv);
-    auto [t_rd, t_agv2] = SideBySide(redist, agv_async);
-    auto [t_e1, t_e3] = SideBySide(empty1, empty3);
+    auto [t_ag, t_agv, ratio_1] = SideBySide(ag, agv);
+    auto [t_rd, t_agv2, ratio_2] = SideBySide(redist, agv_async);
+    auto [t_e1, t_e3, ratio_3] = SideBySide(empty1, empty3);
     const bool print = rank_ == 0;
     if (print) {
       std::printf("\nBreakdown of an 8-byte S(0) -> R on mesh [%lld] (us per call; collectives: slowest rank)\n",
@@ -479,9 +486,9 @@ class RankRunner {
       Must(work->Wait(), "wait");
     };
     auto redist = [&] { out = Must(x.Redistribute(dst), "Redistribute").ToLocal(); };
-    auto [t_ag, t_agv] = SideBySide(ag, agv_async);
-    auto [t_rd, t_agv2] = SideBySide(redist, agv_async);
-    auto [t_rd2, t_ag2] = SideBySide(redist, ag);
+    auto [t_ag, t_agv, ratio_4] = SideBySide(ag, agv_async);
+    auto [t_rd, t_agv2, ratio_5] = SideBySide(redist, agv_async);
+    auto [t_rd2, t_ag2, ratio_6] = SideBySide(redist, ag);
     if (rank_ == 0) {
       std::printf("\nBreakdown of a 1 MiB S(0) -> R on mesh [%lld] (us per call, slowest rank; pairs side by side)\n",
                   static_cast<long long>(size));
@@ -559,10 +566,10 @@ class RankRunner {
         at += r.numel();
       }
     };
-    auto [t_a2a, t_a2av] = SideBySide(a2a, a2av);
-    auto [t_rd, t_a2av2] = SideBySide(redist, a2av);
-    auto [t_emul, t_rd2] = SideBySide([&] { transfer(true); }, redist);
-    auto [t_host_all, t_a2av3] = SideBySide([&] { transfer(false); }, a2av);
+    auto [t_a2a, t_a2av, ratio_7] = SideBySide(a2a, a2av);
+    auto [t_rd, t_a2av2, ratio_8] = SideBySide(redist, a2av);
+    auto [t_emul, t_rd2, ratio_9] = SideBySide([&] { transfer(true); }, redist);
+    auto [t_host_all, t_a2av3, ratio_10] = SideBySide([&] { transfer(false); }, a2av);
     const bool print = rank_ == 0;
     if (print) {
       std::printf("\nBreakdown of a %s S(0) -> S(1) on mesh [%lld] (us per call; collectives: slowest rank)\n",
