@@ -104,11 +104,28 @@ std::unique_ptr<Work> MakeCompletedWork(absl::Status status) {
   return std::make_unique<CompletedWork>(std::move(status));
 }
 
+namespace {
+
+// The bytes [lo, hi) that a view may touch: from its lowest to just past its highest element
+// (a strided view reaches beyond numel x element size from its first element).
+std::pair<const char*, const char*> Extent(const Tensor& t) {
+  const int64_t es = static_cast<int64_t>(ElementSize(t.dtype()));
+  int64_t lo = 0, hi = 0;  // element offsets from the first element
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t reach = (t.size(d) - 1) * t.stride(d);
+    (reach < 0 ? lo : hi) += reach;
+  }
+  const char* p = static_cast<const char*>(t.raw_data());
+  return {p + lo * es, p + (hi + 1) * es};
+}
+
+}  // namespace
+
 bool Overlap(const Tensor& a, const Tensor& b) {
-  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
-  const char* pa = static_cast<const char*>(a.raw_data());
-  const char* pb = static_cast<const char*>(b.raw_data());
-  return pa < pb + b.nbytes() && pb < pa + a.nbytes();
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  const auto [alo, ahi] = Extent(a);
+  const auto [blo, bhi] = Extent(b);
+  return alo < bhi && blo < ahi;
 }
 
 std::vector<int64_t> PrefixOffsets(absl::Span<const int64_t> counts) {

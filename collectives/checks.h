@@ -46,7 +46,9 @@ absl::Status CheckReducible(const char* op, int rank, DType dtype, CommReduceOp 
 // eagerly inside its *Async call return one).
 std::unique_ptr<Work> MakeCompletedWork(absl::Status status);
 
-// Whether the bytes of a and b overlap.
+// Whether the byte ranges that views a and b span (first to last element, any strides)
+// overlap: conservative for interleaved strided views, which may span common bytes without
+// sharing an element.
 bool Overlap(const Tensor& a, const Tensor& b);
 // Exclusive prefix sums: offsets[j] = counts[0] + ... + counts[j - 1].
 std::vector<int64_t> PrefixOffsets(absl::Span<const int64_t> counts);

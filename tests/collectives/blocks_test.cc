@@ -169,6 +169,24 @@ TEST(BlocksTest, ShapesMayDifferAndOwnBlockMayAlias) {
   }
 }
 
+// A rank's own block sent onto a receive view that shares some of its bytes without starting at
+// them: rows 0-1 of a matrix's left half onto rows 1-2 of it. The views are strided, so the
+// bytes they touch reach beyond numel x element size from their first element; copied row by
+// row without a private copy of the source first, row 1 would be overwritten before it is read.
+TEST(BlocksTest, OwnBlockOverlappingItsReceiveViewShifted) {
+  for (bool use_default : {false, true}) {
+    RunRanks(1, use_default, [&](int, Communicator& comm) {
+      const Tensor buf = Matrix(0, 3, 0, 4);  // [3, 4]: rows 0, 1, 2 = 0.., 100.., 200..
+      const Tensor left = testing::Unwrap(buf.Narrow(1, 0, 2));
+      const Tensor send = testing::Unwrap(left.Narrow(0, 0, 2)), recv = testing::Unwrap(left.Narrow(0, 1, 2));
+      const absl::Status s = comm.AllToAllBlocks({send}, {recv});
+      ASSERT_TRUE(s.ok()) << s;
+      EXPECT_EQ(testing::Values(buf), (std::vector<double>{0, 1, 2, 3, 0, 1, 102, 103, 100, 101, 202, 203}))
+          << (use_default ? "default" : "threads");
+    });
+  }
+}
+
 // `uniform` (every block the same count on every rank): the default takes the even AllToAll.
 TEST(BlocksTest, UniformEvenSplitOnBothPaths) {
   for (bool use_default : {false, true}) {
