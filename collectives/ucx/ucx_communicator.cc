@@ -14,6 +14,7 @@
 #include "collectives/checks.h"
 #include "collectives/ucx/ucx_shm.h"
 #include "collectives/ucx/ucx_transport.h"
+#include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 
 namespace dtensor {
@@ -97,8 +98,8 @@ size_t NumChunks(size_t len, size_t chunk) { return (len + chunk - 1) / chunk; }
 // DTENSOR_DEBUG=1: before each collective the ranks exchange what they were called with.
 
 constexpr const char* kOpNames[] = {
-    "?",        "AllReduce", "AllGather", "AllGatherV", "ReduceScatter", "ReduceScatterV",
-    "AllToAll", "AllToAllV", "Broadcast", "Barrier",    "Split",         "Setup"};
+    "?",         "AllReduce", "AllGather", "AllGatherV", "ReduceScatter", "ReduceScatterV", "AllToAll",
+    "AllToAllV", "Broadcast", "Barrier",   "Split",      "Setup",         "AllToAllBlocks"};
 
 // Fixed size, plain integers: sent as bytes between ranks.
 struct CallDesc {
@@ -194,6 +195,46 @@ class P2PWork final : public Work {
   bool waited_ = false;
   absl::Status result_;
 };
+
+// Copies elements [start, start + count) of `view` (row-major order; a CPU tensor of any
+// strides) to the contiguous bytes at `flat`, or from them when `into_view`.
+void CopyRange(const Tensor& view, int64_t start, int64_t count, char* flat, bool into_view) {
+  if (count <= 0) return;
+  const size_t es = ElementSize(view.dtype());
+  char* base = static_cast<char*>(view.raw_data());
+  const int64_t nd = view.dim();
+  // Dims [k, nd) form runs of `run` elements back to back in memory.
+  int64_t run = 1, k = nd;
+  if (nd > 0 && view.stride(nd - 1) == 1) {
+    run = view.size(nd - 1);
+    k = nd - 1;
+    while (k > 0 && (view.size(k - 1) == 1 || view.stride(k - 1) == run)) run *= view.size(--k);
+  }
+  absl::InlinedVector<int64_t, 8> idx(static_cast<size_t>(k));  // the run's index over dims [0, k)
+  int64_t q = start / run, o = start % run;
+  for (int64_t i = k - 1; i >= 0; --i) {
+    idx[static_cast<size_t>(i)] = q % view.size(i);
+    q /= view.size(i);
+  }
+  while (count > 0) {
+    int64_t off = o;
+    for (int64_t i = 0; i < k; ++i) off += idx[static_cast<size_t>(i)] * view.stride(i);
+    const int64_t n = std::min(run - o, count);
+    char* at = base + off * static_cast<int64_t>(es);
+    if (into_view) {
+      std::memcpy(at, flat, static_cast<size_t>(n) * es);
+    } else {
+      std::memcpy(flat, at, static_cast<size_t>(n) * es);
+    }
+    flat += static_cast<size_t>(n) * es;
+    count -= n;
+    o = 0;
+    for (int64_t i = k - 1; i >= 0; --i) {  // the next run, row-major
+      if (++idx[static_cast<size_t>(i)] < view.size(i)) break;
+      idx[static_cast<size_t>(i)] = 0;
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 
@@ -304,6 +345,41 @@ class UcxCommunicator final : public Communicator {
     return Done(Run(
         kOp, [&] { return Describe(kOp, &input); },
         [&] { return DoAllToAllV(input, output, send_counts, recv_counts); }));
+  }
+
+  // Uniform blocks among ranks of one host: ShmAllToAll's steps, each window copied straight
+  // from the send view into this rank's slot and from the peers' slots into the receive views
+  // (nothing packed or unpacked). Otherwise the default (pack, AllToAll(V), unpack).
+  absl::Status AllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs, bool uniform) override {
+    if (shm_ == nullptr || !uniform) return Communicator::AllToAllBlocks(sends, recvs, uniform);
+    constexpr const char* kOp = "AllToAllBlocks";
+    DT_ASSIGN_OR_RETURN(const DType dtype, CheckBlocks(kOp, rank_, sends, recvs, size()));
+    const int64_t m = sends[0].numel();
+    for (size_t j = 0; j < sends.size(); ++j) {
+      if (sends[j].numel() != m || recvs[j].numel() != m) {
+        return InvalidArg(kOp, "rank ", rank_, ": uniform, but the blocks' element counts differ (sends[", j, "] ",
+                          sends[j].numel(), ", recvs[", j, "] ", recvs[j].numel(), ", sends[0] ", m, ")");
+      }
+      for (const auto& [name, t] : {std::pair{"sends", &sends[j]}, std::pair{"recvs", &recvs[j]}}) {
+        if (t->device() != Device::Cpu()) {
+          return InvalidArg(kOp, "rank ", rank_, ": ", name, "[", j, "] is on ", t->device().ToString(),
+                            "; the ucx backend moves CPU tensors only");
+        }
+      }
+    }
+    // A send view that may share bytes with a receive view is copied first: the receive views
+    // are written window by window while later windows of the sends are still to be read.
+    std::vector<Tensor> staged(sends.begin(), sends.end());
+    for (Tensor& t : staged) {
+      for (const Tensor& v : recvs) {
+        if (internal::Overlap(t, v)) {
+          DT_ASSIGN_OR_RETURN(t, Clone(t));
+          break;
+        }
+      }
+    }
+    const auto d = [&] { return Describe(kOp, &sends[0], m); };
+    return Run(kOp, d, [&] { return ShmAllToAllBlocks(staged, recvs, m, ElementSize(dtype)); });
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(const Tensor& tensor, int root) override {
@@ -912,6 +988,29 @@ class UcxCommunicator final : public Communicator {
     }
     if (len > 0) std::memmove(out + r * len, in + r * len, len);
     return absl::OkStatus();
+  }
+
+  // ShmAllToAll on views: blocks of m elements.
+  absl::Status ShmAllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs, int64_t m, size_t es) {
+    DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
+    const size_t p = members_.size(), r = static_cast<size_t>(rank_);
+    const size_t w = ShmGroup::kSlotBytes / p;
+    const int64_t per = static_cast<int64_t>(w / es);
+    for (int64_t at = 0; at < m; at += per) {
+      const int64_t k = std::min(per, m - at);
+      for (size_t j = 0; j < p; ++j) {
+        if (j != r) CopyRange(sends[j], at, k, shm_->slot(rank_) + j * w, /*into_view=*/false);
+      }
+      DT_RETURN_IF_ERROR(shm_->SyncEach(
+          ctx_, [&](int j) { CopyRange(recvs[static_cast<size_t>(j)], at, k, shm_->slot(j) + r * w, true); }));
+      shm_->NextStep();
+    }
+    // This rank's own block (no longer sharing bytes with its receive view: staged).
+    if (m == 0) return absl::OkStatus();
+    if (sends[r].shape() == recvs[r].shape()) return CopyBlock(recvs[r], sends[r]);
+    DT_ASSIGN_OR_RETURN(Tensor flat, Contiguous(sends[r]));
+    DT_ASSIGN_OR_RETURN(flat, flat.View(recvs[r].shape()));
+    return CopyBlock(recvs[r], flat);
   }
 
   absl::StatusOr<std::unique_ptr<Work>> PostP2P(const char* op, const Tensor& tensor, int peer, bool is_send) {

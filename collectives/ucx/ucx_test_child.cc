@@ -1,6 +1,7 @@
 // Rank program for tests/collectives/ucx_test.cc, run under dtrun:
 //   ucx_test_child battery     every collective, dtype and a range of sizes (odd, empty, above
-//                              the one-hop / ring switch, multi-chunk), checked against
+//                              the one-hop / ring switch, multi-chunk), AllToAllBlocks of
+//                              strided views, checked against
 //                              references computed here from every rank's (reproducible) data;
 //                              prints each mismatch and exits 1 if there was one.
 //   ucx_test_child dead-peer   the last rank exits while the others are inside an AllReduce;
@@ -11,13 +12,17 @@
 //                              others call AllReduce; every rank must get InvalidArgument
 //                              naming both calls (printed), and a matching call must work after.
 //   ucx_test_child bench       not a test: timings.
+//   ucx_test_child bench-blocks   not a test: AllToAllBlocks of S(0) -> S(1) column blocks
+//                              beside the default's pack + AllToAll and a plain AllToAll.
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -25,6 +30,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "collectives/ucx/ucx_communicator.h"
+#include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 #include "dtensor/tensor/tensor.h"
 
@@ -456,6 +462,133 @@ void BroadcastStream(Communicator& c) {
   }
 }
 
+// AllToAllBlocks with views as blocks: the column blocks of S(0) -> S(1), strided and
+// transposed receive views, the in-place exchange (every send view is its receive view),
+// receive views overlapping the sends one row down, receive blocks of another shape, sizes of several shared-memory
+// windows; with `uniform` (the ucx shared-memory path copies views to and from its slots) and without (the default
+// packs). Values: V(rank, i, c) of each rank's local [rows, p x cols] matrix.
+template <typename T>
+T V(int rank, int64_t i, int64_t c) {
+  return static_cast<T>((rank * 7919 + i * 31 + c) % 65536);  // exact in float32
+}
+
+template <typename T>
+void BlocksCase(Communicator& comm, const char* tname, int64_t rows, int64_t cols, bool uniform) {
+  const int p = comm.size(), r = comm.rank();
+  const DType dt = DTypeOf<T>::value;
+  const std::string at = absl::StrCat("AllToAllBlocks ", tname, " [", rows, " x ", cols, "] p=", p,
+                                      uniform ? " uniform" : "", " rank ", r);
+  Tensor local = *Tensor::Empty({rows, p * cols}, dt);
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t c = 0; c < p * cols; ++c) local.data<T>()[i * p * cols + c] = V<T>(r, i, c);
+  }
+  // What arrives from rank j, in row-major order of its [rows, cols] block: V(j, i, r cols + c).
+  std::vector<T> want;
+  for (int j = 0; j < p; ++j) {
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t c = 0; c < cols; ++c) want.push_back(V<T>(j, i, r * cols + c));
+    }
+  }
+  std::vector<Tensor> sends;
+  for (int j = 0; j < p; ++j) sends.push_back(*local.Narrow(1, j * cols, cols));
+  auto contiguous = [](const Tensor& t) { return *Contiguous(t); };
+  // Contiguous receive blocks (the [p rows, cols] output of S(0) -> S(1)).
+  {
+    Tensor out = *Tensor::Empty({p * rows, cols}, dt);
+    std::vector<Tensor> recvs;
+    for (int j = 0; j < p; ++j) recvs.push_back(*out.Narrow(0, j * rows, rows));
+    ExpectOk(comm.AllToAllBlocks(sends, recvs, uniform), at);
+    ExpectData(out, want, at);
+  }
+  // Receive views with a last-dim stride != 1: a transposed buffer.
+  {
+    Tensor out = *(*Tensor::Empty({cols, p * rows}, dt)).Transpose(0, 1);
+    std::vector<Tensor> recvs;
+    for (int j = 0; j < p; ++j) recvs.push_back(*out.Narrow(0, j * rows, rows));
+    ExpectOk(comm.AllToAllBlocks(sends, recvs, uniform), at + " (transposed receive)");
+    ExpectData(contiguous(out), want, at + " (transposed receive)");
+  }
+  // Flat 1-d receive blocks (another shape, same count).
+  {
+    Tensor out = *Tensor::Empty({p * rows * cols}, dt);
+    std::vector<Tensor> recvs;
+    for (int j = 0; j < p; ++j) recvs.push_back(*out.Narrow(0, j * rows * cols, rows * cols));
+    ExpectOk(comm.AllToAllBlocks(sends, recvs, uniform), at + " (flat receive)");
+    ExpectData(out, want, at + " (flat receive)");
+  }
+  // In place: column block j of `buf` goes to rank j and is replaced by rank j's block r.
+  {
+    Tensor buf = *Clone(local);
+    std::vector<Tensor> views;
+    for (int j = 0; j < p; ++j) views.push_back(*buf.Narrow(1, j * cols, cols));
+    ExpectOk(comm.AllToAllBlocks(views, views, uniform), at + " (in place)");
+    std::vector<T> in_place;
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int j = 0; j < p; ++j) {
+        for (int64_t c = 0; c < cols; ++c) in_place.push_back(V<T>(j, i, r * cols + c));
+      }
+    }
+    ExpectData(buf, in_place, at + " (in place)");
+  }
+  // Receive views one row below the send views in the same buffer ([rows + 1, p x cols]):
+  // the sends must be read before the receives overwrite them.
+  {
+    Tensor buf = *Tensor::Empty({rows + 1, p * cols}, dt);
+    for (int64_t i = 0; i <= rows; ++i) {
+      for (int64_t c = 0; c < p * cols; ++c) buf.data<T>()[i * p * cols + c] = V<T>(r, i, c);
+    }
+    std::vector<Tensor> sends2, recvs2;
+    for (int j = 0; j < p; ++j) {
+      const Tensor block = *buf.Narrow(1, j * cols, cols);
+      sends2.push_back(*block.Narrow(0, 0, rows));
+      recvs2.push_back(*block.Narrow(0, 1, rows));
+    }
+    ExpectOk(comm.AllToAllBlocks(sends2, recvs2, uniform), at + " (shifted overlap)");
+    std::vector<T> shifted;
+    for (int64_t c = 0; c < p * cols; ++c) shifted.push_back(V<T>(r, 0, c));
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int j = 0; j < p; ++j) {
+        for (int64_t c = 0; c < cols; ++c) shifted.push_back(V<T>(j, i, r * cols + c));
+      }
+    }
+    ExpectData(buf, shifted, at + " (shifted overlap)");
+  }
+  ExpectData(
+      local,
+      [&] {
+        std::vector<T> v;
+        for (int64_t i = 0; i < rows; ++i) {
+          for (int64_t c = 0; c < p * cols; ++c) v.push_back(V<T>(r, i, c));
+        }
+        return v;
+      }(),
+      at + " (input untouched)");
+}
+
+void Blocks(Communicator& comm) {
+  // [300 x 221] blocks: 66300 elements, over one 512 KiB / p window of float32 or int64.
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{0, 3}, {3, 2}, {5, 7}, {300, 221}, {1, 70001}};
+  for (bool uniform : {true, false}) {
+    for (const auto& [rows, cols] : shapes) {
+      BlocksCase<float>(comm, "float32", rows, cols, uniform);
+      BlocksCase<int64_t>(comm, "int64", rows, cols, uniform);
+    }
+  }
+  // The uniform promise broken the same way on every rank: InvalidArgument, and no hang.
+  const int p = comm.size();
+  std::vector<Tensor> sends, recvs;
+  for (int j = 0; j < p; ++j) {
+    sends.push_back(Make<float>(j == 0 ? 2 : 3));
+    recvs.push_back(Make<float>(j == 0 ? 2 : 3));
+  }
+  const absl::Status s = comm.AllToAllBlocks(sends, recvs, /*uniform=*/true);
+  ++g_checks;
+  if (p > 1 && !absl::IsInvalidArgument(s)) Fail(absl::StrCat("AllToAllBlocks broken uniform promise: ", s.ToString()));
+  if (p > 1 && s.message().find("uniform, but") == std::string::npos) {
+    Fail(absl::StrCat("AllToAllBlocks broken uniform promise message: ", s.ToString()));
+  }
+}
+
 int RunBattery() {
   auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(60));
   if (!comm.ok()) {
@@ -473,6 +606,7 @@ int RunBattery() {
   PointToPoint(c);
   BroadcastStream(c);
   SplitAndMisc(c);
+  Blocks(c);
   std::printf("%d checks, %d failures, %.2f s\n", g_checks, g_failures, absl::ToDoubleSeconds(absl::Now() - start));
   ExpectOk(c.Barrier(), "last Barrier");  // rank 0 (the store's host) leaves last
   return g_failures == 0 ? 0 : 1;
@@ -570,6 +704,50 @@ int RunBench() {
   return c.Barrier().ok() ? 0 : 1;
 }
 
+// Not a test: S(0) -> S(1) of a float32 [n, n] matrix as AllToAllBlocks of column blocks,
+// beside the default implementation (pack, AllToAll, the receive views already back to back)
+// and the plain AllToAll of the same bytes; calls interleaved, medians of 15 trials.
+int RunBenchBlocks() {
+  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(60));
+  if (!comm.ok()) return 2;
+  Communicator& c = **comm;
+  const int p = c.size();
+  if (c.rank() == 0)
+    std::printf("%10s %12s %12s %12s  (us per call, %d ranks)\n", "global", "blocks", "pack+a2a", "a2a", p);
+  for (const int64_t n : {int64_t{512}, int64_t{1024}, int64_t{2048}}) {
+    Tensor local = Fill<float>(c.rank(), n / p * n, 1, false);
+    local = *local.View({n / p, n});
+    Tensor out = *Tensor::Empty({n, n / p}, DType::kFloat32), flat_out = *out.View({n * n / p});
+    Tensor flat_in = *local.View({n * n / p});
+    std::vector<Tensor> sends, recvs;
+    for (int j = 0; j < p; ++j) {
+      sends.push_back(*local.Narrow(1, j * (n / p), n / p));
+      recvs.push_back(*out.Narrow(0, j * (n / p), n / p));
+    }
+    std::vector<std::function<absl::Status()>> fns = {
+        [&] { return c.AllToAllBlocks(sends, recvs, true); },
+        [&] { return c.Communicator::AllToAllBlocks(sends, recvs, true); },
+        [&] { return c.AllToAll(flat_in, flat_out); }};
+    std::vector<std::vector<double>> us(fns.size());
+    const int iters = n <= 1024 ? 100 : 20;
+    for (int t = 0; t < 15; ++t) {
+      for (size_t f = 0; f < fns.size(); ++f) {
+        (void)fns[f]();
+        (void)c.Barrier();
+        const absl::Time t0 = absl::Now();
+        for (int i = 0; i < iters; ++i) (void)fns[f]();
+        us[f].push_back(absl::ToDoubleMicroseconds(absl::Now() - t0) / iters);
+      }
+    }
+    for (auto& v : us) std::sort(v.begin(), v.end());
+    if (c.rank() == 0) {
+      std::printf("%4lld MiB   %12.1f %12.1f %12.1f\n", static_cast<long long>(n * n * 4 >> 20), us[0][7], us[1][7],
+                  us[2][7]);
+    }
+  }
+  return c.Barrier().ok() ? 0 : 1;
+}
+
 }  // namespace
 }  // namespace dtensor
 
@@ -579,7 +757,8 @@ int main(int argc, char** argv) {
   if (mode == "dead-peer") return dtensor::RunFailure(true);
   if (mode == "timeout") return dtensor::RunFailure(false);
   if (mode == "bench") return dtensor::RunBench();
+  if (mode == "bench-blocks") return dtensor::RunBenchBlocks();
   if (mode == "debug-mismatch") return dtensor::RunDebugMismatch();
-  std::fprintf(stderr, "usage: ucx_test_child battery|dead-peer|timeout|debug-mismatch|bench\n");
+  std::fprintf(stderr, "usage: ucx_test_child battery|dead-peer|timeout|debug-mismatch|bench|bench-blocks\n");
   return 2;
 }
