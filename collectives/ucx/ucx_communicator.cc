@@ -576,10 +576,10 @@ class UcxCommunicator final : public Communicator {
       if (out + b.off[r] != in && b.len[r] > 0) std::memmove(out + b.off[r], in, b.len[r]);
     };
     const bool direct = shm_ == nullptr && size() > 1 && (b.total < kSmallBytes || size() == 2);
+    if (shm_ != nullptr) return ShmGather(in, out, b);  // copies this rank's block while it waits
     if (!direct) {
       copy_mine();
       if (size() == 1) return absl::OkStatus();
-      if (shm_ != nullptr) return ShmGather(out, b);
       return RingAllGather(out, b, 0);
     }
     // Every block straight to every peer: post the transfers (sent from `in`), copy this
@@ -855,8 +855,9 @@ class UcxCommunicator final : public Communicator {
       // its extra Syncs than they gain (4 ranks on 2 cores).
       const Counts counts = EvenCounts(n, p);
       const Blocks b = MakeBlocks(counts, es);
-      DT_RETURN_IF_ERROR(ShmReduceScatter(in, out + b.off[static_cast<size_t>(rank_)], counts, b, dtype, op));
-      return ShmGather(out, b);
+      char* mine = out + b.off[static_cast<size_t>(rank_)];
+      DT_RETURN_IF_ERROR(ShmReduceScatter(in, mine, counts, b, dtype, op));
+      return ShmGather(mine, out, b);
     }
     // A rank's own slice never goes through its slot: it reduces it from its input directly.
     const int64_t per = static_cast<int64_t>(ShmGroup::kSlotBytes / es);
@@ -918,18 +919,29 @@ class UcxCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
-  // out already holds this rank's block; per step each rank publishes the next slot-sized
-  // window of its block and copies each other rank's as soon as it is there.
-  absl::Status ShmGather(char* out, const Blocks& b) {
+  // `in` is this rank's block (possibly already at its place in out, and overlapping no other
+  // block of out); per step each rank publishes the next slot-sized window of its block and
+  // copies each other rank's as soon as it is there. The copy of its own block into out runs
+  // while the first step waits.
+  absl::Status ShmGather(const char* in, char* out, const Blocks& b) {
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t w = ShmGroup::kSlotBytes;
     const size_t r = static_cast<size_t>(rank_);
+    auto copy_mine = [&] {
+      if (out + b.off[r] != in && b.len[r] > 0) std::memmove(out + b.off[r], in, b.len[r]);
+    };
+    if (b.max_len == 0) return absl::OkStatus();
     for (size_t at = 0; at < b.max_len; at += w) {
-      if (b.len[r] > at) std::memcpy(shm_->slot(rank_), out + b.off[r] + at, std::min(w, b.len[r] - at));
-      DT_RETURN_IF_ERROR(shm_->SyncEach(ctx_, [&](int jj) {
-        const size_t j = static_cast<size_t>(jj);
-        if (b.len[j] > at) std::memcpy(out + b.off[j] + at, shm_->slot(jj), std::min(w, b.len[j] - at));
-      }));
+      if (b.len[r] > at) std::memcpy(shm_->slot(rank_), in + at, std::min(w, b.len[r] - at));
+      DT_RETURN_IF_ERROR(shm_->SyncEach(
+          ctx_,
+          [&] {
+            if (at == 0) copy_mine();
+          },
+          [&](int jj) {
+            const size_t j = static_cast<size_t>(jj);
+            if (b.len[j] > at) std::memcpy(out + b.off[j] + at, shm_->slot(jj), std::min(w, b.len[j] - at));
+          }));
       shm_->NextStep();
     }
     return absl::OkStatus();
@@ -983,10 +995,13 @@ class UcxCommunicator final : public Communicator {
         if (j != r) std::memcpy(shm_->slot(rank_) + j * w, in + j * len + at, m);
       }
       DT_RETURN_IF_ERROR(shm_->SyncEach(
-          ctx_, [&](int j) { std::memcpy(out + static_cast<size_t>(j) * len + at, shm_->slot(j) + r * w, m); }));
+          ctx_,
+          [&] {  // this rank's own block, while the first step waits (in and out do not overlap)
+            if (at == 0) std::memcpy(out + r * len, in + r * len, len);
+          },
+          [&](int j) { std::memcpy(out + static_cast<size_t>(j) * len + at, shm_->slot(j) + r * w, m); }));
       shm_->NextStep();
     }
-    if (len > 0) std::memmove(out + r * len, in + r * len, len);
     return absl::OkStatus();
   }
 
@@ -1002,7 +1017,7 @@ class UcxCommunicator final : public Communicator {
         if (j != r) CopyRange(sends[j], at, k, shm_->slot(rank_) + j * w, /*into_view=*/false);
       }
       DT_RETURN_IF_ERROR(shm_->SyncEach(
-          ctx_, [&](int j) { CopyRange(recvs[static_cast<size_t>(j)], at, k, shm_->slot(j) + r * w, true); }));
+          ctx_, [] {}, [&](int j) { CopyRange(recvs[static_cast<size_t>(j)], at, k, shm_->slot(j) + r * w, true); }));
       shm_->NextStep();
     }
     // This rank's own block (no longer sharing bytes with its receive view: staged).

@@ -61,22 +61,30 @@ class ShmGroup {
 
   // Publishes this rank's arrival and waits for every rank (honouring ctx's deadline).
   absl::Status Sync(const UcxWaitContext& ctx);
-  // Sync(), then read(j) for every other rank j. When ranks share cores they arrive one
+  // Sync() with work on either side of the wait: publishes this rank's arrival, runs own()
+  // (work on private memory that the peers need not wait for: a rank's own block), waits,
+  // and calls read(j) for every other rank j. When ranks share cores they arrive one
   // scheduling slice apart: then read(j) runs as soon as j has arrived, in arrival order, so
   // a rank copies the early peers' slots while later ones are still on their way. (With a
   // core per rank the plain order measured faster: 0.40 vs 0.45-0.6 us for a 2-rank 4 KiB
   // all_to_all; 4 ranks on 2 cores: 6.1 vs 7.5 us.)
-  template <typename Read>
-  absl::Status SyncEach(const UcxWaitContext& ctx, Read&& read) {
+  template <typename Own, typename Read>
+  absl::Status SyncEach(const UcxWaitContext& ctx, Own&& own, Read&& read) {
+    Arrive();
+    own();
     if (!oversubscribed_) {
-      absl::Status s = Sync(ctx);
-      if (!s.ok()) return s;
+      for (int j = 0; j < static_cast<int>(members_.size()); ++j) {
+        if (j == rank_) continue;
+        absl::Status s = WaitRank(j, epoch_, ctx);
+        if (!s.ok()) return s;
+      }
+      relaxed_ = false;
+      last_full_ = epoch_;
       for (int j = 0; j < static_cast<int>(members_.size()); ++j) {
         if (j != rank_) read(j);
       }
       return absl::OkStatus();
     }
-    Arrive();
     uint64_t pending = 0;  // bit j: rank j not read yet (at most 64 ranks share a segment)
     for (size_t j = 0; j < members_.size(); ++j) {
       if (static_cast<int>(j) != rank_) pending |= uint64_t{1} << j;
