@@ -70,6 +70,18 @@ absl::StatusOr<DType> CheckBlocks(const char* op, int rank, absl::Span<const Ten
   return dtype;
 }
 
+absl::Status CheckUniformBlocks(const char* op, int rank, absl::Span<const Tensor> sends,
+                                absl::Span<const Tensor> recvs) {
+  const int64_t m = sends.empty() ? 0 : sends[0].numel();
+  for (size_t j = 0; j < sends.size() && j < recvs.size(); ++j) {
+    if (sends[j].numel() != m || recvs[j].numel() != m) {
+      return InvalidArg(op, "rank ", rank, ": uniform, but the blocks' element counts differ (sends[", j, "] ",
+                        sends[j].numel(), ", recvs[", j, "] ", recvs[j].numel(), ", sends[0] ", m, ")");
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckPeer(const char* op, int rank, const char* what, int peer, int size) {
   if (peer < 0 || peer >= size) {
     return InvalidArg(op, "rank ", rank, ": ", what, " ", peer, " is out of range for a group of size ", size);

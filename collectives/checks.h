@@ -37,6 +37,10 @@ absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, 
 // AllToAllBlocks' arguments: `size` defined blocks each way, one dtype (returned).
 absl::StatusOr<DType> CheckBlocks(const char* op, int rank, absl::Span<const Tensor> sends,
                                   absl::Span<const Tensor> recvs, int size);
+// AllToAllBlocks' `uniform` promise, as far as this rank can see it: every block, sent or
+// received, has sends[0]'s element count.
+absl::Status CheckUniformBlocks(const char* op, int rank, absl::Span<const Tensor> sends,
+                                absl::Span<const Tensor> recvs);
 // A root or peer index in [0, size).
 absl::Status CheckPeer(const char* op, int rank, const char* what, int peer, int size);
 // Reductions: float8 is storage-only (Unimplemented); avg is not defined for bool.

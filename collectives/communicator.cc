@@ -121,15 +121,7 @@ absl::Status Communicator::AllToAllBlocks(absl::Span<const Tensor> sends, absl::
   for (const Tensor& b : recvs) recv_counts.push_back(b.numel());
   const int64_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
   const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
-  if (uniform) {  // the caller's promise, checked before any copying
-    for (size_t j = 0; j < send_counts.size(); ++j) {
-      if (send_counts[j] != send_counts[0] || recv_counts[j] != send_counts[0]) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "[", kOp, "] rank ", rank(), ": uniform, but the blocks' element counts differ (sends[", j, "] ",
-            send_counts[j], ", recvs[", j, "] ", recv_counts[j], ", sends[0] ", send_counts[0], ")"));
-      }
-    }
-  }
+  if (uniform) DT_RETURN_IF_ERROR(internal::CheckUniformBlocks(kOp, rank(), sends, recvs));  // before any copying
   bool send_view = false, recv_view = false;
   DT_ASSIGN_OR_RETURN(Tensor send, FlatOf(sends, send_total, dtype, device(), &send_view));
   if (!send_view) DT_RETURN_IF_ERROR(CopyBlocks(sends, send, /*pack=*/true));

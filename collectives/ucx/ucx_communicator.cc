@@ -354,12 +354,9 @@ class UcxCommunicator final : public Communicator {
     if (shm_ == nullptr || !uniform) return Communicator::AllToAllBlocks(sends, recvs, uniform);
     constexpr const char* kOp = "AllToAllBlocks";
     DT_ASSIGN_OR_RETURN(const DType dtype, CheckBlocks(kOp, rank_, sends, recvs, size()));
+    DT_RETURN_IF_ERROR(CheckUniformBlocks(kOp, rank_, sends, recvs));
     const int64_t m = sends[0].numel();
     for (size_t j = 0; j < sends.size(); ++j) {
-      if (sends[j].numel() != m || recvs[j].numel() != m) {
-        return InvalidArg(kOp, "rank ", rank_, ": uniform, but the blocks' element counts differ (sends[", j, "] ",
-                          sends[j].numel(), ", recvs[", j, "] ", recvs[j].numel(), ", sends[0] ", m, ")");
-      }
       for (const auto& [name, t] : {std::pair{"sends", &sends[j]}, std::pair{"recvs", &recvs[j]}}) {
         if (t->device() != Device::Cpu()) {
           return InvalidArg(kOp, "rank ", rank_, ": ", name, "[", j, "] is on ", t->device().ToString(),

@@ -139,13 +139,16 @@ absl::Status ShmGroup::WaitRank(int j, uint64_t e, const UcxWaitContext& ctx) {
 
 absl::Status ShmGroup::Sync(const UcxWaitContext& ctx) {
   Arrive();
+  return WaitAll(ctx);
+}
+
+absl::Status ShmGroup::WaitAll(const UcxWaitContext& ctx) {
   for (int j = 0; j < static_cast<int>(members_.size()); ++j) {
     if (j == rank_) continue;
     absl::Status s = WaitRank(j, epoch_, ctx);
     if (!s.ok()) return s;
   }
-  relaxed_ = false;
-  last_full_ = epoch_;
+  Passed();
   return absl::OkStatus();
 }
 

@@ -73,13 +73,8 @@ class ShmGroup {
     Arrive();
     own();
     if (!oversubscribed_) {
-      for (int j = 0; j < static_cast<int>(members_.size()); ++j) {
-        if (j == rank_) continue;
-        absl::Status s = WaitRank(j, epoch_, ctx);
-        if (!s.ok()) return s;
-      }
-      relaxed_ = false;
-      last_full_ = epoch_;
+      absl::Status s = WaitAll(ctx);
+      if (!s.ok()) return s;
       for (int j = 0; j < static_cast<int>(members_.size()); ++j) {
         if (j != rank_) read(j);
       }
@@ -104,8 +99,7 @@ class ShmGroup {
         if (!s.ok()) return s;
       }
     }
-    relaxed_ = false;
-    last_full_ = epoch_;
+    Passed();
     return absl::OkStatus();
   }
 
@@ -143,6 +137,14 @@ class ShmGroup {
   }
   absl::Status WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx);
   bool Arrived(int j, uint64_t epoch) const;
+  // After Arrive(): waits until every rank has arrived at this rank's epoch, then Passed().
+  absl::Status WaitAll(const UcxWaitContext& ctx);
+  // Every rank has arrived at this epoch (a lock-step step): no relaxed step is pending, and
+  // this step counts as the last that wrote this rank's slot (see BeginRingWrite).
+  void Passed() {
+    relaxed_ = false;
+    last_full_ = epoch_;
+  }
   uint64_t* epoch_of(int j) const { return reinterpret_cast<uint64_t*>(base_ + static_cast<size_t>(j) * 64); }
   uint32_t* failed_of(int j) const { return reinterpret_cast<uint32_t*>(base_ + static_cast<size_t>(j) * 64 + 8); }
   // The futex word sleepers wait on: the low half of rank j's epoch (little-endian), which
