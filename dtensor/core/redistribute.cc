@@ -122,17 +122,22 @@ CommReduceOp ToCommReduceOp(PartialOp op) {
 }
 
 absl::StatusOr<Tensor> RegionOf(const Tensor& t, const LocalBox& t_box, const LocalBox& region) {
-  Tensor view = t;
+  // One view (a Narrow per dim would build a tensor per dim).
+  const bool dims_agree = static_cast<int64_t>(region.shape.size()) == t.dim() &&
+                          region.offset.size() == region.shape.size() && t_box.shape.size() == region.shape.size() &&
+                          t_box.offset.size() == region.shape.size();
+  int64_t offset = t.storage_offset();
   for (size_t d = 0; d < region.shape.size(); ++d) {
-    const int64_t start = region.offset[d] - t_box.offset[d];
-    if (start < 0 || start + region.shape[d] > t_box.shape[d]) {
+    const int64_t start = dims_agree ? region.offset[d] - t_box.offset[d] : -1;
+    if (start < 0 || start + region.shape[d] > t_box.shape[d] || t_box.shape[d] != t.size(static_cast<int64_t>(d))) {
       return absl::InternalError(absl::StrCat("[Redistribute] region at ", ShapeString(region.offset), " of shape ",
                                               ShapeString(region.shape), " is outside the box at ",
-                                              ShapeString(t_box.offset), " of shape ", ShapeString(t_box.shape)));
+                                              ShapeString(t_box.offset), " of shape ", ShapeString(t_box.shape),
+                                              " (tensor ", ShapeString(t.shape()), ")"));
     }
-    DT_ASSIGN_OR_RETURN(view, view.Narrow(static_cast<int64_t>(d), start, region.shape[d]));
+    offset += start * t.stride(static_cast<int64_t>(d));
   }
-  return view;
+  return t.AsStrided(region.shape, t.strides(), offset);
 }
 
 absl::StatusOr<Tensor> DivideForPartial(const Tensor& x, int64_t divisor) {
