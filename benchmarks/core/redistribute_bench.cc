@@ -2,9 +2,12 @@
 // and the planner's time per plan (issue 4's targets), measured side by side in one run.
 //   - Redistribute (plan cached, after a warm-up) against the one collective it issues, called
 //     directly on the same communicator with the same local input: S(0)->R vs all_gather,
-//     P(sum)->R vs all_reduce, P(sum)->S(0) vs reduce_scatter, S(0)->S(1) vs all_to_all (and vs
-//     the pack + all_to_all a hand-written program needs for the column blocks). Both sides
-//     allocate their output each call (Tensor::Empty), as Redistribute does.
+//     P(sum)->R vs all_reduce, P(sum)->S(0) vs reduce_scatter, S(0)->S(1) vs all_to_all of the
+//     same bytes contiguous (no layout change: a column exchange must read strided rows that
+//     this one does not), vs AllToAllBlocks of the column blocks (the collective a program
+//     would call with strided datatypes, as MPI_Alltoall with a vector type) and vs the pack +
+//     all_to_all a hand-written program needs otherwise. Both sides allocate their output each
+//     call (Tensor::Empty), as Redistribute does.
 //     Targets: ratio <= 1.03 at >= 1 MiB, <= 2 us added for the smallest (8 B) tensor.
 //   - The planner: PlanRedistribute (uncached) and RedistributePlanner::Plan (a cache hit) on
 //     1-d to 4-d meshes.
@@ -107,7 +110,7 @@ DTensor::FromLocalOptions WithGlobalShape(const Shape& global) {
   return options;
 }
 
-enum class Raw { kAllGather, kAllReduce, kReduceScatter, kAllToAll, kPackAllToAll };
+enum class Raw { kAllGather, kAllReduce, kReduceScatter, kAllToAll, kBlocksAllToAll, kPackAllToAll };
 
 struct OpCase {
   const char* name;
@@ -121,6 +124,7 @@ const OpCase kOps[] = {
     {"P->R", Partial(), Replicate(), Raw::kAllReduce, "all_reduce"},
     {"P->S(0)", Partial(), Shard(0), Raw::kReduceScatter, "reduce_scatter"},
     {"S(0)->S(1)", Shard(0), Shard(1), Raw::kAllToAll, "all_to_all"},
+    {"S(0)->S(1)", Shard(0), Shard(1), Raw::kBlocksAllToAll, "a2a_blocks"},
     {"S(0)->S(1)", Shard(0), Shard(1), Raw::kPackAllToAll, "pack+a2a"},
 };
 
@@ -314,6 +318,20 @@ class RankRunner {
             run_raw = [&] {
               raw_out = Must(Tensor::Empty(local_shape, DType::kFloat32), "empty");
               Must(comm->AllToAll(local, raw_out), "all_to_all");
+            };
+            break;
+          case Raw::kBlocksAllToAll:
+            // The column blocks straight into the row blocks: Communicator::AllToAllBlocks on
+            // the same views (what MPI_Alltoall with a vector datatype expresses).
+            run_raw = [&] {
+              const int64_t rows = n / g, cols = k / g;
+              raw_out = Must(Tensor::Empty({n, cols}, DType::kFloat32), "empty");
+              std::vector<Tensor> sends, recvs;
+              for (int64_t j = 0; j < g; ++j) {
+                sends.push_back(Must(local.Narrow(1, j * cols, cols), "narrow"));
+                recvs.push_back(Must(raw_out.Narrow(0, j * rows, rows), "narrow"));
+              }
+              Must(comm->AllToAllBlocks(sends, recvs, /*uniform=*/true), "all_to_all_blocks");
             };
             break;
           case Raw::kPackAllToAll:
@@ -792,7 +810,9 @@ int Main(int argc, char** argv) {
   std::printf("input; both allocate their output each call. Median of %d trials, each batch ~%.0f ms, slowest rank.\n",
               options.trials, options.batch_s * 1e3);
   std::printf("Targets: ratio <= 1.03 at >= 1 MiB; added <= 2 us for the smallest tensor. (all_to_all: same bytes\n");
-  std::printf("without the S(0)->S(1) packing; pack+a2a: what a hand-written program needs.)\n");
+  std::printf(
+      "contiguous, no strided reads; a2a_blocks: AllToAllBlocks of the column blocks, strided like MPI_Alltoall\n");
+  std::printf("with a vector datatype; pack+a2a: what a hand-written program needs without one.)\n");
   const std::vector<int64_t>& sizes = options.sizes;
   int wrong = 0;
   if (options.only != "planner") {
