@@ -347,15 +347,17 @@ class UcxCommunicator final : public Communicator {
         [&] { return DoAllToAllV(input, output, send_counts, recv_counts); }));
   }
 
-  // Uniform blocks among ranks of one host: ShmAllToAll's steps, each window copied straight
-  // from the send view into this rank's slot and from the peers' slots into the receive views
-  // (nothing packed or unpacked). Otherwise the default (pack, AllToAll(V), unpack).
+  // Without `uniform` the ranks first exchange their block counts (one small all-gather):
+  // every rank checks every sender's count against its receiver's, so a mismatch is
+  // InvalidArgument on every rank (the communicator stays usable). Then, among ranks of one
+  // host: ShmAllToAll's steps (as many as the largest block needs), each window copied
+  // straight from the send view into this rank's slot and from the peers' slots into the
+  // receive views (nothing packed or unpacked); between hosts: the default (pack, AllToAll(V),
+  // unpack).
   absl::Status AllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs, bool uniform) override {
-    if (shm_ == nullptr || !uniform) return Communicator::AllToAllBlocks(sends, recvs, uniform);
     constexpr const char* kOp = "AllToAllBlocks";
     DT_ASSIGN_OR_RETURN(const DType dtype, CheckBlocks(kOp, rank_, sends, recvs, size()));
-    DT_RETURN_IF_ERROR(CheckUniformBlocks(kOp, rank_, sends, recvs));
-    const int64_t m = sends[0].numel();
+    if (uniform) DT_RETURN_IF_ERROR(CheckUniformBlocks(kOp, rank_, sends, recvs));
     for (size_t j = 0; j < sends.size(); ++j) {
       for (const auto& [name, t] : {std::pair{"sends", &sends[j]}, std::pair{"recvs", &recvs[j]}}) {
         if (t->device() != Device::Cpu()) {
@@ -364,6 +366,11 @@ class UcxCommunicator final : public Communicator {
         }
       }
     }
+    int64_t longest = sends[0].numel();
+    if (!uniform) {
+      DT_ASSIGN_OR_RETURN(longest, ExchangeBlockCounts(kOp, sends, recvs));
+    }
+    if (shm_ == nullptr) return Communicator::AllToAllBlocks(sends, recvs, uniform);
     // A send view that may share bytes with a receive view is copied first: the receive views
     // are written window by window while later windows of the sends are still to be read.
     std::vector<Tensor> staged(sends.begin(), sends.end());
@@ -375,8 +382,40 @@ class UcxCommunicator final : public Communicator {
         }
       }
     }
-    const auto d = [&] { return Describe(kOp, &sends[0], m); };
-    return Run(kOp, d, [&] { return ShmAllToAllBlocks(staged, recvs, m, ElementSize(dtype)); });
+    const auto d = [&] { return Describe(kOp, &sends[0], uniform ? longest : -1); };
+    return Run(kOp, d, [&] { return ShmAllToAllBlocks(staged, recvs, longest, ElementSize(dtype)); });
+  }
+
+  // Every rank's send and receive counts to every rank (an all-gather of 2 x size integers);
+  // InvalidArgument on every rank when a sender's count differs from its receiver's (the
+  // communicator stays usable); else the largest count.
+  absl::StatusOr<int64_t> ExchangeBlockCounts(const char* op, absl::Span<const Tensor> sends,
+                                              absl::Span<const Tensor> recvs) {
+    const size_t p = members_.size();
+    std::vector<int64_t> mine(2 * p), all(2 * p * p);
+    for (size_t j = 0; j < p; ++j) {
+      mine[j] = sends[j].numel();
+      mine[p + j] = recvs[j].numel();
+    }
+    DT_RETURN_IF_ERROR(Run(
+        op, [&] { return Describe(op); },
+        [&] {
+          return GatherBytes(reinterpret_cast<const char*>(mine.data()), reinterpret_cast<char*>(all.data()),
+                             MakeBlocks(Counts(p, static_cast<int64_t>(2 * p)), sizeof(int64_t)));
+        }));
+    int64_t longest = 0;
+    for (size_t i = 0; i < p; ++i) {
+      for (size_t j = 0; j < p; ++j) {
+        const int64_t sent = all[i * 2 * p + j], expected = all[j * 2 * p + p + i];
+        if (sent != expected) {
+          return InvalidArg(op, "rank ", rank_, ": rank ", i, " sends ", sent, " elements to rank ", j,
+                            ", which expects ", expected, " (sends[", j, "] on rank ", i, " vs recvs[", i, "] on rank ",
+                            j, ")");
+        }
+        longest = std::max(longest, sent);
+      }
+    }
+    return longest;
   }
 
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(const Tensor& tensor, int root) override {
@@ -1002,23 +1041,29 @@ class UcxCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
-  // ShmAllToAll on views: blocks of m elements.
-  absl::Status ShmAllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs, int64_t m, size_t es) {
+  // ShmAllToAll on views, blocks of up to `longest` elements (the largest block of any rank:
+  // every rank takes the same steps).
+  absl::Status ShmAllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs, int64_t longest,
+                                 size_t es) {
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t p = members_.size(), r = static_cast<size_t>(rank_);
     const size_t w = ShmGroup::kSlotBytes / p;
     const int64_t per = static_cast<int64_t>(w / es);
-    for (int64_t at = 0; at < m; at += per) {
-      const int64_t k = std::min(per, m - at);
+    auto window = [&](const Tensor& t, int64_t at) { return std::clamp<int64_t>(t.numel() - at, 0, per); };
+    for (int64_t at = 0; at < longest; at += per) {
       for (size_t j = 0; j < p; ++j) {
-        if (j != r) CopyRange(sends[j], at, k, shm_->slot(rank_) + j * w, /*into_view=*/false);
+        if (j != r) CopyRange(sends[j], at, window(sends[j], at), shm_->slot(rank_) + j * w, /*into_view=*/false);
       }
       DT_RETURN_IF_ERROR(shm_->SyncEach(
-          ctx_, [] {}, [&](int j) { CopyRange(recvs[static_cast<size_t>(j)], at, k, shm_->slot(j) + r * w, true); }));
+          ctx_, [] {},
+          [&](int j) {
+            const Tensor& recv = recvs[static_cast<size_t>(j)];
+            CopyRange(recv, at, window(recv, at), shm_->slot(j) + r * w, /*into_view=*/true);
+          }));
       shm_->NextStep();
     }
     // This rank's own block (no longer sharing bytes with its receive view: staged).
-    if (m == 0) return absl::OkStatus();
+    if (sends[r].numel() == 0) return absl::OkStatus();
     if (sends[r].shape() == recvs[r].shape()) return CopyBlock(recvs[r], sends[r]);
     DT_ASSIGN_OR_RETURN(Tensor flat, Contiguous(sends[r]));
     DT_ASSIGN_OR_RETURN(flat, flat.View(recvs[r].shape()));

@@ -565,7 +565,58 @@ void BlocksCase(Communicator& comm, const char* tname, int64_t rows, int64_t col
       at + " (input untouched)");
 }
 
+// S(0) -> S(1) of a global [rows, cols] float32 matrix G(i, c) = (131 i + c) mod 65536 cut
+// with torch.chunk (uneven; trailing ranks may hold nothing): blocks of different sizes.
+void UnevenBlocksCase(Communicator& comm, int64_t rows, int64_t cols) {
+  const int p = comm.size(), r = comm.rank();
+  auto chunk = [p](int64_t n, int j) {  // torch.chunk: [start, size)
+    const int64_t c = (n + p - 1) / p, start = std::min(n, c * j);
+    return std::pair<int64_t, int64_t>{start, std::min(n, start + c) - start};
+  };
+  auto g = [](int64_t i, int64_t c) { return static_cast<float>((131 * i + c) % 65536); };
+  const auto [r0, nr] = chunk(rows, r);
+  const auto [c0, nc] = chunk(cols, r);
+  Tensor local = *Tensor::Empty({nr, cols}, DType::kFloat32);
+  for (int64_t i = 0; i < nr; ++i) {
+    for (int64_t c = 0; c < cols; ++c) local.data<float>()[i * cols + c] = g(r0 + i, c);
+  }
+  Tensor out = *Tensor::Empty({rows, nc}, DType::kFloat32);
+  std::vector<Tensor> sends, recvs;
+  for (int j = 0; j < p; ++j) {
+    sends.push_back(*local.Narrow(1, chunk(cols, j).first, chunk(cols, j).second));
+    recvs.push_back(*out.Narrow(0, chunk(rows, j).first, chunk(rows, j).second));
+  }
+  const std::string at = absl::StrCat("AllToAllBlocks uneven [", rows, " x ", cols, "] p=", p, " rank ", r);
+  ExpectOk(comm.AllToAllBlocks(sends, recvs, /*uniform=*/false), at);
+  std::vector<float> want;
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t c = 0; c < nc; ++c) want.push_back(g(i, c0 + c));
+  }
+  ExpectData(out, want, at);
+}
+
 void Blocks(Communicator& comm) {
+  // Uneven: [1500 x 301] and [2000 x 401] take two windows of 512 KiB / p on 2-4 ranks.
+  for (const auto& [rows, cols] :
+       std::vector<std::pair<int64_t, int64_t>>{{7, 5}, {1, 5}, {3, 0}, {1500, 301}, {2000, 401}}) {
+    UnevenBlocksCase(comm, rows, cols);
+  }
+  // A sender's count that differs from its receiver's: InvalidArgument on every rank, naming
+  // both, and the communicator stays usable.
+  if (comm.size() > 1) {
+    std::vector<Tensor> sends, recvs;
+    for (int j = 0; j < comm.size(); ++j) {
+      sends.push_back(Make<float>(2));
+      recvs.push_back(Make<float>(comm.rank() == 1 && j == 0 ? 3 : 2));
+    }
+    const absl::Status s = comm.AllToAllBlocks(sends, recvs, /*uniform=*/false);
+    ++g_checks;
+    if (!absl::IsInvalidArgument(s) ||
+        s.message().find("rank 0 sends 2 elements to rank 1, which expects 3") == std::string::npos) {
+      Fail(absl::StrCat("AllToAllBlocks mismatched counts on rank ", comm.rank(), ": ", s.ToString()));
+    }
+    ExpectOk(comm.Barrier(), "Barrier after mismatched AllToAllBlocks counts");
+  }
   // [300 x 221] blocks: 66300 elements, over one 512 KiB / p window of float32 or int64.
   const std::vector<std::pair<int64_t, int64_t>> shapes = {{0, 3}, {3, 2}, {5, 7}, {300, 221}, {1, 70001}};
   for (bool uniform : {true, false}) {
