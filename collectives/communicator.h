@@ -96,8 +96,10 @@ class Communicator {
   // matrix, say): sends[j] goes to rank j and lands in recvs[j], element for element in
   // row-major order, so sends[j].numel() on rank i must equal recvs[i].numel() on rank j.
   // One dtype for every block; blocks may be empty. Transports that read a peer's memory
-  // directly (threads) move each block once, from view to view; the default packs blocks that
-  // are not already back to back into contiguous buffers around AllToAllV (and unpacks).
+  // directly (threads) move each block once, from view to view, and ucx ranks of one host copy
+  // the views straight into and out of their shared-memory slots; the default (nccl, ucx
+  // between hosts) packs blocks that are not already back to back into contiguous buffers
+  // around AllToAllV (and unpacks).
   // `uniform`: every block of every rank has the same element count, which all ranks pass
   // alike (then the default uses the even AllToAll, which some transports do faster).
   virtual absl::Status AllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs,

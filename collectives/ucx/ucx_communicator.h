@@ -24,7 +24,7 @@
 // Shared memory: a communicator whose ranks all live on this host (the usual case under one
 // dtrun) also maps one POSIX shared-memory segment (made by its rank 0 when it is created,
 // unlinked once every rank has it; see ucx_shm.h) and runs AllReduce, ReduceScatter(V),
-// AllGather(V), AllToAll, uniform AllToAllBlocks, Broadcast and Barrier through it: each rank
+// AllGather(V), AllToAll, AllToAllBlocks, Broadcast and Barrier through it: each rank
 // copies its part into its own slot, the ranks meet at a flag barrier, and each reads /
 // reduces straight from the others' slots, in slot-sized (512 KiB) steps that stay in cache.
 // Small AllReduces are one copy, one barrier and a reduction of all slots in rank order (about
@@ -32,7 +32,9 @@
 // AllGather from there when every rank has a core, and otherwise (ranks sharing cores) one
 // barrier per step: each rank reduces 1/P of the step into a shared result that every rank
 // copies out. AllToAllBlocks copies each window straight from the send views into the slot and
-// out of the peers' slots into the receive views (strided views are never packed).
+// out of the peers' slots into the receive views (strided views are never packed); without
+// `uniform` the ranks first all-gather their block counts, so a sender / receiver mismatch is
+// InvalidArgument on every rank (on every path, between hosts too).
 // Reductions take the slots in rank order, in float32 for bfloat16 / float16 (rounded once),
 // so every rank gets the same bits. Waits spin briefly (when the ranks fit on the cores), then
 // yield, then nap, and check the deadline and the peers' pidfds and failed flags: the failure
