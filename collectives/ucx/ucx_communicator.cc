@@ -28,6 +28,11 @@ constexpr uint32_t kAllGatherSteps = 0x8000;  // AllReduce's all-gather phase nu
 constexpr int kMaxCommId = 0x7fff;
 constexpr int kMaxShmRanks = 64;                          // larger groups on one host use UCX
 constexpr size_t kShmFullReduceBytes = size_t{16} << 10;  // below: every rank reduces everything
+// Blocks from this size are read from the peers' memory (one copy, two Syncs) rather than
+// passed through the slots (two copies, a Sync per slot): 2 ranks, 64 KiB all_to_all 3.9-5.2
+// against 6.7-6.9 us, all_reduce 7-10 against 12.5-14 us; no gain below (compare.sh, 2026-11-25).
+constexpr size_t kCmaMinBytes = size_t{16} << 10;
+constexpr size_t kCmaChunk = size_t{256} << 10;  // CmaReduce's step per peer (in cache)
 // Ranks of one host move data through the shared-memory channel at every size: it beat UCX's
 // zero-copy (CMA) rendezvous for gather, all-to-all and broadcast on 2 ranks too, from 64 KiB
 // to 64 MiB (1.1-1.8x Open MPI's busbw there, where the CMA path gave 0.75-1.2x; compare.sh,
@@ -153,6 +158,66 @@ bool DebugFromEnv() {
 bool ShmFromEnv() {
   const char* v = std::getenv("DTENSOR_UCX_SHM");
   return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+// DTENSOR_UCX_CMA=0 keeps every byte in the shared-memory slots (no single-copy reads).
+bool CmaFromEnv() {
+  const char* v = std::getenv("DTENSOR_UCX_CMA");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+// Blocks of at least this many bytes are read from the peers' memory (ShmGroup::ReadPeer)
+// rather than passed through the slots; DTENSOR_UCX_CMA_MIN overrides it (tests, tuning).
+size_t CmaMinFromEnv() {
+  const char* v = std::getenv("DTENSOR_UCX_CMA_MIN");
+  if (v == nullptr || v[0] == '\0') return kCmaMinBytes;
+  char* end = nullptr;
+  const unsigned long long n = std::strtoull(v, &end, 10);
+  return end != nullptr && *end == '\0' ? static_cast<size_t>(n) : kCmaMinBytes;
+}
+
+// The byte ranges of a view, row-major: trailing dims back to back in memory merge into one.
+void AppendRuns(char* base, size_t es, int64_t nd, const int64_t* size, const int64_t* stride,
+                std::vector<iovec>& out) {
+  int64_t numel = 1;
+  for (int64_t i = 0; i < nd; ++i) numel *= size[i];
+  if (numel == 0) return;
+  int64_t run = 1, k = nd;
+  if (nd > 0 && stride[nd - 1] == 1) {
+    run = size[nd - 1];
+    k = nd - 1;
+    while (k > 0 && (size[k - 1] == 1 || stride[k - 1] == run)) run *= size[--k];
+  }
+  absl::InlinedVector<int64_t, 8> idx(static_cast<size_t>(k));
+  const size_t run_bytes = static_cast<size_t>(run) * es;
+  for (int64_t done = 0; done < numel; done += run) {
+    int64_t off = 0;
+    for (int64_t i = 0; i < k; ++i) off += idx[static_cast<size_t>(i)] * stride[i];
+    out.push_back(iovec{base + off * static_cast<int64_t>(es), run_bytes});
+    for (int64_t i = k - 1; i >= 0; --i) {
+      if (++idx[static_cast<size_t>(i)] < size[i]) break;
+      idx[static_cast<size_t>(i)] = 0;
+    }
+  }
+}
+
+// A view as its peers see it in the slot (ShmGroup::ReadPeer reads it from this process).
+struct ViewDesc {
+  uint64_t addr = 0;
+  int64_t nd = 0;
+  int64_t size[kMaxDims] = {};
+  int64_t stride[kMaxDims] = {};
+};
+
+ViewDesc DescOf(const Tensor& t) {
+  ViewDesc d;
+  d.addr = reinterpret_cast<uintptr_t>(t.raw_data());
+  d.nd = t.dim();
+  for (int64_t i = 0; i < t.dim(); ++i) {
+    d.size[i] = t.size(i);
+    d.stride[i] = t.stride(i);
+  }
+  return d;
 }
 
 absl::StatusOr<std::unique_ptr<Work>> Done(absl::Status status) {
@@ -511,8 +576,10 @@ class UcxCommunicator final : public Communicator {
         });
     if (rank_ == 0 && name[0] != '\0') ShmGroup::Unlink(name);  // every rank has it mapped (or gave up)
     DT_RETURN_IF_ERROR(s);
-    if (std::all_of(all.begin(), all.end(), [](char c) { return c == 1; })) shm_ = std::move(group);
-    return absl::OkStatus();
+    if (!std::all_of(all.begin(), all.end(), [](char c) { return c == 1; })) return absl::OkStatus();
+    shm_ = std::move(group);
+    return Run(
+        "Setup", [&] { return Describe("Setup"); }, [&] { return shm_->SetupCma(CmaFromEnv(), ctx_); });
   }
 
  private:
@@ -884,6 +951,9 @@ class UcxCommunicator final : public Communicator {
       shm_->NextStep();
       return absl::OkStatus();
     }
+    if (const Blocks b = MakeBlocks(EvenCounts(n, p), es); UseCma(b.max_len)) {
+      return CmaReduce(in, out, b, dtype, op, /*all=*/true);
+    }
     if (!shm_->oversubscribed()) {
       // With a core per rank, a reduce-scatter into this rank's block of `out` and an
       // all-gather from there measured faster than the fused loop below (2 ranks, 1-16 MiB:
@@ -931,6 +1001,7 @@ class UcxCommunicator final : public Communicator {
   // window); rank r reduces window r of every slot (its own from its input) into its output.
   absl::Status ShmReduceScatter(const char* in, char* out, absl::Span<const int64_t> counts, const Blocks& b,
                                 DType dtype, CommReduceOp op) {
+    if (UseCma(b.max_len)) return CmaReduce(in, out, b, dtype, op, /*all=*/false);
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t es = ElementSize(dtype);
     const int p = size();
@@ -960,6 +1031,7 @@ class UcxCommunicator final : public Communicator {
   // copies each other rank's as soon as it is there. The copy of its own block into out runs
   // while the first step waits.
   absl::Status ShmGather(const char* in, char* out, const Blocks& b) {
+    if (UseCma(b.max_len)) return CmaGather(in, out, b);
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t w = ShmGroup::kSlotBytes;
     const size_t r = static_cast<size_t>(rank_);
@@ -986,6 +1058,7 @@ class UcxCommunicator final : public Communicator {
   // Not lock-step (see ShmGroup::MarkRelaxed): the root publishes each window and goes on;
   // readers wait for the root only.
   absl::Status ShmBroadcast(char* data, size_t bytes, int root) {
+    if (bytes > ShmGroup::kRingBytes && UseCma(bytes)) return CmaBroadcast(data, bytes, root);
     if (bytes <= ShmGroup::kRingBytes) {  // the root may run up to a ring's length ahead
       const uint64_t e = shm_->epoch() + 1;
       char* place = shm_->RingSlot(root, e);
@@ -1022,6 +1095,7 @@ class UcxCommunicator final : public Communicator {
   // Blocks of `len` bytes: per step each rank puts the next window of block j in its slot at
   // j * window and copies window `rank` of each slot as soon as its rank is there.
   absl::Status ShmAllToAll(const char* in, char* out, size_t len) {
+    if (UseCma(len)) return CmaAllToAll(in, out, len);
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t p = members_.size(), r = static_cast<size_t>(rank_);
     const size_t w = ShmGroup::kSlotBytes / p;
@@ -1045,6 +1119,7 @@ class UcxCommunicator final : public Communicator {
   // every rank takes the same steps).
   absl::Status ShmAllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs, int64_t longest,
                                  size_t es) {
+    if (UseCma(static_cast<size_t>(longest) * es)) return CmaAllToAllBlocks(sends, recvs, es);
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t p = members_.size(), r = static_cast<size_t>(rank_);
     const size_t w = ShmGroup::kSlotBytes / p;
@@ -1068,6 +1143,170 @@ class UcxCommunicator final : public Communicator {
     DT_ASSIGN_OR_RETURN(Tensor flat, Contiguous(sends[r]));
     DT_ASSIGN_OR_RETURN(flat, flat.View(recvs[r].shape()));
     return CopyBlock(recvs[r], flat);
+  }
+
+  // ---- Single copy among ranks of one host (ShmGroup::ReadPeer) ----
+  // Every rank's decision depends only on sizes all ranks know, so all take the same path.
+  bool UseCma(size_t block_bytes) const { return shm_->cma() && block_bytes >= cma_min_; }
+
+  // Every rank publishes `desc` in its slot; after the Sync each runs own() (while waiting) and
+  // read(j, rank j's desc) for every other rank; a second Sync then holds every rank until all
+  // peers are done reading its memory (its buffers may change once it returns).
+  // finish() runs after the reads, before the second Sync.
+  template <typename Own, typename Read, typename Finish>
+  absl::Status CmaStep(const void* desc, size_t desc_bytes, Own&& own, Read&& read, Finish&& finish) {
+    DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
+    std::memcpy(shm_->slot(rank_), desc, desc_bytes);
+    absl::Status status;
+    DT_RETURN_IF_ERROR(shm_->SyncEach(ctx_, own, [&](int j) {
+      if (status.ok()) status = read(j, static_cast<const char*>(shm_->slot(j)));
+    }));
+    shm_->NextStep();
+    DT_RETURN_IF_ERROR(status);
+    DT_RETURN_IF_ERROR(finish());
+    DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
+    shm_->NextStep();
+    return absl::OkStatus();
+  }
+  template <typename Own, typename Read>
+  absl::Status CmaStep(const void* desc, size_t desc_bytes, Own&& own, Read&& read) {
+    return CmaStep(desc, desc_bytes, own, read, [] { return absl::OkStatus(); });
+  }
+  static uint64_t AddrIn(const char* desc) {
+    uint64_t a;
+    std::memcpy(&a, desc, sizeof(a));
+    return a;
+  }
+
+  // ShmGather's contract; each rank reads every peer's block from the peer's `in`.
+  absl::Status CmaGather(const char* in, char* out, const Blocks& b) {
+    const size_t r = static_cast<size_t>(rank_);
+    const uint64_t mine = reinterpret_cast<uintptr_t>(in);
+    return CmaStep(
+        &mine, sizeof(mine),
+        [&] {
+          if (out + b.off[r] != in && b.len[r] > 0) std::memmove(out + b.off[r], in, b.len[r]);
+        },
+        [&](int j, const char* desc) {
+          const size_t u = static_cast<size_t>(j);
+          if (b.len[u] == 0) return absl::OkStatus();
+          return shm_->ReadPeer(j, out + b.off[u], AddrIn(desc), b.len[u], ctx_);
+        });
+  }
+
+  // Reduce-scatter (all = false: this rank's block of the result into `out`) or all-reduce
+  // (all = true: `out` is the whole result). Rank r reduces block r, a chunk at a time: it
+  // reads every peer's piece of the chunk into scratch, reduces them in rank order with its
+  // own, and for all-reduce writes the result into every peer's output while it is still in
+  // cache (process_vm_writev). Two Syncs in all; no rank's bytes pass through the slots. In
+  // place (out == in, or out == in's block r) is fine: only rank r reads or writes block r.
+  absl::Status CmaReduce(const char* in, char* out, const Blocks& b, DType dtype, CommReduceOp op, bool all) {
+    struct Desc {
+      uint64_t in, out;
+    };
+    const Desc mine{reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out)};
+    const size_t p = members_.size(), r = static_cast<size_t>(rank_), es = ElementSize(dtype);
+    absl::InlinedVector<Desc, 8> peers(p);
+    char* const block = all ? out + b.off[r] : out;
+    return CmaStep(
+        &mine, sizeof(mine), [] {},
+        [&](int j, const char* desc) {
+          std::memcpy(&peers[static_cast<size_t>(j)], desc, sizeof(Desc));
+          return absl::OkStatus();
+        },
+        [&]() -> absl::Status {
+          char* scratch = Scratch(p * kCmaChunk);
+          const void* srcs[kMaxShmRanks];
+          for (size_t at = 0; at < b.len[r]; at += kCmaChunk) {
+            const size_t m = std::min(kCmaChunk, b.len[r] - at);
+            for (size_t k = 1; k < p; ++k) {  // from the next rank on, so that peers spread out
+              const size_t j = (r + k) % p;
+              DT_RETURN_IF_ERROR(
+                  shm_->ReadPeer(static_cast<int>(j), scratch + j * kCmaChunk, peers[j].in + b.off[r] + at, m, ctx_));
+              srcs[j] = scratch + j * kCmaChunk;
+            }
+            srcs[r] = in + b.off[r] + at;
+            Reduce(dtype, op, srcs, static_cast<int>(p), static_cast<int64_t>(m / es), block + at, static_cast<int>(p));
+            if (!all) continue;
+            for (size_t k = 1; k < p; ++k) {
+              const size_t j = (r + k) % p;
+              DT_RETURN_IF_ERROR(
+                  shm_->WritePeer(static_cast<int>(j), peers[j].out + b.off[r] + at, block + at, m, ctx_));
+            }
+          }
+          return absl::OkStatus();
+        });
+  }
+
+  // ShmAllToAll's contract (in and out do not overlap).
+  absl::Status CmaAllToAll(const char* in, char* out, size_t len) {
+    const size_t r = static_cast<size_t>(rank_);
+    const uint64_t mine = reinterpret_cast<uintptr_t>(in);
+    return CmaStep(
+        &mine, sizeof(mine), [&] { std::memcpy(out + r * len, in + r * len, len); },
+        [&](int j, const char* desc) {
+          return shm_->ReadPeer(j, out + static_cast<size_t>(j) * len, AddrIn(desc) + r * len, len, ctx_);
+        });
+  }
+
+  // The buffer in p parts: the root writes part `pos` into the rank `pos` places after it
+  // (process_vm_writev), and each other rank reads the remaining parts from the root, so the
+  // root copies as much as each reader and every core works (2 ranks: half each; reading it all
+  // on the reader measured 0.96-0.98x Open MPI at 4-16 MiB, with the root's core idle).
+  absl::Status CmaBroadcast(char* data, size_t bytes, int root) {
+    const uint64_t mine = reinterpret_cast<uintptr_t>(data);
+    const int p = size();
+    auto part = [&](int q) { return bytes * static_cast<size_t>(q) / static_cast<size_t>(p); };
+    return CmaStep(
+        &mine, sizeof(mine), [] {},
+        [&](int j, const char* desc) -> absl::Status {
+          const uint64_t theirs = AddrIn(desc);
+          if (rank_ == root) {
+            const int pos = Mod(j - root);
+            return shm_->WritePeer(j, theirs + part(pos), data + part(pos), part(pos + 1) - part(pos), ctx_);
+          }
+          if (j != root) return absl::OkStatus();
+          const int pos = Mod(rank_ - root);
+          const iovec local[2] = {{data, part(pos)}, {data + part(pos + 1), bytes - part(pos + 1)}};
+          const iovec remote[2] = {{reinterpret_cast<void*>(theirs), part(pos)},
+                                   {reinterpret_cast<void*>(theirs + part(pos + 1)), bytes - part(pos + 1)}};
+          return shm_->ReadPeer(j, local, remote, ctx_);
+        });
+  }
+
+  // ShmAllToAllBlocks' contract: each rank publishes its send views' geometry; a receiver
+  // reads its block's byte ranges from the sender's view straight into the ranges of its
+  // receive view (strided on either side, nothing packed).
+  absl::Status CmaAllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs, size_t es) {
+    const size_t p = members_.size(), r = static_cast<size_t>(rank_);
+    static_assert(sizeof(ViewDesc) * kMaxShmRanks <= ShmGroup::kSlotBytes);
+    std::vector<ViewDesc> descs(p);
+    for (size_t j = 0; j < p; ++j) descs[j] = DescOf(sends[j]);
+    absl::Status own;
+    return CmaStep(
+        descs.data(), p * sizeof(ViewDesc),
+        [&] {
+          if (sends[r].numel() == 0) return;
+          if (sends[r].shape() == recvs[r].shape()) {
+            own = CopyBlock(recvs[r], sends[r]);
+            return;
+          }
+          absl::StatusOr<Tensor> flat = Contiguous(sends[r]);
+          if (flat.ok()) flat = flat->View(recvs[r].shape());
+          own = flat.ok() ? CopyBlock(recvs[r], *flat) : flat.status();
+        },
+        [&](int j, const char* desc) -> absl::Status {
+          DT_RETURN_IF_ERROR(own);
+          ViewDesc d;
+          std::memcpy(&d, desc + r * sizeof(ViewDesc), sizeof(d));
+          const Tensor& recv = recvs[static_cast<size_t>(j)];
+          local_runs_.clear();
+          remote_runs_.clear();
+          AppendRuns(static_cast<char*>(recv.raw_data()), es, recv.dim(), recv.shape().data(), recv.strides().data(),
+                     local_runs_);
+          AppendRuns(reinterpret_cast<char*>(d.addr), es, d.nd, d.size, d.stride, remote_runs_);
+          return shm_->ReadPeer(j, local_runs_, remote_runs_, ctx_);
+        });
   }
 
   absl::StatusOr<std::unique_ptr<Work>> PostP2P(const char* op, const Tensor& tensor, int peer, bool is_send) {
@@ -1101,6 +1340,8 @@ class UcxCommunicator final : public Communicator {
   std::vector<UcxRequest> reqs_;
   std::vector<char> scratch_, stage_;
   std::unique_ptr<ShmGroup> shm_;  // all ranks on this host: the shared-memory channel
+  size_t cma_min_ = CmaMinFromEnv();
+  std::vector<iovec> local_runs_, remote_runs_;  // CmaAllToAllBlocks' byte ranges
   bool debug_ = DebugFromEnv();
   std::unique_ptr<StoreClient> store_;  // FromEnv: the store (rank 0's owns the server)
 };

@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -227,6 +228,124 @@ absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx)
     }
     waiters.fetch_sub(1, std::memory_order_seq_cst);
   }
+}
+
+absl::Status ShmGroup::SetupCma(bool want, const UcxWaitContext& ctx) {
+  struct Probe {
+    uint64_t addr, value;
+    int64_t pid;
+  };
+  absl::Status s = BeginWrite(ctx);
+  if (!s.ok()) return s;
+  probe_ = 0x9e3779b97f4a7c15ull ^ static_cast<uint64_t>(NowNs()) ^ (static_cast<uint64_t>(rank_) << 56);
+  const Probe mine{reinterpret_cast<uintptr_t>(&probe_), probe_, getpid()};
+  std::memcpy(slot(rank_), &mine, sizeof(mine));
+  if (s = Sync(ctx); !s.ok()) return s;
+  const size_t p = members_.size();
+  pids_.assign(p, 0);
+  bool ok = want;
+  for (size_t j = 0; j < p; ++j) {
+    if (static_cast<int>(j) == rank_) continue;
+    Probe theirs;
+    std::memcpy(&theirs, slot(static_cast<int>(j)), sizeof(theirs));
+    pids_[j] = static_cast<int>(theirs.pid);
+    if (!ok) continue;
+    uint64_t value = 0;
+    iovec local{&value, sizeof(value)}, remote{reinterpret_cast<void*>(theirs.addr), sizeof(value)};
+    ok = process_vm_readv(pids_[j], &local, 1, &remote, 1, 0) == sizeof(value) && value == theirs.value;
+  }
+  NextStep();
+  slot(rank_)[0] = ok ? 1 : 0;  // the other buffer: nobody reads it before the next Sync
+  if (s = Sync(ctx); !s.ok()) return s;
+  bool all = true;
+  for (size_t j = 0; j < p; ++j) all = all && slot(static_cast<int>(j))[0] == 1;
+  NextStep();
+  cma_ = all;
+  return absl::OkStatus();
+}
+
+namespace {
+
+// A cursor over a list of byte ranges.
+struct Ranges {
+  absl::Span<const iovec> v;
+  size_t i = 0, off = 0;  // the next byte: range i, `off` bytes in
+
+  bool done() {
+    while (i < v.size() && off == v[i].iov_len) {
+      ++i;
+      off = 0;
+    }
+    return i == v.size();
+  }
+  // Up to `max` entries of at most `limit` bytes in all from the cursor on (not moving it).
+  size_t Fill(iovec* out, size_t max, size_t limit, size_t* count) const {
+    size_t bytes = 0, n = 0;
+    for (size_t k = i, o = off; k < v.size() && n < max && bytes < limit; ++k, o = 0) {
+      const size_t len = std::min(v[k].iov_len - o, limit - bytes);
+      if (len == 0) continue;
+      out[n++] = iovec{static_cast<char*>(v[k].iov_base) + o, len};
+      bytes += len;
+    }
+    *count = n;
+    return bytes;
+  }
+  void Advance(size_t bytes) {
+    while (bytes > 0) {
+      const size_t len = std::min(v[i].iov_len - off, bytes);
+      off += len;
+      bytes -= len;
+      if (off == v[i].iov_len) {
+        ++i;
+        off = 0;
+      }
+    }
+  }
+};
+
+}  // namespace
+
+absl::Status ShmGroup::ReadPeer(int j, absl::Span<const iovec> local, absl::Span<const iovec> remote,
+                                const UcxWaitContext& ctx) const {
+  return Transfer(j, local, remote, /*write=*/false, ctx);
+}
+
+absl::Status ShmGroup::Transfer(int j, absl::Span<const iovec> local, absl::Span<const iovec> remote, bool write,
+                                const UcxWaitContext& ctx) const {
+  constexpr size_t kBatch = 512;  // ranges per call, each side (IOV_MAX is 1024)
+  iovec l[kBatch], r[kBatch];
+  Ranges lc{local}, rc{remote};
+  while (!lc.done() && !rc.done()) {
+    size_t nl = 0, nr = 0;
+    size_t bytes = lc.Fill(l, kBatch, SIZE_MAX, &nl);
+    const size_t rbytes = rc.Fill(r, kBatch, bytes, &nr);
+    if (rbytes < bytes) bytes = lc.Fill(l, kBatch, rbytes, &nl);
+    const pid_t pid = pids_[static_cast<size_t>(j)];
+    const ssize_t n = write ? process_vm_writev(pid, l, nl, r, nr, 0) : process_vm_readv(pid, l, nl, r, nr, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const int err = n < 0 ? errno : 0;
+      return absl::UnavailableError(absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": ",
+                                                 write ? "writing " : "reading ", bytes, " bytes ",
+                                                 write ? "into" : "of", " peer rank ", j, "'s memory failed (",
+                                                 write ? "process_vm_writev" : "process_vm_readv", ": ",
+                                                 err != 0 ? std::strerror(err) : "nothing moved", ")"));
+    }
+    lc.Advance(static_cast<size_t>(n));
+    rc.Advance(static_cast<size_t>(n));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ShmGroup::ReadPeer(int j, void* local, uint64_t remote, size_t bytes, const UcxWaitContext& ctx) const {
+  const iovec l{local, bytes}, r{reinterpret_cast<void*>(remote), bytes};
+  return ReadPeer(j, absl::MakeConstSpan(&l, 1), absl::MakeConstSpan(&r, 1), ctx);
+}
+
+absl::Status ShmGroup::WritePeer(int j, uint64_t remote, const void* local, size_t bytes,
+                                 const UcxWaitContext& ctx) const {
+  const iovec l{const_cast<void*>(local), bytes}, r{reinterpret_cast<void*>(remote), bytes};
+  return Transfer(j, absl::MakeConstSpan(&l, 1), absl::MakeConstSpan(&r, 1), /*write=*/true, ctx);
 }
 
 }  // namespace dtensor::internal

@@ -21,6 +21,8 @@
 #ifndef DTENSOR_COLLECTIVES_UCX_UCX_SHM_H_
 #define DTENSOR_COLLECTIVES_UCX_UCX_SHM_H_
 
+#include <sys/uio.h>
+
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -30,6 +32,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "collectives/ucx/ucx_transport.h"
 
 namespace dtensor::internal {
@@ -130,6 +133,24 @@ class ShmGroup {
   // Tells the peers this rank gave up (they return Unavailable instead of waiting).
   void MarkFailed();
 
+  // ---- Single copy: reading a peer's own memory (Linux cross-memory attach) ----
+  // Large messages need not pass through the slots (a copy in, a copy out): a rank publishes
+  // the address of its buffer in its slot and the peers copy straight out of it with
+  // process_vm_readv, one copy (1 MiB: 59 us against 103 us for two memcpys on this 2-core VM).
+  //
+  // Collective, once after Map: every rank reads a probe word from every peer; cma() is true
+  // when every rank wanted it and every read succeeded (the same answer on every rank, so all
+  // of them take the same path).
+  absl::Status SetupCma(bool want, const UcxWaitContext& ctx);
+  bool cma() const { return cma_; }
+  // Copies peer j's byte ranges `remote` (addresses in its process), in order, into this
+  // process's ranges `local`; the totals must agree. Unavailable naming the peer on failure.
+  absl::Status ReadPeer(int j, absl::Span<const iovec> local, absl::Span<const iovec> remote,
+                        const UcxWaitContext& ctx) const;
+  absl::Status ReadPeer(int j, void* local, uint64_t remote, size_t bytes, const UcxWaitContext& ctx) const;
+  // The other way: this process's `bytes` at `local` into peer j's memory at `remote`.
+  absl::Status WritePeer(int j, uint64_t remote, const void* local, size_t bytes, const UcxWaitContext& ctx) const;
+
  private:
   ShmGroup() = default;
   char* slot_in(int buf, int j) const {
@@ -164,6 +185,11 @@ class ShmGroup {
   uint64_t epoch_ = 0;
   uint64_t last_full_ = 0;  // the last step that wrote (or may have written) this rank's slot
   bool relaxed_ = false;
+  bool cma_ = false;
+  std::vector<int> pids_;  // per group rank, for ReadPeer
+  uint64_t probe_ = 0;     // what SetupCma's peers read
+  absl::Status Transfer(int j, absl::Span<const iovec> local, absl::Span<const iovec> remote, bool write,
+                        const UcxWaitContext& ctx) const;
   bool oversubscribed_ = false;  // more ranks on this host than cores this process may use
   int64_t spin_ns_ = 0;
   int64_t yield_ns_ = 0;

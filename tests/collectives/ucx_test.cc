@@ -78,7 +78,9 @@ RunResult RunDtrun(const std::vector<std::string>& args, const std::vector<std::
 bool Contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 // (ranks, extra environment, name): the shared-memory channel (the default on one host), UCX
-// alone (DTENSOR_UCX_SHM=0, the path between hosts), and the debug mode's call checks.
+// alone (DTENSOR_UCX_SHM=0, the path between hosts), the debug mode's call checks, and the
+// shared-memory channel with every block read from the peers' memory (DTENSOR_UCX_CMA_MIN=0)
+// or none (DTENSOR_UCX_CMA=0: every byte through the slots).
 struct BatteryCase {
   int ranks;
   std::vector<std::string> env;
@@ -103,7 +105,11 @@ INSTANTIATE_TEST_SUITE_P(Ranks, UcxBatteryTest,
                                          BatteryCase{4, {}, "P4"}, BatteryCase{2, {"DTENSOR_UCX_SHM=0"}, "P2NoShm"},
                                          BatteryCase{3, {"DTENSOR_UCX_SHM=0"}, "P3NoShm"},
                                          BatteryCase{4, {"DTENSOR_UCX_SHM=0"}, "P4NoShm"},
-                                         BatteryCase{3, {"DTENSOR_DEBUG=1"}, "P3Debug"}),
+                                         BatteryCase{3, {"DTENSOR_DEBUG=1"}, "P3Debug"},
+                                         BatteryCase{2, {"DTENSOR_UCX_CMA_MIN=0"}, "P2AllSingleCopy"},
+                                         BatteryCase{3, {"DTENSOR_UCX_CMA_MIN=0"}, "P3AllSingleCopy"},
+                                         BatteryCase{2, {"DTENSOR_UCX_CMA=0"}, "P2SlotsOnly"},
+                                         BatteryCase{4, {"DTENSOR_UCX_CMA=0"}, "P4SlotsOnly"}),
                          [](const testing::TestParamInfo<BatteryCase>& info) { return info.param.name; });
 
 // DTENSOR_DEBUG=1: rank 1 calls AllGather while the others call AllReduce; every rank gets
