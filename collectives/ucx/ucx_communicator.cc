@@ -33,6 +33,11 @@ constexpr size_t kShmFullReduceBytes = size_t{16} << 10;  // below: every rank r
 // against 6.7-6.9 us, all_reduce 7-10 against 12.5-14 us; no gain below (compare.sh, 2026-11-25).
 constexpr size_t kCmaMinBytes = size_t{16} << 10;
 constexpr size_t kCmaChunk = size_t{256} << 10;  // CmaReduce's step per peer (in cache)
+// Larger blocks reduce through the slots: the kernel's copy (process_vm_readv ~9.5 GB/s into
+// cache here) is slower than memcpy (~23 GB/s), which the peers run in parallel. 2 ranks, 16 MiB
+// all_reduce: CmaReduce 3.9-5.0 ms, slots + written result 3.1-3.3 ms; 4 MiB: 0.61-0.63 against
+// 0.66-0.69 ms.
+constexpr size_t kCmaReduceMaxBytes = size_t{2} << 20;
 // Ranks of one host move data through the shared-memory channel at every size: it beat UCX's
 // zero-copy (CMA) rendezvous for gather, all-to-all and broadcast on 2 ranks too, from 64 KiB
 // to 64 MiB (1.1-1.8x Open MPI's busbw there, where the CMA path gave 0.75-1.2x; compare.sh,
@@ -952,6 +957,9 @@ class UcxCommunicator final : public Communicator {
       return absl::OkStatus();
     }
     if (const Blocks b = MakeBlocks(EvenCounts(n, p), es); UseCma(b.max_len)) {
+      if (b.max_len > kCmaReduceMaxBytes && !shm_->oversubscribed()) {
+        return ShmAllReduceWrite(in, out, EvenCounts(n, p), b, dtype, op);
+      }
       return CmaReduce(in, out, b, dtype, op, /*all=*/true);
     }
     if (!shm_->oversubscribed()) {
@@ -997,11 +1005,54 @@ class UcxCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
+  // ShmReduceScatter's steps, and each reduced window goes straight from cache into every
+  // peer's output (process_vm_writev; the outputs' addresses travel with the first arrival);
+  // a last Sync waits for all those writes. In place is fine: a peer writes window w of block
+  // j only after the Sync that follows this rank's copy of that window into its slot.
+  absl::Status ShmAllReduceWrite(const char* in, char* out, absl::Span<const int64_t> counts, const Blocks& b,
+                                 DType dtype, CommReduceOp op) {
+    DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
+    const size_t es = ElementSize(dtype);
+    const int p = size();
+    const size_t r = static_cast<size_t>(rank_);
+    const int64_t per = static_cast<int64_t>(ShmGroup::kSlotBytes / es / static_cast<size_t>(p));
+    const int64_t longest = *std::max_element(counts.begin(), counts.end());
+    const void* srcs[kMaxShmRanks];
+    absl::InlinedVector<uint64_t, 8> outs(static_cast<size_t>(p));
+    shm_->Publish(reinterpret_cast<uintptr_t>(out));
+    for (int64_t at = 0; at < longest; at += per) {
+      char* mine = shm_->slot(rank_);
+      for (int j = 0; j < p; ++j) {
+        if (j == rank_) continue;
+        const int64_t m = std::clamp<int64_t>(counts[static_cast<size_t>(j)] - at, 0, per);
+        std::memcpy(mine + static_cast<size_t>(j * per) * es,
+                    in + b.off[static_cast<size_t>(j)] + static_cast<size_t>(at) * es, static_cast<size_t>(m) * es);
+      }
+      DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
+      if (at == 0) {
+        for (int j = 0; j < p; ++j) outs[static_cast<size_t>(j)] = shm_->Published(j);
+      }
+      const int64_t m = std::clamp<int64_t>(counts[r] - at, 0, per);
+      for (int j = 0; j < p; ++j) srcs[j] = shm_->slot(j) + static_cast<size_t>(rank_ * per) * es;
+      const size_t pos = b.off[r] + static_cast<size_t>(at) * es, len = static_cast<size_t>(m) * es;
+      srcs[rank_] = in + pos;
+      Reduce(dtype, op, srcs, p, m, out + pos, p);
+      for (int k = 1; k < p && len > 0; ++k) {
+        const int j = Mod(rank_ + k);
+        DT_RETURN_IF_ERROR(shm_->WritePeer(j, outs[static_cast<size_t>(j)] + pos, out + pos, len, ctx_));
+      }
+      shm_->NextStep();
+    }
+    DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
+    shm_->NextStep();
+    return absl::OkStatus();
+  }
+
   // Per step every rank puts the next window of each block j != rank in its slot (at j *
   // window); rank r reduces window r of every slot (its own from its input) into its output.
   absl::Status ShmReduceScatter(const char* in, char* out, absl::Span<const int64_t> counts, const Blocks& b,
                                 DType dtype, CommReduceOp op) {
-    if (UseCma(b.max_len)) return CmaReduce(in, out, b, dtype, op, /*all=*/false);
+    if (UseCma(b.max_len) && b.max_len <= kCmaReduceMaxBytes) return CmaReduce(in, out, b, dtype, op, /*all=*/false);
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t es = ElementSize(dtype);
     const int p = size();

@@ -23,6 +23,7 @@
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -148,6 +149,10 @@ class ShmGroup {
   absl::Status ReadPeer(int j, absl::Span<const iovec> local, absl::Span<const iovec> remote,
                         const UcxWaitContext& ctx) const;
   absl::Status ReadPeer(int j, void* local, uint64_t remote, size_t bytes, const UcxWaitContext& ctx) const;
+  // An address this rank publishes with its next arrival (in its control line), for steps
+  // whose slots are full of data; peers read it after that arrival.
+  void Publish(uint64_t addr) { std::atomic_ref<uint64_t>(*addr_of(rank_)).store(addr, std::memory_order_relaxed); }
+  uint64_t Published(int j) const { return std::atomic_ref<uint64_t>(*addr_of(j)).load(std::memory_order_relaxed); }
   // The other way: this process's `bytes` at `local` into peer j's memory at `remote`.
   absl::Status WritePeer(int j, uint64_t remote, const void* local, size_t bytes, const UcxWaitContext& ctx) const;
 
@@ -175,6 +180,7 @@ class ShmGroup {
     return reinterpret_cast<uint32_t*>(epoch_of(j));
   }
   // How many ranks sleep on word_of(j).
+  uint64_t* addr_of(int j) const { return reinterpret_cast<uint64_t*>(base_ + static_cast<size_t>(j) * 64 + 24); }
   uint32_t* waiters_of(int j) const { return reinterpret_cast<uint32_t*>(base_ + static_cast<size_t>(j) * 64 + 16); }
 
   char* base_ = nullptr;
