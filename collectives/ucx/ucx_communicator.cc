@@ -31,7 +31,10 @@ constexpr size_t kShmFullReduceBytes = size_t{16} << 10;  // below: every rank r
 // Blocks from this size are read from the peers' memory (one copy, two Syncs) rather than
 // passed through the slots (two copies, a Sync per slot): 2 ranks, 64 KiB all_to_all 3.9-5.2
 // against 6.7-6.9 us, all_reduce 7-10 against 12.5-14 us; no gain below (compare.sh, 2026-11-25).
+// Ranks sharing cores (4 on 2) lost at 16 KiB blocks (64 KiB all_reduce / all_gather 0.75x Open
+// MPI against 1.15-1.5x through the slots): they start from 64 KiB.
 constexpr size_t kCmaMinBytes = size_t{16} << 10;
+constexpr size_t kCmaMinOversubscribedBytes = size_t{64} << 10;
 constexpr size_t kCmaChunk = size_t{256} << 10;  // CmaReduce's step per peer (in cache)
 // Larger blocks reduce through the slots: the kernel's copy (process_vm_readv ~9.5 GB/s into
 // cache here) is slower than memcpy (~23 GB/s), which the peers run in parallel. 2 ranks, 16 MiB
@@ -173,12 +176,13 @@ bool CmaFromEnv() {
 
 // Blocks of at least this many bytes are read from the peers' memory (ShmGroup::ReadPeer)
 // rather than passed through the slots; DTENSOR_UCX_CMA_MIN overrides it (tests, tuning).
-size_t CmaMinFromEnv() {
+size_t CmaMin(bool oversubscribed) {
+  const size_t fallback = oversubscribed ? kCmaMinOversubscribedBytes : kCmaMinBytes;
   const char* v = std::getenv("DTENSOR_UCX_CMA_MIN");
-  if (v == nullptr || v[0] == '\0') return kCmaMinBytes;
+  if (v == nullptr || v[0] == '\0') return fallback;
   char* end = nullptr;
   const unsigned long long n = std::strtoull(v, &end, 10);
-  return end != nullptr && *end == '\0' ? static_cast<size_t>(n) : kCmaMinBytes;
+  return end != nullptr && *end == '\0' ? static_cast<size_t>(n) : fallback;
 }
 
 // The byte ranges of a view, row-major: trailing dims back to back in memory merge into one.
@@ -583,6 +587,7 @@ class UcxCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(s);
     if (!std::all_of(all.begin(), all.end(), [](char c) { return c == 1; })) return absl::OkStatus();
     shm_ = std::move(group);
+    cma_min_ = CmaMin(shm_->oversubscribed());
     return Run(
         "Setup", [&] { return Describe("Setup"); }, [&] { return shm_->SetupCma(CmaFromEnv(), ctx_); });
   }
@@ -1390,8 +1395,8 @@ class UcxCommunicator final : public Communicator {
   UcxWaitContext ctx_;
   std::vector<UcxRequest> reqs_;
   std::vector<char> scratch_, stage_;
-  std::unique_ptr<ShmGroup> shm_;  // all ranks on this host: the shared-memory channel
-  size_t cma_min_ = CmaMinFromEnv();
+  std::unique_ptr<ShmGroup> shm_;                // all ranks on this host: the shared-memory channel
+  size_t cma_min_ = kCmaMinBytes;                // SetupShm: CmaMin(oversubscribed)
   std::vector<iovec> local_runs_, remote_runs_;  // CmaAllToAllBlocks' byte ranges
   bool debug_ = DebugFromEnv();
   std::unique_ptr<StoreClient> store_;  // FromEnv: the store (rank 0's owns the server)
