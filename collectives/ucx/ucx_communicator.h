@@ -35,6 +35,19 @@
 // out of the peers' slots into the receive views (strided views are never packed); without
 // `uniform` the ranks first all-gather their block counts, so a sender / receiver mismatch is
 // InvalidArgument on every rank (on every path, between hosts too).
+// Single copy: from 16 KiB blocks (64 KiB when ranks share cores) the ranks skip the slots'
+// copy in + copy out and move bytes between their own buffers with Linux cross-memory attach
+// (process_vm_readv / writev; probed once at setup, every rank agreeing): each publishes its
+// buffer's address in its slot, and after one barrier AllGather / AllToAll read each peer's
+// block straight into the output; Broadcast's root writes 1/P of the buffer into each reader
+// while the readers read the rest (so the root's core works too); ReduceScatter and AllReduce
+// up to 2 MiB blocks read the peers' pieces of this rank's block into cache, reduce, and (for
+// AllReduce) write the result into every peer's output; a second barrier keeps each rank's
+// buffers unchanged until every peer is done with them. Past 2 MiB blocks AllReduce runs the
+// slots' reduce-scatter steps and writes each reduced window into the peers' outputs from
+// cache (the kernel's copy is slower than memcpy here, so large reductions keep the slots).
+// AllToAllBlocks always uses the slots (the kernel's per-range cost loses on strided rows).
+// DTENSOR_UCX_CMA=0 turns single copy off, DTENSOR_UCX_CMA_MIN=<bytes> moves the threshold.
 // Reductions take the slots in rank order, in float32 for bfloat16 / float16 (rounded once),
 // so every rank gets the same bits. Waits spin briefly (when the ranks fit on the cores), then
 // yield, then nap, and check the deadline and the peers' pidfds and failed flags: the failure
