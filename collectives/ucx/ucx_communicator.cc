@@ -919,7 +919,7 @@ class UcxCommunicator final : public Communicator {
     }
     if (const Blocks b = MakeBlocks(EvenCounts(n, p), es); UseCma(b.max_len)) {
       if (b.max_len > kCmaReduceMaxBytes && !shm_->oversubscribed()) {
-        return ShmAllReduceWrite(in, out, EvenCounts(n, p), b, dtype, op);
+        return ShmReduceScatter(in, out, EvenCounts(n, p), b, dtype, op, /*write_back=*/true);
       }
       return CmaReduce(in, out, b, dtype, op, /*all=*/true);
     }
@@ -966,12 +966,18 @@ class UcxCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
-  // ShmReduceScatter's steps, and each reduced window goes straight from cache into every
-  // peer's output (process_vm_writev; the outputs' addresses travel with the first arrival);
-  // a last Sync waits for all those writes. In place is fine: a peer writes window w of block
-  // j only after the Sync that follows this rank's copy of that window into its slot.
-  absl::Status ShmAllReduceWrite(const char* in, char* out, absl::Span<const int64_t> counts, const Blocks& b,
-                                 DType dtype, CommReduceOp op) {
+  // Per step every rank puts the next window of each block j != rank in its slot (at j *
+  // window); rank r reduces window r of every slot (its own from its input) into its output.
+  // With `write_back` (AllReduce past the single-copy limit) `out` is the whole output: each
+  // reduced window lands at this rank's block of it and goes straight from cache into every
+  // peer's output (process_vm_writev; the outputs' addresses travel with the first arrival),
+  // and a last Sync waits for all those writes. In place is fine: a peer writes window w of
+  // block j only after the Sync that follows this rank's copy of that window into its slot.
+  absl::Status ShmReduceScatter(const char* in, char* out, absl::Span<const int64_t> counts, const Blocks& b,
+                                DType dtype, CommReduceOp op, bool write_back = false) {
+    if (!write_back && UseCma(b.max_len) && b.max_len <= kCmaReduceMaxBytes) {
+      return CmaReduce(in, out, b, dtype, op, /*all=*/false);
+    }
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const size_t es = ElementSize(dtype);
     const int p = size();
@@ -979,8 +985,9 @@ class UcxCommunicator final : public Communicator {
     const int64_t per = static_cast<int64_t>(ShmGroup::kSlotBytes / es / static_cast<size_t>(p));
     const int64_t longest = *std::max_element(counts.begin(), counts.end());
     const void* srcs[kMaxShmRanks];
-    absl::InlinedVector<uint64_t, 8> outs(static_cast<size_t>(p));
-    shm_->Publish(reinterpret_cast<uintptr_t>(out));
+    char* const block = write_back ? out + b.off[r] : out;
+    absl::InlinedVector<uint64_t, 8> outs(write_back ? static_cast<size_t>(p) : 0);
+    if (write_back) shm_->Publish(reinterpret_cast<uintptr_t>(out));
     for (int64_t at = 0; at < longest; at += per) {
       char* mine = shm_->slot(rank_);
       for (int j = 0; j < p; ++j) {
@@ -990,49 +997,22 @@ class UcxCommunicator final : public Communicator {
                     in + b.off[static_cast<size_t>(j)] + static_cast<size_t>(at) * es, static_cast<size_t>(m) * es);
       }
       DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
-      if (at == 0) {
+      if (write_back && at == 0) {
         for (int j = 0; j < p; ++j) outs[static_cast<size_t>(j)] = shm_->Published(j);
       }
       const int64_t m = std::clamp<int64_t>(counts[r] - at, 0, per);
+      const size_t pos = static_cast<size_t>(at) * es, len = static_cast<size_t>(m) * es;
       for (int j = 0; j < p; ++j) srcs[j] = shm_->slot(j) + static_cast<size_t>(rank_ * per) * es;
-      const size_t pos = b.off[r] + static_cast<size_t>(at) * es, len = static_cast<size_t>(m) * es;
-      srcs[rank_] = in + pos;
-      Reduce(dtype, op, srcs, p, m, out + pos, p);
-      for (int k = 1; k < p && len > 0; ++k) {
+      srcs[rank_] = in + b.off[r] + pos;
+      Reduce(dtype, op, srcs, p, m, block + pos, p);
+      for (int k = 1; write_back && k < p && len > 0; ++k) {
         const int j = Mod(rank_ + k);
-        DT_RETURN_IF_ERROR(shm_->WritePeer(j, outs[static_cast<size_t>(j)] + pos, out + pos, len, ctx_));
+        DT_RETURN_IF_ERROR(shm_->WritePeer(j, outs[static_cast<size_t>(j)] + b.off[r] + pos, block + pos, len, ctx_));
       }
       shm_->NextStep();
     }
-    DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
-    shm_->NextStep();
-    return absl::OkStatus();
-  }
-
-  // Per step every rank puts the next window of each block j != rank in its slot (at j *
-  // window); rank r reduces window r of every slot (its own from its input) into its output.
-  absl::Status ShmReduceScatter(const char* in, char* out, absl::Span<const int64_t> counts, const Blocks& b,
-                                DType dtype, CommReduceOp op) {
-    if (UseCma(b.max_len) && b.max_len <= kCmaReduceMaxBytes) return CmaReduce(in, out, b, dtype, op, /*all=*/false);
-    DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
-    const size_t es = ElementSize(dtype);
-    const int p = size();
-    const int64_t per = static_cast<int64_t>(ShmGroup::kSlotBytes / es / static_cast<size_t>(p));
-    const int64_t longest = *std::max_element(counts.begin(), counts.end());
-    const void* srcs[kMaxShmRanks];
-    for (int64_t at = 0; at < longest; at += per) {
-      char* mine = shm_->slot(rank_);
-      for (int j = 0; j < p; ++j) {
-        if (j == rank_) continue;
-        const int64_t m = std::clamp<int64_t>(counts[static_cast<size_t>(j)] - at, 0, per);
-        std::memcpy(mine + static_cast<size_t>(j * per) * es,
-                    in + b.off[static_cast<size_t>(j)] + static_cast<size_t>(at) * es, static_cast<size_t>(m) * es);
-      }
+    if (write_back) {
       DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
-      const int64_t m = std::clamp<int64_t>(counts[static_cast<size_t>(rank_)] - at, 0, per);
-      for (int j = 0; j < p; ++j) srcs[j] = shm_->slot(j) + static_cast<size_t>(rank_ * per) * es;
-      srcs[rank_] = in + b.off[static_cast<size_t>(rank_)] + static_cast<size_t>(at) * es;
-      Reduce(dtype, op, srcs, p, m, out + static_cast<size_t>(at) * es, p);
       shm_->NextStep();
     }
     return absl::OkStatus();
