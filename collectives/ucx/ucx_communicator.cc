@@ -32,9 +32,11 @@ constexpr size_t kShmFullReduceBytes = size_t{16} << 10;  // below: every rank r
 // passed through the slots (two copies, a Sync per slot): 2 ranks, 64 KiB all_to_all 3.9-5.2
 // against 6.7-6.9 us, all_reduce 7-10 against 12.5-14 us; no gain below (compare.sh, 2026-11-25).
 // Ranks sharing cores (4 on 2) lost at 16 KiB blocks (64 KiB all_reduce / all_gather 0.75x Open
-// MPI against 1.15-1.5x through the slots): they start from 64 KiB.
+// MPI against 1.15-1.5x through the slots) and at 64 KiB blocks (256 KiB all_gather 47-50 us
+// against 36-44; all_to_all even); from 256 KiB blocks single copy wins (1 MiB all_to_all
+// 226-287 against 296-313 us): they start from 128 KiB.
 constexpr size_t kCmaMinBytes = size_t{16} << 10;
-constexpr size_t kCmaMinOversubscribedBytes = size_t{64} << 10;
+constexpr size_t kCmaMinOversubscribedBytes = size_t{128} << 10;
 constexpr size_t kCmaChunk = size_t{256} << 10;  // CmaReduce's step per peer (in cache)
 // Larger blocks reduce through the slots: the kernel's copy (process_vm_readv ~9.5 GB/s into
 // cache here) is slower than memcpy (~23 GB/s), which the peers run in parallel. 2 ranks, 16 MiB

@@ -35,7 +35,7 @@
 // out of the peers' slots into the receive views (strided views are never packed); without
 // `uniform` the ranks first all-gather their block counts, so a sender / receiver mismatch is
 // InvalidArgument on every rank (on every path, between hosts too).
-// Single copy: from 16 KiB blocks (64 KiB when ranks share cores) the ranks skip the slots'
+// Single copy: from 16 KiB blocks (128 KiB when ranks share cores) the ranks skip the slots'
 // copy in + copy out and move bytes between their own buffers with Linux cross-memory attach
 // (process_vm_readv / writev; probed once at setup, every rank agreeing): each publishes its
 // buffer's address in its slot, and after one barrier AllGather / AllToAll read each peer's
