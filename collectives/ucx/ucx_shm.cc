@@ -253,6 +253,8 @@ absl::Status ShmGroup::SetupCma(bool want, const UcxWaitContext& ctx) {
     uint64_t value = 0;
     iovec local{&value, sizeof(value)}, remote{reinterpret_cast<void*>(theirs.addr), sizeof(value)};
     ok = process_vm_readv(pids_[j], &local, 1, &remote, 1, 0) == sizeof(value) && value == theirs.value;
+    // Writes too (Broadcast and AllReduce write into the peers): the same value back.
+    ok = ok && process_vm_writev(pids_[j], &local, 1, &remote, 1, 0) == sizeof(value);
   }
   NextStep();
   slot(rank_)[0] = ok ? 1 : 0;  // the other buffer: nobody reads it before the next Sync

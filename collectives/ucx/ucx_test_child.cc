@@ -4,6 +4,8 @@
 //                              strided views, checked against
 //                              references computed here from every rank's (reproducible) data;
 //                              prints each mismatch and exits 1 if there was one.
+//   ucx_test_child battery-mixed-cma   the battery with single copy refused on odd ranks only
+//                              (DTENSOR_UCX_CMA=0 there): the ranks must agree on the slots.
 //   ucx_test_child dead-peer   the last rank exits while the others are inside an AllReduce;
 //                              they must get Unavailable (printed), then exit 0.
 //   ucx_test_child timeout     rank 1 never joins an AllReduce; the others must get
@@ -21,6 +23,7 @@
 #include <csignal>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -807,6 +810,13 @@ int RunBenchBlocks() {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "battery") return dtensor::RunBattery();
+  if (mode == "battery-mixed-cma") {
+    // Odd ranks refuse single copy: every rank must agree on the slots (else ranks would take
+    // different paths and deadlock or read garbage).
+    const char* rank = std::getenv("RANK");
+    if (rank != nullptr && std::atoi(rank) % 2 == 1) setenv("DTENSOR_UCX_CMA", "0", 1);
+    return dtensor::RunBattery();
+  }
   if (mode == "dead-peer") return dtensor::RunFailure(true);
   if (mode == "timeout") return dtensor::RunFailure(false);
   if (mode == "bench") return dtensor::RunBench();

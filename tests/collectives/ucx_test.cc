@@ -112,6 +112,17 @@ INSTANTIATE_TEST_SUITE_P(Ranks, UcxBatteryTest,
                                          BatteryCase{4, {"DTENSOR_UCX_CMA=0"}, "P4SlotsOnly"}),
                          [](const testing::TestParamInfo<BatteryCase>& info) { return info.param.name; });
 
+// Single copy wanted by some ranks only: the setup's agreement keeps every rank on the slots.
+TEST(UcxSingleCopyTest, RanksThatDisagreeAllUseTheSlots) {
+  RunResult run = RunDtrun({"--nproc-per-node", "3", UCX_TEST_CHILD_PATH, "battery-mixed-cma"},
+                           {"DTENSOR_UCX_CMA_MIN=0", "DTENSOR_TIMEOUT_S=20"});
+  EXPECT_EQ(run.code, 0) << run.out << run.err;
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(Contains(run.out, absl::StrCat("[rank ", r, "] ")) && Contains(run.out, " checks, 0 failures"))
+        << run.out << run.err;
+  }
+}
+
 // DTENSOR_DEBUG=1: rank 1 calls AllGather while the others call AllReduce; every rank gets
 // InvalidArgument naming both sides' calls, and the communicator stays usable.
 class UcxDebugTest : public testing::TestWithParam<std::string> {};
