@@ -919,9 +919,11 @@ class UcxCommunicator final : public Communicator {
       shm_->NextStep();
       return absl::OkStatus();
     }
-    if (const Blocks b = MakeBlocks(EvenCounts(n, p), es); UseCma(b.max_len)) {
+    const Counts counts = EvenCounts(n, p);
+    const Blocks b = MakeBlocks(counts, es);
+    if (UseCma(b.max_len)) {
       if (b.max_len > kCmaReduceMaxBytes && !shm_->oversubscribed()) {
-        return ShmReduceScatter(in, out, EvenCounts(n, p), b, dtype, op, /*write_back=*/true);
+        return ShmReduceScatter(in, out, counts, b, dtype, op, /*write_back=*/true);
       }
       return CmaReduce(in, out, b, dtype, op, /*all=*/true);
     }
@@ -930,8 +932,6 @@ class UcxCommunicator final : public Communicator {
       // all-gather from there measured faster than the fused loop below (2 ranks, 1-16 MiB:
       // 4 MiB 0.40-0.47 vs 0.52-0.67 ms, interleaved); ranks that share cores lose more to
       // its extra Syncs than they gain (4 ranks on 2 cores).
-      const Counts counts = EvenCounts(n, p);
-      const Blocks b = MakeBlocks(counts, es);
       char* mine = out + b.off[static_cast<size_t>(rank_)];
       DT_RETURN_IF_ERROR(ShmReduceScatter(in, mine, counts, b, dtype, op));
       return ShmGather(mine, out, b);

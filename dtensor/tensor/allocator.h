@@ -7,7 +7,9 @@
 //
 // Blocks are rounded up (512 B granules below 1 MiB, 64 KiB above) and, when freed, kept in
 // a per-device cache for reuse by a request of the same rounded size (or one up to 1/8
-// smaller). CPU blocks are 64-byte aligned; CUDA blocks come from cudaMalloc.
+// smaller). CPU blocks are 64-byte aligned and carry their size in a header; each thread
+// keeps its last few freed CPU blocks of up to 1 MiB for itself (no lock on that path; a
+// thread that ends hands them to the shared cache). CUDA blocks come from cudaMalloc.
 //
 // CUDA note: as in PyTorch, a freed block may be reused at once by the next allocation; this
 // is safe because all work on a device is ordered on the allocating thread's stream
@@ -45,7 +47,8 @@ class Allocator {
   virtual void Free(void* ptr) = 0;
   virtual AllocatorStats Stats() const = 0;
   virtual void ResetPeakStats() = 0;
-  // Releases every cached (free) block back to the system.
+  // Releases every cached (free) block back to the system; on the CPU, those of the shared
+  // cache and of the calling thread (other live threads keep theirs).
   virtual void EmptyCache() = 0;
   virtual Device device() const = 0;
 };
