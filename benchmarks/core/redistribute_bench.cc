@@ -7,8 +7,12 @@
 //     this one does not), vs AllToAllBlocks of the column blocks (the collective a program
 //     would call with strided datatypes, as MPI_Alltoall with a vector type) and vs the pack +
 //     all_to_all a hand-written program needs otherwise. Both sides allocate their output each
-//     call (Tensor::Empty), as Redistribute does.
-//     Targets: ratio <= 1.03 at >= 1 MiB, <= 2 us added for the smallest (8 B) tensor.
+//     call (Tensor::Empty), as Redistribute does. A row "itself" times Redistribute beside
+//     itself: its ratio is what an identical call gets on this machine (the noise floor).
+//     Targets: ratio <= 1.03 at >= 1 MiB, <= 2 us added for the smallest (8 B) tensor, judged
+//     against the collective Redistribute issues (for S(0)->S(1): a2a_blocks). The contiguous
+//     all_to_all row (another result) and the pack+a2a row (a hand-written program, not one
+//     collective) are shown for scale and marked "info".
 //   - The planner: PlanRedistribute (uncached) and RedistributePlanner::Plan (a cache hit) on
 //     1-d to 4-d meshes.
 // Threads backend: every rank is a thread of this process. Each timed batch starts after a
@@ -16,7 +20,7 @@
 // --trials trials (the ratio: the median of each trial's dtensor/raw ratio). Every row also
 // checks Redistribute's output against the raw result.
 //   redistribute_bench [--trials N] [--batch-ms M] [--with-2x2] [--only tables|breakdown|planner]
-//                      [--sizes BYTES,BYTES,...] [--quick]
+//                      [--sizes BYTES,BYTES,...] [--ops RAW,RAW,...] [--quick]
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -30,6 +34,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_split.h"
 #include "collectives/communicator.h"
 #include "collectives/threads/threads_communicator.h"
 #include "dtensor/core/dtensor.h"
@@ -72,7 +77,8 @@ struct Options {
   double batch_s = 0.03;  // target time of one timed batch
   bool with_2x2 = false;
   bool quick = false;
-  std::string only;  // "tables", "breakdown" or "planner": run just that section
+  std::string only;              // "tables", "breakdown" or "planner": run just that section
+  std::vector<std::string> ops;  // raw collectives whose rows to run (empty: all)
   std::vector<int64_t> sizes = {8, 4 << 10, 64 << 10, 1 << 20, 16 << 20};  // global bytes
 };
 
@@ -110,7 +116,7 @@ DTensor::FromLocalOptions WithGlobalShape(const Shape& global) {
   return options;
 }
 
-enum class Raw { kAllGather, kAllReduce, kReduceScatter, kAllToAll, kBlocksAllToAll, kPackAllToAll };
+enum class Raw { kAllGather, kAllReduce, kReduceScatter, kAllToAll, kBlocksAllToAll, kPackAllToAll, kItself };
 
 struct OpCase {
   const char* name;
@@ -121,6 +127,8 @@ struct OpCase {
 
 const OpCase kOps[] = {
     {"S(0)->R", Shard(0), Replicate(), Raw::kAllGather, "all_gather"},
+    // Redistribute beside itself: the ratio an identical call gets, the table's noise floor.
+    {"S(0)->R", Shard(0), Replicate(), Raw::kItself, "itself"},
     {"P->R", Partial(), Replicate(), Raw::kAllReduce, "all_reduce"},
     {"P->S(0)", Partial(), Shard(0), Raw::kReduceScatter, "reduce_scatter"},
     {"S(0)->S(1)", Shard(0), Shard(1), Raw::kAllToAll, "all_to_all"},
@@ -276,6 +284,10 @@ class RankRunner {
     }
     int wrong = 0;
     for (const OpCase& op : kOps) {
+      if (!options_.ops.empty() &&
+          std::find(options_.ops.begin(), options_.ops.end(), op.raw_name) == options_.ops.end()) {
+        continue;
+      }
       const Layout src = MakeLayout(mc, op.src);
       const Layout dst = MakeLayout(mc, op.dst);
       for (size_t si = 0; si < sizes.size(); ++si) {
@@ -313,6 +325,9 @@ class RankRunner {
               raw_out = Must(Tensor::Empty(rs_shape, DType::kFloat32), "empty");
               Must(comm->ReduceScatter(local, raw_out, CommReduceOp::kSum), "reduce_scatter");
             };
+            break;
+          case Raw::kItself:
+            run_raw = [&] { raw_out = Must(x.Redistribute(dst), "Redistribute").ToLocal(); };
             break;
           case Raw::kAllToAll:  // the same bytes, no layout change
             run_raw = [&] {
@@ -369,6 +384,9 @@ class RankRunner {
           const char* verdict = "-";
           if (bytes >= (1 << 20)) verdict = ratio <= 1.03 ? "ok" : "BELOW";
           if (sizes[si] <= 8) verdict = added <= 2.0 ? "ok" : "BELOW";  // the 8-byte row
+          // Not the collective Redistribute issues, or the identical call: shown, not judged.
+          if (op.raw == Raw::kAllToAll || op.raw == Raw::kPackAllToAll) verdict = "info";
+          if (op.raw == Raw::kItself) verdict = "floor";
           std::printf("%-12s %-15s %-14s %9s %11.2f %11.2f %9.2f %7.3f %s%s\n", op.name, op.raw_name,
                       ShapeStr(global).c_str(), BytesStr(bytes).c_str(), t_dt * 1e6, t_raw * 1e6, added, ratio, verdict,
                       all_same ? "" : "  WRONG OUTPUT");
@@ -791,6 +809,16 @@ int Main(int argc, char** argv) {
         if (end == p) break;
         p = *end == ',' ? end + 1 : end;
       }
+    } else if (flag == "--ops" && i + 1 < argc) {
+      for (absl::string_view v : absl::StrSplit(argv[++i], ',', absl::SkipEmpty())) {
+        const bool known =
+            std::any_of(std::begin(kOps), std::end(kOps), [&](const OpCase& c) { return v == c.raw_name; });
+        if (!known) {
+          std::fprintf(stderr, "redistribute_bench: unknown --ops entry '%s'\n", std::string(v).c_str());
+          return 2;
+        }
+        options.ops.emplace_back(v);
+      }
     } else if (flag == "--only" && i + 1 < argc) {
       options.only = argv[++i];
     } else if (flag == "--quick") {
@@ -801,7 +829,8 @@ int Main(int argc, char** argv) {
       std::fprintf(
           stderr,
           "usage: redistribute_bench [--trials N] [--batch-ms M] [--with-2x2] [--only tables|breakdown|planner]\n"
-          "                          [--quick]\n");
+          "                          [--sizes BYTES,...] [--ops RAW,...] [--quick]\n"
+          "  RAW: all_gather, all_reduce, reduce_scatter, all_to_all, a2a_blocks, pack+a2a\n");
       return 2;
     }
   }
@@ -809,10 +838,11 @@ int Main(int argc, char** argv) {
   std::printf("dtensor = DTensor::Redistribute (plan cached); raw = the collective on the same group and local\n");
   std::printf("input; both allocate their output each call. Median of %d trials, each batch ~%.0f ms, slowest rank.\n",
               options.trials, options.batch_s * 1e3);
-  std::printf("Targets: ratio <= 1.03 at >= 1 MiB; added <= 2 us for the smallest tensor. (all_to_all: same bytes\n");
-  std::printf(
-      "contiguous, no strided reads; a2a_blocks: AllToAllBlocks of the column blocks, strided like MPI_Alltoall\n");
-  std::printf("with a vector datatype; pack+a2a: what a hand-written program needs without one.)\n");
+  std::printf("Targets: ratio <= 1.03 at >= 1 MiB; added <= 2 us for the smallest tensor. itself: Redistribute\n");
+  std::printf("beside itself (the noise floor). S(0)->S(1) is judged against a2a_blocks (AllToAllBlocks of the\n");
+  std::printf("column blocks, strided like MPI_Alltoall with a vector datatype: the collective it issues); info\n");
+  std::printf("rows: all_to_all (same bytes contiguous, no strided reads; another result) and pack+a2a (what a\n");
+  std::printf("hand-written program needs without AllToAllBlocks).\n");
   const std::vector<int64_t>& sizes = options.sizes;
   int wrong = 0;
   if (options.only != "planner") {
