@@ -468,7 +468,9 @@ char* MutAt(const Tensor& t, int64_t elements) {
 
 class NcclCommunicator final : public Communicator {
  public:
-  explicit NcclCommunicator(std::shared_ptr<NcclState> state) : state_(std::move(state)) {}
+  // `debug`: the DTENSOR_DEBUG checks, agreed by all ranks (MakeNcclCommunicator; a split
+  // inherits its parent's).
+  NcclCommunicator(std::shared_ptr<NcclState> state, bool debug) : state_(std::move(state)), debug_(debug) {}
 
   int rank() const override { return state_->rank(); }
   int size() const override { return state_->size(); }
@@ -699,7 +701,7 @@ class NcclCommunicator final : public Communicator {
     }
     if (child == nullptr) return std::unique_ptr<Communicator>();  // negative color
     DT_ASSIGN_OR_RETURN(auto state, NcclState::Create(child, device, state_->timeout()));
-    return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(std::move(state)));
+    return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(std::move(state), debug_));
   }
 
  private:
@@ -841,11 +843,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::shared_ptr<NcclState> state_;
-  // DTENSOR_DEBUG=1 at construction turns on CheckSameCall.
-  const bool debug_ = [] {
-    const char* env = std::getenv("DTENSOR_DEBUG");
-    return env != nullptr && std::strcmp(env, "1") == 0;
-  }();
+  const bool debug_;  // CheckSameCall on every call
   Tensor debug_buf_;  // [size * 4] int64 on the device, for CheckSameCall
 };
 
@@ -880,6 +878,13 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const LaunchI
     std::memcpy(id.internal, bytes.data(), sizeof(id.internal));
   }
 
+  // DTENSOR_DEBUG=1 on any rank turns the call checks on for all (a check is a collective: ranks
+  // that disagreed would hang). Every rank counts itself in before the group forms, so once it
+  // has formed the count is final.
+  const char* debug_env = std::getenv("DTENSOR_DEBUG");
+  const std::string debug_key = absl::StrCat("dtensor/nccl/", n, "/debug");
+  DT_RETURN_IF_ERROR(store.Add(debug_key, debug_env != nullptr && std::strcmp(debug_env, "1") == 0 ? 1 : 0).status());
+
   DeviceGuard guard(device_index);
   if (!guard.ok()) return ToStatus(guard.error(), kOp, device_index);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -902,8 +907,13 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const LaunchI
     if (comm != nullptr) ncclCommAbort(comm);
     return s;
   }
+  absl::StatusOr<int64_t> debug_count = store.Add(debug_key, 0);
+  if (!debug_count.ok()) {
+    ncclCommAbort(comm);
+    return debug_count.status();
+  }
   DT_ASSIGN_OR_RETURN(auto state, NcclState::Create(comm, device_index, timeout));
-  return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(std::move(state)));
+  return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(std::move(state), *debug_count > 0));
 }
 
 }  // namespace dtensor

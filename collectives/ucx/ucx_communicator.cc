@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -177,14 +178,16 @@ bool CmaFromEnv() {
 }
 
 // Blocks of at least this many bytes are read from the peers' memory (ShmGroup::ReadPeer)
-// rather than passed through the slots; DTENSOR_UCX_CMA_MIN overrides it (tests, tuning).
-size_t CmaMin(bool oversubscribed) {
-  const size_t fallback = oversubscribed ? kCmaMinOversubscribedBytes : kCmaMinBytes;
+// rather than passed through the slots (kCmaMinBytes, or kCmaMinOversubscribedBytes when ranks
+// share cores); DTENSOR_UCX_CMA_MIN=<bytes> overrides it (tests, tuning).
+constexpr uint64_t kNoCmaMin = ~uint64_t{0};
+std::optional<uint64_t> CmaMinFromEnv() {
   const char* v = std::getenv("DTENSOR_UCX_CMA_MIN");
-  if (v == nullptr || v[0] == '\0') return fallback;
+  if (v == nullptr || v[0] == '\0') return std::nullopt;
   char* end = nullptr;
   const unsigned long long n = std::strtoull(v, &end, 10);
-  return end != nullptr && *end == '\0' ? static_cast<size_t>(n) : fallback;
+  if (end == nullptr || *end != '\0' || n == kNoCmaMin) return std::nullopt;
+  return static_cast<uint64_t>(n);
 }
 
 absl::StatusOr<std::unique_ptr<Work>> Done(absl::Status status) {
@@ -508,15 +511,22 @@ class UcxCommunicator final : public Communicator {
     const int64_t index = std::lower_bound(colors.begin(), colors.end(), color) - colors.begin();
     auto child = std::make_unique<UcxCommunicator>(world_, std::move(members), new_rank,
                                                    static_cast<uint16_t>(base + index), timeout_);
-    DT_RETURN_IF_ERROR(child->SetupShm());
+    DT_RETURN_IF_ERROR(child->Setup());
     return std::unique_ptr<Communicator>(std::move(child));
   }
 
-  // Collective over this communicator: maps a shared-memory segment when every rank is on this
-  // host (and DTENSOR_UCX_SHM is not 0); the ranks agree on whether all of them got it.
-  absl::Status SetupShm() {
-    if (size() == 1 || size() > kMaxShmRanks || !ShmFromEnv()) return absl::OkStatus();
-    bool eligible = true;
+  // Collective over this communicator, once, before any other call: the ranks agree on every
+  // setting that picks an algorithm, so that all of them take the same path whatever each one's
+  // environment or CPU affinity says (ranks on different paths would deadlock or read each
+  // other's buffers as the wrong thing). DTENSOR_DEBUG on any rank turns the checks on for all.
+  // Maps a shared-memory segment when every rank is on this host and none refuses it
+  // (DTENSOR_UCX_SHM=0), and uses it when all of them got it; single copy when every rank
+  // wants it and can (ShmGroup::SetupCma); one single-copy threshold, the largest that any
+  // rank's DTENSOR_UCX_CMA_MIN asks for, else the default for ranks that share cores when
+  // any rank does.
+  absl::Status Setup() {
+    if (size() == 1) return absl::OkStatus();
+    bool eligible = size() <= kMaxShmRanks && ShmFromEnv();
     for (int m : members_) eligible = eligible && world_->OnThisHost(m);
     char name[96] = {};
     std::unique_ptr<ShmGroup> group;
@@ -528,7 +538,13 @@ class UcxCommunicator final : public Communicator {
         std::memcpy(name, n.data(), std::min(n.size(), sizeof(name) - 1));
       }
     }
-    std::vector<char> all(members_.size());
+    struct Offer {
+      uint64_t mapped;          // 1: this rank mapped the segment
+      uint64_t oversubscribed;  // 1: more ranks on this host than cores this process may use
+      uint64_t debug;           // 1: DTENSOR_DEBUG
+      uint64_t cma_min;         // DTENSOR_UCX_CMA_MIN, or kNoCmaMin
+    };
+    std::vector<Offer> all(members_.size());
     const absl::Status s = Run(
         "Setup", [&] { return Describe("Setup"); },
         [&]() -> absl::Status {
@@ -538,14 +554,25 @@ class UcxCommunicator final : public Communicator {
                 ShmGroup::Map(name, /*create=*/false, rank_, members_, world_.get());
             if (g.ok()) group = *std::move(g);
           }
-          const char ok = group != nullptr ? 1 : 0;
-          return GatherBytes(&ok, all.data(), MakeBlocks(std::vector<int64_t>(members_.size(), 1), 1));
+          const Offer mine{group != nullptr ? 1u : 0u, group != nullptr && group->oversubscribed() ? 1u : 0u,
+                           DebugFromEnv() ? 1u : 0u, CmaMinFromEnv().value_or(kNoCmaMin)};
+          return GatherBytes(reinterpret_cast<const char*>(&mine), reinterpret_cast<char*>(all.data()),
+                             MakeBlocks(std::vector<int64_t>(members_.size(), sizeof(Offer)), 1));
         });
     if (rank_ == 0 && name[0] != '\0') ShmGroup::Unlink(name);  // every rank has it mapped (or gave up)
     DT_RETURN_IF_ERROR(s);
-    if (!std::all_of(all.begin(), all.end(), [](char c) { return c == 1; })) return absl::OkStatus();
+    debug_ = std::any_of(all.begin(), all.end(), [](const Offer& o) { return o.debug != 0; });
+    if (!std::all_of(all.begin(), all.end(), [](const Offer& o) { return o.mapped != 0; })) return absl::OkStatus();
+    const bool oversubscribed =
+        std::any_of(all.begin(), all.end(), [](const Offer& o) { return o.oversubscribed != 0; });
+    uint64_t cma_min = kNoCmaMin;
+    for (const Offer& o : all) {
+      if (o.cma_min != kNoCmaMin) cma_min = cma_min == kNoCmaMin ? o.cma_min : std::max(cma_min, o.cma_min);
+    }
     shm_ = std::move(group);
-    cma_min_ = CmaMin(shm_->oversubscribed());
+    shm_->set_oversubscribed(oversubscribed);
+    cma_min_ = cma_min != kNoCmaMin ? static_cast<size_t>(cma_min)
+                                    : (oversubscribed ? kCmaMinOversubscribedBytes : kCmaMinBytes);
     return Run(
         "Setup", [&] { return Describe("Setup"); }, [&] { return shm_->SetupCma(CmaFromEnv(), ctx_); });
   }
@@ -1302,9 +1329,9 @@ class UcxCommunicator final : public Communicator {
   UcxWaitContext ctx_;
   std::vector<UcxRequest> reqs_;
   std::vector<char> scratch_, stage_;
-  std::unique_ptr<ShmGroup> shm_;  // all ranks on this host: the shared-memory channel
-  size_t cma_min_ = kCmaMinBytes;  // SetupShm: CmaMin(oversubscribed)
-  bool debug_ = DebugFromEnv();
+  std::unique_ptr<ShmGroup> shm_;       // all ranks on this host: the shared-memory channel
+  size_t cma_min_ = kCmaMinBytes;       // agreed in Setup
+  bool debug_ = false;                  // agreed in Setup (any rank's DTENSOR_DEBUG)
   std::unique_ptr<StoreClient> store_;  // FromEnv: the store (rank 0's owns the server)
 };
 
@@ -1319,7 +1346,7 @@ absl::StatusOr<std::unique_ptr<internal::UcxCommunicator>> MakeWorld(const Launc
   std::iota(members.begin(), members.end(), 0);
   auto comm = std::make_unique<internal::UcxCommunicator>(std::move(world), std::move(members), info.rank, 0, timeout);
   DT_RETURN_IF_ERROR(comm->Barrier());  // wires up every endpoint; afterwards nobody needs the store
-  DT_RETURN_IF_ERROR(comm->SetupShm());
+  DT_RETURN_IF_ERROR(comm->Setup());
   return comm;
 }
 }  // namespace

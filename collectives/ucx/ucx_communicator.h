@@ -54,6 +54,11 @@
 // yield, then nap, and check the deadline and the peers' pidfds and failed flags: the failure
 // behaviour below holds alike. AllToAllV and Send / Recv always use UCX. DTENSOR_UCX_SHM=0
 // turns the channel off (everything over UCX, as between hosts).
+// Every setting that picks an algorithm is agreed when the communicator is made, so ranks with
+// different environments or CPU affinities still take the same paths: the channel only if no
+// rank refuses it, single copy only if every rank wants it and can, the largest
+// DTENSOR_UCX_CMA_MIN any rank sets, "ranks share cores" if any rank's affinity says so, and
+// the debug checks below if any rank sets DTENSOR_DEBUG.
 //
 // Algorithms over UCX (P ranks, m bytes): below 64 KiB, AllReduce / ReduceScatter / AllGather send
 // every rank's data straight to the ranks that need it (one hop; reductions in rank order, in
@@ -87,7 +92,7 @@
 // usable. Sends abandoned after a failure are released at teardown (UCX may log "was not
 // returned to mpool" warnings then).
 //
-// Debug mode (DTENSOR_DEBUG=1 when the communicator is made): before each collective the ranks
+// Debug mode (DTENSOR_DEBUG=1 on any rank when the communicator is made): before each collective the ranks
 // exchange what they were called with (op, dtype, element count, reduction, root, a hash of
 // the V counts) and on a mismatch every rank returns InvalidArgument naming both calls, e.g.
 // "[Debug] rank 0 called AllReduce(float32, 12 elements, sum) but rank 1 called

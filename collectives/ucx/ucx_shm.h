@@ -117,8 +117,12 @@ class ShmGroup {
   void Arrive();
   absl::Status WaitRank(int j, uint64_t epoch, const UcxWaitContext& ctx);
   uint64_t epoch() const { return epoch_; }
-  // More ranks on this host than cores this process may use (they take turns on the cores).
+  // More ranks on this host than cores this process may use (they take turns on the cores):
+  // this process's own answer from Map, then the one all ranks agreed on (set_oversubscribed:
+  // it picks algorithms, so it must be the same everywhere; the spin and yield times stay
+  // this process's own).
   bool oversubscribed() const { return oversubscribed_; }
+  void set_oversubscribed(bool v) { oversubscribed_ = v; }
   void MarkRelaxed() { relaxed_ = true; }
 
   // Small one-to-many messages may run further ahead: the root's slot (both buffers) is a

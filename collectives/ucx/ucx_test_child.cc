@@ -4,8 +4,11 @@
 //                              strided views, checked against
 //                              references computed here from every rank's (reproducible) data;
 //                              prints each mismatch and exits 1 if there was one.
-//   ucx_test_child battery-mixed-cma   the battery with single copy refused on odd ranks only
-//                              (DTENSOR_UCX_CMA=0 there): the ranks must agree on the slots.
+//   ucx_test_child battery-mixed SETTING   the battery with SETTING on odd ranks only: an
+//                              environment variable (NAME=VALUE, e.g. DTENSOR_UCX_CMA=0) or
+//                              one-cpu (this process may use one CPU: it counts as sharing
+//                              cores). Every input to a path choice must be agreed, or ranks
+//                              take different paths and deadlock or read garbage.
 //   ucx_test_child dead-peer   the last rank exits while the others are inside an AllReduce;
 //                              they must get Unavailable (printed), then exit 0.
 //   ucx_test_child timeout     rank 1 never joins an AllReduce; the others must get
@@ -16,6 +19,7 @@
 //   ucx_test_child bench       not a test: timings.
 //   ucx_test_child bench-blocks   not a test: AllToAllBlocks of S(0) -> S(1) column blocks
 //                              beside the default's pack + AllToAll and a plain AllToAll.
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -810,11 +814,31 @@ int RunBenchBlocks() {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "battery") return dtensor::RunBattery();
-  if (mode == "battery-mixed-cma") {
-    // Odd ranks refuse single copy: every rank must agree on the slots (else ranks would take
-    // different paths and deadlock or read garbage).
+  if (mode == "battery-mixed" && argc > 2) {
+    const std::string setting = argv[2];
     const char* rank = std::getenv("RANK");
-    if (rank != nullptr && std::atoi(rank) % 2 == 1) setenv("DTENSOR_UCX_CMA", "0", 1);
+    if (rank != nullptr && std::atoi(rank) % 2 == 1) {
+      const size_t eq = setting.find('=');
+      if (setting == "one-cpu") {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        if (sched_getaffinity(0, sizeof(set), &set) != 0) return 2;
+        const int first = [&] {
+          for (int c = 0; c < CPU_SETSIZE; ++c) {
+            if (CPU_ISSET(c, &set)) return c;
+          }
+          return 0;
+        }();
+        CPU_ZERO(&set);
+        CPU_SET(first, &set);
+        if (sched_setaffinity(0, sizeof(set), &set) != 0) return 2;
+      } else if (eq != std::string::npos) {
+        setenv(setting.substr(0, eq).c_str(), setting.substr(eq + 1).c_str(), 1);
+      } else {
+        std::fprintf(stderr, "battery-mixed: SETTING is NAME=VALUE or one-cpu, not '%s'\n", setting.c_str());
+        return 2;
+      }
+    }
     return dtensor::RunBattery();
   }
   if (mode == "dead-peer") return dtensor::RunFailure(true);
@@ -822,6 +846,8 @@ int main(int argc, char** argv) {
   if (mode == "bench") return dtensor::RunBench();
   if (mode == "bench-blocks") return dtensor::RunBenchBlocks();
   if (mode == "debug-mismatch") return dtensor::RunDebugMismatch();
-  std::fprintf(stderr, "usage: ucx_test_child battery|dead-peer|timeout|debug-mismatch|bench|bench-blocks\n");
+  std::fprintf(
+      stderr,
+      "usage: ucx_test_child battery|battery-mixed SETTING|dead-peer|timeout|debug-mismatch|bench|bench-blocks\n");
   return 2;
 }

@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <ostream>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -87,6 +88,8 @@ struct BatteryCase {
   std::string name;
 };
 
+void PrintTo(const BatteryCase& c, std::ostream* os) { *os << c.name; }
+
 class UcxBatteryTest : public testing::TestWithParam<BatteryCase> {};
 
 TEST_P(UcxBatteryTest, EveryCollectiveMatchesItsReference) {
@@ -112,16 +115,43 @@ INSTANTIATE_TEST_SUITE_P(Ranks, UcxBatteryTest,
                                          BatteryCase{4, {"DTENSOR_UCX_CMA=0"}, "P4SlotsOnly"}),
                          [](const testing::TestParamInfo<BatteryCase>& info) { return info.param.name; });
 
-// Single copy wanted by some ranks only: the setup's agreement keeps every rank on the slots.
-TEST(UcxSingleCopyTest, RanksThatDisagreeAllUseTheSlots) {
-  RunResult run = RunDtrun({"--nproc-per-node", "3", UCX_TEST_CHILD_PATH, "battery-mixed-cma"},
-                           {"DTENSOR_UCX_CMA_MIN=0", "DTENSOR_TIMEOUT_S=20"});
+// A setting on odd ranks only (ranks, setting, environment of all ranks, name): every input to
+// a path choice is agreed at setup, so the battery passes however the ranks' own answers
+// differ: single copy refused (DTENSOR_UCX_CMA=0) or its threshold moved (DTENSOR_UCX_CMA_MIN)
+// on some ranks, the shared-memory channel refused on some (DTENSOR_UCX_SHM=0), the debug
+// checks asked for by some (DTENSOR_DEBUG=1: then every rank makes them), or some ranks
+// confined to one CPU (they count as sharing cores, which picks other all-reduce paths).
+struct MixedCase {
+  int ranks;
+  std::string setting;
+  std::vector<std::string> env;
+  std::string name;
+};
+
+void PrintTo(const MixedCase& c, std::ostream* os) { *os << c.name; }
+
+class UcxMixedTest : public testing::TestWithParam<MixedCase> {};
+
+TEST_P(UcxMixedTest, RanksThatDisagreeTakeOnePath) {
+  const MixedCase& c = GetParam();
+  std::vector<std::string> env = c.env;
+  env.push_back("DTENSOR_TIMEOUT_S=20");
+  RunResult run =
+      RunDtrun({"--nproc-per-node", std::to_string(c.ranks), UCX_TEST_CHILD_PATH, "battery-mixed", c.setting}, env);
   EXPECT_EQ(run.code, 0) << run.out << run.err;
-  for (int r = 0; r < 3; ++r) {
+  for (int r = 0; r < c.ranks; ++r) {
     EXPECT_TRUE(Contains(run.out, absl::StrCat("[rank ", r, "] ")) && Contains(run.out, " checks, 0 failures"))
         << run.out << run.err;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Settings, UcxMixedTest,
+    testing::Values(MixedCase{3, "DTENSOR_UCX_CMA=0", {"DTENSOR_UCX_CMA_MIN=0"}, "SingleCopyRefused"},
+                    MixedCase{3, "DTENSOR_UCX_CMA_MIN=0", {}, "SingleCopyThreshold"},
+                    MixedCase{3, "DTENSOR_UCX_SHM=0", {}, "SharedMemoryRefused"},
+                    MixedCase{3, "DTENSOR_DEBUG=1", {}, "DebugOnSome"}, MixedCase{2, "one-cpu", {}, "SharingCores"}),
+    [](const testing::TestParamInfo<MixedCase>& info) { return info.param.name; });
 
 // DTENSOR_DEBUG=1: rank 1 calls AllGather while the others call AllReduce; every rank gets
 // InvalidArgument naming both sides' calls, and the communicator stays usable.
