@@ -154,12 +154,12 @@ class CpuAllocator final : public Allocator {
       return absl::ResourceExhaustedError(absl::StrCat("[Allocate] cpu: out of memory for ", nbytes, " bytes"));
     }
     const size_t size = RoundSize(nbytes);
-    ThreadCache& tc = Local();
-    for (int i = 0; i < tc.n; ++i) {
-      const size_t block = tc.entries[i].first;
+    ThreadCache* tc = Local();
+    for (int i = 0; tc != nullptr && i < tc->n; ++i) {
+      const size_t block = tc->entries[i].first;
       if (block >= size && block <= size + size / 8) {
-        void* p = tc.entries[i].second;
-        tc.entries[i] = tc.entries[--tc.n];
+        void* p = tc->entries[i].second;
+        tc->entries[i] = tc->entries[--tc->n];
         bytes_cached_.fetch_sub(static_cast<int64_t>(block), std::memory_order_relaxed);
         num_cache_hits_.fetch_add(1, std::memory_order_relaxed);
         return Handed(p, block);
@@ -194,16 +194,20 @@ class CpuAllocator final : public Allocator {
 
   void Free(void* ptr) override {
     if (ptr == nullptr) return;
-    const Header* h = HeaderOf(ptr);
-    // Only blocks from Allocate() may come here; the tag turns the usual mistakes (a pointer
-    // into a block, one from malloc) into a no-op rather than a corrupted cache.
+    Header* h = HeaderOf(ptr);
+    // Only blocks from Allocate() may come here, once each: the tag turns a second Free of a
+    // block into a no-op (it is kFreeTag until the block is handed out again), and most other
+    // mistakes too (a pointer into a block, one from malloc). It cannot make a foreign pointer
+    // safe: the 64 bytes before it are read (a lookup on every Free would cost what the tag
+    // saves).
     if (h->tag != kTag) return;
+    h->tag = kFreeTag;
     const size_t block = h->block;
     bytes_in_use_.fetch_sub(static_cast<int64_t>(block), std::memory_order_relaxed);
     bytes_cached_.fetch_add(static_cast<int64_t>(block), std::memory_order_relaxed);
-    ThreadCache& tc = Local();
-    if (block <= kLargeThreshold && tc.n < kThreadSlots) {
-      tc.entries[tc.n++] = {block, ptr};
+    ThreadCache* tc = Local();
+    if (tc != nullptr && block <= kLargeThreshold && tc->n < kThreadSlots) {
+      tc->entries[tc->n++] = {block, ptr};
       return;
     }
     absl::MutexLock lock(&mu_);
@@ -224,10 +228,10 @@ class CpuAllocator final : public Allocator {
   // The shared cache and the calling thread's (other threads' blocks stay with them until they
   // exit or reuse them).
   void EmptyCache() override {
-    ThreadCache& tc = Local();
+    ThreadCache* tc = Local();
     absl::MutexLock lock(&mu_);
-    for (int i = 0; i < tc.n; ++i) free_.emplace(tc.entries[i].first, tc.entries[i].second);
-    tc.n = 0;
+    for (int i = 0; tc != nullptr && i < tc->n; ++i) free_.emplace(tc->entries[i].first, tc->entries[i].second);
+    if (tc != nullptr) tc->n = 0;
     for (auto& [size, p] : free_) {
       bytes_cached_.fetch_sub(static_cast<int64_t>(size), std::memory_order_relaxed);
       std::free(static_cast<char*>(p) - kHeader);
@@ -237,8 +241,9 @@ class CpuAllocator final : public Allocator {
   Device device() const override { return Device::Cpu(); }
 
  private:
-  static constexpr size_t kHeader = 64;  // keeps the 64-byte alignment
-  static constexpr uint64_t kTag = 0x6474656e736f7221ull;
+  static constexpr size_t kHeader = 64;                        // keeps the 64-byte alignment
+  static constexpr uint64_t kTag = 0x6474656e736f7221ull;      // handed out
+  static constexpr uint64_t kFreeTag = 0x6474656e736f723full;  // in a cache
   static constexpr int kThreadSlots = 8;
   struct Header {
     size_t block;
@@ -249,15 +254,26 @@ class CpuAllocator final : public Allocator {
     int n = 0;
     std::pair<size_t, void*> entries[kThreadSlots];
     ~ThreadCache() {  // a thread that ends gives its blocks to the shared cache
+      ThreadCacheGone() = true;
       if (owner == nullptr || n == 0) return;
       absl::MutexLock lock(&owner->mu_);
       for (int i = 0; i < n; ++i) owner->free_.emplace(entries[i].first, entries[i].second);
+      n = 0;
     }
   };
-  ThreadCache& Local() {
+  // Set once this thread's cache is destroyed (thread exit; for the main thread, before static
+  // objects are): tensors freed later, from statics or other thread_locals, use the shared
+  // cache. A bool has no destructor, so it can be read at any time.
+  static bool& ThreadCacheGone() {
+    thread_local bool gone = false;
+    return gone;
+  }
+  // This thread's cache, or nullptr once it is gone.
+  ThreadCache* Local() {
+    if (ThreadCacheGone()) return nullptr;
     thread_local ThreadCache tc;
     tc.owner = this;
-    return tc;
+    return &tc;
   }
   static Header* HeaderOf(void* p) { return reinterpret_cast<Header*>(static_cast<char*>(p) - kHeader); }
   static void* SystemAlloc(size_t block) {
@@ -268,6 +284,7 @@ class CpuAllocator final : public Allocator {
     return p;
   }
   void* Handed(void* p, size_t block) {
+    HeaderOf(p)->tag = kTag;
     num_allocs_.fetch_add(1, std::memory_order_relaxed);
     const int64_t in_use =
         bytes_in_use_.fetch_add(static_cast<int64_t>(block), std::memory_order_relaxed) + static_cast<int64_t>(block);

@@ -9,7 +9,8 @@
 // a per-device cache for reuse by a request of the same rounded size (or one up to 1/8
 // smaller). CPU blocks are 64-byte aligned and carry their size in a header; each thread
 // keeps its last few freed CPU blocks of up to 1 MiB for itself (no lock on that path; a
-// thread that ends hands them to the shared cache). CUDA blocks come from cudaMalloc.
+// thread that ends hands them to the shared cache; blocks freed on it after that, by statics
+// or other thread_locals, go to the shared cache too). CUDA blocks come from cudaMalloc.
 //
 // CUDA note: as in PyTorch, a freed block may be reused at once by the next allocation; this
 // is safe because all work on a device is ordered on the allocating thread's stream
@@ -43,7 +44,9 @@ class Allocator {
   // Returns a block of at least `nbytes` bytes (nullptr for 0). ResourceExhausted when the
   // device is out of memory even after emptying the cache.
   virtual absl::StatusOr<void*> Allocate(size_t nbytes) = 0;
-  // Returns a block obtained from Allocate() to the cache. nullptr is ignored.
+  // Returns a block obtained from Allocate() to the cache. nullptr is ignored, and so is a
+  // second Free of a block not handed out again since (CPU: its header says so; CUDA: it is
+  // not in the table of live blocks). Any other pointer is a contract violation.
   virtual void Free(void* ptr) = 0;
   virtual AllocatorStats Stats() const = 0;
   virtual void ResetPeakStats() = 0;

@@ -131,6 +131,56 @@ TEST(AllocatorTest, ThreadsShareItSafely) {
   EXPECT_EQ(alloc.Stats().bytes_cached, 0);
 }
 
+TEST(AllocatorTest, SecondFreeOfABlockIsANoOp) {
+  Allocator& alloc = DefaultAllocator(Device::Cpu());
+  constexpr size_t kBytes = 77777;  // a size no other test uses
+  void* p = *alloc.Allocate(kBytes);
+  const int64_t in_use = alloc.Stats().bytes_in_use;
+  alloc.Free(p);
+  const int64_t after_one = alloc.Stats().bytes_in_use;
+  EXPECT_LT(after_one, in_use);
+  alloc.Free(p);  // a caller's bug: must not put the block in a cache twice
+  EXPECT_EQ(alloc.Stats().bytes_in_use, after_one);
+  void* a = *alloc.Allocate(kBytes);
+  void* b = *alloc.Allocate(kBytes);
+  EXPECT_NE(a, b) << "one block handed to two owners";
+  alloc.Free(a);
+  alloc.Free(b);
+}
+
+// A thread_local made before the thread's first allocation is destroyed after the thread's
+// cache: what it frees or allocates then must go through the shared cache, not the dead one.
+struct LateHolder {
+  Allocator* alloc = nullptr;
+  size_t bytes = 0;
+  void** out = nullptr;  // where the destructor's allocation goes
+  ~LateHolder() {
+    if (alloc != nullptr) *out = *alloc->Allocate(bytes);
+  }
+};
+
+TEST(AllocatorTest, ThreadLocalsDestroyedAfterTheCacheUseTheSharedOne) {
+  Allocator& alloc = DefaultAllocator(Device::Cpu());
+  constexpr size_t kBytes = 55555;  // a size no other test uses
+  void* late = nullptr;
+  std::thread t([&] {
+    thread_local LateHolder holder;  // constructed before the thread's cache...
+    holder.alloc = &alloc;
+    holder.bytes = kBytes;
+    holder.out = &late;
+    void* p = *alloc.Allocate(kBytes);  // ...which this constructs
+    alloc.Free(p);                      // p waits in the thread's cache
+  });
+  t.join();
+  // The thread's cache gave p to the shared cache as it ended; the holder's allocation took it
+  // from there. The next allocation of this size must be another block.
+  ASSERT_NE(late, nullptr);
+  void* next = *alloc.Allocate(kBytes);
+  EXPECT_NE(next, late) << "one block handed to two owners";
+  alloc.Free(next);
+  alloc.Free(late);
+}
+
 TEST(AllocatorTest, HugeRequestIsResourceExhausted) {
   Allocator& alloc = DefaultAllocator(Device::Cpu());
   auto p = alloc.Allocate(size_t{1} << 62);
