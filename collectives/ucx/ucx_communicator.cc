@@ -1008,11 +1008,25 @@ class UcxCommunicator final : public Communicator {
       return CmaReduce(in, out, b, dtype, op, /*all=*/false);
     }
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
+    const int64_t per = static_cast<int64_t>(ShmGroup::kSlotBytes / ElementSize(dtype) / members_.size());
+    const int64_t longest = *std::max_element(counts.begin(), counts.end());
+    if (write_back) {
+      // The peers write into `out` until they arrive at the last Sync: on an error before
+      // then, wait until none can still be writing (ShmGroup::Quiesce).
+      const uint64_t first = shm_->epoch() + 1;
+      const uint64_t done = first + static_cast<uint64_t>((longest + per - 1) / per);
+      const absl::Status s = ShmReduceScatterSteps(in, out, counts, b, dtype, op, true, per, longest);
+      if (!s.ok()) shm_->Quiesce(first, done, ctx_);
+      return s;
+    }
+    return ShmReduceScatterSteps(in, out, counts, b, dtype, op, false, per, longest);
+  }
+  // ShmReduceScatter's steps, `per` elements of each block at a time.
+  absl::Status ShmReduceScatterSteps(const char* in, char* out, absl::Span<const int64_t> counts, const Blocks& b,
+                                     DType dtype, CommReduceOp op, bool write_back, int64_t per, int64_t longest) {
     const size_t es = ElementSize(dtype);
     const int p = size();
     const size_t r = static_cast<size_t>(rank_);
-    const int64_t per = static_cast<int64_t>(ShmGroup::kSlotBytes / es / static_cast<size_t>(p));
-    const int64_t longest = *std::max_element(counts.begin(), counts.end());
     const void* srcs[kMaxShmRanks];
     char* const block = write_back ? out + b.off[r] : out;
     absl::InlinedVector<uint64_t, 8> outs(write_back ? static_cast<size_t>(p) : 0);
@@ -1178,20 +1192,28 @@ class UcxCommunicator final : public Communicator {
   // read(j, rank j's desc) for every other rank; a second Sync then holds every rank until all
   // peers are done reading its memory (its buffers may change once it returns).
   // finish() runs after the reads, before the second Sync.
+  // On an error after the descriptors are out, the rank waits (ShmGroup::Quiesce) until no
+  // peer can still be writing into its buffers (AllReduce, Broadcast write into the peers).
   template <typename Own, typename Read, typename Finish>
   absl::Status CmaStep(const void* desc, size_t desc_bytes, Own&& own, Read&& read, Finish&& finish) {
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
+    // Peers write into this rank after arriving at the first Sync; at the second they are done.
+    const uint64_t first = shm_->epoch() + 1, done = first + 1;
     std::memcpy(shm_->slot(rank_), desc, desc_bytes);
-    absl::Status status;
-    DT_RETURN_IF_ERROR(shm_->SyncEach(ctx_, own, [&](int j) {
-      if (status.ok()) status = read(j, static_cast<const char*>(shm_->slot(j)));
-    }));
-    shm_->NextStep();
-    DT_RETURN_IF_ERROR(status);
-    DT_RETURN_IF_ERROR(finish());
-    DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
-    shm_->NextStep();
-    return absl::OkStatus();
+    const absl::Status s = [&]() -> absl::Status {
+      absl::Status status;
+      DT_RETURN_IF_ERROR(shm_->SyncEach(ctx_, own, [&](int j) {
+        if (status.ok()) status = read(j, static_cast<const char*>(shm_->slot(j)));
+      }));
+      shm_->NextStep();
+      DT_RETURN_IF_ERROR(status);
+      DT_RETURN_IF_ERROR(finish());
+      DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
+      shm_->NextStep();
+      return absl::OkStatus();
+    }();
+    if (!s.ok()) shm_->Quiesce(first, done, ctx_);
+    return s;
   }
   template <typename Own, typename Read>
   absl::Status CmaStep(const void* desc, size_t desc_bytes, Own&& own, Read&& read) {

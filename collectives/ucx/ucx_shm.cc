@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <ctime>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -122,6 +123,25 @@ void ShmGroup::Arrive() {
   std::atomic_thread_fence(std::memory_order_seq_cst);
   if (std::atomic_ref<uint32_t>(*waiters_of(rank_)).load(std::memory_order_relaxed) != 0) {
     FutexWakeAll(word_of(rank_));
+  }
+}
+
+void ShmGroup::Quiesce(uint64_t first, uint64_t done, const UcxWaitContext& ctx) {
+  MarkFailed();
+  // Pairs with the fence in a peer's Arrive: either this sees its arrival at `first`, or it
+  // sees the failed flag before it writes.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const int64_t deadline = ctx.DeadlineNs(NowNs());
+  for (;;) {
+    bool quiet = true;
+    for (int j = 0; j < static_cast<int>(members_.size()) && quiet; ++j) {
+      if (j == rank_ || !Arrived(j, first) || Arrived(j, done)) continue;
+      if (std::atomic_ref<uint32_t>(*failed_of(j)).load(std::memory_order_acquire) != 0) continue;
+      quiet = !world_->gone(members_[static_cast<size_t>(j)]).empty();
+    }
+    if (quiet || NowNs() >= deadline) return;
+    world_->PollPeers();  // notices peers that exited
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }
 
@@ -318,6 +338,11 @@ absl::Status ShmGroup::Transfer(int j, absl::Span<const iovec> local, absl::Span
   iovec l[kBatch], r[kBatch];
   Ranges lc{local}, rc{remote};
   while (!lc.done() && !rc.done()) {
+    if (write && std::atomic_ref<uint32_t>(*failed_of(j)).load(std::memory_order_acquire) != 0) {
+      // It gave up and may be freeing this memory (it waits for us in Quiesce, up to a point).
+      return absl::UnavailableError(
+          absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": peer rank ", j, " failed (see its error)"));
+    }
     size_t nl = 0, nr = 0;
     size_t bytes = lc.Fill(l, kBatch, SIZE_MAX, &nl);
     const size_t rbytes = rc.Fill(r, kBatch, bytes, &nr);

@@ -137,6 +137,13 @@ class ShmGroup {
   void MarkSlotWritten() { last_full_ = epoch_; }
   // Tells the peers this rank gave up (they return Unavailable instead of waiting).
   void MarkFailed();
+  // For a rank that fails inside a collective whose peers write into its memory (WritePeer)
+  // once they have arrived at epoch `first` (where its address reached them): MarkFailed(),
+  // then wait until no peer can still be writing — each has not arrived at `first` (it will
+  // see the failed flag before it writes: WritePeer refuses a failed peer), has arrived at
+  // `done` (past its writes), has failed, or has exited — or until ctx's timeout from now, so
+  // that the caller's buffers are not freed under a peer's write.
+  void Quiesce(uint64_t first, uint64_t done, const UcxWaitContext& ctx);
 
   // ---- Single copy: reading a peer's own memory (Linux cross-memory attach) ----
   // Large messages need not pass through the slots (a copy in, a copy out): a rank publishes
