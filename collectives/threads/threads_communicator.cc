@@ -671,6 +671,16 @@ class ThreadsCommunicator final : public Communicator {
       call.recv_counts.push_back(recvs[j].numel());
     }
     call.blocks.assign(sends.begin(), sends.end());
+    // A send view that shares bytes with a receive view (AllToAllBlocks(views, views)) is
+    // copied first: this rank writes its receive views while the peers still read its sends.
+    for (Tensor& t : call.blocks) {
+      for (const Tensor& v : recvs) {
+        if (Overlap(t, v)) {
+          DT_ASSIGN_OR_RETURN(t, Clone(t));
+          break;
+        }
+      }
+    }
     DT_RETURN_IF_ERROR(Begin(kOp, std::move(call)));
     absl::Status status;
     for (int j = 0; j < size() && status.ok(); ++j) {

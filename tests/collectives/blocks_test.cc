@@ -187,6 +187,35 @@ TEST(BlocksTest, OwnBlockOverlappingItsReceiveViewShifted) {
   }
 }
 
+// AllToAllBlocks(views, views): every rank sends column block j of its buffer to rank j and
+// receives rank j's block into the same columns (an in-place exchange). A rank writes its
+// receive views while the peers still read its send views, so those must be staged.
+TEST(BlocksTest, InPlaceExchangeOfColumnBlocks) {
+  for (int world : {2, 3}) {
+    for (bool use_default : {false, true}) {
+      RunRanks(world, use_default, [&](int rank, Communicator& comm) {
+        const int64_t rows = 5, c = 3;
+        // Rank r's buffer: g(i, col) = 100 i + col + 1000 r.
+        const Tensor buf = testing::Unwrap(Add(
+            Matrix(0, rows, 0, c * world), testing::Unwrap(Full({rows, c * world}, 1000.0 * rank, DType::kFloat32))));
+        std::vector<Tensor> views;
+        for (int j = 0; j < world; ++j) views.push_back(testing::Unwrap(buf.Narrow(1, j * c, c)));
+        const absl::Status s = comm.AllToAllBlocks(views, views, /*uniform=*/true);
+        ASSERT_TRUE(s.ok()) << s;
+        // Block j now holds rank j's block `rank`: 100 i + rank * c + cc + 1000 j.
+        std::vector<double> want;
+        for (int64_t i = 0; i < rows; ++i) {
+          for (int j = 0; j < world; ++j) {
+            for (int64_t cc = 0; cc < c; ++cc) want.push_back(static_cast<double>(100 * i + rank * c + cc + 1000 * j));
+          }
+        }
+        EXPECT_EQ(testing::Values(buf), want)
+            << "rank " << rank << " of " << world << (use_default ? " (default)" : " (threads)");
+      });
+    }
+  }
+}
+
 // `uniform` (every block the same count on every rank): the default takes the even AllToAll.
 TEST(BlocksTest, UniformEvenSplitOnBothPaths) {
   for (bool use_default : {false, true}) {
