@@ -39,9 +39,15 @@ absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, 
     return InvalidArg(op, "rank ", rank, ": ", name, " has ", counts.size(), " entries, expected ", size,
                       " (one per rank)");
   }
+  // Far above any real tensor, and low enough that a sum, or a count times an element size,
+  // cannot overflow: counts that wrap around would pass every later size check.
+  constexpr int64_t kMaxElements = int64_t{1} << 56;
   int64_t sum = 0;
   for (size_t j = 0; j < counts.size(); ++j) {
     if (counts[j] < 0) return InvalidArg(op, "rank ", rank, ": ", name, "[", j, "] is ", counts[j]);
+    if (counts[j] > kMaxElements - sum) {
+      return InvalidArg(op, "rank ", rank, ": ", name, " sum past 2^56 elements at ", name, "[", j, "] = ", counts[j]);
+    }
     sum += counts[j];
   }
   return sum;

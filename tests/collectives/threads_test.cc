@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -689,6 +690,12 @@ TEST(ThreadsTest, BadInputsAreRejectedWithClearMessages) {
   expect(c.AllGatherV(Sentinel(2, f32), Sentinel(3, f32), three), kInvalid,
          "[AllGatherV] rank 0: counts has 3 entries, expected 2 (one per rank)");
   expect(c.AllGatherV(Sentinel(3, f32), Sentinel(2, f32), negative), kInvalid, "[AllGatherV] rank 0: counts[1] is -1");
+  // Counts too large to add up without overflow are refused by name (with 3 or more ranks, a
+  // sum that wraps around could equal the tensor's size and pass every other check).
+  const int64_t big = std::numeric_limits<int64_t>::max() - 1000;
+  const std::vector<int64_t> wrapping = {big, 1001 + 3};
+  expect(c.AllToAllV(Sentinel(3, f32), Sentinel(3, f32), wrapping, wrapping), kInvalid,
+         absl::StrCat("[AllToAllV] rank 0: send_counts sum past 2^56 elements at send_counts[0] = ", big));
   expect(c.AllGatherV(Sentinel(1, f32), Sentinel(3, f32), ok), kInvalid,
          "[AllGatherV] rank 0: input has 1 elements, expected 2 (counts[0])");
   expect(c.ReduceScatterV(Sentinel(4, f32), Sentinel(2, f32), ok, CommReduceOp::kSum), kInvalid,
