@@ -11,7 +11,9 @@
 // fails (non-zero exit or a signal), the others get SIGTERM, then SIGKILL after the grace period.
 // Exit status: 0 if all ranks succeed, else the first failure's code (128 + signal for a
 // signal); 2 for usage errors. Each rank runs in its own process group (so the signal reaches
-// its children too) and dies with dtrun (PR_SET_PDEATHSIG).
+// its children too, also after the rank itself exited) and dies with dtrun (PR_SET_PDEATHSIG);
+// when every rank has exited, what is left in their groups is killed. Ranks read /dev/null as
+// stdin (a background group reading the terminal would stop).
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -261,9 +263,11 @@ int main(int argc, char** argv) {
   bool stopping = false;
   absl::Time kill_at = absl::InfiniteFuture();
 
+  // A rank's whole process group, also after the rank itself exited: what it started in the
+  // background goes too. (A group id is not reused while a process is in the group.)
   auto signal_all = [&](int sig) {
     for (Rank& r : ranks) {
-      if (r.running) kill(-r.pid, sig);
+      if (r.pid > 0) kill(-r.pid, sig);
     }
   };
   auto stop_all = [&] {
@@ -300,6 +304,13 @@ int main(int argc, char** argv) {
       setpgid(0, 0);
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (getppid() != self) _exit(127);  // dtrun died before prctl
+      // No terminal input: a rank is in a background process group, where reading the
+      // terminal would stop it (SIGTTIN) and dtrun with it.
+      const int null_in = open("/dev/null", O_RDONLY);
+      if (null_in > 0) {
+        dup2(null_in, 0);
+        close(null_in);
+      }
       dup2(out_pipe[1], 1);
       dup2(err_pipe[1], 2);
       struct sigaction dfl {};
@@ -407,6 +418,7 @@ int main(int argc, char** argv) {
       }
     }
   }
+  signal_all(SIGKILL);  // every rank has exited: nothing it started outlives the run
   if (first_failure != 0) return first_failure;
   return received_signal != 0 ? 128 + received_signal : 0;
 }

@@ -247,6 +247,27 @@ TEST(DtrunTest, KillingDtrunKillsTheRanks) {
   ExpectAllGone(pids);
 }
 
+// What a rank starts in the background goes with it: here rank 0 exits 0 and rank 1 exits 3,
+// each leaving a sleep behind in its process group.
+TEST(DtrunTest, ProcessesRanksLeaveBehindAreKilled) {
+  TempDir dir;
+  RunResult run = RunDtrun(
+      {"--nproc-per-node", "2", "/bin/sh", "-c",
+       "sleep 300 & echo $! > " + dir.path() + "/$LOCAL_RANK.pid; if [ $LOCAL_RANK = 1 ]; then sleep 0.2; exit 3; fi"});
+  EXPECT_EQ(run.code, 3) << run.err;
+  EXPECT_LT(run.took, absl::Seconds(5)) << run.err;
+  const std::vector<pid_t> pids = ReadPids(dir.path(), 2);
+  EXPECT_EQ(pids.size(), 2u);
+  ExpectAllGone(pids);
+}
+
+TEST(DtrunTest, RanksReadDevNullAsStdin) {
+  RunResult run = RunDtrun({"--nproc-per-node", "2", "/bin/sh", "-c", "readlink /proc/self/fd/0"});
+  EXPECT_EQ(run.code, 0) << run.err;
+  EXPECT_NE(run.out.find("[rank 0] /dev/null"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("[rank 1] /dev/null"), std::string::npos) << run.out;
+}
+
 TEST(DtrunTest, UsageErrorsExitWith2) {
   const std::vector<std::vector<std::string>> bad = {
       {},
