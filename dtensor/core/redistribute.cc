@@ -126,6 +126,9 @@ absl::StatusOr<Tensor> RegionOf(const Tensor& t, const LocalBox& t_box, const Lo
   const bool dims_agree = static_cast<int64_t>(region.shape.size()) == t.dim() &&
                           region.offset.size() == region.shape.size() && t_box.shape.size() == region.shape.size() &&
                           t_box.offset.size() == region.shape.size();
+  // An empty region is empty wherever it starts (torch.chunk's trailing empty pieces start at
+  // the end of the dim, which may lie outside the box).
+  if (dims_agree && region.numel() == 0) return t.AsStrided(region.shape, t.strides(), t.storage_offset());
   int64_t offset = t.storage_offset();
   for (size_t d = 0; d < region.shape.size(); ++d) {
     const int64_t start = dims_agree ? region.offset[d] - t_box.offset[d] : -1;

@@ -418,9 +418,12 @@ TEST(DTensorCrossMesh, FourToTwoByTwoAndBack) {
       {{2, 2}, {{Shard(0), Shard(0)}, {{0, {1, 0}}}}, {4}, {{Shard(0)}, {}}},
       {{2, 2}, {{Replicate(), Shard(1)}, {}}, {4}, {{Shard(0)}, {}}},
       {{2, 2}, {{Shard(1), Shard(0)}, {}}, {1, 4}, {{Replicate(), Shard(1)}, {}}},
+      // Every rank holds its new box already, some of them empty past the end of what they
+      // hold ([2, 3]: ranks 2 and 3 get rows [2, 2)).
+      {{2, 2}, {{Replicate(), Shard(0)}, {}}, {4}, {{Shard(0)}, {}}},
   };
   for (const CrossCase& c : cases) {
-    for (const Shape& shape : {Shape{8, 6}, Shape{7, 5}, Shape{1, 1}, Shape{0, 3}}) {
+    for (const Shape& shape : {Shape{8, 6}, Shape{7, 5}, Shape{2, 3}, Shape{1, 1}, Shape{0, 3}}) {
       for (DType dtype : kDTypes) RunCrossMesh(c, shape, dtype);
     }
   }
