@@ -54,25 +54,70 @@ absl::Status CheckDevice(const char* op, const Tensor& t, const DeviceMesh& mesh
 
 // ---- Construction ----
 
+namespace {
+
+// FromLocal's checks of this rank's own arguments; `global` gets the global shape (from the
+// options, else from the local shape as if the shards were even).
+absl::Status CheckLocal(const char* op, const Tensor& local, const DeviceMesh& mesh, const Layout& layout,
+                        const DTensor::FromLocalOptions& options, Layout* l, Shape* global) {
+  DT_RETURN_IF_ERROR(CheckDevice(op, local, mesh));
+  DT_ASSIGN_OR_RETURN(*l, NormalizeLayout(op, layout, local.dim(), mesh.ndim()));
+  if (options.global_shape) {
+    *global = *options.global_shape;
+    if (static_cast<int64_t>(global->size()) != local.dim()) {
+      return InvalidArg(op, "global shape ", ShapeString(*global), " and local shape ", ShapeString(local.shape()),
+                        " have different ranks");
+    }
+    for (int64_t n : *global) {
+      if (n < 0) return InvalidArg(op, "negative size in global shape ", ShapeString(*global));
+    }
+  } else {
+    global->assign(local.shape().begin(), local.shape().end());
+    for (int m = 0; m < mesh.ndim(); ++m) {
+      if ((*l)[m].is_shard()) (*global)[static_cast<size_t>((*l)[m].shard_dim())] *= mesh.size(m);
+    }
+  }
+  return absl::OkStatus();
+}
+
+// All-gathers `mine` (the same count on every rank) over the whole mesh, on the mesh's device
+// (NCCL moves device tensors only); the result on the host.
+absl::StatusOr<std::vector<int64_t>> GatherInts(const DeviceMesh& mesh, const std::vector<int64_t>& mine) {
+  const int64_t n = static_cast<int64_t>(mine.size());
+  DT_ASSIGN_OR_RETURN(Tensor send, Tensor::FromVector<int64_t>(mine, {n}));
+  DT_ASSIGN_OR_RETURN(send, To(send, mesh.device()));
+  DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(AllDims(mesh)));
+  DT_ASSIGN_OR_RETURN(Tensor all, Tensor::Empty({mesh.size() * n}, DType::kInt64, mesh.device()));
+  if (CommCounter* c = CoreStateOf(mesh).counter) c->Record(CommKind::kAllGather, all.nbytes());
+  DT_RETURN_IF_ERROR(comm->AllGather(send, all));
+  DT_ASSIGN_OR_RETURN(all, To(all, Device::Cpu()));
+  const int64_t* v = all.data<int64_t>();
+  return std::vector<int64_t>(v, v + all.numel());
+}
+
+}  // namespace
+
 absl::StatusOr<DTensor> DTensor::FromLocal(Tensor local, const DeviceMesh& mesh, const Layout& layout,
                                            const FromLocalOptions& options) {
   const char* op = "FromLocal";
-  DT_RETURN_IF_ERROR(CheckDevice(op, local, mesh));
-  DT_ASSIGN_OR_RETURN(Layout l, NormalizeLayout(op, layout, local.dim(), mesh.ndim()));
+  Layout l;
   Shape global;
-  if (options.global_shape) {
-    global = *options.global_shape;
-    if (static_cast<int64_t>(global.size()) != local.dim()) {
-      return InvalidArg(op, "global shape ", ShapeString(global), " and local shape ", ShapeString(local.shape()),
-                        " have different ranks");
-    }
-    for (int64_t n : global) {
-      if (n < 0) return InvalidArg(op, "negative size in global shape ", ShapeString(global));
-    }
-  } else {
-    global.assign(local.shape().begin(), local.shape().end());
-    for (int m = 0; m < mesh.ndim(); ++m) {
-      if (l[m].is_shard()) global[static_cast<size_t>(l[m].shard_dim())] *= mesh.size(m);
+  const absl::Status checked = CheckLocal(op, local, mesh, layout, options, &l, &global);
+  if (!options.run_check || !mesh.defined()) DT_RETURN_IF_ERROR(checked);
+  if (options.run_check) {
+    // First a fixed-size header from every rank (its own checks passed, dims, dtype), so that
+    // a rank whose arguments are wrong still takes part and every rank gets the same verdict.
+    DT_ASSIGN_OR_RETURN(const std::vector<int64_t> head,
+                        GatherInts(mesh, {checked.ok() ? 1 : 0, local.defined() ? local.dim() : -1,
+                                          local.defined() ? static_cast<int64_t>(local.dtype()) : -1}));
+    DT_RETURN_IF_ERROR(checked);
+    for (int64_t r = 0; r < mesh.size(); ++r) {
+      const int64_t* h = head.data() + 3 * r;
+      if (h[0] == 0) return InvalidArg(op, "mesh rank ", r, " passed arguments it rejected (see its error)");
+      if (h[1] != local.dim() || h[2] != static_cast<int64_t>(local.dtype())) {
+        return InvalidArg(op, "mesh rank ", r, " holds a ", h[1], "-d ", DTypeName(static_cast<DType>(h[2])),
+                          " tensor but this rank a ", local.dim(), "-d ", DTypeName(local.dtype()), " one");
+      }
     }
   }
   if (options.run_check) {
@@ -80,12 +125,8 @@ absl::StatusOr<DTensor> DTensor::FromLocal(Tensor local, const DeviceMesh& mesh,
     const int64_t nd = local.dim();
     std::vector<int64_t> mine(local.shape().begin(), local.shape().end());
     mine.push_back(static_cast<int64_t>(local.dtype()));
-    DT_ASSIGN_OR_RETURN(Tensor send, Tensor::FromVector<int64_t>(mine, {nd + 1}));
-    DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(AllDims(mesh)));
-    DT_ASSIGN_OR_RETURN(Tensor all, Tensor::Empty({mesh.size() * (nd + 1)}, DType::kInt64));
-    if (CommCounter* c = CoreStateOf(mesh).counter) c->Record(CommKind::kAllGather, all.nbytes() * 1);
-    DT_RETURN_IF_ERROR(comm->AllGather(send, all));
-    const int64_t* v = all.data<int64_t>();
+    DT_ASSIGN_OR_RETURN(const std::vector<int64_t> all, GatherInts(mesh, mine));
+    const int64_t* v = all.data();
     if (!options.global_shape) {
       // Along each sharded dim, the pieces of the ranks whose other coordinates are 0 tile it.
       for (int64_t d = 0; d < nd; ++d) {

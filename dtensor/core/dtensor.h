@@ -53,8 +53,10 @@ class DTensor {
     // size times its mesh dims' sizes (right for even shards only; uneven ones need it, or
     // run_check).
     std::optional<Shape> global_shape;
-    // Check across the mesh (collective) that the local shapes fit together — and, without
-    // global_shape, compute the global shape from them (uneven shards then work too).
+    // Check across the mesh (collective: two small all-gathers on the mesh's device) that the
+    // local shapes and dtypes fit together — and, without global_shape, compute the global
+    // shape from them (uneven shards then work too). Every rank gets the same verdict, also
+    // when some rank's own arguments are wrong (it still takes part in the exchange).
     bool run_check = false;
   };
   // Wraps this rank's piece. The local tensor's shape must be this rank's box of the global

@@ -623,6 +623,24 @@ TEST(RedistributeErrors, FromLocalShapesDisagreeAcrossRanks) {
     auto x = DTensor::FromLocal(Filled({2, 5}), mesh, Layout({Shard(0)}), o);  // rank 3 should hold 1 row
     EXPECT_TRUE(!x.ok() && absl::IsInvalidArgument(x.status())) << "rank " << rank << ": " << x.status();
   });
+  // Pieces with different numbers of dims: one rank's layout does not fit its tensor (it
+  // fails its own checks), or both fit but the dims differ. Every rank must hear of it (a
+  // rank that returned before the exchange would leave the others waiting in it).
+  RunRanks(2, [](int rank, Communicator& comm) {
+    DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2}));
+    DTensor::FromLocalOptions o;
+    o.run_check = true;
+    auto x = DTensor::FromLocal(rank == 0 ? Filled({2, 3}) : Filled({3}), mesh, Layout({Shard(1)}), o);
+    EXPECT_TRUE(!x.ok() && absl::IsInvalidArgument(x.status())) << "rank " << rank << ": " << x.status();
+    if (rank == 0) {
+      EXPECT_TRUE(absl::StrContains(x.status().message(), "mesh rank 1 passed arguments")) << x.status();
+    }
+    auto y = DTensor::FromLocal(rank == 0 ? Filled({2, 3}) : Filled({6}), mesh, Layout({Replicate()}), o);
+    EXPECT_TRUE(!y.ok() && absl::IsInvalidArgument(y.status())) << "rank " << rank << ": " << y.status();
+    EXPECT_TRUE(absl::StrContains(y.status().message(),
+                                  rank == 0 ? "mesh rank 1 holds a 1-d float32" : "mesh rank 0 holds a 2-d float32"))
+        << y.status();
+  });
   // Without run_check, the global shape given: a local shape that is not the box is an error
   // on that rank (no communication).
   RunRanks(2, [](int rank, Communicator& comm) {
