@@ -31,6 +31,17 @@ Layout WithoutPartial(const Layout& l) {
   return out;
 }
 
+// Whether this rank is at coordinate 0 of every mesh dim that is P(sum) in `l` (where R -> P
+// keeps a value it does not divide).
+bool FirstOnSumPartialDims(const Layout& l, const DeviceMesh& mesh) {
+  for (int m = 0; m < l.ndim(); ++m) {
+    if (l[m].is_partial() && l[m].partial_op() == PartialOp::kSum && mesh.coordinate()[static_cast<size_t>(m)] != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // Product of the sizes of the mesh dims that are P(sum) in `l` (what R -> P divides by).
 int64_t SumPartialDivisor(const Layout& l, const DeviceMesh& mesh) {
   int64_t divisor = 1;
@@ -216,7 +227,7 @@ absl::StatusOr<DTensor> DTensor::Distribute(const Tensor& global, const DeviceMe
   }
   const int64_t divisor = SumPartialDivisor(l, mesh);
   if (divisor > 1) {
-    DT_ASSIGN_OR_RETURN(local, internal::DivideForPartial(local, divisor));
+    DT_ASSIGN_OR_RETURN(local, internal::DivideForPartial(local, divisor, FirstOnSumPartialDims(l, mesh)));
   }
   return DTensor(std::move(local), mesh, std::move(l), shape);
 }
@@ -352,7 +363,7 @@ absl::StatusOr<DTensor> DTensor::Redistribute(const DeviceMesh& mesh, const Layo
   // 3. Partial placements of the target, locally.
   const int64_t divisor = SumPartialDivisor(target, mesh);
   if (divisor > 1) {
-    DT_ASSIGN_OR_RETURN(local, internal::DivideForPartial(local, divisor));
+    DT_ASSIGN_OR_RETURN(local, internal::DivideForPartial(local, divisor, FirstOnSumPartialDims(target, mesh)));
   }
   return DTensor(std::move(local), mesh, std::move(target), global_shape_);
 }

@@ -75,7 +75,9 @@ class DTensor {
     std::optional<int> src_rank = 0;
   };
   // Every rank passes a tensor of the global shape (only the source's values are read).
-  // Partial placements start from the full value (R -> P: sum divides by the mesh dim size).
+  // Partial placements start from the full value (R -> P(sum) divides floating point values by
+  // the mesh dim size, as PyTorch does; integers stay whole at coordinate 0 of that dim and are
+  // zero elsewhere, so the sum is exact).
   static absl::StatusOr<DTensor> Distribute(const Tensor& global, const DeviceMesh& mesh, const Layout& layout,
                                             const DistributeOptions& options);
   static absl::StatusOr<DTensor> Distribute(const Tensor& global, const DeviceMesh& mesh, const Layout& layout) {

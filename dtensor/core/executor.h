@@ -85,8 +85,10 @@ absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, co
                                      absl::Span<const LocalBox> send_regions, const LocalBox& out_box,
                                      absl::Span<const LocalBox> recv_regions, TransferKind kind, CommCounter* counter);
 
-// Divides by `divisor` (R -> P(sum)); a copy, any dtype (integers truncate).
-absl::StatusOr<Tensor> DivideForPartial(const Tensor& x, int64_t divisor);
+// R -> P(sum) over mesh dims of `divisor` ranks in all, as a copy: floating point values are
+// divided by it (as PyTorch does); other dtypes (integers, bool, float8) stay on the rank at
+// coordinate 0 of those dims (`first`) and are zero elsewhere, so that the sum is exact.
+absl::StatusOr<Tensor> DivideForPartial(const Tensor& x, int64_t divisor, bool first);
 
 }  // namespace dtensor::internal
 

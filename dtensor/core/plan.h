@@ -20,7 +20,7 @@
 //   P(op) -> S(d)     kReduceScatter  reduce_scatter(v)(op)            pack along d
 //   S(d) -> S(d')     kAllToAll       all_to_all(v)                    pack / unpack
 //   R -> S(d)         kChunk          none                             torch.chunk copy
-//   R -> P(op)        kToPartial      none                             sum: divide by size
+//   R -> P(op)        kToPartial      none                             sum: divide by size (floats)
 //   S -> P            (none: not a legal move)
 //
 // Mesh dims of size 1 change placement for free. Nested shards keep their order: a gather

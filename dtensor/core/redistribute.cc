@@ -143,9 +143,11 @@ absl::StatusOr<Tensor> RegionOf(const Tensor& t, const LocalBox& t_box, const Lo
   return t.AsStrided(region.shape, t.strides(), offset);
 }
 
-absl::StatusOr<Tensor> DivideForPartial(const Tensor& x, int64_t divisor) {
+absl::StatusOr<Tensor> DivideForPartial(const Tensor& x, int64_t divisor, bool first) {
   if (divisor == 1) return Clone(x);
-  return BinaryScalar(BinaryOp::kDiv, x, static_cast<double>(divisor));
+  if (IsComputeFloat(x.dtype())) return BinaryScalar(BinaryOp::kDiv, x, static_cast<double>(divisor));
+  if (first) return Clone(x);
+  return Zeros(x.shape(), x.dtype(), x.device());
 }
 
 namespace {
@@ -321,7 +323,9 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
     case StepKind::kToPartial: {
       const PartialOp op = step.after[step.mesh_dims[0]].partial_op();
       if (op != PartialOp::kSum) return Done(local);
-      DT_ASSIGN_OR_RETURN(Tensor part, DivideForPartial(local, mshape[static_cast<size_t>(step.mesh_dims[0])]));
+      const int m = step.mesh_dims[0];
+      DT_ASSIGN_OR_RETURN(Tensor part, DivideForPartial(local, mshape[static_cast<size_t>(m)],
+                                                        mesh.coordinate()[static_cast<size_t>(m)] == 0));
       return Done(std::move(part));
     }
     default:
