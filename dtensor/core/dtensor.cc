@@ -247,6 +247,7 @@ absl::StatusOr<DTensor> DTensor::Redistribute(const Layout& layout) const {
 
 struct PendingDTensor::State {
   std::shared_ptr<const RedistributePlan> plan;
+  std::shared_ptr<const internal::PlanGeometry> geometry;  // the started step's finisher refers to it
   DeviceMesh mesh;
   size_t next = 0;  // first step not started
   internal::StartedStep started;
@@ -268,10 +269,11 @@ absl::StatusOr<PendingDTensor> DTensor::RedistributeAsync(const Layout& layout) 
   state->local = local_;
   // Local steps up to the first collective run now; the collective is started.
   const RedistributePlan& plan = *state->plan;
-  const internal::PlanGeometry& geometry = internal::GeometryOf(state->plan, mesh_);
+  state->geometry = internal::GeometryOf(state->plan, mesh_);
   while (state->next < plan.steps.size()) {
-    DT_ASSIGN_OR_RETURN(internal::StartedStep s,
-                        internal::StartStep(plan.steps[state->next], geometry.steps[state->next], state->local, mesh_));
+    DT_ASSIGN_OR_RETURN(
+        internal::StartedStep s,
+        internal::StartStep(plan.steps[state->next], state->geometry->steps[state->next], state->local, mesh_));
     ++state->next;
     if (s.work != nullptr) {
       state->started = std::move(s);

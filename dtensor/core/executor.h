@@ -41,8 +41,11 @@ struct CoreState {
   CommCounter* counter = nullptr;
   // Step geometry per (plan, mesh coordinate): a redistribution that hits the plan cache does
   // no box arithmetic. Views of one mesh with the same shape and coordinate share entries
-  // (the geometry depends on nothing else).
-  absl::flat_hash_map<std::pair<const RedistributePlan*, Shape>, std::unique_ptr<PlanGeometry>> geometry;
+  // (the geometry depends on nothing else). An entry keeps its plan alive, so a key's address
+  // is not reused while the entry lives; at kMaxGeometries entries the cache starts over
+  // (users hold their entry: an async redistribution keeps its own).
+  static constexpr size_t kMaxGeometries = 4096;
+  absl::flat_hash_map<std::pair<const RedistributePlan*, Shape>, std::shared_ptr<const PlanGeometry>> geometry;
 };
 CoreState& CoreStateOf(const DeviceMesh& mesh);
 
@@ -58,7 +61,8 @@ struct StartedStep {
 };
 
 // The cached geometry of every step of `plan` at this rank's coordinate of `mesh`.
-const PlanGeometry& GeometryOf(const std::shared_ptr<const RedistributePlan>& plan, const DeviceMesh& mesh);
+std::shared_ptr<const PlanGeometry> GeometryOf(const std::shared_ptr<const RedistributePlan>& plan,
+                                               const DeviceMesh& mesh);
 
 // Starts step `step` (with its geometry `g`) of a plan on `mesh`, with this rank's input
 // `local` (its box in step.before). Local steps complete at once (work is null).

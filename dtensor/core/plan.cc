@@ -390,6 +390,7 @@ absl::StatusOr<std::shared_ptr<const RedistributePlan>> RedistributePlanner::Pla
   ++misses_;
   DT_ASSIGN_OR_RETURN(RedistributePlan plan, PlanRedistribute(global_shape, mesh_shape, src, dst, element_size));
   auto shared = std::make_shared<const RedistributePlan>(std::move(plan));
+  if (cache_.size() >= kMaxPlans) cache_.clear();  // holders keep their plans
   cache_.emplace(std::move(key), shared);
   return shared;
 }

@@ -102,11 +102,13 @@ struct RedistributePlan {
 absl::StatusOr<RedistributePlan> PlanRedistribute(IntSpan global_shape, IntSpan mesh_shape, const Layout& src,
                                                   const Layout& dst, int64_t element_size);
 
-// A cache of plans. Not thread safe: one per rank (each DeviceMesh owns one).
+// A cache of plans. Not thread safe: one per rank (each DeviceMesh owns one). At kMaxPlans
+// plans it starts over (a program whose shapes keep changing does not grow it without end);
+// a plan handed out stays valid while its holder keeps it.
 class RedistributePlanner {
  public:
-  // The cached plan, planning it on the first request. The pointer stays valid while the
-  // planner lives.
+  static constexpr size_t kMaxPlans = 4096;
+  // The cached plan, planning it on the first request (the holder keeps it alive).
   absl::StatusOr<std::shared_ptr<const RedistributePlan>> Plan(IntSpan global_shape, IntSpan mesh_shape,
                                                                const Layout& src, const Layout& dst,
                                                                int64_t element_size);

@@ -292,17 +292,20 @@ StepGeometry ComputeGeometry(const RedistributeStep& step, IntSpan global_shape,
 
 }  // namespace
 
-const PlanGeometry& GeometryOf(const std::shared_ptr<const RedistributePlan>& plan, const DeviceMesh& mesh) {
+std::shared_ptr<const PlanGeometry> GeometryOf(const std::shared_ptr<const RedistributePlan>& plan,
+                                               const DeviceMesh& mesh) {
   CoreState& state = CoreStateOf(mesh);
   std::pair<const RedistributePlan*, Shape> key(plan.get(), Shape(mesh.coordinate().begin(), mesh.coordinate().end()));
   auto it = state.geometry.find(key);
-  if (it != state.geometry.end()) return *it->second;
-  auto g = std::make_unique<PlanGeometry>();
+  if (it != state.geometry.end()) return it->second;
+  auto g = std::make_shared<PlanGeometry>();
   g->plan = plan;
   for (const RedistributeStep& step : plan->steps) {
     g->steps.push_back(ComputeGeometry(step, plan->global_shape, mesh.shape(), mesh.coordinate()));
   }
-  return *state.geometry.emplace(std::move(key), std::move(g)).first->second;
+  if (state.geometry.size() >= CoreState::kMaxGeometries) state.geometry.clear();
+  state.geometry.emplace(std::move(key), g);
+  return g;
 }
 
 absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGeometry& g, const Tensor& local,
@@ -399,9 +402,9 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
 absl::StatusOr<Tensor> ExecuteSteps(const std::shared_ptr<const RedistributePlan>& plan, size_t first, Tensor local,
                                     const DeviceMesh& mesh) {
   if (first >= plan->steps.size()) return local;
-  const PlanGeometry& geometry = GeometryOf(plan, mesh);
+  const std::shared_ptr<const PlanGeometry> geometry = GeometryOf(plan, mesh);
   for (size_t i = first; i < plan->steps.size(); ++i) {
-    DT_ASSIGN_OR_RETURN(StartedStep started, StartStep(plan->steps[i], geometry.steps[i], local, mesh));
+    DT_ASSIGN_OR_RETURN(StartedStep started, StartStep(plan->steps[i], geometry->steps[i], local, mesh));
     if (started.work != nullptr) DT_RETURN_IF_ERROR(started.work->Wait());
     DT_ASSIGN_OR_RETURN(local, started.finish());
   }

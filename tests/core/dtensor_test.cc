@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "dtensor/core/executor.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/suite_util.h"
@@ -402,6 +403,30 @@ TEST(DTensorPlanCache, SecondRedistributeHitsTheCache) {
     // Views share the cache.
     DT_SUITE_MESH(sub, mesh.Sub("d1"));
     EXPECT_EQ(&PlannerOf(sub), &planner);
+  });
+}
+
+// Shapes that keep changing (say, sequence lengths) do not grow the caches without end: past
+// kMaxPlans the planner starts over, and so does the step-geometry cache; an async
+// redistribution started before keeps its plan and geometry and still finishes right.
+TEST(DTensorPlanCache, CachesStayBounded) {
+  RunRanks(2, [&](int rank, Communicator& comm) {
+    DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2}));
+    const std::vector<double> v = suite::GlobalValues({6, 4}, DType::kFloat32, false, 3);
+    // S(1) -> R: the all-gather's finisher unpacks the column blocks by the step's geometry.
+    DTensor first = Unwrap(
+        DTensor::Distribute(suite::MakeTensor(v, {6, 4}, DType::kFloat32), mesh, Layout({Shard(1)}), {std::nullopt}));
+    auto pending = first.RedistributeAsync(Layout({Replicate()}));
+    ASSERT_TRUE(pending.ok()) << pending.status();
+    const int64_t n = static_cast<int64_t>(RedistributePlanner::kMaxPlans) + 10;
+    for (int64_t rows = 1; rows <= n; ++rows) {
+      DTensor x = Unwrap(DTensor::FromLocal(Unwrap(Zeros({rows, 1}, DType::kFloat32)), mesh, Layout({Shard(0)})));
+      Unwrap(x.Redistribute(Layout({Replicate()})));
+    }
+    EXPECT_LE(PlannerOf(mesh).size(), RedistributePlanner::kMaxPlans);
+    EXPECT_LE(internal::CoreStateOf(mesh).geometry.size(), internal::CoreState::kMaxGeometries);
+    DTensor y = Unwrap(pending->Wait());
+    EXPECT_EQ(suite::CompareBits(y.ToLocal(), suite::MakeTensor(v, {6, 4}, DType::kFloat32)), "") << "rank " << rank;
   });
 }
 
