@@ -349,6 +349,10 @@ class ThreadGroup {
     }
     const Deadline deadline(timeout);
     waiters_.fetch_add(1, std::memory_order_seq_cst);
+    // Pairs with an arriver's store then load of waiters_: either it sees this waiter (and
+    // notifies) or the loads below see its arrival. (Without the fence, acquire loads may move
+    // before the increment on weakly ordered CPUs and a wake-up could be lost.)
+    std::atomic_thread_fence(std::memory_order_seq_cst);
     absl::Status result;
     {
       std::unique_lock<std::mutex> lock(mu_);
