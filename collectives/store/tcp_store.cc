@@ -135,11 +135,17 @@ int MillisUntil(absl::Time deadline) {
 
 namespace {
 
+// Replies a connection may have waiting to be sent before the server stops reading and
+// answering its requests (a client that pipelines requests without reading the replies would
+// otherwise make the server hold a copy of a 64 MiB value per request).
+constexpr size_t kMaxUnsentBytes = size_t{1} << 20;
+
 struct Conn {
   int fd = -1;
   std::string in;   // bytes received, not yet parsed
   std::string out;  // bytes to send
   size_t out_sent = 0;
+  bool backlogged() const { return out.size() - out_sent > kMaxUnsentBytes; }
   bool closing = false;  // close once `out` is sent; read nothing more
   // A parked GET (one key) or WAIT (its keys), answered once every key exists.
   uint8_t pending_op = 0;
@@ -279,7 +285,7 @@ struct StoreServer::State {
   // Parses and executes what `c` has buffered, one request at a time (a parked request blocks
   // the ones behind it).
   void Process(Conn& c) {
-    while (!c.closing && c.pending_op == 0) {
+    while (!c.closing && c.pending_op == 0 && !c.backlogged()) {
       Request req;
       std::string error;
       const Parse p = ParseRequest(c.in, req, error);
@@ -364,7 +370,7 @@ void StoreServer::Loop() {
     pfds.push_back({wake_read_fd_, POLLIN, 0});
     pfds.push_back({listen_fd_, POLLIN, 0});
     for (auto& [fd, c] : st.conns) {
-      short events = c.closing ? 0 : POLLIN;
+      short events = c.closing || c.backlogged() ? 0 : POLLIN;
       if (c.out_sent < c.out.size()) events |= POLLOUT;
       pfds.push_back({fd, events, 0});
     }
@@ -419,21 +425,31 @@ void StoreServer::Loop() {
     }
     // Sends (also for connections answered by another connection's SET/ADD above).
     for (auto& [fd, c] : st.conns) {
-      if (c.pending_op == 0 && !c.closing && !c.in.empty()) st.Process(c);  // requests behind a parked one
-      while (c.out_sent < c.out.size()) {
-        const ssize_t n = send(fd, c.out.data() + c.out_sent, c.out.size() - c.out_sent, MSG_NOSIGNAL);
-        if (n > 0) {
-          c.out_sent += static_cast<size_t>(n);
-          continue;
+      // Requests behind a parked one, or held back while replies were backlogged: answered as
+      // long as the replies drain.
+      for (bool failed = false; !failed;) {
+        const size_t unparsed = c.in.size();
+        const bool tried = c.pending_op == 0 && !c.closing && !c.in.empty() && !c.backlogged();
+        if (tried) st.Process(c);
+        while (c.out_sent < c.out.size()) {
+          const ssize_t n = send(fd, c.out.data() + c.out_sent, c.out.size() - c.out_sent, MSG_NOSIGNAL);
+          if (n > 0) {
+            c.out_sent += static_cast<size_t>(n);
+            continue;
+          }
+          if (n < 0 && (errno == EAGAIN || errno == EINTR)) break;
+          dead.push_back(fd);
+          failed = true;
+          break;
         }
-        if (n < 0 && (errno == EAGAIN || errno == EINTR)) break;
-        dead.push_back(fd);
-        break;
-      }
-      if (c.out_sent >= c.out.size()) {
+        if (failed || c.out_sent < c.out.size()) break;  // POLLOUT brings us back
         c.out.clear();
         c.out_sent = 0;
-        if (c.closing) dead.push_back(fd);
+        if (c.closing) {
+          dead.push_back(fd);
+          break;
+        }
+        if (c.in.empty() || c.pending_op != 0 || (tried && c.in.size() == unparsed)) break;  // nothing to answer now
       }
     }
     std::sort(dead.begin(), dead.end());

@@ -265,6 +265,50 @@ TEST(TcpStoreTest, OversizeRawMessagesGetAnErrorAndTheServerKeepsServing) {
   }
 }
 
+// A client that pipelines many GETs of a large value before reading any reply: the server
+// stops reading it while more than 1 MiB of replies wait (it would otherwise hold a copy of
+// the value per request), and goes on answering as the replies drain: all of them arrive,
+// in order and whole.
+TEST(TcpStoreTest, PipelinedLargeRepliesAllArrive) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  auto c = ConnectTo(*server);
+  ASSERT_NE(c, nullptr);
+  std::string value(3 << 20, '\0');
+  for (size_t i = 0; i < value.size(); ++i) value[i] = static_cast<char>(i * 7 + 1);
+  ASSERT_TRUE(c->Set("big", value).ok());
+  const int fd = RawConnect(server->port());
+  ASSERT_GE(fd, 0);
+  constexpr int kRequests = 24;
+  std::string requests;
+  for (int i = 0; i < kRequests; ++i) {
+    requests += Header(2, 1);
+    Le(requests, 3, 8);
+    requests += "big";
+  }
+  SendRaw(fd, requests);
+  usleep(200 * 1000);  // let the server hit the backlog before anything is read
+  std::string got;
+  const size_t want = kRequests * (9 + value.size());
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  while (got.size() < want && absl::Now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    char buf[1 << 16];
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  close(fd);
+  ASSERT_EQ(got.size(), want);
+  for (int i = 0; i < kRequests; ++i) {
+    const size_t at = static_cast<size_t>(i) * (9 + value.size());
+    EXPECT_EQ(static_cast<int>(got[at]), 0) << "reply " << i;
+    EXPECT_TRUE(got.compare(at + 9, value.size(), value) == 0) << "reply " << i;
+  }
+  ExpectServerHealthy(*server, "after-pipeline");
+}
+
 TEST(TcpStoreTest, MalformedRawMessagesDropOnlyThatClient) {
   auto server = StartServer();
   ASSERT_NE(server, nullptr);
