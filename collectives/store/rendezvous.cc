@@ -60,16 +60,25 @@ absl::StatusOr<std::vector<int>> ParseTasksPerNode(const std::string& name, cons
   return out;
 }
 
-// First host of a Slurm node list: "gpu[03-05,9],cpu1" -> "gpu03".
+// First host of a Slurm node list: "gpu[03-05,9],cpu1" -> "gpu03", "rack[1-2]-node[5-6]-ib"
+// -> "rack1-node5-ib" (each bracket gives its first value; the text between and after stays).
 std::string FirstHost(const std::string& list) {
-  const size_t bracket = list.find('[');
-  const size_t comma = list.find(',');
-  if (bracket == std::string::npos || (comma != std::string::npos && comma < bracket)) {
-    return list.substr(0, comma);
+  std::string host;
+  for (size_t pos = 0; pos < list.size();) {
+    const char ch = list[pos];
+    if (ch == ',') break;  // the end of the first entry
+    if (ch != '[') {
+      host.push_back(ch);
+      ++pos;
+      continue;
+    }
+    const size_t close = list.find(']', pos);
+    if (close == std::string::npos) break;
+    const size_t end = list.find_first_of("-,]", pos + 1);
+    host += list.substr(pos + 1, end - pos - 1);
+    pos = close + 1;
   }
-  const size_t end = list.find_first_of("-,]", bracket + 1);
-  if (end == std::string::npos) return list.substr(0, bracket);
-  return list.substr(0, bracket) + list.substr(bracket + 1, end - bracket - 1);
+  return host;
 }
 
 }  // namespace

@@ -92,6 +92,17 @@ TEST(RendezvousTest, SlurmWithTasksPerNodeListAndNodeList) {
                                        {"SLURM_NODELIST", "hostA"}});
   EXPECT_EQ(simple.local_world_size, 2);
   EXPECT_EQ(simple.master_addr, "hostA");
+
+  // Text after a bracket, and several brackets in one name.
+  for (const auto& [list, first] : std::vector<std::pair<std::string, std::string>>{
+           {"gpu[1-2]-ib", "gpu1-ib"}, {"rack[07-08]-node[5,9]-ib,cpu1", "rack07-node5-ib"}, {"n[3]", "n3"}}) {
+    const LaunchInfo info = MustParse({{"SLURM_PROCID", "0"},
+                                       {"SLURM_NTASKS", "2"},
+                                       {"SLURM_LOCALID", "0"},
+                                       {"SLURM_NTASKS_PER_NODE", "2"},
+                                       {"SLURM_NODELIST", list}});
+    EXPECT_EQ(info.master_addr, first) << list;
+  }
 }
 
 TEST(RendezvousTest, TorchrunVariablesWinOverOthersAndNoneIsAWorldOfOne) {
