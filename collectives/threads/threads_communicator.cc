@@ -342,9 +342,11 @@ class ThreadGroup {
       std::lock_guard<std::mutex> lock(mu_);
       cv_.notify_all();
     }
+    // A failed group fails every wait, also one whose ranks have all arrived: a peer that gave
+    // up may be freeing what it published (its staging copy) while this rank would read it.
     for (int i = 0; i < kSpins; ++i) {
-      if (AllArrived(target)) return absl::OkStatus();
       if (failed_.load(std::memory_order_acquire)) break;
+      if (AllArrived(target)) return absl::OkStatus();
       if (i >= 20) std::this_thread::yield();
     }
     const Deadline deadline(timeout);
@@ -356,7 +358,7 @@ class ThreadGroup {
     absl::Status result;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      while (!AllArrived(target)) {
+      while (!AllArrived(target) || failed_.load(std::memory_order_acquire)) {
         std::vector<int> missing;
         int gone = -1;
         for (int j = 0; j < size_; ++j) {
@@ -773,6 +775,9 @@ class ThreadsCommunicator final : public Communicator {
   // starts exactly at `in_place` (the aliasing the algorithm supports), else a private copy.
   const char* Stage(const Tensor& in, const Tensor& out, const char* in_place) {
     if (!Overlap(in, out) || Bytes(in) == in_place) return Bytes(in);
+    // After a failure a slow peer may still read the last staged copy: leave it (Begin then
+    // fails this call).
+    if (!group_->CheckUsable(rank_, "Stage", -1).ok()) return Bytes(in);
     staging_.assign(Bytes(in), Bytes(in) + in.nbytes());
     return staging_.data();
   }
