@@ -145,5 +145,34 @@ TEST(OptimTest, BucketedReductionAndGlobalNormOverRanks) {
   }
 }
 
+// Parameters sharded over different sub-meshes of one 2x2 mesh: A = [1, 2, 3, 4] as S(0) on
+// "dp", B = [1, 1, 1, 1] as S(0) on "tp". Their shards' squares add up over different groups
+// of ranks; every rank must get the norm sqrt(30 + 4). (Grouping by mesh dim index alone put
+// both in one group: ranks 0-1 got 3.742 and ranks 2-3 got 7.348.)
+TEST(OptimTest, GlobalNormOverParametersOnDifferentSubMeshes) {
+  auto comms = Unwrap(MakeThreadGroup(4, absl::Seconds(20)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2, 2}, {"dp", "tp"}));
+      DeviceMesh dp = Unwrap(mesh["dp"]), tp = Unwrap(mesh["tp"]);
+      auto make = [](const DeviceMesh& m, std::vector<float> grad) {
+        const Tensor g = Unwrap(Tensor::FromVector<float>(grad, {4}));
+        Variable v = Variable::Leaf(
+            Unwrap(DTensor::Distribute(Unwrap(Zeros({4}, DType::kFloat32)), m, {Shard(0)}, {.src_rank = std::nullopt})),
+            true);
+        v.set_grad(Unwrap(DTensor::Distribute(g, m, {Shard(0)}, {.src_rank = std::nullopt})));
+        return v;
+      };
+      Variable a = make(dp, {1, 2, 3, 4}), b = make(tp, {1, 1, 1, 1});
+      const double norm = Unwrap(nn::ClipGradNorm({&a, &b}, 0.0));
+      EXPECT_NEAR(norm, std::sqrt(34.0), 1e-6) << "rank " << r;
+      // And the other order of the parameters.
+      EXPECT_NEAR(Unwrap(nn::ClipGradNorm({&b, &a}, 0.0)), std::sqrt(34.0), 1e-6) << "rank " << r;
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
 }  // namespace
 }  // namespace dtensor
