@@ -112,10 +112,23 @@ struct AccumulateGradNode : public Node {
     Value g = std::move(grads[0]);
     for (GradHook& h : impl->hooks) DT_RETURN_IF_ERROR(h(g));
     if (!impl->grad.defined()) {
-      // Ours to accumulate into in place only when nothing else holds its memory (a gradient
-      // passed through unchanged may alias another tensor of the graph).
+      // A leaf's grad never shares memory with another tensor (as in PyTorch): a gradient
+      // passed through unchanged (Add's, to both inputs) is copied, so that in-place updates
+      // of one grad (clipping, accumulation) do not reach another.
       const auto& storage = g.local().storage();
-      impl->grad_owned = storage != nullptr && storage.use_count() == 1;
+      if (storage == nullptr || storage.use_count() != 1) {
+        DT_ASSIGN_OR_RETURN(Tensor copy, Clone(g.local()));
+        if (g.is_dtensor()) {
+          const DTensor& d = g.dtensor();
+          DTensor::FromLocalOptions o;
+          o.global_shape = Shape(d.shape().begin(), d.shape().end());
+          DT_ASSIGN_OR_RETURN(DTensor dc, DTensor::FromLocal(std::move(copy), d.mesh(), d.layout(), o));
+          g = Value(std::move(dc));
+        } else {
+          g = Value(std::move(copy));
+        }
+      }
+      impl->grad_owned = true;
       impl->grad = std::move(g);
     } else if (impl->grad_owned && impl->grad.is_dtensor() == g.is_dtensor() &&
                (!g.is_dtensor() || impl->grad.dtensor().layout() == g.dtensor().layout())) {

@@ -97,6 +97,20 @@ TEST(Engine, OneGradientTensorForTwoLeaves) {
   }
 }
 
+// A leaf's grad never shares memory with another's: scaling one in place (as gradient
+// clipping does) leaves the other alone, and the root gradient handed in is not aliased.
+TEST(Engine, LeafGradientsDoNotShareMemory) {
+  const Tensor av = Rand({2, 3}, 21), bv = Rand({2, 3}, 22), gv = Rand({2, 3}, 23);
+  Variable a = Variable::Leaf(av, true, "a"), b = Variable::Leaf(bv, true, "b");
+  Variable y = Unwrap(Add(a, b));  // backward: the same gradient tensor to both
+  ASSERT_TRUE(Backward({y}, {Value(gv)}).ok());
+  EXPECT_NE(a.grad().local().raw_data(), b.grad().local().raw_data());
+  EXPECT_NE(a.grad().local().raw_data(), gv.raw_data());
+  ASSERT_TRUE(Scale_(a.grad().local(), 0.5).ok());
+  ExpectValues(a.grad(), Affine(gv, 0.5, 0), "a.grad halved");
+  ExpectValues(b.grad(), Affine(gv, 1, 0), "b.grad untouched");
+}
+
 TEST(Engine, NoGradGuardRecordsNothing) {
   Variable x = Variable::Leaf(Rand({3}, 5), true, "x");
   EXPECT_TRUE(GradEnabled());
