@@ -198,6 +198,22 @@ absl::StatusOr<Value> AddGrads(const Value& a, const Value& b) {
 // ---- The backward pass ----
 
 absl::Status RunBackward(absl::Span<const Variable> roots, absl::Span<const Value> grad_roots, bool retain_graph) {
+  // A root gradient must look like its root (PyTorch: "Mismatch in shape"); none at all, or
+  // one per root.
+  if (!grad_roots.empty() && grad_roots.size() != roots.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("[Backward] ", grad_roots.size(), " root gradients for ", roots.size(), " roots"));
+  }
+  for (size_t i = 0; i < grad_roots.size(); ++i) {
+    const Value& g = grad_roots[i];
+    const Value& v = roots[i].value();
+    if (!g.defined()) continue;
+    if (g.shape() != v.shape() || g.dtype() != v.dtype()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("[Backward] the gradient of root ", i, " is ", DTypeName(g.dtype()), " ", ShapeString(g.shape()),
+                       " but the root is ", DTypeName(v.dtype()), " ", ShapeString(v.shape())));
+    }
+  }
   // Dependencies: how many edges lead into each reachable node.
   absl::flat_hash_map<Node*, int> deps;
   std::vector<Node*> stack;

@@ -111,6 +111,19 @@ TEST(Engine, LeafGradientsDoNotShareMemory) {
   ExpectValues(b.grad(), Affine(gv, 1, 0), "b.grad untouched");
 }
 
+TEST(Engine, RootGradientsMustMatchTheirRoots) {
+  Variable x = Variable::Leaf(Rand({4}, 31), true, "x"), w = Variable::Leaf(Rand({4}, 32), true, "w");
+  Variable y = Unwrap(Mul(x, w));
+  absl::Status s = Backward({y}, {Value(Rand({1}, 33))}, /*retain_graph=*/true);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(std::string(s.message()),
+              ::testing::HasSubstr("the gradient of root 0 is float32 [1] but the root is float32 [4]"));
+  s = Backward({y}, {Value(Rand({4}, 33)), Value(Rand({4}, 34))}, /*retain_graph=*/true);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("2 root gradients for 1 roots"));
+  EXPECT_FALSE(x.grad().defined()) << "nothing ran";
+  EXPECT_TRUE(Backward({y}, {Value(Rand({4}, 33))}).ok());
+}
+
 TEST(Engine, NoGradGuardRecordsNothing) {
   Variable x = Variable::Leaf(Rand({3}, 5), true, "x");
   EXPECT_TRUE(GradEnabled());
