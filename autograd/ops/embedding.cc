@@ -28,13 +28,18 @@ std::pair<int64_t, int64_t> LocalRows(const LocalCall& c, int input, const Tenso
   return {off[0], off[0] + local_rows};
 }
 
-// ids shifted into [0, rows) (out-of-range ids clamped to 0) and a float mask [..., 1] of
-// the ids that were in range.
-absl::StatusOr<std::pair<Tensor, Tensor>> LocalIds(const Tensor& ids, int64_t begin, int64_t end, DType dtype) {
+// ids shifted into [0, rows) (ids of other ranks' rows clamped to 0) and a float mask
+// [..., 1] of the ids that were in range. Ids outside [0, vocab) are InvalidArgument, as on
+// one rank (every rank of the vocab group holds the same ids, so all of them refuse).
+absl::StatusOr<std::pair<Tensor, Tensor>> LocalIds(const Tensor& ids, int64_t begin, int64_t end, int64_t vocab,
+                                                   DType dtype) {
   DT_ASSIGN_OR_RETURN(std::vector<int64_t> v, ToInt64Vector(ids));
   std::vector<int64_t> local(v.size());
   std::vector<float> mask(v.size());
   for (size_t i = 0; i < v.size(); ++i) {
+    if (v[i] < 0 || v[i] >= vocab) {
+      return InvalidArg("Embedding", "id ", v[i], " at position ", i, " is outside [0, ", vocab, ")");
+    }
     const bool in = v[i] >= begin && v[i] < end;
     local[i] = in ? v[i] - begin : 0;
     mask[i] = in ? 1.0f : 0.0f;
@@ -75,7 +80,7 @@ absl::StatusOr<std::vector<Tensor>> EmbLocal(const LocalCall& c) {
     return op_util::One(Zeros(out, w.dtype(), w.device()));
   }
   auto [begin, end] = LocalRows(c, 0, c.input_meta[0], w.size(0));
-  DT_ASSIGN_OR_RETURN(auto lm, LocalIds(c.inputs[1], begin, end, w.dtype()));
+  DT_ASSIGN_OR_RETURN(auto lm, LocalIds(c.inputs[1], begin, end, c.input_meta[0].shape[0], w.dtype()));
   DT_ASSIGN_OR_RETURN(Tensor rows, dtensor::Embedding(w, lm.first));
   return op_util::One(dtensor::Mul(rows, lm.second));
 }
@@ -109,7 +114,7 @@ absl::StatusOr<std::vector<Tensor>> EmbBwdLocal(const LocalCall& c) {
     return std::vector<Tensor>{dw};
   }
   const Shape off = c.OutputOffset(0);
-  DT_ASSIGN_OR_RETURN(auto lm, LocalIds(c.inputs[1], off[0], off[0] + out[0], dout.dtype()));
+  DT_ASSIGN_OR_RETURN(auto lm, LocalIds(c.inputs[1], off[0], off[0] + out[0], c.args.ints[0], dout.dtype()));
   DT_ASSIGN_OR_RETURN(Tensor masked, dtensor::Mul(dout, lm.second));
   DT_RETURN_IF_ERROR(EmbeddingBackward_(dw, masked, lm.first));
   return std::vector<Tensor>{dw};

@@ -69,8 +69,10 @@ struct TargetIndex {
   Tensor valid;     // [N, 1] logits' dtype, 1 or 0
   double count = 0;
 };
-absl::StatusOr<TargetIndex> IndexTargets(const Tensor& targets, int64_t vocab_begin, int64_t vl, int64_t ignore,
-                                         DType dtype, Device device) {
+// `vocab`: the whole vocabulary (targets outside [0, vocab) are InvalidArgument, as on one
+// rank; every rank of the vocab group holds the same targets, so all of them refuse).
+absl::StatusOr<TargetIndex> IndexTargets(const Tensor& targets, int64_t vocab_begin, int64_t vl, int64_t vocab,
+                                         int64_t ignore, DType dtype, Device device) {
   DT_ASSIGN_OR_RETURN(std::vector<int64_t> t, ToInt64Vector(targets));
   const int64_t n = static_cast<int64_t>(t.size());
   std::vector<int64_t> ids(t.size(), 0);
@@ -79,6 +81,10 @@ absl::StatusOr<TargetIndex> IndexTargets(const Tensor& targets, int64_t vocab_be
   for (int64_t i = 0; i < n; ++i) {
     const int64_t x = t[static_cast<size_t>(i)];
     if (x == ignore) continue;
+    if (x < 0 || x >= vocab) {
+      return InvalidArg("CrossEntropy", "target ", x, " at row ", i, " is outside [0, ", vocab,
+                        ") and is not ignore_index ", ignore);
+    }
     valid[static_cast<size_t>(i)] = 1.0f;
     r.count += 1;
     if (x >= vocab_begin && x < vocab_begin + vl) {
@@ -128,8 +134,8 @@ absl::StatusOr<std::vector<Tensor>> CeVocabParallel(const LocalCall& c, const st
   DT_RETURN_IF_ERROR(AllReduce(c, vocab_dims, s, CommReduceOp::kSum));
   DT_ASSIGN_OR_RETURN(Tensor lse, dtensor::Log(s));
   DT_ASSIGN_OR_RETURN(lse, dtensor::Add(lse, m));  // [N, 1]
-  DT_ASSIGN_OR_RETURN(TargetIndex ti,
-                      IndexTargets(c.inputs[1], vocab_begin, vl, c.args.ints[0], x.dtype(), x.device()));
+  DT_ASSIGN_OR_RETURN(TargetIndex ti, IndexTargets(c.inputs[1], vocab_begin, vl, c.input_meta[0].shape.back(),
+                                                   c.args.ints[0], x.dtype(), x.device()));
   Tensor tl;
   if (vl > 0) {
     DT_ASSIGN_OR_RETURN(Tensor flat, x.View({x.numel(), 1}));
@@ -214,8 +220,8 @@ absl::StatusOr<std::vector<Tensor>> CeBwdVocabParallel(const LocalCall& c) {
       dtensor::Reshape(logits, {NumElements(logits.shape().subspan(0, static_cast<size_t>(logits.dim() - 1))), vl}));
   DT_ASSIGN_OR_RETURN(Tensor lse, dtensor::Reshape(c.inputs[3], {-1, 1}));
   DT_ASSIGN_OR_RETURN(lse, Cast(lse, x.dtype()));
-  DT_ASSIGN_OR_RETURN(TargetIndex ti,
-                      IndexTargets(c.inputs[2], vocab_begin, vl, c.args.ints[0], x.dtype(), x.device()));
+  DT_ASSIGN_OR_RETURN(TargetIndex ti, IndexTargets(c.inputs[2], vocab_begin, vl, c.input_meta[1].shape.back(),
+                                                   c.args.ints[0], x.dtype(), x.device()));
   DT_ASSIGN_OR_RETURN(Tensor p, dtensor::Sub(x, lse));
   DT_ASSIGN_OR_RETURN(p, dtensor::Exp(p));
   DT_ASSIGN_OR_RETURN(Tensor w, dtensor::Scale(ti.valid, scale));

@@ -354,6 +354,23 @@ TEST(OpsStrategy, Embedding) {
              One([](const std::vector<Value>& in) { return fn::EmbeddingBackward(in[0], in[1], 11); })});
 }
 
+// Ids and targets outside the vocabulary are InvalidArgument on every rank when the vocab is
+// sharded too (each rank used to count them as another rank's and return a loss).
+TEST(OpsStrategy, OutOfRangeIdsFailWithVocabSharded) {
+  agtest::RunMesh(Shape{2}, [](const DeviceMesh& mesh) {
+    const DTensor logits = Unwrap(DTensor::Distribute(Rand({2, 4}, 131), mesh, {S1}, {.src_rank = std::nullopt}));
+    const DTensor targets = Unwrap(DTensor::Distribute(Ids({0, 7}, {2}), mesh, {R}, {.src_rank = std::nullopt}));
+    auto ce = fn::CrossEntropy(Value(logits), Value(targets));
+    EXPECT_TRUE(!ce.ok() && absl::IsInvalidArgument(ce.status())) << ce.status();
+    EXPECT_THAT(std::string(ce.status().message()), ::testing::HasSubstr("target 7 at row 1 is outside [0, 4)"));
+    const DTensor w = Unwrap(DTensor::Distribute(Rand({4, 3}, 132), mesh, {S0}, {.src_rank = std::nullopt}));
+    const DTensor ids = Unwrap(DTensor::Distribute(Ids({1, 9}, {2}), mesh, {R}, {.src_rank = std::nullopt}));
+    auto e = fn::Embedding(Value(w), Value(ids));
+    EXPECT_TRUE(!e.ok() && absl::IsInvalidArgument(e.status())) << e.status();
+    EXPECT_THAT(std::string(e.status().message()), ::testing::HasSubstr("id 9 at position 1 is outside [0, 4)"));
+  });
+}
+
 TEST(OpsStrategy, CrossEntropy) {
   auto ce = [](const std::vector<Value>& in) -> absl::StatusOr<std::vector<Value>> {
     DT_ASSIGN_OR_RETURN(fn::CrossEntropyResult r, fn::CrossEntropy(in[0], in[1]));
