@@ -94,6 +94,18 @@ bool AsUint64(const Json& j, uint64_t* out) {
   return false;
 }
 
+// A short description of a JSON value for an error message: scalars as written (invalid
+// UTF-8 replaced), arrays and objects by their size only (dumping them whole recurses as deep
+// as the input nests: a hostile header could overflow the stack).
+std::string Excerpt(const Json& j) {
+  const bool flat_array = j.is_array() && j.size() <= 16 &&
+                          std::none_of(j.begin(), j.end(), [](const Json& e) { return e.is_structured(); });
+  if (j.is_structured() && !flat_array) return absl::StrCat(j.type_name(), " of ", j.size(), " entries");
+  std::string s = j.dump(-1, ' ', false, Json::error_handler_t::replace);
+  if (s.size() > 80) s = s.substr(0, 77) + "...";
+  return s;
+}
+
 struct Entry {
   std::string name;
   DType dtype;
@@ -105,14 +117,14 @@ struct Entry {
 // Validates one tensor entry of the header.
 absl::Status ParseEntry(const std::string& path, const std::string& name, const Json& j, Entry* e) {
   e->name = name;
-  if (!j.is_object()) return ReadError(path, "tensor '", name, "': entry is not a JSON object: ", j.dump());
+  if (!j.is_object()) return ReadError(path, "tensor '", name, "': entry is not a JSON object: ", Excerpt(j));
   auto dt = j.find("dtype");
   auto sh = j.find("shape");
   auto off = j.find("data_offsets");
   if (dt == j.end() || sh == j.end() || off == j.end()) {
-    return ReadError(path, "tensor '", name, "': entry needs \"dtype\", \"shape\" and \"data_offsets\": ", j.dump());
+    return ReadError(path, "tensor '", name, "': entry needs \"dtype\", \"shape\" and \"data_offsets\": ", Excerpt(j));
   }
-  if (!dt->is_string()) return ReadError(path, "tensor '", name, "': dtype is not a string: ", dt->dump());
+  if (!dt->is_string()) return ReadError(path, "tensor '", name, "': dtype is not a string: ", Excerpt(*dt));
   const std::string dname = dt->get<std::string>();
   bool found = false;
   for (const DTypeEntry& d : kDTypes) {
@@ -131,9 +143,9 @@ absl::Status ParseEntry(const std::string& path, const std::string& name, const 
     }
     return ReadError(path, "tensor '", name, "': unknown dtype \"", dname, "\"");
   }
-  if (!sh->is_array()) return ReadError(path, "tensor '", name, "': shape is not an array: ", sh->dump());
+  if (!sh->is_array()) return ReadError(path, "tensor '", name, "': shape is not an array: ", Excerpt(*sh));
   if (sh->size() > static_cast<size_t>(kMaxDims)) {
-    return ReadError(path, "tensor '", name, "': shape ", sh->dump(), " has more than ", kMaxDims, " dims");
+    return ReadError(path, "tensor '", name, "': shape ", Excerpt(*sh), " has more than ", kMaxDims, " dims");
   }
   uint64_t numel = 1;
   bool overflow = false;
@@ -141,7 +153,7 @@ absl::Status ParseEntry(const std::string& path, const std::string& name, const 
   for (const Json& d : *sh) {
     uint64_t v;
     if (!AsUint64(d, &v) || v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
-      return ReadError(path, "tensor '", name, "': shape ", sh->dump(), " is not a list of non-negative integers");
+      return ReadError(path, "tensor '", name, "': shape ", Excerpt(*sh), " is not a list of non-negative integers");
     }
     e->shape.push_back(static_cast<int64_t>(v));
     if (v != 0 && numel > std::numeric_limits<uint64_t>::max() / v) overflow = true;
@@ -149,10 +161,10 @@ absl::Status ParseEntry(const std::string& path, const std::string& name, const 
   }
   const uint64_t esize = ElementSize(e->dtype);
   if (overflow || numel > std::numeric_limits<uint64_t>::max() / esize) {
-    return ReadError(path, "tensor '", name, "': shape ", sh->dump(), " overflows 64-bit byte counts");
+    return ReadError(path, "tensor '", name, "': shape ", Excerpt(*sh), " overflows 64-bit byte counts");
   }
   if (!off->is_array() || off->size() != 2 || !AsUint64((*off)[0], &e->begin) || !AsUint64((*off)[1], &e->end)) {
-    return ReadError(path, "tensor '", name, "': data_offsets ", off->dump(),
+    return ReadError(path, "tensor '", name, "': data_offsets ", Excerpt(*off),
                      " is not a pair [begin, end] of non-negative integers");
   }
   if (e->end < e->begin) {
@@ -212,7 +224,13 @@ absl::Status WriteSafetensors(const std::string& path, absl::Span<const std::pai
     offset += nbytes;
     host.push_back(std::move(c));
   }
-  std::string text = header.dump();
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const Json::type_error& e) {  // a name or metadata value that is not UTF-8
+    return absl::InvalidArgumentError(
+        absl::StrCat("[WriteSafetensors] ", path, ": names and metadata must be UTF-8 text (", e.what(), ")"));
+  }
   // Pad with spaces (allowed by the format) so that the data section starts 8-byte aligned.
   text.append((8 - text.size() % 8) % 8, ' ');
   uint8_t len[8];
@@ -252,6 +270,27 @@ absl::StatusOr<NamedTensors> ReadSafetensors(const std::string& path) {
   if (!ReadAllAt(fd, text.data(), header_len, 8)) {
     return ErrnoError("ReadSafetensors", "cannot read", path, errno ? errno : EIO);
   }
+  // A safetensors header nests 3 deep; a hostile one nested deeper would make parsing,
+  // copying and printing it recurse until the stack overflows.
+  constexpr int kMaxDepth = 64;
+  int depth = 0;
+  bool in_string = false, escaped = false;
+  for (const char ch : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (ch == '\\') {
+        escaped = true;
+      } else if (ch == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (ch == '"') in_string = true;
+    if (ch == '[' || ch == '{') ++depth;
+    if (ch == ']' || ch == '}') --depth;
+    if (depth > kMaxDepth) return ReadError(path, "header nests deeper than ", kMaxDepth, " levels");
+  }
   Json header;
   try {
     header = Json::parse(text);
@@ -266,7 +305,7 @@ absl::StatusOr<NamedTensors> ReadSafetensors(const std::string& path) {
     if (key == kMetadataKey) {
       if (!value.is_object()) return ReadError(path, "__metadata__ is not a JSON object");
       for (const auto& [mk, mv] : value.items()) {
-        if (!mv.is_string()) return ReadError(path, "__metadata__ value of '", mk, "' is not a string: ", mv.dump());
+        if (!mv.is_string()) return ReadError(path, "__metadata__ value of '", mk, "' is not a string: ", Excerpt(mv));
         result.metadata[mk] = mv.get<std::string>();
       }
       continue;

@@ -122,6 +122,9 @@ absl::Status ValidateTokens(absl::Span<const uint16_t> tokens, int64_t vocab_siz
 absl::StatusOr<TokenLoader> TokenLoader::Create(std::vector<uint16_t> tokens, int64_t B, int64_t T) {
   if (B <= 0 || T <= 0)
     return InvalidArg("TokenLoader", "batch size B=", B, " and sequence length T=", T, " must be positive");
+  if (B > (int64_t{1} << 40) / T) {  // B*T+1 must not overflow; far more tokens than any file
+    return InvalidArg("TokenLoader", "a batch of B=", B, " x T=", T, " is too large");
+  }
   if (static_cast<int64_t>(tokens.size()) < B * T + 1) {
     return InvalidArg("TokenLoader", "a batch of B=", B, " x T=", T, " needs B*T+1 = ", B * T + 1,
                       " tokens, but there are ", tokens.size());

@@ -171,6 +171,11 @@ TEST(TokenLoaderTest, ResetAndErrors) {
   EXPECT_TRUE(TokenLoader::Create(std::vector<uint16_t>(13), 3, 4).ok());
   EXPECT_FALSE(TokenLoader::Create(std::vector<uint16_t>(13), 0, 4).ok());
   EXPECT_FALSE(TokenLoader::Create(std::vector<uint16_t>(13), 3, -1).ok());
+  // B*T that would overflow is refused, not wrapped into a small positive count.
+  auto huge = TokenLoader::Create(std::vector<uint16_t>(10), 3'000'000'000, 4'000'000'000);
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kInvalidArgument) << huge.status();
+  auto wraps = TokenLoader::Create(std::vector<uint16_t>(10), int64_t{1} << 32, int64_t{1} << 32);
+  EXPECT_EQ(wraps.status().code(), absl::StatusCode::kInvalidArgument) << wraps.status();
 }
 
 TEST(FortunesCorpusTest, BuildsFromFakeFortuneFiles) {

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "tests/testing/test_util.h"
 
@@ -244,6 +245,27 @@ TEST(SafetensorsTest, CorruptedFilesGiveClearErrors) {
                 {"'m'", "BOOL"});
   ExpectInvalid(dir, FileWith(R"({"w":{"dtype":"F32","shape":[1,1,1,1,1,1,1,1,2],"data_offsets":[0,8]}})", ok_data),
                 {"'w'", "dims"});
+  // A shape nested 100000 deep: an error, not a stack overflow while reading or printing it;
+  // one nested 10 deep is printed by size only.
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  ExpectInvalid(dir, FileWith(R"({"w":{"dtype":"F32","shape":)" + deep + R"(,"data_offsets":[0,8]}})", ok_data),
+                {"nests deeper than 64 levels"});
+  const std::string ten = std::string(10, '[') + std::string(10, ']');
+  ExpectInvalid(dir, FileWith(R"({"w":{"dtype":"F32","shape":)" + ten + R"(,"data_offsets":[0,8]}})", ok_data),
+                {"'w'", "array of 1 entries"});
+}
+
+// Names and metadata must be UTF-8 (JSON text): InvalidArgument, not an exception.
+TEST(SafetensorsTest, NonUtf8NamesAndMetadataAreInvalidArgument) {
+  const TempDir tmp_dir;
+  const std::string dir = tmp_dir;
+  const Tensor t = Unwrap(Zeros({2}, DType::kFloat32));
+  absl::Status s = WriteSafetensors(dir + "/a.safetensors", {{"caf\xe9", t}});
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "UTF-8")) << s;
+  s = WriteSafetensors(dir + "/b.safetensors", {{"w", t}}, {{"note", "caf\xe9"}});
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_FALSE(std::filesystem::exists(dir + "/b.safetensors"));
 }
 
 TEST(SafetensorsTest, MissingFileIsNotFound) {
