@@ -239,9 +239,21 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   std::vector<Variable*> params = model->Parameters();
   nn::AdamW opt(params, {.lr = f.lr, .beta1 = f.beta1, .beta2 = f.beta2, .eps = f.eps, .weight_decay = f.weight_decay});
   std::ofstream metrics;
+  bool metrics_ok = true;
   if (lead && !f.metrics.empty()) {
     metrics.open(f.metrics, std::ios::trunc);
-    if (!metrics) return absl::InvalidArgumentError(absl::StrCat("[gpt_train] cannot open --metrics ", f.metrics));
+    metrics_ok = static_cast<bool>(metrics);
+  }
+  if (world.size() > 1) {  // every rank stops when rank 0 cannot write (else they wait for it)
+    DT_ASSIGN_OR_RETURN(Tensor flag, Tensor::FromVector<float>({metrics_ok ? 1.0f : 0.0f}, {1}));
+    DT_ASSIGN_OR_RETURN(flag, To(flag, world.device()));
+    DT_RETURN_IF_ERROR(world.AllReduce(flag, flag, CommReduceOp::kMin));
+    DT_ASSIGN_OR_RETURN(flag, To(flag, Device::Cpu()));
+    metrics_ok = flag.data<float>()[0] > 0.5f;
+  }
+  if (!metrics_ok) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("[gpt_train] rank ", world.rank(), ": rank 0 cannot open --metrics ", f.metrics));
   }
 
   // ---- Training ----

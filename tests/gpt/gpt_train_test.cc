@@ -1,6 +1,7 @@
 // The trainer end to end: data-parallel runs (2 and 3 thread ranks, an uneven batch; 2 UCX
 // processes under dtrun) report the same loss at every step as the single-rank run on the same
 // global batches, and the loss falls.
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -124,6 +125,18 @@ TEST(GptTrainTest, BadFlagsFailCleanly) {
   std::ifstream in(log);
   const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_NE(out.find("--device auto|cpu|cuda"), std::string::npos) << out;
+  // A --metrics file rank 0 cannot open stops every rank at once (the others used to wait for
+  // rank 0 in the first all-reduce until the timeout).
+  const std::string log4 = TempPath("bad_metrics.log");
+  const std::string cmd4 = "DTENSOR_TIMEOUT_S=60 " + std::string(GPT_TRAIN_PATH) + " --text " + WriteCorpus() +
+                           " --ranks 2 --n-layer 1 --n-head 2 --n-embd 16 --seq 8 --steps 2" +
+                           " --metrics /nonexistent/dir/m.jsonl > " + log4 + " 2>&1";
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_NE(std::system(cmd4.c_str()), 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  std::ifstream in4(log4);
+  const std::string out4((std::istreambuf_iterator<char>(in4)), std::istreambuf_iterator<char>());
+  EXPECT_NE(out4.find("cannot open --metrics /nonexistent/dir/m.jsonl"), std::string::npos) << out4;
 }
 
 // One rank on cuda:0 trains to the CPU's losses (float32 on both; GPU reductions run in
