@@ -207,10 +207,13 @@ absl::Status AdamW::Step() {
   hp.beta2 = static_cast<float>(options_.beta2);
   hp.eps = static_cast<float>(options_.eps);
   hp.weight_decay = static_cast<float>(options_.weight_decay);
-  hp.step = step_;
+  if (steps_.size() != params_.size()) steps_.assign(params_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) {
     Variable* p = params_[i];
     if (!p->grad().defined()) continue;
+    // Bias correction counts this parameter's own updates (as PyTorch's state['step']): one
+    // that first gets a gradient at step 5 takes a first step of full size.
+    hp.step = ++steps_[i];
     DT_ASSIGN_OR_RETURN(Tensor g, LocalGrad(*p));
     DT_RETURN_IF_ERROR(AdamWStep_(p->value().local(), g, m_[i], v_[i], hp));
   }

@@ -55,8 +55,9 @@ class AdamW {
  private:
   std::vector<Variable*> params_;
   AdamWOptions options_;
-  std::vector<Tensor> m_, v_;  // local pieces, created on the first step
-  int64_t step_ = 0;
+  std::vector<Tensor> m_, v_;   // local pieces, created on the first step
+  int64_t step_ = 0;            // Step() calls
+  std::vector<int64_t> steps_;  // updates of each parameter (those with a gradient)
 };
 
 struct SgdOptions {

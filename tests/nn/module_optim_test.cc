@@ -145,6 +145,25 @@ TEST(OptimTest, BucketedReductionAndGlobalNormOverRanks) {
   }
 }
 
+// AdamW's bias correction counts each parameter's own updates (PyTorch's state['step']): a
+// parameter whose first gradient comes at the second Step() moves by lr * g / |g| like any
+// first step (with the shared count it moved 0.744 of that).
+TEST(OptimTest, AdamWStepCountIsPerParameter) {
+  Variable a = Variable::Leaf(Unwrap(Zeros({1}, DType::kFloat32)), true);
+  Variable b = Variable::Leaf(Unwrap(Zeros({1}, DType::kFloat32)), true);
+  nn::AdamW opt({&a, &b}, {.lr = 0.1, .weight_decay = 0.0});
+  a.set_grad(Value(Unwrap(Full({1}, 2.0, DType::kFloat32))));
+  ASSERT_TRUE(opt.Step().ok());
+  EXPECT_NEAR(testing::Values(a.value().local())[0], -0.1, 1e-6);
+  EXPECT_EQ(testing::Values(b.value().local())[0], 0.0) << "no gradient, no update";
+  a.set_grad(Value(Unwrap(Full({1}, 2.0, DType::kFloat32))));
+  b.set_grad(Value(Unwrap(Full({1}, 2.0, DType::kFloat32))));
+  ASSERT_TRUE(opt.Step().ok());
+  EXPECT_NEAR(testing::Values(b.value().local())[0], -0.1, 1e-6) << "b's first step";
+  EXPECT_NEAR(testing::Values(a.value().local())[0], -0.2, 1e-6) << "a's second step (same gradient)";
+  EXPECT_EQ(opt.step_count(), 2);
+}
+
 // Parameters sharded over different sub-meshes of one 2x2 mesh: A = [1, 2, 3, 4] as S(0) on
 // "dp", B = [1, 1, 1, 1] as S(0) on "tp". Their shards' squares add up over different groups
 // of ranks; every rank must get the norm sqrt(30 + 4). (Grouping by mesh dim index alone put
