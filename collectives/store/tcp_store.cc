@@ -19,6 +19,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "dtensor/tensor/status.h"
 
 namespace dtensor {
@@ -146,6 +147,10 @@ struct Conn {
   std::string out;  // bytes to send
   size_t out_sent = 0;
   bool backlogged() const { return out.size() - out_sent > kMaxUnsentBytes; }
+  absl::Time last_read = absl::Now();  // when bytes last arrived
+  // Part of a message is here and the rest is the client's to send (not a request held back
+  // behind a parked one or behind unsent replies).
+  bool mid_message() const { return !in.empty() && !closing && pending_op == 0 && !backlogged(); }
   bool closing = false;  // close once `out` is sent; read nothing more
   // A parked GET (one key) or WAIT (its keys), answered once every key exists.
   uint8_t pending_op = 0;
@@ -308,7 +313,8 @@ struct StoreServer::State {
   }
 };
 
-absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host, int port) {
+absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host, int port,
+                                                                absl::Duration message_timeout) {
   DT_ASSIGN_OR_RETURN(auto addrs, Resolve(host, port, /*passive=*/true));
   std::string last_error;
   for (auto& [addr, len] : addrs) {
@@ -336,6 +342,7 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const std::strin
       return absl::UnavailableError(absl::StrCat("[TcpStore] pipe: ", Errno(err)));
     }
     std::unique_ptr<StoreServer> server(new StoreServer(host, actual_port, fd, wake[0], wake[1]));
+    server->message_timeout_ = message_timeout;
     server->thread_ = std::thread([s = server.get()] { s->Loop(); });
     return server;
   }
@@ -374,7 +381,16 @@ void StoreServer::Loop() {
       if (c.out_sent < c.out.size()) events |= POLLOUT;
       pfds.push_back({fd, events, 0});
     }
-    if (poll(pfds.data(), pfds.size(), -1) < 0) {
+    // Wake for the first half-sent message to expire.
+    absl::Time expiry = absl::InfiniteFuture();
+    for (auto& [fd, c] : st.conns) {
+      if (c.mid_message()) expiry = std::min(expiry, c.last_read + message_timeout_);
+    }
+    const int wait_ms =
+        expiry == absl::InfiniteFuture()
+            ? -1
+            : static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(expiry - absl::Now()) + 1, 0, 60'000));
+    if (poll(pfds.data(), pfds.size(), wait_ms) < 0) {
       if (errno == EINTR) continue;
       return;  // cannot happen with valid fds; the destructor still cleans up
     }
@@ -410,6 +426,7 @@ void StoreServer::Loop() {
           continue;
         }
         if (n > 0) {
+          c.last_read = absl::Now();
           c.in.append(buf.data(), static_cast<size_t>(n));
           // A client must not pipeline past a parked request; bound what it may buffer.
           if (c.pending_op != 0 && c.in.size() > (1u << 20)) {
@@ -451,6 +468,10 @@ void StoreServer::Loop() {
         }
         if (c.in.empty() || c.pending_op != 0 || (tried && c.in.size() == unparsed)) break;  // nothing to answer now
       }
+    }
+    const absl::Time now = absl::Now();
+    for (auto& [fd, c] : st.conns) {
+      if (c.mid_message() && now - c.last_read >= message_timeout_) dead.push_back(fd);
     }
     std::sort(dead.begin(), dead.end());
     dead.erase(std::unique(dead.begin(), dead.end()), dead.end());

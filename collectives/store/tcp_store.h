@@ -47,8 +47,11 @@ inline constexpr int kStoreMaxClients = 1024;   // connections a server holds at
 class StoreServer {
  public:
   // host: a numeric address or a name that resolves locally (e.g. "127.0.0.1", "localhost").
-  // port 0 picks a free port; port() reports it.
-  static absl::StatusOr<std::unique_ptr<StoreServer>> Start(const std::string& host, int port);
+  // port 0 picks a free port; port() reports it. A connection that sent part of a message and
+  // then nothing for `message_timeout` is closed (half-sent messages would otherwise hold one
+  // of the kStoreMaxClients places for ever); idle connections between messages stay.
+  static absl::StatusOr<std::unique_ptr<StoreServer>> Start(const std::string& host, int port,
+                                                            absl::Duration message_timeout = absl::Seconds(30));
   ~StoreServer();
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
@@ -64,6 +67,7 @@ class StoreServer {
 
   std::string host_;
   int port_;
+  absl::Duration message_timeout_ = absl::Seconds(30);
   int listen_fd_;
   int wake_read_fd_;
   int wake_write_fd_;

@@ -362,6 +362,49 @@ TEST(TcpStoreTest, MalformedRawMessagesDropOnlyThatClient) {
   close(idle);
 }
 
+// A connection that sends part of a message and then nothing is closed after the server's
+// message timeout (here 300 ms); one that is idle between messages stays open and is served.
+TEST(TcpStoreTest, HalfSentMessagesTimeOutIdleConnectionsStay) {
+  auto started = StoreServer::Start("127.0.0.1", 0, absl::Milliseconds(300));
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<StoreServer> server = std::move(*started);
+  auto c = ConnectTo(*server);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->Set("k", "v").ok());
+  const int half = RawConnect(server->port());
+  const int idle = RawConnect(server->port());
+  ASSERT_GE(half, 0);
+  ASSERT_GE(idle, 0);
+  std::string s = Header(2, 1);
+  Le(s, 1, 8);  // a GET whose key never comes
+  SendRaw(half, s);
+  const absl::Time start = absl::Now();
+  auto [reply, closed] = ReadUntilClosed(half);
+  close(half);
+  EXPECT_TRUE(closed) << "the half-sent message was kept";
+  EXPECT_TRUE(reply.empty());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  // The idle connection (no bytes at all for longer than the timeout) still gets answers.
+  std::string get = Header(2, 1);
+  Le(get, 1, 8);
+  get += "k";
+  SendRaw(idle, get);
+  std::string got;
+  for (int i = 0; i < 50 && got.size() < 10; ++i) {
+    pollfd p{idle, POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    char buf[64];
+    const ssize_t n = recv(idle, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  close(idle);
+  ASSERT_EQ(got.size(), 10u);
+  EXPECT_EQ(got[0], 0);
+  EXPECT_EQ(got.back(), 'v');
+  EXPECT_TRUE(c->Get("k").ok()) << "the client's own idle connection was dropped";
+}
+
 TEST(TcpStoreTest, ManyClientsAtOnce) {
   auto server = StartServer();
   constexpr int kClients = 64;
