@@ -91,7 +91,10 @@ struct Choice {
 };
 
 struct OpsState {
-  absl::flat_hash_map<Key, std::unique_ptr<Choice>, KeyHash, KeyEq> cache;
+  // At kMaxChoices entries the cache starts over (shapes that keep changing would grow it
+  // without end); a dispatch in progress holds its choice.
+  static constexpr size_t kMaxChoices = 4096;
+  absl::flat_hash_map<Key, std::shared_ptr<Choice>, KeyHash, KeyEq> cache;
   DispatchStats stats;
 };
 
@@ -175,14 +178,14 @@ absl::StatusOr<std::vector<OpStrategy>> Enumerate(const OpDef& op, absl::Span<co
   return out;
 }
 
-absl::StatusOr<Choice*> Choose(const OpDef& op, absl::Span<const Value> inputs, const OpArgs& args,
-                               const DeviceMesh& mesh) {
+absl::StatusOr<std::shared_ptr<Choice>> Choose(const OpDef& op, absl::Span<const Value> inputs, const OpArgs& args,
+                                               const DeviceMesh& mesh) {
   OpsState& state = OpsStateOf(mesh);
   const KeyView view{&op, inputs, &args, mesh.shape(), HashCall(&op, inputs, args, mesh.shape())};
   auto it = state.cache.find(view);
   if (it != state.cache.end()) {
     ++state.stats.hits;
-    return it->second.get();
+    return it->second;
   }
   ++state.stats.misses;
   Key key{&op, {}, {}, {}, {}, args, Shape(mesh.shape().begin(), mesh.shape().end()), view.hash};
@@ -192,7 +195,7 @@ absl::StatusOr<Choice*> Choose(const OpDef& op, absl::Span<const Value> inputs, 
     key.layouts.push_back(CurrentLayout(v, mesh.ndim()));
     key.plain.push_back(!v.is_dtensor());
   }
-  auto choice = std::make_unique<Choice>();
+  auto choice = std::make_shared<Choice>();
   for (size_t i = 0; i < inputs.size(); ++i) choice->in_meta.push_back({key.shapes[i], key.dtypes[i]});
   DT_ASSIGN_OR_RETURN(choice->out_meta, op.meta(choice->in_meta, args));
   DT_ASSIGN_OR_RETURN(std::vector<OpStrategy> all,
@@ -237,9 +240,9 @@ absl::StatusOr<Choice*> Choose(const OpDef& op, absl::Span<const Value> inputs, 
   choice->inputs = pick->inputs;
   choice->outputs = pick->outputs;
   choice->cost = best;
-  Choice* raw = choice.get();
-  state.cache.emplace(std::move(key), std::move(choice));
-  return raw;
+  if (state.cache.size() >= OpsState::kMaxChoices) state.cache.clear();
+  state.cache.emplace(std::move(key), choice);
+  return choice;
 }
 
 absl::StatusOr<std::vector<Value>> RunChoice(const OpDef& op, Choice& c, absl::Span<const Value> inputs,
@@ -311,14 +314,14 @@ absl::StatusOr<std::vector<Value>> Dispatch(const OpDef& op, absl::Span<const Va
     DT_ASSIGN_OR_RETURN(std::vector<Tensor> outs, op.local(call));
     return std::vector<Value>(outs.begin(), outs.end());
   }
-  DT_ASSIGN_OR_RETURN(Choice * c, Choose(op, inputs, args, *mesh));
+  DT_ASSIGN_OR_RETURN(const std::shared_ptr<Choice> c, Choose(op, inputs, args, *mesh));
   return RunChoice(op, *c, inputs, args, *mesh);
 }
 
 absl::StatusOr<std::string> ExplainStrategy(const OpDef& op, absl::Span<const Value> inputs, const OpArgs& args) {
   DT_ASSIGN_OR_RETURN(const DeviceMesh* mesh, CommonMesh(op, inputs));
   if (mesh == nullptr) return std::string(op.name) + ": local";
-  DT_ASSIGN_OR_RETURN(Choice * c, Choose(op, inputs, args, *mesh));
+  DT_ASSIGN_OR_RETURN(const std::shared_ptr<Choice> c, Choose(op, inputs, args, *mesh));
   std::vector<std::string> in, out;
   for (const Layout& l : c->inputs) in.push_back(l.ToString());
   for (const Layout& l : c->outputs) out.push_back(l.ToString());
@@ -355,6 +358,11 @@ absl::StatusOr<std::vector<Value>> DispatchWith(const OpDef& op, const OpStrateg
   return RunChoice(op, c, inputs, args, *mesh);
 }
 
-DispatchStats DispatchStatsOf(const DeviceMesh& mesh) { return OpsStateOf(mesh).stats; }
+DispatchStats DispatchStatsOf(const DeviceMesh& mesh) {
+  const OpsState& state = OpsStateOf(mesh);
+  DispatchStats s = state.stats;
+  s.cached = static_cast<int64_t>(state.cache.size());
+  return s;
+}
 
 }  // namespace dtensor

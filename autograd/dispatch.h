@@ -108,6 +108,7 @@ absl::StatusOr<std::vector<Value>> DispatchWith(const OpDef& op, const OpStrateg
 struct DispatchStats {
   int64_t hits = 0;
   int64_t misses = 0;
+  int64_t cached = 0;  // strategies held (at most 4096: then the cache starts over)
 };
 DispatchStats DispatchStatsOf(const DeviceMesh& mesh);
 

@@ -705,6 +705,18 @@ TEST(OpsStrategy, DifferentMeshesAreRefused) {
   });
 }
 
+// Shapes that keep changing do not grow the strategy cache without end.
+TEST(OpsStrategy, StrategyCacheStaysBounded) {
+  agtest::RunMesh({2}, [&](const DeviceMesh& mesh) {
+    for (int64_t n = 1; n <= 4200; ++n) {
+      DTensor x = Unwrap(DTensor::FromLocal(Unwrap(Zeros({n}, DType::kFloat32)), mesh, {S0}));
+      ASSERT_TRUE(fn::Scale(x, 2.0).ok());
+    }
+    EXPECT_LE(DispatchStatsOf(mesh).cached, 4096);
+    EXPECT_GE(DispatchStatsOf(mesh).misses, 4200);
+  });
+}
+
 TEST(OpsStrategy, StrategyCacheHitsOnIdenticalCalls) {
   const Tensor x = Rand({5, 6}, 201), w = Rand({3, 6}, 202);
   agtest::RunMesh({2}, [&](const DeviceMesh& mesh) {
