@@ -125,12 +125,18 @@ Value* Module::RegisterBuffer(const std::string& name, Value value) {
   return buffers_.back().second.get();
 }
 
+Module::~Module() { *alive_ = false; }
+
 absl::StatusOr<Variable> Module::WithHooks(const std::function<absl::StatusOr<Variable>()>& body) {
   for (Hook& h : pre_hooks_) DT_RETURN_IF_ERROR(h(*this));
   DT_ASSIGN_OR_RETURN(Variable out, body());
   for (Hook& h : post_hooks_) DT_RETURN_IF_ERROR(h(*this));
   if (!backward_pre_hooks_.empty() && out.requires_grad()) {
-    out.RegisterHook([this](Value&) -> absl::Status {
+    out.RegisterHook([this, alive = alive_](Value&) -> absl::Status {
+      if (!*alive) {
+        return absl::FailedPreconditionError(
+            "[Module] backward reached a module's backward pre-hooks after the module was destroyed");
+      }
       for (Hook& h : backward_pre_hooks_) DT_RETURN_IF_ERROR(h(*this));
       return absl::OkStatus();
     });

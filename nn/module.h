@@ -35,7 +35,7 @@ namespace dtensor::nn {
 class Module {
  public:
   Module() = default;
-  virtual ~Module() = default;
+  virtual ~Module();
   Module(const Module&) = delete;
   Module& operator=(const Module&) = delete;
 
@@ -92,6 +92,9 @@ class Module {
   std::vector<std::pair<std::string, std::unique_ptr<Module>>> children_;
   std::vector<Hook> pre_hooks_, post_hooks_, backward_pre_hooks_;
   bool training_ = true;
+  // False once the module is destroyed: a backward pass that outlives it skips to an error
+  // instead of running its backward pre-hooks on freed memory.
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
 };
 
 // Makes every parameter a DTensor on `mesh`, laid out as `layout_for(name, param)` returns

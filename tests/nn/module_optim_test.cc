@@ -61,6 +61,20 @@ TEST(ModuleTest, HooksRunAroundForwardAndBeforeBackward) {
   EXPECT_TRUE(absl::IsFailedPrecondition(lin.Forward(x).status()));
 }
 
+// A backward pass that outlives its module gets an error where the module's backward
+// pre-hooks would run (they used to run on the destroyed module's memory).
+TEST(ModuleTest, BackwardAfterTheModuleIsGoneIsAnError) {
+  auto lin = std::make_unique<nn::Linear>(3, 2);
+  int ran = 0;
+  lin->RegisterBackwardPreHook([&](nn::Module&) { return ++ran, absl::OkStatus(); });
+  Variable x = Variable::Leaf(testing::Random({4, 3}, DType::kFloat32, 1), true);
+  Variable loss = Unwrap(Sum(Unwrap(lin->Forward(x))));
+  lin.reset();
+  const absl::Status s = Backward(loss);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_EQ(ran, 0);
+}
+
 TEST(OptimTest, AdamWAndSgdMatchTheirFormulas) {
   for (int which = 0; which < 2; ++which) {
     Variable p = Variable::Leaf(Unwrap(Tensor::FromVector<float>({1.0f, -2.0f, 0.5f}, {3})), true);
