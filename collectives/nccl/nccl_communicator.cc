@@ -376,9 +376,15 @@ absl::StatusOr<std::unique_ptr<Work>> NcclState::Launch(const char* op, int peer
   DeviceGuard guard(device_);
   if (!guard.ok()) return ToStatus(guard.error(), op, device_);
   DT_RETURN_IF_ERROR(OrderAfterCompute(op));
+  DT_ASSIGN_OR_RETURN(EventPtr done, NewEvent(op, device_));  // before the enqueue: it may fail
   DT_RETURN_IF_ERROR(Settle(op, peer, enqueue(comm_.get(), stream_.get())));
-  DT_ASSIGN_OR_RETURN(EventPtr done, NewEvent(op, device_));
-  DT_RETURN_IF_ERROR(ToStatus(cudaEventRecord(done.get(), stream_.get()), op, device_));
+  const absl::Status recorded = ToStatus(cudaEventRecord(done.get(), stream_.get()), op, device_);
+  if (!recorded.ok()) {
+    // The collective is queued with no way to tell when it ends: the communicator is dead,
+    // and its buffers are leaked rather than handed out again while it may still use them.
+    new std::vector<Tensor>(std::move(keep));
+    return Fail(recorded);
+  }
   return std::unique_ptr<Work>(
       std::make_unique<NcclWork>(shared_from_this(), std::move(done), op, peer, timeout_, std::move(keep)));
 }
