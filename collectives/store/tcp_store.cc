@@ -147,10 +147,12 @@ struct Conn {
   std::string out;  // bytes to send
   size_t out_sent = 0;
   bool backlogged() const { return out.size() - out_sent > kMaxUnsentBytes; }
-  absl::Time last_read = absl::Now();  // when bytes last arrived
-  // Part of a message is here and the rest is the client's to send (not a request held back
-  // behind a parked one or behind unsent replies).
-  bool mid_message() const { return !in.empty() && !closing && pending_op == 0 && !backlogged(); }
+  // Since when the client has been the one to act: bytes arrived, or replies moved out.
+  absl::Time last_progress = absl::Now();
+  bool partial = false;  // the last parse found part of a message and wanted more
+  // The client owes the rest of a message: a parse wanted more, nothing is parked, and every
+  // reply has gone out (a request held back behind replies is the server's turn, not this).
+  bool mid_message() const { return partial && !closing && pending_op == 0 && out_sent >= out.size(); }
   bool closing = false;  // close once `out` is sent; read nothing more
   // A parked GET (one key) or WAIT (its keys), answered once every key exists.
   uint8_t pending_op = 0;
@@ -294,6 +296,7 @@ struct StoreServer::State {
       Request req;
       std::string error;
       const Parse p = ParseRequest(c.in, req, error);
+      c.partial = p == Parse::kNeedMore && !c.in.empty();
       if (p == Parse::kNeedMore) return;
       if (p == Parse::kDrop) {
         c.closing = true;
@@ -384,7 +387,7 @@ void StoreServer::Loop() {
     // Wake for the first half-sent message to expire.
     absl::Time expiry = absl::InfiniteFuture();
     for (auto& [fd, c] : st.conns) {
-      if (c.mid_message()) expiry = std::min(expiry, c.last_read + message_timeout_);
+      if (c.mid_message()) expiry = std::min(expiry, c.last_progress + message_timeout_);
     }
     const int wait_ms =
         expiry == absl::InfiniteFuture()
@@ -426,7 +429,7 @@ void StoreServer::Loop() {
           continue;
         }
         if (n > 0) {
-          c.last_read = absl::Now();
+          c.last_progress = absl::Now();
           c.in.append(buf.data(), static_cast<size_t>(n));
           // A client must not pipeline past a parked request; bound what it may buffer.
           if (c.pending_op != 0 && c.in.size() > (1u << 20)) {
@@ -452,6 +455,7 @@ void StoreServer::Loop() {
           const ssize_t n = send(fd, c.out.data() + c.out_sent, c.out.size() - c.out_sent, MSG_NOSIGNAL);
           if (n > 0) {
             c.out_sent += static_cast<size_t>(n);
+            c.last_progress = absl::Now();  // a slow reader is not a half-sent message
             continue;
           }
           if (n < 0 && (errno == EAGAIN || errno == EINTR)) break;
@@ -471,7 +475,7 @@ void StoreServer::Loop() {
     }
     const absl::Time now = absl::Now();
     for (auto& [fd, c] : st.conns) {
-      if (c.mid_message() && now - c.last_read >= message_timeout_) dead.push_back(fd);
+      if (c.mid_message() && now - c.last_progress >= message_timeout_) dead.push_back(fd);
     }
     std::sort(dead.begin(), dead.end());
     dead.erase(std::unique(dead.begin(), dead.end()), dead.end());

@@ -309,6 +309,61 @@ TEST(TcpStoreTest, PipelinedLargeRepliesAllArrive) {
   ExpectServerHealthy(*server, "after-pipeline");
 }
 
+// A slow reader of large pipelined replies is not a half-sent message: with a 300 ms message
+// timeout, replies that take longer than that to drain still all arrive.
+TEST(TcpStoreTest, SlowReaderIsNotTimedOut) {
+  auto started = StoreServer::Start("127.0.0.1", 0, absl::Milliseconds(300));
+  ASSERT_TRUE(started.ok()) << started.status();
+  std::unique_ptr<StoreServer> server = std::move(*started);
+  auto c = ConnectTo(*server);
+  ASSERT_NE(c, nullptr);
+  const std::string value(3 << 20, 'x');
+  ASSERT_TRUE(c->Set("big", value).ok());
+  const int fd = RawConnect(server->port());
+  ASSERT_GE(fd, 0);
+  constexpr int kRequests = 4;
+  std::string requests;
+  for (int i = 0; i < kRequests; ++i) {
+    requests += Header(2, 1);
+    Le(requests, 3, 8);
+    requests += "big";
+  }
+  requests += Header(2, 1);  // and the start of a fifth, finished only after the replies
+  SendRaw(fd, requests);
+  std::string got;
+  const size_t want = kRequests * (9 + value.size());
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  size_t next_pause = 1 << 20;
+  while (got.size() < want && absl::Now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    char buf[1 << 16];
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+    if (got.size() >= next_pause) {  // ~12 pauses of 50 ms: draining takes ~0.6 s
+      usleep(50 * 1000);
+      next_pause += 1 << 20;
+    }
+  }
+  EXPECT_EQ(got.size(), want) << "the connection was closed while its replies drained";
+  std::string rest;
+  Le(rest, 3, 8);
+  rest += "big";
+  SendRaw(fd, rest);
+  std::string fifth;
+  for (int i = 0; i < 200 && fifth.size() < 9 + value.size(); ++i) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    char buf[1 << 16];
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    fifth.append(buf, static_cast<size_t>(n));
+  }
+  EXPECT_EQ(fifth.size(), 9 + value.size());
+  close(fd);
+}
+
 TEST(TcpStoreTest, MalformedRawMessagesDropOnlyThatClient) {
   auto server = StartServer();
   ASSERT_NE(server, nullptr);
