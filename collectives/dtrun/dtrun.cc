@@ -204,14 +204,16 @@ struct Stream {
 struct Rank {
   int global_rank = 0;
   pid_t pid = -1;
-  bool running = false;
+  bool running = false;  // not exited; an exited rank stays unreaped (a zombie) until the end,
+                         // so that its pid, and with it its process group id, is not reused
   Stream out, err;
 };
 
-std::string DescribeStatus(int status) {
-  if (WIFSIGNALED(status))
-    return absl::StrCat("was killed by signal ", WTERMSIG(status), " (", strsignal(WTERMSIG(status)), ")");
-  return absl::StrCat("exited with code ", WEXITSTATUS(status));
+// A rank's exit as waitid reports it: the code dtrun returns for it (128 + signal when killed).
+int ExitCode(const siginfo_t& info) { return info.si_code == CLD_EXITED ? info.si_status : 128 + info.si_status; }
+std::string DescribeExit(const siginfo_t& info) {
+  if (info.si_code == CLD_EXITED) return absl::StrCat("exited with code ", info.si_status);
+  return absl::StrCat("was killed by signal ", info.si_status, " (", strsignal(info.si_status), ")");
 }
 
 }  // namespace
@@ -264,7 +266,8 @@ int main(int argc, char** argv) {
   absl::Time kill_at = absl::InfiniteFuture();
 
   // A rank's whole process group, also after the rank itself exited: what it started in the
-  // background goes too. (A group id is not reused while a process is in the group.)
+  // background goes too. (Exited ranks stay unreaped until the end, so the group id cannot
+  // have passed to another process.)
   auto signal_all = [&](int sig) {
     for (Rank& r : ranks) {
       if (r.pid > 0) kill(-r.pid, sig);
@@ -348,16 +351,18 @@ int main(int argc, char** argv) {
     // Reap.
     for (Rank& r : ranks) {
       if (!r.running) continue;
-      int status = 0;
-      const pid_t p = waitpid(r.pid, &status, WNOHANG);
-      if (p != r.pid) continue;
+      siginfo_t info{};
+      // WNOWAIT: the rank stays a zombie (reaped at the end), keeping its group id reserved.
+      if (waitid(P_PID, static_cast<id_t>(r.pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0 || info.si_pid != r.pid) {
+        continue;
+      }
       r.running = false;
-      const int code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
+      const int code = ExitCode(info);
       if (code != 0 && first_failure == 0) {
         first_failure = code;
         if (!stopping) {
           std::fprintf(stderr, "dtrun: rank %d %s; stopping the other ranks\n", r.global_rank,
-                       DescribeStatus(status).c_str());
+                       DescribeExit(info).c_str());
         }
         stop_all();
       }
@@ -419,6 +424,9 @@ int main(int argc, char** argv) {
     }
   }
   signal_all(SIGKILL);  // every rank has exited: nothing it started outlives the run
+  for (Rank& r : ranks) {
+    if (r.pid > 0) waitpid(r.pid, nullptr, 0);  // now the zombies go
+  }
   if (first_failure != 0) return first_failure;
   return received_signal != 0 ? 128 + received_signal : 0;
 }
