@@ -37,10 +37,11 @@
 //
 // Failures: a wait past the timeout gives DeadlineExceeded naming the missing ranks; it
 // marks the group failed, and every later call on the group (and every rank still waiting in
-// it) fails at once with the same code. After such a failure, buffers passed to the failed
-// call may still be read by slower peers until they notice: treat the group as dead.
-// Validation errors (InvalidArgument / Unimplemented, messages "[Op] rank r: ...") are local
-// and leave the group usable; the other ranks of that collective will then time out.
+// it, even one whose peers have all arrived) fails at once with the same code; so a rank that
+// was descheduled past the timeout may report a failure for a call its peers completed. After such a failure, buffers
+// passed to the failed call may still be read by slower peers until they notice: treat the group as dead. Validation
+// errors (InvalidArgument / Unimplemented, messages "[Op] rank r: ...") are local and leave the group usable; the other
+// ranks of that collective will then time out.
 #ifndef DTENSOR_COLLECTIVES_THREADS_THREADS_COMMUNICATOR_H_
 #define DTENSOR_COLLECTIVES_THREADS_THREADS_COMMUNICATOR_H_
 

@@ -696,6 +696,11 @@ TEST(ThreadsTest, BadInputsAreRejectedWithClearMessages) {
   const std::vector<int64_t> wrapping = {big, 1001 + 3};
   expect(c.AllToAllV(Sentinel(3, f32), Sentinel(3, f32), wrapping, wrapping), kInvalid,
          absl::StrCat("[AllToAllV] rank 0: send_counts sum past 2^56 elements at send_counts[0] = ", big));
+  // Entries each below the bound whose sum passes it.
+  const int64_t half = int64_t{1} << 55;
+  const std::vector<int64_t> summing = {half, half + 1};
+  expect(c.AllGatherV(Sentinel(3, f32), Sentinel(3, f32), summing), kInvalid,
+         absl::StrCat("[AllGatherV] rank 0: counts sum past 2^56 elements at counts[1] = ", half + 1));
   expect(c.AllGatherV(Sentinel(1, f32), Sentinel(3, f32), ok), kInvalid,
          "[AllGatherV] rank 0: input has 1 elements, expected 2 (counts[0])");
   expect(c.ReduceScatterV(Sentinel(4, f32), Sentinel(2, f32), ok, CommReduceOp::kSum), kInvalid,
