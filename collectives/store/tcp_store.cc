@@ -580,6 +580,13 @@ absl::StatusOr<std::string> StoreClient::Call(uint8_t op, absl::Span<const std::
   std::lock_guard<std::mutex> lock(mu_);
   const absl::Time deadline = absl::Now() + timeout_;
   const std::string where = absl::StrCat(host_, ":", port_);
+  if (fd_ >= 0) {
+    // Between calls nothing arrives on a healthy connection: a readable socket means the
+    // server closed it (after a message it refused, or a restart). Start afresh rather than
+    // fail this call on a dead connection (nothing of this call has been sent yet).
+    pollfd p{fd_, POLLIN | POLLRDHUP, 0};
+    if (poll(&p, 1, 0) > 0) CloseLocked();
+  }
   DT_RETURN_IF_ERROR(EnsureConnected(deadline));
   auto timed_out = [&] {
     CloseLocked();  // the response may still come: never reuse this connection

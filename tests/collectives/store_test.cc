@@ -542,6 +542,25 @@ TEST(TcpStoreTest, ServerShutdownReleasesBlockedClients) {
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
 }
 
+// A connection the server closed between calls (here: the server restarted on the same port)
+// is replaced before the next call, which succeeds instead of failing once.
+TEST(TcpStoreTest, ClientReconnectsWhenTheServerClosedBetweenCalls) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  const int port = server->port();
+  auto c = ConnectTo(*server);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->Set("a", "1").ok());
+  server.reset();
+  auto again = StoreServer::Start("127.0.0.1", port);
+  ASSERT_TRUE(again.ok()) << again.status();
+  absl::SleepFor(absl::Milliseconds(50));  // the old connection's close has reached the client
+  EXPECT_TRUE(c->Set("b", "2").ok());
+  auto v = c->Get("b");
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(*v, "2");
+}
+
 TEST(TcpStoreTest, ClientOwnsAdoptedServer) {
   auto server = StartServer();
   const int port = server->port();
