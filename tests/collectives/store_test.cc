@@ -76,6 +76,33 @@ std::pair<std::string, bool> ReadUntilClosed(int fd) {
   return {got, false};
 }
 
+// A GET of `key` on the wire.
+std::string GetRequest(const std::string& key) {
+  std::string s = Header(2, 1);
+  Le(s, key.size(), 8);
+  return s + key;
+}
+// Reads until `want` bytes came, the server closed, or `timeout` passed; with `pause_every`,
+// sleeps 50 ms after every that many bytes (a slow reader).
+std::string ReadAtLeast(int fd, size_t want, absl::Duration timeout, size_t pause_every = 0) {
+  std::string got;
+  const absl::Time deadline = absl::Now() + timeout;
+  size_t next_pause = pause_every;
+  while (got.size() < want && absl::Now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 100) <= 0) continue;
+    char buf[1 << 16];
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    got.append(buf, static_cast<size_t>(n));
+    if (pause_every > 0 && got.size() >= next_pause) {
+      usleep(50 * 1000);
+      next_pause += pause_every;
+    }
+  }
+  return got;
+}
+
 void ExpectServerHealthy(const StoreServer& server, const std::string& key) {
   auto c = ConnectTo(server, absl::Seconds(5));
   ASSERT_NE(c, nullptr);
@@ -281,24 +308,11 @@ TEST(TcpStoreTest, PipelinedLargeRepliesAllArrive) {
   ASSERT_GE(fd, 0);
   constexpr int kRequests = 24;
   std::string requests;
-  for (int i = 0; i < kRequests; ++i) {
-    requests += Header(2, 1);
-    Le(requests, 3, 8);
-    requests += "big";
-  }
+  for (int i = 0; i < kRequests; ++i) requests += GetRequest("big");
   SendRaw(fd, requests);
   usleep(200 * 1000);  // let the server hit the backlog before anything is read
-  std::string got;
   const size_t want = kRequests * (9 + value.size());
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  while (got.size() < want && absl::Now() < deadline) {
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, 100) <= 0) continue;
-    char buf[1 << 16];
-    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) break;
-    got.append(buf, static_cast<size_t>(n));
-  }
+  const std::string got = ReadAtLeast(fd, want, absl::Seconds(20));
   close(fd);
   ASSERT_EQ(got.size(), want);
   for (int i = 0; i < kRequests; ++i) {
@@ -323,43 +337,16 @@ TEST(TcpStoreTest, SlowReaderIsNotTimedOut) {
   ASSERT_GE(fd, 0);
   constexpr int kRequests = 4;
   std::string requests;
-  for (int i = 0; i < kRequests; ++i) {
-    requests += Header(2, 1);
-    Le(requests, 3, 8);
-    requests += "big";
-  }
-  requests += Header(2, 1);  // and the start of a fifth, finished only after the replies
+  for (int i = 0; i < kRequests; ++i) requests += GetRequest("big");
+  const std::string fifth_request = GetRequest("big");
+  requests += fifth_request.substr(0, 9);  // and the start of a fifth, finished only after the replies
   SendRaw(fd, requests);
-  std::string got;
   const size_t want = kRequests * (9 + value.size());
-  const absl::Time deadline = absl::Now() + absl::Seconds(20);
-  size_t next_pause = 1 << 20;
-  while (got.size() < want && absl::Now() < deadline) {
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, 100) <= 0) continue;
-    char buf[1 << 16];
-    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) break;
-    got.append(buf, static_cast<size_t>(n));
-    if (got.size() >= next_pause) {  // ~12 pauses of 50 ms: draining takes ~0.6 s
-      usleep(50 * 1000);
-      next_pause += 1 << 20;
-    }
-  }
+  // ~12 pauses of 50 ms: draining takes ~0.6 s.
+  const std::string got = ReadAtLeast(fd, want, absl::Seconds(20), /*pause_every=*/1 << 20);
   EXPECT_EQ(got.size(), want) << "the connection was closed while its replies drained";
-  std::string rest;
-  Le(rest, 3, 8);
-  rest += "big";
-  SendRaw(fd, rest);
-  std::string fifth;
-  for (int i = 0; i < 200 && fifth.size() < 9 + value.size(); ++i) {
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, 100) <= 0) continue;
-    char buf[1 << 16];
-    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) break;
-    fifth.append(buf, static_cast<size_t>(n));
-  }
+  SendRaw(fd, fifth_request.substr(9));
+  const std::string fifth = ReadAtLeast(fd, 9 + value.size(), absl::Seconds(20));
   EXPECT_EQ(fifth.size(), 9 + value.size());
   close(fd);
 }
@@ -430,9 +417,7 @@ TEST(TcpStoreTest, HalfSentMessagesTimeOutIdleConnectionsStay) {
   const int idle = RawConnect(server->port());
   ASSERT_GE(half, 0);
   ASSERT_GE(idle, 0);
-  std::string s = Header(2, 1);
-  Le(s, 1, 8);  // a GET whose key never comes
-  SendRaw(half, s);
+  SendRaw(half, GetRequest("k").substr(0, 17));  // a GET whose key never comes
   const absl::Time start = absl::Now();
   auto [reply, closed] = ReadUntilClosed(half);
   close(half);
@@ -440,19 +425,8 @@ TEST(TcpStoreTest, HalfSentMessagesTimeOutIdleConnectionsStay) {
   EXPECT_TRUE(reply.empty());
   EXPECT_LT(absl::Now() - start, absl::Seconds(3));
   // The idle connection (no bytes at all for longer than the timeout) still gets answers.
-  std::string get = Header(2, 1);
-  Le(get, 1, 8);
-  get += "k";
-  SendRaw(idle, get);
-  std::string got;
-  for (int i = 0; i < 50 && got.size() < 10; ++i) {
-    pollfd p{idle, POLLIN, 0};
-    if (poll(&p, 1, 100) <= 0) continue;
-    char buf[64];
-    const ssize_t n = recv(idle, buf, sizeof(buf), 0);
-    if (n <= 0) break;
-    got.append(buf, static_cast<size_t>(n));
-  }
+  SendRaw(idle, GetRequest("k"));
+  const std::string got = ReadAtLeast(idle, 10, absl::Seconds(5));
   close(idle);
   ASSERT_EQ(got.size(), 10u);
   EXPECT_EQ(got[0], 0);
