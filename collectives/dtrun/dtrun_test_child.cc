@@ -7,6 +7,7 @@
 //                            (ignoring SIGTERM with ignore-term)
 //   sleep DIR                writes its pid to DIR/R.pid, then sleeps up to 60 s
 //   store                    store rendezvous: Add("counter", 1), Get the final count, print it
+//   cpus                     prints "cpus LOCAL_RANK c0,c1,..." (the CPUs it may run on)
 #include <unistd.h>
 
 #include <csignal>
@@ -16,6 +17,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "collectives/store/cpus.h"
 #include "collectives/store/rendezvous.h"
 
 namespace {
@@ -109,6 +112,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "store") return Store();
+  if (mode == "cpus") {
+    Out(1, absl::StrCat("cpus ", Env("LOCAL_RANK"), " ", absl::StrJoin(dtensor::AllowedCpus(), ","), "\n"));
+    return 0;
+  }
   Out(2, "dtrun_test_child: bad arguments\n");
   return 64;
 }

@@ -1,6 +1,7 @@
 #include "collectives/ucx/ucx_communicator.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
@@ -13,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "collectives/checks.h"
+#include "collectives/store/cpus.h"
 #include "collectives/ucx/ucx_shm.h"
 #include "collectives/ucx/ucx_transport.h"
 #include "dtensor/ops/ops.h"
@@ -27,6 +29,7 @@ constexpr size_t kMinChunk = size_t{64} << 10;
 constexpr size_t kMaxChunk = size_t{1} << 20;
 constexpr uint32_t kAllGatherSteps = 0x8000;  // AllReduce's all-gather phase numbers its messages from here
 constexpr int kMaxCommId = 0x7fff;
+constexpr int kCpuMaskWords = 16;                         // Setup compares the ranks' affinity over CPUs 0..1023
 constexpr int kMaxShmRanks = 64;                          // larger groups on one host use UCX
 constexpr size_t kShmFullReduceBytes = size_t{16} << 10;  // below: every rank reduces everything
 // Blocks from this size are read from the peers' memory (one copy, two Syncs) rather than
@@ -162,6 +165,12 @@ std::string CallString(const CallDesc& d) {
 
 bool DebugFromEnv() {
   const char* v = std::getenv("DTENSOR_DEBUG");
+  return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
+}
+
+// DTENSOR_UCX_INFO=1: rank 0 of each communicator prints the paths it agreed on (stderr).
+bool InfoFromEnv() {
+  const char* v = std::getenv("DTENSOR_UCX_INFO");
   return v != nullptr && v[0] != '\0' && std::strcmp(v, "0") != 0;
 }
 
@@ -522,8 +531,9 @@ class UcxCommunicator final : public Communicator {
   // Maps a shared-memory segment when every rank is on this host and none refuses it
   // (DTENSOR_UCX_SHM=0), and uses it when all of them got it; single copy when every rank
   // wants it and can (ShmGroup::SetupCma); one single-copy threshold, the largest that any
-  // rank's DTENSOR_UCX_CMA_MIN asks for, else the default for ranks that share cores when
-  // any rank does.
+  // rank's DTENSOR_UCX_CMA_MIN asks for, else the default for ranks that share CPUs. Ranks
+  // share CPUs unless their affinity masks give each one a CPU of its own (RanksHaveOwnCpus:
+  // ranks bound to one core each by dtrun, or unbound ranks no more than the host's CPUs).
   absl::Status Setup() {
     if (size() == 1) return absl::OkStatus();
     bool eligible = size() <= kMaxShmRanks && ShmFromEnv();
@@ -539,10 +549,10 @@ class UcxCommunicator final : public Communicator {
       }
     }
     struct Offer {
-      uint64_t mapped;          // 1: this rank mapped the segment
-      uint64_t oversubscribed;  // 1: more ranks on this host than cores this process may use
-      uint64_t debug;           // 1: DTENSOR_DEBUG
-      uint64_t cma_min;         // DTENSOR_UCX_CMA_MIN, or kNoCmaMin
+      uint64_t mapped;               // 1: this rank mapped the segment
+      uint64_t debug;                // 1: DTENSOR_DEBUG
+      uint64_t cma_min;              // DTENSOR_UCX_CMA_MIN, or kNoCmaMin
+      uint64_t cpus[kCpuMaskWords];  // bit c: this process may run on CPU c (c < 64 * kCpuMaskWords)
     };
     std::vector<Offer> all(members_.size());
     const absl::Status s = Run(
@@ -554,17 +564,32 @@ class UcxCommunicator final : public Communicator {
                 ShmGroup::Map(name, /*create=*/false, rank_, members_, world_.get());
             if (g.ok()) group = *std::move(g);
           }
-          const Offer mine{group != nullptr ? 1u : 0u, group != nullptr && group->oversubscribed() ? 1u : 0u,
-                           DebugFromEnv() ? 1u : 0u, CmaMinFromEnv().value_or(kNoCmaMin)};
+          Offer mine{group != nullptr ? 1u : 0u, DebugFromEnv() ? 1u : 0u, CmaMinFromEnv().value_or(kNoCmaMin), {}};
+          for (int c : AllowedCpus()) {
+            if (c < 64 * kCpuMaskWords) mine.cpus[c / 64] |= uint64_t{1} << (c % 64);
+          }
           return GatherBytes(reinterpret_cast<const char*>(&mine), reinterpret_cast<char*>(all.data()),
                              MakeBlocks(std::vector<int64_t>(members_.size(), sizeof(Offer)), 1));
         });
     if (rank_ == 0 && name[0] != '\0') ShmGroup::Unlink(name);  // every rank has it mapped (or gave up)
     DT_RETURN_IF_ERROR(s);
     debug_ = std::any_of(all.begin(), all.end(), [](const Offer& o) { return o.debug != 0; });
-    if (!std::all_of(all.begin(), all.end(), [](const Offer& o) { return o.mapped != 0; })) return absl::OkStatus();
-    const bool oversubscribed =
-        std::any_of(all.begin(), all.end(), [](const Offer& o) { return o.oversubscribed != 0; });
+    if (!std::all_of(all.begin(), all.end(), [](const Offer& o) { return o.mapped != 0; })) {
+      if (rank_ == 0 && InfoFromEnv()) {
+        std::fprintf(stderr, "dtensor ucx: communicator %d, %d ranks: over UCX only (%s)\n", static_cast<int>(id_),
+                     size(),
+                     !eligible ? "ranks on several hosts, more than 64, or DTENSOR_UCX_SHM=0"
+                               : "not every rank mapped the shared-memory segment");
+      }
+      return absl::OkStatus();
+    }
+    std::vector<std::vector<int>> cpus(all.size());
+    for (size_t j = 0; j < all.size(); ++j) {
+      for (int c = 0; c < 64 * kCpuMaskWords; ++c) {
+        if ((all[j].cpus[c / 64] >> (c % 64)) & 1) cpus[j].push_back(c);
+      }
+    }
+    const bool oversubscribed = !RanksHaveOwnCpus(cpus);
     uint64_t cma_min = kNoCmaMin;
     for (const Offer& o : all) {
       if (o.cma_min != kNoCmaMin) cma_min = cma_min == kNoCmaMin ? o.cma_min : std::max(cma_min, o.cma_min);
@@ -573,8 +598,17 @@ class UcxCommunicator final : public Communicator {
     shm_->set_oversubscribed(oversubscribed);
     cma_min_ = cma_min != kNoCmaMin ? static_cast<size_t>(cma_min)
                                     : (oversubscribed ? kCmaMinOversubscribedBytes : kCmaMinBytes);
-    return Run(
-        "Setup", [&] { return Describe("Setup"); }, [&] { return shm_->SetupCma(CmaFromEnv(), ctx_); });
+    DT_RETURN_IF_ERROR(Run(
+        "Setup", [&] { return Describe("Setup"); }, [&] { return shm_->SetupCma(CmaFromEnv(), ctx_); }));
+    if (rank_ == 0 && InfoFromEnv()) {
+      std::string where;
+      for (size_t j = 0; j < cpus.size(); ++j) absl::StrAppend(&where, j == 0 ? "" : " | ", FormatCpuList(cpus[j]));
+      std::fprintf(
+          stderr, "dtensor ucx: communicator %d, %d ranks on one host: shared memory, single copy %s, %s (cpus %s)\n",
+          static_cast<int>(id_), size(), shm_->cma() ? absl::StrCat("from ", cma_min_, " B blocks").c_str() : "off",
+          oversubscribed ? "ranks share CPUs" : "a CPU per rank", where.c_str());
+    }
+    return absl::OkStatus();
   }
 
  private:

@@ -57,8 +57,10 @@
 // Every setting that picks an algorithm is agreed when the communicator is made, so ranks with
 // different environments or CPU affinities still take the same paths: the channel only if no
 // rank refuses it, single copy only if every rank wants it and can, the largest
-// DTENSOR_UCX_CMA_MIN any rank sets, "ranks share cores" if any rank's affinity says so, and
-// the debug checks below if any rank sets DTENSOR_DEBUG.
+// DTENSOR_UCX_CMA_MIN any rank sets, "ranks share cores" unless the ranks' CPU affinity masks
+// give each rank a CPU of its own (RanksHaveOwnCpus in collectives/store/cpus.h: two ranks
+// bound to a core each by dtrun have their own; two ranks bound to one CPU, or three unbound
+// on two CPUs, share), and the debug checks below if any rank sets DTENSOR_DEBUG.
 //
 // Algorithms over UCX (P ranks, m bytes): below 64 KiB, AllReduce / ReduceScatter / AllGather send
 // every rank's data straight to the ranks that need it (one hop; reductions in rank order, in

@@ -54,13 +54,6 @@ inline void CpuRelax() {
 #endif
 }
 
-int CpuCount() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
-  return CPU_COUNT(&set);
-}
-
 }  // namespace
 
 std::string ShmGroup::NewName(uint16_t comm_id) {
@@ -96,11 +89,14 @@ absl::StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::Map(const std::string& name,
   g->rank_ = rank;
   g->members_ = std::move(members);
   g->world_ = world;
-  const bool own_cores = static_cast<int>(p) <= CpuCount();
-  g->oversubscribed_ = !own_cores;
-  g->spin_ns_ = own_cores ? kSpinNs : 0;
-  g->yield_ns_ = own_cores ? kYieldNs : kOversubYieldNs;
+  g->set_oversubscribed(true);  // until the ranks agree (UcxCommunicator's Setup)
   return g;
+}
+
+void ShmGroup::set_oversubscribed(bool v) {
+  oversubscribed_ = v;
+  spin_ns_ = v ? 0 : kSpinNs;
+  yield_ns_ = v ? kOversubYieldNs : kYieldNs;
 }
 
 void ShmGroup::Unlink(const std::string& name) { shm_unlink(name.c_str()); }

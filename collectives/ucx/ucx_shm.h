@@ -117,12 +117,12 @@ class ShmGroup {
   void Arrive();
   absl::Status WaitRank(int j, uint64_t epoch, const UcxWaitContext& ctx);
   uint64_t epoch() const { return epoch_; }
-  // More ranks on this host than cores this process may use (they take turns on the cores):
-  // this process's own answer from Map, then the one all ranks agreed on (set_oversubscribed:
-  // it picks algorithms, so it must be the same everywhere; the spin and yield times stay
-  // this process's own).
+  // The ranks take turns on the CPUs (no CPU for each: RanksHaveOwnCpus over their affinity
+  // masks), as all of them agreed (UcxCommunicator's Setup; true until then). It picks
+  // algorithms, so it must be the same everywhere, and the waits: with a CPU each a waiter
+  // spins, then yields, then sleeps; else it gives the CPU up at once.
   bool oversubscribed() const { return oversubscribed_; }
-  void set_oversubscribed(bool v) { oversubscribed_ = v; }
+  void set_oversubscribed(bool v);
   void MarkRelaxed() { relaxed_ = true; }
 
   // Small one-to-many messages may run further ahead: the root's slot (both buffers) is a
@@ -208,7 +208,7 @@ class ShmGroup {
   uint64_t probe_ = 0;     // what SetupCma's peers read
   absl::Status Transfer(int j, absl::Span<const iovec> local, absl::Span<const iovec> remote, bool write,
                         const UcxWaitContext& ctx) const;
-  bool oversubscribed_ = false;  // more ranks on this host than cores this process may use
+  bool oversubscribed_ = true;  // see oversubscribed()
   int64_t spin_ns_ = 0;
   int64_t yield_ns_ = 0;
   std::vector<int> members_;

@@ -6,9 +6,13 @@
 //                              prints each mismatch and exits 1 if there was one.
 //   ucx_test_child battery-mixed SETTING   the battery with SETTING on odd ranks only: an
 //                              environment variable (NAME=VALUE, e.g. DTENSOR_UCX_CMA=0) or
-//                              one-cpu (this process may use one CPU: it counts as sharing
-//                              cores). Every input to a path choice must be agreed, or ranks
-//                              take different paths and deadlock or read garbage.
+//                              one-cpu (this process may use only the lowest CPU it can get,
+//                              where dtrun binds rank 0: so ranks share a CPU). Every input to
+//                              a path choice must be agreed, or ranks take different paths and
+//                              deadlock or read garbage.
+//   ucx_test_child setup       makes the world communicator and does a Barrier (with
+//                              DTENSOR_UCX_INFO=1 rank 0 prints the agreed paths);
+//   ucx_test_child setup-mixed SETTING   the same with SETTING on odd ranks only.
 //   ucx_test_child dead-peer   the last rank exits while the others are inside an AllReduce;
 //                              they must get Unavailable (printed), then exit 0.
 //   ucx_test_child timeout     rank 1 never joins an AllReduce; the others must get
@@ -707,6 +711,17 @@ int RunFailure(bool dead_peer) {
   return 0;
 }
 
+// Makes the world communicator and does one Barrier (with DTENSOR_UCX_INFO=1, rank 0 prints
+// the paths the ranks agreed on).
+int RunSetup() {
+  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(30));
+  if (!comm.ok()) {
+    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
+    return 2;
+  }
+  return (*comm)->Barrier().ok() ? 0 : 1;
+}
+
 int RunDebugMismatch() {
   auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(30));
   if (!comm.ok()) {
@@ -814,38 +829,36 @@ int RunBenchBlocks() {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "battery") return dtensor::RunBattery();
-  if (mode == "battery-mixed" && argc > 2) {
+  if ((mode == "battery-mixed" || mode == "setup-mixed") && argc > 2) {
     const std::string setting = argv[2];
     const char* rank = std::getenv("RANK");
     if (rank != nullptr && std::atoi(rank) % 2 == 1) {
       const size_t eq = setting.find('=');
       if (setting == "one-cpu") {
+        // The lowest CPU this process can be moved to: where dtrun binds rank 0.
         cpu_set_t set;
-        CPU_ZERO(&set);
-        if (sched_getaffinity(0, sizeof(set), &set) != 0) return 2;
-        const int first = [&] {
-          for (int c = 0; c < CPU_SETSIZE; ++c) {
-            if (CPU_ISSET(c, &set)) return c;
-          }
-          return 0;
-        }();
-        CPU_ZERO(&set);
-        CPU_SET(first, &set);
-        if (sched_setaffinity(0, sizeof(set), &set) != 0) return 2;
+        bool moved = false;
+        for (int c = 0; c < CPU_SETSIZE && !moved; ++c) {
+          CPU_ZERO(&set);
+          CPU_SET(c, &set);
+          moved = sched_setaffinity(0, sizeof(set), &set) == 0;
+        }
+        if (!moved) return 2;
       } else if (eq != std::string::npos) {
         setenv(setting.substr(0, eq).c_str(), setting.substr(eq + 1).c_str(), 1);
       } else {
-        std::fprintf(stderr, "battery-mixed: SETTING is NAME=VALUE or one-cpu, not '%s'\n", setting.c_str());
+        std::fprintf(stderr, "%s: SETTING is NAME=VALUE or one-cpu, not '%s'\n", mode.c_str(), setting.c_str());
         return 2;
       }
     }
-    return dtensor::RunBattery();
+    return mode == "setup-mixed" ? dtensor::RunSetup() : dtensor::RunBattery();
   }
   if (mode == "dead-peer") return dtensor::RunFailure(true);
   if (mode == "timeout") return dtensor::RunFailure(false);
   if (mode == "bench") return dtensor::RunBench();
   if (mode == "bench-blocks") return dtensor::RunBenchBlocks();
   if (mode == "debug-mismatch") return dtensor::RunDebugMismatch();
+  if (mode == "setup") return dtensor::RunSetup();
   std::fprintf(
       stderr,
       "usage: ucx_test_child battery|battery-mixed SETTING|dead-peer|timeout|debug-mismatch|bench|bench-blocks\n");

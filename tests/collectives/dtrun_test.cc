@@ -6,10 +6,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <set>
 #include <sstream>
 #include <string>
@@ -17,6 +19,7 @@
 
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
+#include "collectives/store/cpus.h"
 #include "gtest/gtest.h"
 
 #if !defined(DTRUN_PATH) || !defined(DTRUN_TEST_CHILD_PATH)
@@ -159,6 +162,62 @@ TEST(DtrunTest, SetsTheLaunchEnvironment) {
   }
 }
 
+// Each rank's CPUs by local rank, from the "cpus" mode's lines ("[rank R] cpus L c0,c1,...").
+std::map<int, std::set<int>> RankCpus(const std::string& out) {
+  std::map<int, std::set<int>> cpus;
+  for (const std::string& line : Lines(out)) {
+    const std::vector<std::string> f = absl::StrSplit(line, ' ');
+    if (f.size() != 5 || f[2] != "cpus") continue;
+    std::set<int>& mine = cpus[std::atoi(f[3].c_str())];
+    for (const std::string& c : std::vector<std::string>(absl::StrSplit(f[4], ',', absl::SkipEmpty())))
+      mine.insert(std::atoi(c.c_str()));
+  }
+  return cpus;
+}
+
+std::set<int> Union(const std::map<int, std::set<int>>& cpus) {
+  std::set<int> all;
+  for (const auto& [rank, mine] : cpus) all.insert(mine.begin(), mine.end());
+  return all;
+}
+
+TEST(DtrunTest, BindsEachRankToItsOwnCpus) {
+  const std::vector<int> host = dtensor::AllowedCpus();
+  const std::set<int> all(host.begin(), host.end());
+  if (host.size() < 2) GTEST_SKIP() << "one CPU: there is nothing to split";
+  const int n = static_cast<int>(std::min<size_t>(host.size(), 4));
+  RunResult run = RunDtrun({"--nproc-per-node", std::to_string(n), DTRUN_TEST_CHILD_PATH, "cpus"});
+  ASSERT_EQ(run.code, 0) << run.err;
+  const std::map<int, std::set<int>> cpus = RankCpus(run.out);
+  ASSERT_EQ(static_cast<int>(cpus.size()), n) << run.out;
+  size_t total = 0;
+  for (const auto& [rank, mine] : cpus) {
+    EXPECT_FALSE(mine.empty()) << "rank " << rank << ":\n" << run.out;
+    EXPECT_LT(mine.size(), host.size()) << "rank " << rank << " is not bound:\n" << run.out;
+    total += mine.size();
+  }
+  EXPECT_EQ(total, Union(cpus).size()) << "two ranks share a CPU:\n" << run.out;
+  EXPECT_EQ(Union(cpus), all) << run.out;
+  // Local rank order follows CPU order: rank 0 has the lowest CPU.
+  EXPECT_EQ(*cpus.at(0).begin(), host.front()) << run.out;
+}
+
+TEST(DtrunTest, NoBindingWhenAskedOrWhenRanksOutnumberCpus) {
+  const std::vector<int> host = dtensor::AllowedCpus();
+  const std::set<int> all(host.begin(), host.end());
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--cpu-bind", "none", "--nproc-per-node", "2"},
+        std::vector<std::string>{"--nproc-per-node", std::to_string(host.size() + 1)}}) {
+    std::vector<std::string> full = args;
+    full.insert(full.end(), {DTRUN_TEST_CHILD_PATH, "cpus"});
+    RunResult run = RunDtrun(full);
+    ASSERT_EQ(run.code, 0) << run.err;
+    const std::map<int, std::set<int>> cpus = RankCpus(run.out);
+    ASSERT_FALSE(cpus.empty()) << run.out;
+    for (const auto& [rank, mine] : cpus) EXPECT_EQ(mine, all) << "rank " << rank << ":\n" << run.out;
+  }
+}
+
 TEST(DtrunTest, MultiNodeRanks) {
   RunResult run = RunDtrun({"--nproc-per-node=2", "--nnodes", "3", "--node-rank", "1", "--master-addr", "10.0.0.9",
                             "--master-port", "1234", "--", DTRUN_TEST_CHILD_PATH, "env"});
@@ -278,6 +337,7 @@ TEST(DtrunTest, UsageErrorsExitWith2) {
       {"--nproc-per-node", "1", "--bogus", "1", "prog"},  // unknown option
       {"--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2", "prog"},
       {"--nproc-per-node", "1", "--master-port", "99999", "prog"},
+      {"--nproc-per-node", "1", "--cpu-bind", "core", "prog"},
       {"--nproc-per-node"},  // missing value
   };
   for (const auto& args : bad) {

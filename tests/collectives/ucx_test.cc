@@ -14,11 +14,17 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "collectives/store/cpus.h"
 #include "gtest/gtest.h"
 
 #if defined(UCX_TEST_CHILD_PATH) && defined(DTRUN_PATH)
 
 namespace {
+
+using dtensor::AllowedCpus;
+using dtensor::CoreKeys;
+using dtensor::FormatCpuList;
+using dtensor::SplitCpus;
 
 struct RunResult {
   int code = -1;  // exit code, 128 + signal, or -1 if the test had to kill it
@@ -120,7 +126,7 @@ INSTANTIATE_TEST_SUITE_P(Ranks, UcxBatteryTest,
 // differ: single copy refused (DTENSOR_UCX_CMA=0) or its threshold moved (DTENSOR_UCX_CMA_MIN)
 // on some ranks, the shared-memory channel refused on some (DTENSOR_UCX_SHM=0), the debug
 // checks asked for by some (DTENSOR_DEBUG=1: then every rank makes them), or some ranks
-// confined to one CPU (they count as sharing cores, which picks other all-reduce paths).
+// moved onto rank 0's CPU (the ranks then share CPUs, which picks other all-reduce paths).
 struct MixedCase {
   int ranks;
   std::string setting;
@@ -152,6 +158,72 @@ INSTANTIATE_TEST_SUITE_P(
                     MixedCase{3, "DTENSOR_UCX_SHM=0", {}, "SharedMemoryRefused"},
                     MixedCase{3, "DTENSOR_DEBUG=1", {}, "DebugOnSome"}, MixedCase{2, "one-cpu", {}, "SharingCores"}),
     [](const testing::TestParamInfo<MixedCase>& info) { return info.param.name; });
+
+// DTENSOR_UCX_INFO=1: rank 0 prints the paths the ranks agreed on. The CPU affinity decides
+// whether the ranks spin (a CPU each) or give the CPU up at once (they share): dtrun binds
+// ranks to a CPU each when there are enough, and the ranks compare their affinity masks.
+const std::string kInfo = "[rank 0] dtensor ucx: communicator 0, ";
+
+std::string InfoLine(const RunResult& run) {
+  const size_t at = run.err.find(kInfo);
+  return at == std::string::npos ? "" : run.err.substr(at, run.err.find('\n', at) - at);
+}
+
+TEST(UcxInfoTest, RanksBoundByDtrunHaveACpuEach) {
+  const std::vector<int> cpus = AllowedCpus();
+  if (cpus.size() < 2) GTEST_SKIP() << "one CPU";
+  RunResult run = RunDtrun({"--nproc-per-node", "2", UCX_TEST_CHILD_PATH, "setup"}, {"DTENSOR_UCX_INFO=1"});
+  ASSERT_EQ(run.code, 0) << run.out << run.err;
+  const std::vector<std::vector<int>> shares = SplitCpus(cpus, CoreKeys(cpus), 2);
+  ASSERT_EQ(shares.size(), 2u);
+  EXPECT_EQ(InfoLine(run),
+            absl::StrCat(kInfo,
+                         "2 ranks on one host: shared memory, single copy from 16384 B blocks, a CPU per "
+                         "rank (cpus ",
+                         FormatCpuList(shares[0]), " | ", FormatCpuList(shares[1]), ")"))
+      << run.err;
+}
+
+TEST(UcxInfoTest, UnboundRanksSeeEveryCpu) {
+  const std::vector<int> cpus = AllowedCpus();
+  if (cpus.size() < 2) GTEST_SKIP() << "one CPU";
+  RunResult run =
+      RunDtrun({"--cpu-bind", "none", "--nproc-per-node", "2", UCX_TEST_CHILD_PATH, "setup"}, {"DTENSOR_UCX_INFO=1"});
+  ASSERT_EQ(run.code, 0) << run.out << run.err;
+  EXPECT_TRUE(Contains(InfoLine(run),
+                       absl::StrCat(", a CPU per rank (cpus ", FormatCpuList(cpus), " | ", FormatCpuList(cpus), ")")))
+      << run.err;
+}
+
+TEST(UcxInfoTest, MoreRanksThanCpusShare) {
+  const std::vector<int> cpus = AllowedCpus();
+  if (cpus.size() > 7) GTEST_SKIP() << cpus.size() << " CPUs: too many processes to start for this";
+  const int n = static_cast<int>(cpus.size()) + 1;
+  RunResult run =
+      RunDtrun({"--nproc-per-node", std::to_string(n), UCX_TEST_CHILD_PATH, "setup"}, {"DTENSOR_UCX_INFO=1"});
+  ASSERT_EQ(run.code, 0) << run.out << run.err;
+  EXPECT_TRUE(Contains(InfoLine(run), absl::StrCat(n,
+                                                   " ranks on one host: shared memory, single copy from 131072 B "
+                                                   "blocks, ranks share CPUs")))
+      << run.err;
+}
+
+TEST(UcxInfoTest, ARankMovedOntoAnothersCpuShares) {
+  if (AllowedCpus().size() < 2) GTEST_SKIP() << "one CPU";
+  RunResult run =
+      RunDtrun({"--nproc-per-node", "2", UCX_TEST_CHILD_PATH, "setup-mixed", "one-cpu"}, {"DTENSOR_UCX_INFO=1"});
+  ASSERT_EQ(run.code, 0) << run.out << run.err;
+  EXPECT_TRUE(Contains(InfoLine(run), ", ranks share CPUs (cpus ")) << run.err;
+}
+
+TEST(UcxInfoTest, WithoutTheChannel) {
+  RunResult run =
+      RunDtrun({"--nproc-per-node", "2", UCX_TEST_CHILD_PATH, "setup"}, {"DTENSOR_UCX_INFO=1", "DTENSOR_UCX_SHM=0"});
+  ASSERT_EQ(run.code, 0) << run.out << run.err;
+  EXPECT_EQ(InfoLine(run),
+            absl::StrCat(kInfo, "2 ranks: over UCX only (ranks on several hosts, more than 64, or DTENSOR_UCX_SHM=0)"))
+      << run.err;
+}
 
 // DTENSOR_DEBUG=1: rank 1 calls AllGather while the others call AllReduce; every rank gets
 // InvalidArgument naming both sides' calls, and the communicator stays usable.

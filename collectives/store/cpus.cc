@@ -1,0 +1,128 @@
+#include "collectives/store/cpus.h"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace dtensor {
+namespace {
+
+// The integer in a one-number sysfs file, or -1.
+int64_t ReadNumber(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return -1;
+  long long v = -1;
+  if (std::fscanf(f, "%lld", &v) != 1) v = -1;
+  std::fclose(f);
+  return v;
+}
+
+}  // namespace
+
+std::vector<int> AllowedCpus() {
+  // Sized for hosts with more CPUs than a fixed cpu_set_t holds (1024).
+  for (int n = 1024; n <= (1 << 16); n *= 4) {
+    cpu_set_t* set = CPU_ALLOC(n);
+    if (set == nullptr) return {};
+    const size_t bytes = CPU_ALLOC_SIZE(n);
+    CPU_ZERO_S(bytes, set);
+    if (sched_getaffinity(0, bytes, set) == 0) {
+      std::vector<int> cpus;
+      for (int c = 0; c < n; ++c) {
+        if (CPU_ISSET_S(c, bytes, set)) cpus.push_back(c);
+      }
+      CPU_FREE(set);
+      return cpus;
+    }
+    CPU_FREE(set);  // EINVAL: the kernel's mask is larger; try a larger set
+  }
+  return {};
+}
+
+std::vector<int64_t> CoreKeys(absl::Span<const int> cpus) {
+  std::vector<int64_t> keys;
+  keys.reserve(cpus.size());
+  for (int c : cpus) {
+    const std::string dir = absl::StrCat("/sys/devices/system/cpu/cpu", c, "/topology/");
+    const int64_t package = ReadNumber(dir + "physical_package_id");
+    const int64_t core = ReadNumber(dir + "core_id");
+    // Unknown topology: a key no real core has (real keys are >= 0).
+    keys.push_back(package < 0 || core < 0 ? -1 - static_cast<int64_t>(c) : (package << 32) | core);
+  }
+  return keys;
+}
+
+std::vector<std::vector<int>> SplitCpus(absl::Span<const int> cpus, absl::Span<const int64_t> keys, int ranks) {
+  if (ranks < 1 || keys.size() != cpus.size() || cpus.size() < static_cast<size_t>(ranks)) return {};
+  std::vector<std::pair<int, int64_t>> sorted;
+  for (size_t i = 0; i < cpus.size(); ++i) sorted.emplace_back(cpus[i], keys[i]);
+  std::sort(sorted.begin(), sorted.end());
+  sorted.erase(
+      std::unique(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.first == b.first; }),
+      sorted.end());
+  if (sorted.size() < static_cast<size_t>(ranks)) return {};  // duplicates hid a shortage
+  // Cores in order of their first CPU, each with its CPUs ascending.
+  std::vector<std::vector<int>> cores;
+  std::map<int64_t, size_t> core_of_key;
+  for (const auto& [cpu, key] : sorted) {
+    auto [it, added] = core_of_key.emplace(key, cores.size());
+    if (added) cores.emplace_back();
+    cores[it->second].push_back(cpu);
+  }
+  if (cores.size() < static_cast<size_t>(ranks)) {  // fewer cores than ranks: split threads
+    cores.clear();
+    for (const auto& [cpu, key] : sorted) cores.push_back({cpu});
+  }
+  const size_t c = cores.size(), n = static_cast<size_t>(ranks);
+  std::vector<std::vector<int>> shares(n);
+  for (size_t i = 0; i < n; ++i) {
+    for (size_t k = i * c / n; k < (i + 1) * c / n; ++k) {
+      shares[i].insert(shares[i].end(), cores[k].begin(), cores[k].end());
+    }
+  }
+  return shares;
+}
+
+bool RanksHaveOwnCpus(absl::Span<const std::vector<int>> cpus) {
+  // Bipartite matching of ranks to CPUs by augmenting paths (Kuhn): a handful of ranks.
+  std::map<int, size_t> owner;  // CPU -> the rank matched to it
+  for (size_t r = 0; r < cpus.size(); ++r) {
+    std::map<int, bool> visited;
+    std::function<bool(size_t)> place = [&](size_t rank) {
+      for (int c : cpus[rank]) {
+        if (visited[c]) continue;
+        visited[c] = true;
+        auto it = owner.find(c);
+        if (it == owner.end() || place(it->second)) {
+          owner[c] = rank;
+          return true;
+        }
+      }
+      return false;
+    };
+    if (!place(r)) return false;
+  }
+  return true;
+}
+
+std::string FormatCpuList(absl::Span<const int> cpus) {
+  if (cpus.empty()) return "none";
+  std::string out;
+  for (size_t i = 0; i < cpus.size();) {
+    size_t j = i;
+    while (j + 1 < cpus.size() && cpus[j + 1] == cpus[j] + 1) ++j;
+    absl::StrAppend(&out, out.empty() ? "" : ",", cpus[i]);
+    if (j > i) absl::StrAppend(&out, "-", cpus[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+}  // namespace dtensor

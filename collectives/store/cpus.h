@@ -1,0 +1,45 @@
+// Where the local ranks of a run may execute: this process's CPUs, a split of a host's CPUs
+// among its ranks (dtrun binds each rank to its share, as Open MPI binds to cores), and whether
+// ranks have a CPU each or must take turns (the ucx backend spins only in the first case).
+//
+//   std::vector<int> mine = AllowedCpus();                        // e.g. {0, 1}
+//   auto shares = SplitCpus(mine, CoreKeys(mine), 2);             // {{0}, {1}}
+//   bool own = RanksHaveOwnCpus({{0}, {0, 1}});                   // true: rank 1 takes CPU 1
+//   bool shared = RanksHaveOwnCpus({{0}, {0}, {0, 1}});           // false: three ranks, two CPUs
+#ifndef DTENSOR_COLLECTIVES_STORE_CPUS_H_
+#define DTENSOR_COLLECTIVES_STORE_CPUS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/types/span.h"
+
+namespace dtensor {
+
+// The CPUs this thread may run on (sched_getaffinity), ascending; empty if it cannot be read.
+std::vector<int> AllowedCpus();
+
+// One key per CPU of `cpus` naming its physical core (package and core id from sysfs), so
+// that hyperthreads of one core share a key; a CPU whose topology cannot be read is a core of
+// its own.
+std::vector<int64_t> CoreKeys(absl::Span<const int> cpus);
+
+// Splits `cpus` (with their CoreKeys) among `ranks` local ranks: disjoint, non-empty shares of
+// whole cores, rank i getting cores [i*C/ranks, (i+1)*C/ranks) of the C cores in order of
+// their first CPU. With fewer cores than ranks but at least as many CPUs, the CPUs are split
+// the same way instead. Empty when there are fewer CPUs than ranks (they have to share: no
+// binding helps), or when keys and cpus differ in length, or ranks < 1.
+std::vector<std::vector<int>> SplitCpus(absl::Span<const int> cpus, absl::Span<const int64_t> keys, int ranks);
+
+// True when every rank can run on a CPU that no other rank needs: rank i may use cpus[i], and
+// a matching of ranks to distinct CPUs exists (so none of them must wait for another to give a
+// CPU up). An empty entry (affinity unknown) makes it false.
+bool RanksHaveOwnCpus(absl::Span<const std::vector<int>> cpus);
+
+// "0-3,8,10-11" (ascending input; "none" when empty), as the kernel prints CPU lists.
+std::string FormatCpuList(absl::Span<const int> cpus);
+
+}  // namespace dtensor
+
+#endif  // DTENSOR_COLLECTIVES_STORE_CPUS_H_
