@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "autograd/ops.h"
 #include "collectives/nccl/nccl_communicator.h"
+#include "collectives/store/cpus.h"
 #include "collectives/threads/threads_communicator.h"
 #include "collectives/ucx/ucx_communicator.h"
 #include "dtensor/ops/ops.h"
@@ -369,7 +370,9 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // The CPUs this process may use (a launcher may have bound it to its share: dtrun does).
+  const int online = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = std::max<int>(1, static_cast<int>(AllowedCpus().size()));
   const bool gpus = CudaDeviceCount() > 0;
   if (f.device == "cuda" && !gpus) {
     std::fprintf(stderr, "gpt_train: --device cuda but no CUDA device is visible (CUDA built: %s)\n",
@@ -379,8 +382,10 @@ int main(int argc, char** argv) {
   if (LaunchedAsProcess()) {
     // One process per rank (dtrun, mpirun, srun): NCCL on GPUs, else UCX.
     const bool use_cuda = f.device == "cuda" || (f.device == "auto" && gpus);
-    const char* local = std::getenv("LOCAL_WORLD_SIZE");  // processes sharing this host's cores
-    omp_set_num_threads(std::max(1, cores / std::max(1, local ? std::atoi(local) : 1)));
+    // Bound to fewer CPUs than the host has: those are this rank's own. Otherwise the host's
+    // processes share them.
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");
+    omp_set_num_threads(cores < online ? cores : std::max(1, cores / std::max(1, local ? std::atoi(local) : 1)));
     absl::StatusOr<std::unique_ptr<Communicator>> comm;
     std::unique_ptr<StoreClient> store;  // NCCL's rendezvous store lives as long as the run
     Device device = Device::Cpu();
