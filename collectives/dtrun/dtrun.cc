@@ -19,7 +19,10 @@
 // (SplitCpus: 2 ranks on 2 cores get a core each; on 8 cores with hyperthreads, 4 cores each),
 // as Open MPI binds ranks to cores. Unbound ranks that wake each other through futexes tend
 // to be placed on one core by the scheduler and run at half speed for a whole run; bound ones
-// cannot. With fewer CPUs than ranks, or --cpu-bind none, ranks keep dtrun's affinity.
+// cannot. With fewer CPUs than ranks, or --cpu-bind none, ranks keep dtrun's affinity. Two
+// dtrun jobs on one host each split all the CPUs they may use, so their ranks stack on the
+// same CPUs: give each job its own (taskset -c 0-7 dtrun ..., taskset -c 8-15 dtrun ...) or
+// pass --cpu-bind none.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -58,7 +61,8 @@ constexpr char kUsage[] =
     "  --master-port P     its port (default: a free port when M == 1, else 29500)\n"
     "  --grace-period-s S  seconds between SIGTERM and SIGKILL when stopping ranks (default 5)\n"
     "  --cpu-bind auto|none  auto (default): bind each rank to its own share of this node's CPUs\n"
-    "                      (whole cores) when there are at least as many CPUs as ranks\n";
+    "                      (whole cores) when there are at least as many CPUs as ranks; two jobs\n"
+    "                      on one host: give each its own CPUs (taskset) or pass none\n";
 
 struct Options {
   int nproc = 0;

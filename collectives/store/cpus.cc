@@ -9,7 +9,9 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace dtensor {
 namespace {
@@ -24,7 +26,34 @@ int64_t ReadNumber(const std::string& path) {
   return v;
 }
 
+// The first line of a sysfs file, or "".
+std::string ReadLine(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return "";
+  char buf[4096];
+  std::string line = std::fgets(buf, sizeof(buf), f) != nullptr ? buf : "";
+  std::fclose(f);
+  while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) line.pop_back();
+  return line;
+}
+
 }  // namespace
+
+std::vector<int> ParseCpuList(absl::string_view text) {
+  std::vector<int> cpus;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    const size_t dash = part.find('-');
+    int lo = 0, hi = 0;
+    if (!absl::SimpleAtoi(part.substr(0, dash), &lo) || lo < 0) return {};
+    hi = lo;
+    if (dash != absl::string_view::npos && (!absl::SimpleAtoi(part.substr(dash + 1), &hi) || hi < lo)) return {};
+    if (hi - lo > (1 << 20)) return {};
+    for (int c = lo; c <= hi; ++c) cpus.push_back(c);
+  }
+  std::sort(cpus.begin(), cpus.end());
+  cpus.erase(std::unique(cpus.begin(), cpus.end()), cpus.end());
+  return cpus;
+}
 
 std::vector<int> AllowedCpus() {
   // Sized for hosts with more CPUs than a fixed cpu_set_t holds (1024).
@@ -51,10 +80,12 @@ std::vector<int64_t> CoreKeys(absl::Span<const int> cpus) {
   keys.reserve(cpus.size());
   for (int c : cpus) {
     const std::string dir = absl::StrCat("/sys/devices/system/cpu/cpu", c, "/topology/");
-    const int64_t package = ReadNumber(dir + "physical_package_id");
-    const int64_t core = ReadNumber(dir + "core_id");
-    // Unknown topology: a key no real core has (real keys are >= 0).
-    keys.push_back(package < 0 || core < 0 ? -1 - static_cast<int64_t>(c) : (package << 32) | core);
+    const int64_t package = std::max<int64_t>(0, ReadNumber(dir + "physical_package_id"));
+    // The core: its first hardware thread (core_id is not unique within a package everywhere).
+    std::vector<int> siblings = ParseCpuList(ReadLine(dir + "core_cpus_list"));
+    if (siblings.empty()) siblings = ParseCpuList(ReadLine(dir + "thread_siblings_list"));
+    const int64_t first = siblings.empty() ? c : siblings.front();
+    keys.push_back((package << 32) | first);
   }
   return keys;
 }
@@ -68,14 +99,11 @@ std::vector<std::vector<int>> SplitCpus(absl::Span<const int> cpus, absl::Span<c
       std::unique(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.first == b.first; }),
       sorted.end());
   if (sorted.size() < static_cast<size_t>(ranks)) return {};  // duplicates hid a shortage
-  // Cores in order of their first CPU, each with its CPUs ascending.
+  // Cores in order of their keys, each with its CPUs ascending.
+  std::map<int64_t, std::vector<int>> by_key;
+  for (const auto& [cpu, key] : sorted) by_key[key].push_back(cpu);
   std::vector<std::vector<int>> cores;
-  std::map<int64_t, size_t> core_of_key;
-  for (const auto& [cpu, key] : sorted) {
-    auto [it, added] = core_of_key.emplace(key, cores.size());
-    if (added) cores.emplace_back();
-    cores[it->second].push_back(cpu);
-  }
+  for (auto& [key, core] : by_key) cores.push_back(std::move(core));
   if (cores.size() < static_cast<size_t>(ranks)) {  // fewer cores than ranks: split threads
     cores.clear();
     for (const auto& [cpu, key] : sorted) cores.push_back({cpu});

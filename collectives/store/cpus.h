@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 
 namespace dtensor {
@@ -20,16 +21,18 @@ namespace dtensor {
 // The CPUs this thread may run on (sched_getaffinity), ascending; empty if it cannot be read.
 std::vector<int> AllowedCpus();
 
-// One key per CPU of `cpus` naming its physical core (package and core id from sysfs), so
-// that hyperthreads of one core share a key; a CPU whose topology cannot be read is a core of
-// its own.
+// One key per CPU of `cpus` naming its physical core, ordered by package: (package << 32) |
+// the core's first hardware thread (sysfs core_cpus_list, else thread_siblings_list), so that
+// hyperthreads of one core share a key. Unknown topology: package 0, a core of its own.
 std::vector<int64_t> CoreKeys(absl::Span<const int> cpus);
 
 // Splits `cpus` (with their CoreKeys) among `ranks` local ranks: disjoint, non-empty shares of
-// whole cores, rank i getting cores [i*C/ranks, (i+1)*C/ranks) of the C cores in order of
-// their first CPU. With fewer cores than ranks but at least as many CPUs, the CPUs are split
-// the same way instead. Empty when there are fewer CPUs than ranks (they have to share: no
-// binding helps), or when keys and cpus differ in length, or ranks < 1.
+// whole cores, rank i getting cores [i*C/ranks, (i+1)*C/ranks) of the C cores in key order
+// (package by package). With fewer cores than ranks but at least as many CPUs, the CPUs are
+// split the same way instead (in CPU order). Empty when there are fewer CPUs than ranks (they
+// have to share: no binding helps), or when keys and cpus differ in length, or ranks < 1.
+// Not topology-aware beyond that: NUMA nodes within a package and hybrid (P/E) cores are not
+// balanced.
 std::vector<std::vector<int>> SplitCpus(absl::Span<const int> cpus, absl::Span<const int64_t> keys, int ranks);
 
 // True when every rank can run on a CPU that no other rank needs: rank i may use cpus[i], and
@@ -39,6 +42,8 @@ bool RanksHaveOwnCpus(absl::Span<const std::vector<int>> cpus);
 
 // "0-3,8,10-11" (ascending input; "none" when empty), as the kernel prints CPU lists.
 std::string FormatCpuList(absl::Span<const int> cpus);
+// The inverse: the CPUs of such a list, ascending; empty for malformed text.
+std::vector<int> ParseCpuList(absl::string_view text);
 
 }  // namespace dtensor
 

@@ -29,7 +29,6 @@ constexpr size_t kMinChunk = size_t{64} << 10;
 constexpr size_t kMaxChunk = size_t{1} << 20;
 constexpr uint32_t kAllGatherSteps = 0x8000;  // AllReduce's all-gather phase numbers its messages from here
 constexpr int kMaxCommId = 0x7fff;
-constexpr int kCpuMaskWords = 16;                         // Setup compares the ranks' affinity over CPUs 0..1023
 constexpr int kMaxShmRanks = 64;                          // larger groups on one host use UCX
 constexpr size_t kShmFullReduceBytes = size_t{16} << 10;  // below: every rank reduces everything
 // Blocks from this size are read from the peers' memory (one copy, two Syncs) rather than
@@ -188,7 +187,7 @@ bool CmaFromEnv() {
 
 // Blocks of at least this many bytes are read from the peers' memory (ShmGroup::ReadPeer)
 // rather than passed through the slots (kCmaMinBytes, or kCmaMinOversubscribedBytes when ranks
-// share cores); DTENSOR_UCX_CMA_MIN=<bytes> overrides it (tests, tuning).
+// share CPUs); DTENSOR_UCX_CMA_MIN=<bytes> overrides it (tests, tuning).
 constexpr uint64_t kNoCmaMin = ~uint64_t{0};
 std::optional<uint64_t> CmaMinFromEnv() {
   const char* v = std::getenv("DTENSOR_UCX_CMA_MIN");
@@ -549,10 +548,13 @@ class UcxCommunicator final : public Communicator {
       }
     }
     struct Offer {
-      uint64_t mapped;               // 1: this rank mapped the segment
-      uint64_t debug;                // 1: DTENSOR_DEBUG
-      uint64_t cma_min;              // DTENSOR_UCX_CMA_MIN, or kNoCmaMin
-      uint64_t cpus[kCpuMaskWords];  // bit c: this process may run on CPU c (c < 64 * kCpuMaskWords)
+      uint64_t mapped;   // 1: this rank mapped the segment
+      uint64_t debug;    // 1: DTENSOR_DEBUG
+      uint64_t cma_min;  // DTENSOR_UCX_CMA_MIN, or kNoCmaMin
+      uint64_t ncpus;    // entries of cpus
+      // The first (up to kMaxShmRanks) CPUs this process may use: enough to decide whether
+      // every rank has a CPU of its own (a rank with as many CPUs as ranks always has one).
+      int32_t cpus[kMaxShmRanks];
     };
     std::vector<Offer> all(members_.size());
     const absl::Status s = Run(
@@ -564,9 +566,10 @@ class UcxCommunicator final : public Communicator {
                 ShmGroup::Map(name, /*create=*/false, rank_, members_, world_.get());
             if (g.ok()) group = *std::move(g);
           }
-          Offer mine{group != nullptr ? 1u : 0u, DebugFromEnv() ? 1u : 0u, CmaMinFromEnv().value_or(kNoCmaMin), {}};
+          Offer mine{group != nullptr ? 1u : 0u, DebugFromEnv() ? 1u : 0u, CmaMinFromEnv().value_or(kNoCmaMin), 0, {}};
           for (int c : AllowedCpus()) {
-            if (c < 64 * kCpuMaskWords) mine.cpus[c / 64] |= uint64_t{1} << (c % 64);
+            if (mine.ncpus == kMaxShmRanks) break;
+            mine.cpus[mine.ncpus++] = c;
           }
           return GatherBytes(reinterpret_cast<const char*>(&mine), reinterpret_cast<char*>(all.data()),
                              MakeBlocks(std::vector<int64_t>(members_.size(), sizeof(Offer)), 1));
@@ -585,9 +588,7 @@ class UcxCommunicator final : public Communicator {
     }
     std::vector<std::vector<int>> cpus(all.size());
     for (size_t j = 0; j < all.size(); ++j) {
-      for (int c = 0; c < 64 * kCpuMaskWords; ++c) {
-        if ((all[j].cpus[c / 64] >> (c % 64)) & 1) cpus[j].push_back(c);
-      }
+      cpus[j].assign(all[j].cpus, all[j].cpus + std::min<uint64_t>(all[j].ncpus, kMaxShmRanks));
     }
     const bool oversubscribed = !RanksHaveOwnCpus(cpus);
     uint64_t cma_min = kNoCmaMin;

@@ -29,13 +29,13 @@
 // reduces straight from the others' slots, in slot-sized (512 KiB) steps that stay in cache.
 // Small AllReduces are one copy, one barrier and a reduction of all slots in rank order (about
 // 1 us on 2 ranks); large ones are a ReduceScatter into the rank's block of the output and an
-// AllGather from there when every rank has a core, and otherwise (ranks sharing cores) one
+// AllGather from there when every rank has a CPU, and otherwise (ranks sharing CPUs) one
 // barrier per step: each rank reduces 1/P of the step into a shared result that every rank
 // copies out. AllToAllBlocks copies each window straight from the send views into the slot and
 // out of the peers' slots into the receive views (strided views are never packed); without
 // `uniform` the ranks first all-gather their block counts, so a sender / receiver mismatch is
 // InvalidArgument on every rank (on every path, between hosts too).
-// Single copy: from 16 KiB blocks (128 KiB when ranks share cores) the ranks skip the slots'
+// Single copy: from 16 KiB blocks (128 KiB when ranks share CPUs) the ranks skip the slots'
 // copy in + copy out and move bytes between their own buffers with Linux cross-memory attach
 // (process_vm_readv / writev; probed once at setup, every rank agreeing): each publishes its
 // buffer's address in its slot, and after one barrier AllGather / AllToAll read each peer's
@@ -50,14 +50,14 @@
 // AllToAllBlocks always uses the slots (the kernel's per-range cost loses on strided rows).
 // DTENSOR_UCX_CMA=0 turns single copy off, DTENSOR_UCX_CMA_MIN=<bytes> moves the threshold.
 // Reductions take the slots in rank order, in float32 for bfloat16 / float16 (rounded once),
-// so every rank gets the same bits. Waits spin briefly (when the ranks fit on the cores), then
+// so every rank gets the same bits. Waits spin briefly (when every rank has a CPU), then
 // yield, then nap, and check the deadline and the peers' pidfds and failed flags: the failure
 // behaviour below holds alike. AllToAllV and Send / Recv always use UCX. DTENSOR_UCX_SHM=0
 // turns the channel off (everything over UCX, as between hosts).
 // Every setting that picks an algorithm is agreed when the communicator is made, so ranks with
 // different environments or CPU affinities still take the same paths: the channel only if no
 // rank refuses it, single copy only if every rank wants it and can, the largest
-// DTENSOR_UCX_CMA_MIN any rank sets, "ranks share cores" unless the ranks' CPU affinity masks
+// DTENSOR_UCX_CMA_MIN any rank sets, "ranks share CPUs" unless the ranks' CPU affinity masks
 // give each rank a CPU of its own (RanksHaveOwnCpus in collectives/store/cpus.h: two ranks
 // bound to a core each by dtrun have their own; two ranks bound to one CPU, or three unbound
 // on two CPUs, share), and the debug checks below if any rank sets DTENSOR_DEBUG.

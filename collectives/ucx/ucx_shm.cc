@@ -26,9 +26,9 @@
 namespace dtensor::internal {
 namespace {
 
-constexpr int64_t kSpinNs = 50'000;          // when every rank has a core of its own
+constexpr int64_t kSpinNs = 50'000;          // when every rank has a CPU of its own (hyperthreads count as CPUs)
 constexpr int64_t kYieldNs = 200'000;        // then sched_yield until this, then futex sleeps
-constexpr int64_t kOversubYieldNs = 5'000;   // the same when ranks share cores: give the core up soon
+constexpr int64_t kOversubYieldNs = 5'000;   // the same when ranks share CPUs: give the CPU up soon
 constexpr int64_t kPeerCheckNs = 1'000'000;  // a sleeper wakes at least this often (pidfds, deadline)
 
 // Sleeps while *word == expected (shared-memory futex: not FUTEX_PRIVATE), at most timeout_ns.

@@ -14,8 +14,8 @@
 // (NextStep), so a slot is rewritten two steps later, when every rank has passed the Sync of
 // the step in between and so has finished reading it: one Sync per step is enough.
 //
-// Waiting spins briefly (when the ranks fit on the cores), then yields, then sleeps on a futex
-// (the arriving rank wakes its sleepers; ranks sharing cores give the core up at once), checks
+// Waiting spins briefly (when every rank has a CPU), then yields, then sleeps on a futex
+// (the arriving rank wakes its sleepers; ranks sharing CPUs give the CPU up at once), checks
 // the deadline, the peers' pidfds (through the UcxWorld) and their failed flags, so a dead or
 // failed peer gives Unavailable and a late one DeadlineExceeded: never a hang.
 #ifndef DTENSOR_COLLECTIVES_UCX_UCX_SHM_H_
@@ -67,7 +67,7 @@ class ShmGroup {
   absl::Status Sync(const UcxWaitContext& ctx);
   // Sync() with work on either side of the wait: publishes this rank's arrival, runs own()
   // (work on private memory that the peers need not wait for: a rank's own block), waits,
-  // and calls read(j) for every other rank j. When ranks share cores they arrive one
+  // and calls read(j) for every other rank j. When ranks share CPUs they arrive one
   // scheduling slice apart: then read(j) runs as soon as j has arrived, in arrival order, so
   // a rank copies the early peers' slots while later ones are still on their way. (With a
   // core per rank the plain order measured faster: 0.40 vs 0.45-0.6 us for a 2-rank 4 KiB

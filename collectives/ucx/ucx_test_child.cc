@@ -6,8 +6,9 @@
 //                              prints each mismatch and exits 1 if there was one.
 //   ucx_test_child battery-mixed SETTING   the battery with SETTING on odd ranks only: an
 //                              environment variable (NAME=VALUE, e.g. DTENSOR_UCX_CMA=0) or
-//                              one-cpu (this process may use only the lowest CPU it can get,
-//                              where dtrun binds rank 0: so ranks share a CPU). Every input to
+//                              one-cpu (this process moves onto the lowest CPU of dtrun's
+//                              affinity, where dtrun binds rank 0: with dtrun confined to two
+//                              CPUs, ranks 0 and 1 then share one). Every input to
 //                              a path choice must be agreed, or ranks take different paths and
 //                              deadlock or read garbage.
 //   ucx_test_child setup       makes the world communicator and does a Barrier (with
@@ -835,15 +836,18 @@ int main(int argc, char** argv) {
     if (rank != nullptr && std::atoi(rank) % 2 == 1) {
       const size_t eq = setting.find('=');
       if (setting == "one-cpu") {
-        // The lowest CPU this process can be moved to: where dtrun binds rank 0.
+        // Onto the lowest CPU of dtrun's (the parent's) affinity: where dtrun binds rank 0.
         cpu_set_t set;
-        bool moved = false;
-        for (int c = 0; c < CPU_SETSIZE && !moved; ++c) {
-          CPU_ZERO(&set);
-          CPU_SET(c, &set);
-          moved = sched_setaffinity(0, sizeof(set), &set) == 0;
+        CPU_ZERO(&set);
+        if (sched_getaffinity(getppid(), sizeof(set), &set) != 0) return 2;
+        int first = -1;
+        for (int c = 0; c < CPU_SETSIZE && first < 0; ++c) {
+          if (CPU_ISSET(c, &set)) first = c;
         }
-        if (!moved) return 2;
+        if (first < 0) return 2;
+        CPU_ZERO(&set);
+        CPU_SET(first, &set);
+        if (sched_setaffinity(0, sizeof(set), &set) != 0) return 2;
       } else if (eq != std::string::npos) {
         setenv(setting.substr(0, eq).c_str(), setting.substr(eq + 1).c_str(), 1);
       } else {

@@ -75,9 +75,28 @@ TEST(CpusTest, SplitGivesWholeCoresInOrder) {
 }
 
 TEST(CpusTest, SplitOfAnAffinitySubsetAndUnsortedInput) {
-  // A cgroup/taskset gave CPUs 9, 3, 5 (unsorted, unknown topology keys are distinct).
-  EXPECT_EQ(SplitCpus({9, 3, 5}, {-10, -4, -6}, 2), (Shares{{3}, {5, 9}}));
-  EXPECT_EQ(SplitCpus({9, 3, 5}, {-10, -4, -6}, 3), (Shares{{3}, {5}, {9}}));
+  // A cgroup/taskset gave CPUs 9, 3, 5 (unsorted; unknown topology: each CPU its own core).
+  EXPECT_EQ(SplitCpus({9, 3, 5}, {9, 3, 5}, 2), (Shares{{3}, {5, 9}}));
+  EXPECT_EQ(SplitCpus({9, 3, 5}, {9, 3, 5}, 3), (Shares{{3}, {5}, {9}}));
+}
+
+TEST(CpusTest, SplitKeepsPackagesTogether) {
+  // Two packages whose CPUs alternate (0, 2 on package 0; 1, 3 on package 1).
+  const int64_t p1 = int64_t{1} << 32;
+  EXPECT_EQ(SplitCpus({0, 1, 2, 3}, {0, p1 | 1, 2, p1 | 3}, 2), (Shares{{0, 2}, {1, 3}}));
+}
+
+TEST(CpusTest, ParseCpuListIsFormatsInverse) {
+  EXPECT_EQ(ParseCpuList("0-3,8,10-11"), (std::vector<int>{0, 1, 2, 3, 8, 10, 11}));
+  EXPECT_EQ(ParseCpuList("5"), (std::vector<int>{5}));
+  EXPECT_EQ(ParseCpuList(""), (std::vector<int>{}));
+  EXPECT_EQ(ParseCpuList("3,1-2,2"), (std::vector<int>{1, 2, 3}));
+  EXPECT_TRUE(ParseCpuList("x").empty());
+  EXPECT_TRUE(ParseCpuList("3-1").empty());
+  EXPECT_TRUE(ParseCpuList("-1").empty());
+  for (const std::vector<int>& cpus : {std::vector<int>{0}, std::vector<int>{0, 1, 2, 7, 9, 10}}) {
+    EXPECT_EQ(ParseCpuList(FormatCpuList(cpus)), cpus);
+  }
 }
 
 TEST(CpusTest, SplitRefusesTooFewCpusAndBadInput) {
