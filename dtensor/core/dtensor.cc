@@ -306,7 +306,10 @@ absl::StatusOr<DTensor> DTensor::Redistribute(const DeviceMesh& mesh, const Layo
   const char* op = "Redistribute";
   if (!defined()) return InvalidArg(op, "undefined DTensor");
   if (!mesh.defined()) return InvalidArg(op, "undefined (default-constructed) target mesh");
-  if (mesh.SameAs(mesh_)) return Redistribute(layout);
+  // The same ranks in the same shape (another mesh object, perhaps other dim names): the
+  // coordinates and so the local boxes agree; the plan runs on the target mesh (its names, its
+  // plan cache and its comm counter).
+  if (mesh.SameAs(mesh_)) return DTensor(local_, mesh, layout_, global_shape_).Redistribute(layout);
   Communicator& world = mesh_.world();
   if (&mesh.world() != &world || mesh_.size() != world.size() || mesh.size() != world.size()) {
     return InvalidArg(op, "from ", mesh_.ToString(), " to ", mesh.ToString(),

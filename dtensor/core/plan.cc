@@ -15,9 +15,14 @@ namespace {
 
 using Dims = absl::InlinedVector<int, 4>;
 
+// Bytes scaled by the mesh size M, exact: a group of s ranks (s divides M) sends
+// bytes x (s-1)/s, i.e. bytes x (s-1) x (M/s) / M. Doubles would round (s-1)/s for s = 3, 6,
+// ... and break ties between equal plans (one merged collective vs several) by an ulp.
+using Scaled = __int128;
+
 // The search's cost: bytes first, then fewer collectives, then fewer steps.
 struct Cost {
-  double bytes = 0;
+  Scaled bytes = 0;
   int collectives = 0;
   int steps = 0;
   friend bool operator<(const Cost& a, const Cost& b) {
@@ -46,34 +51,44 @@ struct Planner {
   IntSpan mesh_shape;
   int64_t element_size;
   Layout target;
-  Shape zero;  // coordinate 0
+  Shape zero;         // coordinate 0
+  int64_t mesh_size;  // M of Scaled
 
   int64_t BoxBytes(const Layout& l) const {
     return LocalBoxOf(global_shape, mesh_shape, l, zero).numel() * element_size;
   }
 
-  RedistributeStep Make(StepKind kind, Dims dims, const Layout& before, const Layout& after) const {
-    RedistributeStep step{kind, std::move(dims), before, after, 0};
-    const double s = static_cast<double>(GroupSize(mesh_shape, step.mesh_dims));
-    const double share = (s - 1) / s;
+  // A step and its exact cost (Scaled).
+  struct Move {
+    RedistributeStep step;
+    Scaled cost = 0;
+  };
+
+  Move Make(StepKind kind, Dims dims, const Layout& before, const Layout& after) const {
+    Move move{RedistributeStep{kind, std::move(dims), before, after, 0}, 0};
+    const int64_t s = GroupSize(mesh_shape, move.step.mesh_dims);
+    const Scaled share = static_cast<Scaled>(s - 1) * (mesh_size / s);  // (s-1)/s, times M
+    int64_t bytes = 0;
     switch (kind) {
       case StepKind::kAllGather:
-        step.cost = share * static_cast<double>(BoxBytes(after));
+        bytes = BoxBytes(after);
         break;
       case StepKind::kAllReduce:
-        step.cost = 2 * share * static_cast<double>(BoxBytes(before));
+        bytes = 2 * BoxBytes(before);
         break;
       case StepKind::kReduceScatter:
-        step.cost = share * static_cast<double>(BoxBytes(before));
+        bytes = BoxBytes(before);
         break;
       case StepKind::kAllToAll:
         // The larger of the two boxes: with uneven pieces rank 0's may grow.
-        step.cost = share * static_cast<double>(std::max(BoxBytes(before), BoxBytes(after)));
+        bytes = std::max(BoxBytes(before), BoxBytes(after));
         break;
       default:
-        break;
+        return move;
     }
-    return step;
+    move.cost = share * bytes;
+    move.step.cost = static_cast<double>(move.cost) / static_cast<double>(mesh_size);
+    return move;
   }
 
   // Calls fn(layout) for every way of making each mesh dim of `group` (Replicate in `base`)
@@ -109,8 +124,8 @@ struct Planner {
   }
 
   // Every legal one-step move out of `l` (whose size-1 dims are Replicate).
-  std::vector<RedistributeStep> Moves(const Layout& l) const {
-    std::vector<RedistributeStep> out;
+  std::vector<Move> Moves(const Layout& l) const {
+    std::vector<Move> out;
     const int64_t nd = static_cast<int64_t>(global_shape.size());
     const int md = l.ndim();
     // Shard -> Replicate (all_gather) and Shard -> Shard (all_to_all): for every tensor dim,
@@ -301,16 +316,20 @@ absl::StatusOr<RedistributePlan> PlanRedistribute(IntSpan global_shape, IntSpan 
     plan.steps.push_back({StepKind::kRelabel, {}, plan.src, start, 0});
   }
   if (start != goal) {
-    Planner p{global_shape, mesh_shape, element_size, goal, Shape(mesh_shape.size(), 0)};
+    int64_t mesh_size = 1;
+    for (int64_t m : mesh_shape) mesh_size *= m;
+    Planner p{global_shape, mesh_shape, element_size, goal, Shape(mesh_shape.size(), 0), mesh_size};
     // A* over layouts. h = growth of the box at coordinate 0 still needed to reach the
     // target's, in bytes: a lower bound, since only gathers grow a box and a gather costs at
     // least the growth it brings ((s-1)/s x out >= out - in, because in >= out/s).
-    const double goal_bytes = static_cast<double>(p.BoxBytes(goal));
-    auto h = [&](const Layout& l) { return std::max(0.0, goal_bytes - static_cast<double>(p.BoxBytes(l))); };
+    const int64_t goal_bytes = p.BoxBytes(goal);
+    auto h = [&](const Layout& l) {
+      return static_cast<Scaled>(std::max<int64_t>(0, goal_bytes - p.BoxBytes(l))) * mesh_size;
+    };
     struct Node {
       Layout layout;
       Cost g;
-      double h = 0;
+      Scaled h = 0;
       int parent = -1;
       int via = -1;  // index into `edges`
     };
@@ -323,7 +342,7 @@ absl::StatusOr<RedistributePlan> PlanRedistribute(IntSpan global_shape, IntSpan 
       if (std::get<0>(a) < std::get<0>(b)) return false;
       return std::get<2>(a) > std::get<2>(b);
     };
-    auto f = [](const Cost& g, double h_bytes) { return Cost{g.bytes + h_bytes, g.collectives, g.steps}; };
+    auto f = [](const Cost& g, Scaled h_bytes) { return Cost{g.bytes + h_bytes, g.collectives, g.steps}; };
     std::priority_queue<Entry, std::vector<Entry>, decltype(cmp)> queue(cmp);
     nodes.push_back(Node{start, Cost{}, h(start), -1, -1});
     index[start] = 0;
@@ -339,12 +358,13 @@ absl::StatusOr<RedistributePlan> PlanRedistribute(IntSpan global_shape, IntSpan 
         break;
       }
       const Layout here = node.layout;
-      for (RedistributeStep& step : p.Moves(here)) {
-        const Cost next = g + Cost{step.cost, step.is_collective() ? 1 : 0, 1};
+      for (Planner::Move& move : p.Moves(here)) {
+        RedistributeStep& step = move.step;
+        const Cost next = g + Cost{move.cost, step.is_collective() ? 1 : 0, 1};
         auto [it, inserted] = index.try_emplace(step.after, static_cast<int>(nodes.size()));
         if (inserted) {
           edges.push_back(std::move(step));
-          const double hn = h(edges.back().after);
+          const Scaled hn = h(edges.back().after);
           nodes.push_back(Node{edges.back().after, next, hn, id, static_cast<int>(edges.size()) - 1});
           queue.push({f(next, hn), next, it->second});
         } else {

@@ -523,5 +523,32 @@ TEST(DTensorCrossMesh, SameMeshIsOrdinaryRedistribute) {
   });
 }
 
+// Another mesh object over the same ranks and shape, with other names: the result carries the
+// target mesh (its names) and the target mesh's counter sees the collectives.
+TEST(DTensorCrossMesh, AnEqualMeshObjectRedistributesOnTheTarget) {
+  const Shape shape = {7, 5};
+  const std::vector<double> v = suite::GlobalValues(shape, DType::kFloat32, false, 5);
+  RunRanks(4, [&](int rank, Communicator& comm) {
+    DT_SUITE_MESH(a, DeviceMesh::Create(comm, {2, 2}, {"dp", "tp"}));
+    DT_SUITE_MESH(b, DeviceMesh::Create(comm, {2, 2}, {"x", "y"}));
+    DTensor x = Unwrap(DTensor::Distribute(suite::MakeTensor(v, shape, DType::kFloat32), a,
+                                           Layout({Shard(0), Shard(1)}), {std::nullopt}));
+    CommCounter on_a, on_b;
+    SetCommCounter(a, &on_a);
+    SetCommCounter(b, &on_b);
+    DTensor y = Unwrap(x.Redistribute(b, Layout({Replicate(), Shard(0)})));
+    SetCommCounter(a, nullptr);
+    SetCommCounter(b, nullptr);
+    EXPECT_EQ(y.mesh().names(), (std::vector<std::string>{"x", "y"})) << "rank " << rank;
+    EXPECT_EQ(on_a.ToString(), CommCounter().ToString()) << "rank " << rank;
+    const RedistributePlan plan =
+        Unwrap(PlanRedistribute(shape, {2, 2}, x.layout(), Layout({Replicate(), Shard(0)}), 4));
+    ASSERT_GT(plan.num_collectives(), 0);
+    EXPECT_EQ(suite::CompareComm(on_b, plan.PredictComm(b.coordinate())), "") << "rank " << rank;
+    const Spec want{{Replicate(), Shard(0)}, {}};
+    EXPECT_EQ(suite::CompareBits(y.ToLocal(), BoxTensor(v, shape, DType::kFloat32, want, {2, 2}, b.coordinate())), "");
+  });
+}
+
 }  // namespace
 }  // namespace dtensor
