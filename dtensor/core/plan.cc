@@ -1,6 +1,7 @@
 #include "dtensor/core/plan.h"
 
 #include <algorithm>
+#include <optional>
 #include <queue>
 #include <tuple>
 
@@ -53,9 +54,18 @@ struct Planner {
   Layout target;
   Shape zero;         // coordinate 0
   int64_t mesh_size;  // M of Scaled
+  // Narrow search: a mesh dim only ever becomes the target's shard of it (by chunk,
+  // reduce_scatter or all_to_all). Wide: chunks and reduce_scatters to any shard (replicas
+  // that each take a piece reduce less), which finds cheaper plans but explores many more
+  // layouts; all_to_all stays narrow (its assignments are most of the moves).
+  bool narrow = false;
 
+  // Memoised: the searches weigh many moves into the same layouts.
+  mutable absl::flat_hash_map<Layout, int64_t> box_bytes;
   int64_t BoxBytes(const Layout& l) const {
-    return LocalBoxOf(global_shape, mesh_shape, l, zero).numel() * element_size;
+    auto [it, added] = box_bytes.try_emplace(l, 0);
+    if (added) it->second = LocalBoxOf(global_shape, mesh_shape, l, zero).numel() * element_size;
+    return it->second;
   }
 
   // A step and its exact cost (Scaled).
@@ -92,11 +102,11 @@ struct Planner {
   }
 
   // Calls fn(layout) for every way of making each mesh dim of `group` (Replicate in `base`)
-  // a shard of some tensor dim, appended innermost in every order (duplicates included). A
-  // mesh dim that the target shards only becomes that shard: sharding it along another dim
-  // would have to be undone later, and the search space stays small.
+  // a shard of some tensor dim, appended innermost in every order (duplicates included).
+  // Unless `any_shard`, a mesh dim that the target shards only becomes that shard (sharding
+  // it along another dim would have to be undone later, and the search space stays small).
   template <typename Fn>
-  void ForEachShardAssignment(const Dims& group, const Layout& base, Fn fn) const {
+  void ForEachShardAssignment(const Dims& group, const Layout& base, bool any_shard, Fn fn) const {
     const int64_t nd = static_cast<int64_t>(global_shape.size());
     if (nd == 0) return;
     Dims order = group;
@@ -105,7 +115,7 @@ struct Planner {
       // choices[i]: the tensor dims mesh dim order[i] may shard; to[i] indexes them.
       std::vector<absl::InlinedVector<int64_t, 4>> choices(order.size());
       for (size_t i = 0; i < order.size(); ++i) {
-        if (target[order[i]].is_shard()) {
+        if (!any_shard && target[order[i]].is_shard()) {
           choices[i].push_back(target[order[i]].shard_dim());
         } else {
           for (int64_t e = 0; e < nd; ++e) choices[i].push_back(e);
@@ -152,7 +162,7 @@ struct Planner {
       }
       std::sort(group.begin(), group.end());
       out.push_back(Make(StepKind::kAllGather, group, l, gathered));
-      ForEachShardAssignment(group, gathered, [&](const Layout& moved) {
+      ForEachShardAssignment(group, gathered, /*any_shard=*/false, [&](const Layout& moved) {
         if (moved != l && seen.insert(moved).second) out.push_back(Make(StepKind::kAllToAll, group, l, moved));
       });
     }
@@ -174,7 +184,7 @@ struct Planner {
       // reduce_scatter: every member of the group becomes a shard of some tensor dim (several
       // dims at once, in any nesting order); the members' pieces tile the reduced box.
       absl::flat_hash_set<Layout> scattered;
-      ForEachShardAssignment(group, reduced, [&](const Layout& to) {
+      ForEachShardAssignment(group, reduced, /*any_shard=*/!narrow, [&](const Layout& to) {
         if (scattered.insert(to).second) out.push_back(Make(StepKind::kReduceScatter, group, l, to));
       });
     }
@@ -182,9 +192,15 @@ struct Planner {
     const std::optional<PartialOp> current = l.partial_op();
     for (int m = 0; m < md; ++m) {
       if (!l[m].is_replicate() || mesh_shape[static_cast<size_t>(m)] == 1) continue;
-      // Chunking is free, so the search would wander through every chunked layout first;
-      // only the target's own shard of this mesh dim is worth a local chunk.
-      if (target[m].is_shard()) out.push_back(Make(StepKind::kChunk, {m}, l, l.WithPlacement(m, target[m])));
+      // Towards the target's shard, or (wide search) any shard: replicas that each take a
+      // piece can reduce or re-shard less data (P R -> R R on 4x2 moves fewer bytes as chunk,
+      // reduce_scatter, all_gather than as one all_reduce). Not where the target is Partial:
+      // Shard -> Partial is no move.
+      if (narrow && target[m].is_shard()) {
+        out.push_back(Make(StepKind::kChunk, {m}, l, l.WithPlacement(m, target[m])));
+      } else if (!narrow && !target[m].is_partial()) {
+        for (int64_t e = 0; e < nd; ++e) out.push_back(Make(StepKind::kChunk, {m}, l, l.WithPlacement(m, Shard(e))));
+      }
       if (target[m].is_partial() && (!current || *current == target[m].partial_op())) {
         out.push_back(Make(StepKind::kToPartial, {m}, l, l.WithPlacement(m, target[m])));
       }
@@ -192,6 +208,95 @@ struct Planner {
     return out;
   }
 };
+
+constexpr size_t kNoBudget = ~size_t{0};
+constexpr size_t kWideSearchMoves = 5000;  // a few ms of planning at most
+
+struct Found {
+  std::vector<RedistributeStep> steps;
+  Cost cost;
+};
+
+// A* over layouts from start to goal with p's moves. h = growth of the box at coordinate 0
+// still needed to reach the target's, in bytes: a lower bound, since only gathers grow a box
+// and a gather costs at least the growth it brings ((s-1)/s x out >= out - in, because
+// in >= out/s). With `bound`, only plans cheaper than it are looked for; nullopt when there
+// is none, or when more than `budget` moves had to be weighed first.
+std::optional<Found> Search(const Planner& p, const Layout& start, const Layout& goal, std::optional<Cost> bound,
+                            size_t budget) {
+  const int64_t goal_bytes = p.BoxBytes(goal);
+  auto h = [&](const Layout& l) {
+    return static_cast<Scaled>(std::max<int64_t>(0, goal_bytes - p.BoxBytes(l))) * p.mesh_size;
+  };
+  struct Node {
+    Layout layout;
+    Cost g;
+    Scaled h = 0;
+    int parent = -1;
+    int via = -1;  // index into `edges`
+  };
+  std::vector<Node> nodes;
+  std::vector<RedistributeStep> edges;  // every step that improved a node, as found
+  absl::flat_hash_map<Layout, int> index;
+  using Entry = std::tuple<Cost, Cost, int>;  // (g + h, g, node); ties go to the earlier node
+  auto cmp = [](const Entry& a, const Entry& b) {
+    if (std::get<0>(b) < std::get<0>(a)) return true;
+    if (std::get<0>(a) < std::get<0>(b)) return false;
+    return std::get<2>(a) > std::get<2>(b);
+  };
+  auto f = [](const Cost& g, Scaled h_bytes) { return Cost{g.bytes + h_bytes, g.collectives, g.steps}; };
+  auto worth = [&](const Cost& priority) { return !bound || priority < *bound; };
+  std::priority_queue<Entry, std::vector<Entry>, decltype(cmp)> queue(cmp);
+  nodes.push_back(Node{start, Cost{}, h(start), -1, -1});
+  index[start] = 0;
+  queue.push({f(Cost{}, nodes[0].h), Cost{}, 0});
+  int found = -1;
+  while (!queue.empty()) {
+    auto [priority, g, id] = queue.top();
+    queue.pop();
+    if (!worth(priority)) break;  // every plan left costs at least the bound
+    Node& node = nodes[static_cast<size_t>(id)];
+    if (node.g < g) continue;  // a stale entry: the node was reached more cheaply since
+    if (node.layout == goal) {
+      found = id;
+      break;
+    }
+    const Layout here = node.layout;
+    std::vector<Planner::Move> moves = p.Moves(here);
+    if (moves.size() > budget) return std::nullopt;
+    budget -= moves.size();
+    for (Planner::Move& move : moves) {
+      RedistributeStep& step = move.step;
+      const Cost next = g + Cost{move.cost, step.is_collective() ? 1 : 0, 1};
+      auto it = index.find(step.after);
+      if (it == index.end()) {
+        const Scaled hn = h(step.after);
+        if (!worth(f(next, hn))) continue;
+        index.emplace(step.after, static_cast<int>(nodes.size()));
+        edges.push_back(std::move(step));
+        nodes.push_back(Node{edges.back().after, next, hn, id, static_cast<int>(edges.size()) - 1});
+        queue.push({f(next, hn), next, static_cast<int>(nodes.size()) - 1});
+      } else {
+        Node& n = nodes[static_cast<size_t>(it->second)];
+        if (next < n.g && worth(f(next, n.h))) {  // also re-opens an expanded node: h need not be consistent
+          edges.push_back(std::move(step));
+          n.g = next;
+          n.parent = id;
+          n.via = static_cast<int>(edges.size()) - 1;
+          queue.push({f(next, n.h), next, it->second});
+        }
+      }
+    }
+  }
+  if (found < 0) return std::nullopt;
+  Found out;
+  out.cost = nodes[static_cast<size_t>(found)].g;
+  for (int id = found; nodes[static_cast<size_t>(id)].parent >= 0; id = nodes[static_cast<size_t>(id)].parent) {
+    out.steps.push_back(edges[static_cast<size_t>(nodes[static_cast<size_t>(id)].via)]);
+  }
+  std::reverse(out.steps.begin(), out.steps.end());
+  return out;
+}
 
 }  // namespace
 
@@ -318,76 +423,25 @@ absl::StatusOr<RedistributePlan> PlanRedistribute(IntSpan global_shape, IntSpan 
   if (start != goal) {
     int64_t mesh_size = 1;
     for (int64_t m : mesh_shape) mesh_size *= m;
-    Planner p{global_shape, mesh_shape, element_size, goal, Shape(mesh_shape.size(), 0), mesh_size};
-    // A* over layouts. h = growth of the box at coordinate 0 still needed to reach the
-    // target's, in bytes: a lower bound, since only gathers grow a box and a gather costs at
-    // least the growth it brings ((s-1)/s x out >= out - in, because in >= out/s).
-    const int64_t goal_bytes = p.BoxBytes(goal);
-    auto h = [&](const Layout& l) {
-      return static_cast<Scaled>(std::max<int64_t>(0, goal_bytes - p.BoxBytes(l))) * mesh_size;
-    };
-    struct Node {
-      Layout layout;
-      Cost g;
-      Scaled h = 0;
-      int parent = -1;
-      int via = -1;  // index into `edges`
-    };
-    std::vector<Node> nodes;
-    std::vector<RedistributeStep> edges;  // every step that improved a node, as found
-    absl::flat_hash_map<Layout, int> index;
-    using Entry = std::tuple<Cost, Cost, int>;  // (g + h, g, node); ties go to the earlier node
-    auto cmp = [](const Entry& a, const Entry& b) {
-      if (std::get<0>(b) < std::get<0>(a)) return true;
-      if (std::get<0>(a) < std::get<0>(b)) return false;
-      return std::get<2>(a) > std::get<2>(b);
-    };
-    auto f = [](const Cost& g, Scaled h_bytes) { return Cost{g.bytes + h_bytes, g.collectives, g.steps}; };
-    std::priority_queue<Entry, std::vector<Entry>, decltype(cmp)> queue(cmp);
-    nodes.push_back(Node{start, Cost{}, h(start), -1, -1});
-    index[start] = 0;
-    queue.push({f(Cost{}, nodes[0].h), Cost{}, 0});
-    int found = -1;
-    while (!queue.empty()) {
-      auto [priority, g, id] = queue.top();
-      queue.pop();
-      Node& node = nodes[static_cast<size_t>(id)];
-      if (node.g < g) continue;  // a stale entry: the node was reached more cheaply since
-      if (node.layout == goal) {
-        found = id;
-        break;
-      }
-      const Layout here = node.layout;
-      for (Planner::Move& move : p.Moves(here)) {
-        RedistributeStep& step = move.step;
-        const Cost next = g + Cost{move.cost, step.is_collective() ? 1 : 0, 1};
-        auto [it, inserted] = index.try_emplace(step.after, static_cast<int>(nodes.size()));
-        if (inserted) {
-          edges.push_back(std::move(step));
-          const Scaled hn = h(edges.back().after);
-          nodes.push_back(Node{edges.back().after, next, hn, id, static_cast<int>(edges.size()) - 1});
-          queue.push({f(next, hn), next, it->second});
-        } else {
-          Node& n = nodes[static_cast<size_t>(it->second)];
-          if (next < n.g) {  // also re-opens an expanded node, so h need not be consistent
-            edges.push_back(std::move(step));
-            n.g = next;
-            n.parent = id;
-            n.via = static_cast<int>(edges.size()) - 1;
-            queue.push({f(next, n.h), next, it->second});
-          }
-        }
-      }
-    }
-    if (found < 0) {
+    Planner p{global_shape, mesh_shape, element_size, goal, Shape(mesh_shape.size(), 0), mesh_size, false, {}};
+    // The narrow search first (small: a mesh dim only becomes the target's shard of it), then
+    // the wide one (any shard) for a strictly cheaper plan, bounded by the narrow plan's cost
+    // and by kWideSearchMoves moves weighed: past that, the narrow plan stands (4-d meshes).
+    p.narrow = true;
+    std::optional<Found> narrow = Search(p, start, goal, std::nullopt, kNoBudget);
+    if (!narrow) {
       return absl::UnimplementedError(
           absl::StrCat("[Redistribute] no plan from ", plan.src.ToString(), " to ", plan.dst.ToString()));
     }
-    std::vector<RedistributeStep> path;
-    for (int id = found; nodes[static_cast<size_t>(id)].parent >= 0; id = nodes[static_cast<size_t>(id)].parent) {
-      path.push_back(edges[static_cast<size_t>(nodes[static_cast<size_t>(id)].via)]);
+    // Only a reduction gains from the detour (replicas each reducing a piece: the examples
+    // in plan_test); the wide search would multiply planning time for every other pair.
+    std::optional<Found> wide;
+    if (start.has_partial()) {
+      p.narrow = false;
+      wide = Search(p, start, goal, narrow->cost, kWideSearchMoves);
     }
-    plan.steps.insert(plan.steps.end(), path.rbegin(), path.rend());
+    const Found& best = wide && wide->cost < narrow->cost ? *wide : *narrow;
+    plan.steps.insert(plan.steps.end(), best.steps.begin(), best.steps.end());
   }
   if (goal != plan.dst) {
     plan.steps.push_back({StepKind::kRelabel, {}, goal, plan.dst, 0});

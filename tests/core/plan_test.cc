@@ -551,6 +551,33 @@ TEST(PlanGoldenTest, TiesAreExactOnMeshDimsThatAreNotPowersOfTwo) {
   }
 }
 
+// Replicas that take a piece first can move fewer bytes than the collective PyTorch would
+// issue: P R -> R R on 4x2 as chunk (mesh dim 1), reduce_scatter (dim 0), all_gather (both)
+// sends 99 + 231 = 330 bytes against one all_reduce's 2 * 3/4 * 264 = 396. The narrow search
+// (a mesh dim only ever becomes the target's shard) cannot find these.
+TEST(PlanGoldenTest, WideSearchFindsPlansThroughOtherShards) {
+  const Placement Pavg = Partial(PartialOp::kAvg);
+  struct Case {
+    Index shape, mesh;
+    Layout src, dst;
+    double narrow_cost, best_cost;
+  };
+  const std::vector<Case> cases = {
+      {{6, 11}, {4, 2}, Layout({Psum, R}), Layout({R, R}), 396, 330},
+      {{9, 9}, {3, 3}, Layout({Pavg, R}), Layout({R, R}), 432, 360},
+      {{8, 6}, {2, 2}, Layout({S1, Psum}), Layout({S0, S1}), 96, 84},
+  };
+  for (const Case& c : cases) {
+    const RedistributePlan plan = MustPlan(c.shape, c.mesh, c.src, c.dst);
+    EXPECT_NEAR(plan.cost, c.best_cost, 1e-9) << plan.DebugString();
+    EXPECT_LT(plan.cost, c.narrow_cost);
+    // The plan's collectives, as the executor will issue them, agree with its cost estimate.
+    double sent = 0;
+    for (const RedistributeStep& step : plan.steps) sent += step.cost;
+    EXPECT_NEAR(sent, plan.cost, 1e-9);
+  }
+}
+
 TEST(PlanGoldenTest, TwoByTwoMergesMeshDims) {
   const Index g = {8, 6}, m = {2, 2};
   // P P -> R R: one all_reduce over all four ranks (2 * 3/4 * 192), not two.
