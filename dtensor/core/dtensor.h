@@ -13,6 +13,11 @@
 // Operations never modify their input; results may share storage with it when no data
 // changes (e.g. R -> P(avg)). Every collective runs on the mesh's communicators, so every
 // rank of the mesh must make the same calls in the same order (as with any collective).
+// Integer P(avg): each reducing collective divides (truncating, as NCCL's integer avg does),
+// so a plan that reduces the avg dims in two collectives (when that is cheaper than one over
+// their merged group) can differ by truncation from one that reduces them at once: int
+// P(avg)P(avg) -> RR on a 2x3 mesh is trunc(sum/6) when planned as one all_reduce, which
+// equal-cost plans are (ties go to fewer collectives). Float avg differs only by rounding.
 //
 // Redistribution follows the plan of plan.h (cached in the mesh, see RedistributePlanner)
 // and executes it step by step; uneven torch.chunk shards move exactly their elements.
