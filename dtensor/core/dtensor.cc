@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <map>
+#include <numeric>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "dtensor/core/executor.h"
@@ -310,37 +312,51 @@ absl::StatusOr<DTensor> DTensor::Redistribute(const DeviceMesh& mesh, const Layo
   // coordinates and so the local boxes agree; the plan runs on the target mesh (its names, its
   // plan cache and its comm counter).
   if (mesh.SameAs(mesh_)) return DTensor(local_, mesh, layout_, global_shape_).Redistribute(layout);
-  Communicator& world = mesh_.world();
-  if (&mesh.world() != &world || mesh_.size() != world.size() || mesh.size() != world.size()) {
-    return InvalidArg(op, "from ", mesh_.ToString(), " to ", mesh.ToString(),
-                      ": cross-mesh redistribution needs two meshes that each span the same whole communicator");
+  // The two meshes must hold the same ranks (of one world): the exchange runs on the source
+  // mesh's group over all its dims, whose rank i is mesh_.ranks()[i] (the world itself when
+  // the mesh spans it).
+  const std::vector<int> src_ranks = mesh_.ranks();
+  const std::vector<int> dst_ranks = mesh.ranks();
+  {
+    std::vector<int> a = src_ranks, b = dst_ranks;
+    std::sort(a.begin(), a.end());
+    std::sort(b.begin(), b.end());
+    if (&mesh.world() != &mesh_.world() || a != b) {
+      return InvalidArg(op, "from ", mesh_.ToString(), " to ", mesh.ToString(),
+                        ": cross-mesh redistribution needs two meshes over the same ranks of one communicator (ranks {",
+                        absl::StrJoin(src_ranks, ","), "} and {", absl::StrJoin(dst_ranks, ","), "}",
+                        &mesh.world() != &mesh_.world() ? ", different communicators" : "", ")");
+    }
   }
+  std::vector<int> all_dims(static_cast<size_t>(mesh_.ndim()));
+  std::iota(all_dims.begin(), all_dims.end(), 0);
+  DT_ASSIGN_OR_RETURN(Communicator * group, mesh_.comm(all_dims));
+  absl::flat_hash_map<int, int> position;  // world rank -> rank in `group`
+  for (size_t i = 0; i < src_ranks.size(); ++i) position[src_ranks[i]] = static_cast<int>(i);
   DT_ASSIGN_OR_RETURN(Layout target, NormalizeLayout(op, layout, dim(), mesh.ndim()));
   // 1. Reduce Partial values on the source mesh.
   DTensor x = *this;
   if (layout_.has_partial()) {
     DT_ASSIGN_OR_RETURN(x, Redistribute(WithoutPartial(layout_)));
   }
-  // 2. One all_to_all over the world: rank v receives its new box from itself if it already
+  // 2. One all_to_all over the group: rank v receives its new box from itself if it already
   // holds it, else from the ranks of one replica of the source (each element once).
   const Layout target_base = WithoutPartial(target);
-  const std::vector<int> src_ranks = mesh_.ranks();
-  const std::vector<int> dst_ranks = mesh.ranks();
-  const int n = world.size();
+  const int n = group->size();
   std::vector<LocalBox> before(static_cast<size_t>(n)), after(static_cast<size_t>(n));
   std::vector<bool> tiling(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
     const Shape c = UnravelIndex(mesh_.shape(), i);
-    const size_t w = static_cast<size_t>(src_ranks[static_cast<size_t>(i)]);
+    const size_t w = static_cast<size_t>(i);
     before[w] = LocalBoxOf(global_shape_, mesh_.shape(), x.layout_, c);
     bool first_replica = true;
     for (int m = 0; m < mesh_.ndim(); ++m) first_replica &= x.layout_[m].is_shard() || c[static_cast<size_t>(m)] == 0;
     tiling[w] = first_replica;
-    after[static_cast<size_t>(dst_ranks[static_cast<size_t>(i)])] =
+    after[static_cast<size_t>(position.at(dst_ranks[static_cast<size_t>(i)]))] =
         LocalBoxOf(global_shape_, mesh.shape(), target_base, UnravelIndex(mesh.shape(), i));
   }
   auto contains = [](const LocalBox& outer, const LocalBox& inner) { return Intersect(outer, inner) == inner; };
-  auto sends = [&](int w, int v) {  // what world rank w sends to world rank v
+  auto sends = [&](int w, int v) {  // what group rank w sends to group rank v
     const size_t sw = static_cast<size_t>(w), sv = static_cast<size_t>(v);
     const bool from_self = contains(before[sv], after[sv]);
     if (from_self ? w != v : !tiling[sw]) return LocalBox{after[sv].offset, Shape(after[sv].shape.size(), 0)};
@@ -348,7 +364,7 @@ absl::StatusOr<DTensor> DTensor::Redistribute(const DeviceMesh& mesh, const Layo
   };
   bool all_local = true;
   for (int v = 0; v < n; ++v) all_local &= contains(before[static_cast<size_t>(v)], after[static_cast<size_t>(v)]);
-  const int me = world.rank();
+  const int me = group->rank();
   Tensor local;
   if (all_local) {
     DT_ASSIGN_OR_RETURN(Tensor piece,
@@ -361,7 +377,7 @@ absl::StatusOr<DTensor> DTensor::Redistribute(const DeviceMesh& mesh, const Layo
       recv[static_cast<size_t>(j)] = sends(j, me);
     }
     DT_ASSIGN_OR_RETURN(Tensor input, Contiguous(x.local_));
-    DT_ASSIGN_OR_RETURN(local, internal::TransferBoxes(world, input, before[static_cast<size_t>(me)], send,
+    DT_ASSIGN_OR_RETURN(local, internal::TransferBoxes(*group, input, before[static_cast<size_t>(me)], send,
                                                        after[static_cast<size_t>(me)], recv,
                                                        internal::TransferKind::kBlocks, CoreStateOf(mesh_).counter));
   }

@@ -21,9 +21,10 @@
 //
 // Redistribution follows the plan of plan.h (cached in the mesh, see RedistributePlanner)
 // and executes it step by step; uneven torch.chunk shards move exactly their elements.
-// A DTensor can also move to another mesh over the same communicator (4 -> 2x2, say): the
-// pieces go straight from their old owner to their new one in one all_to_all. Both meshes
-// must span the whole communicator. Any source layout may become any target layout there,
+// A DTensor can also move to another mesh over the same ranks (4 -> 2x2, say): the
+// pieces go straight from their old owner to their new one in one all_to_all. The meshes
+// must hold the same ranks of one communicator (the whole world, or e.g. the same 4 ranks of
+// 8 as sub-meshes of two meshes). Any source layout may become any target layout there,
 // Partial targets included: they are made locally from the moved values (as R -> P is), and
 // no mesh dim of the source corresponds to a target's Partial dim, so the single-mesh rule
 // "Shard -> Partial is not a legal move" has nothing to apply to.
@@ -118,7 +119,7 @@ class DTensor {
   // Starts the redistribution: the first collective of the plan runs asynchronously (on
   // transports that overlap); the rest runs in Wait(). Keep this DTensor alive until then.
   absl::StatusOr<PendingDTensor> RedistributeAsync(const Layout& layout) const;
-  // Onto another mesh over the same world communicator (collective over the world). A mesh
+  // Onto another mesh over the same ranks (collective over them). A mesh
   // with the same ranks and shape (another object, other names) redistributes on `mesh`: the
   // result carries `mesh`, and its counter sees the collectives.
   absl::StatusOr<DTensor> Redistribute(const DeviceMesh& mesh, const Layout& layout) const;

@@ -523,6 +523,37 @@ TEST(DTensorCrossMesh, SameMeshIsOrdinaryRedistribute) {
   });
 }
 
+// Two meshes over the same 4 ranks of an 8-rank world (sub-meshes of different roots): the
+// exchange runs on their group; meshes over different ranks are refused, naming them.
+TEST(DTensorCrossMesh, SubMeshesOverTheSameRanksOfALargerWorld) {
+  const Shape shape = {7, 6};
+  const std::vector<double> v = suite::GlobalValues(shape, DType::kFloat32, false, 13);
+  RunRanks(8, [&](int rank, Communicator& comm) {
+    DT_SUITE_MESH(root_a, DeviceMesh::Create(comm, {2, 4}, {"a", "b"}));
+    DT_SUITE_MESH(root_b, DeviceMesh::Create(comm, {2, 2, 2}, {"x", "y", "z"}));
+    DeviceMesh a = Unwrap(root_a.Sub("b"));         // ranks 4a .. 4a+3
+    DeviceMesh b = Unwrap(root_b.Sub(std::vector<std::string>{"y", "z"}));  // the same ranks, as 2x2
+    ASSERT_EQ(a.ranks(), b.ranks());
+    const Spec from{{Shard(0)}, {}};
+    const Spec to{{Shard(1), Shard(0)}, {}};
+    const suite::Box box = suite::NaiveBox(shape, {4}, from, a.coordinate());
+    DTensor x =
+        Unwrap(DTensor::FromLocal(suite::MakeTensor(suite::BoxValues(v, shape, box), box.shape, DType::kFloat32), a,
+                                  Unwrap(suite::ToLayout(from)), {Shape(shape), false}));
+    DTensor y = Unwrap(x.Redistribute(b, Unwrap(suite::ToLayout(to))));
+    EXPECT_TRUE(y.mesh().SameAs(b));
+    EXPECT_EQ(suite::CompareBits(y.ToLocal(), BoxTensor(v, shape, DType::kFloat32, to, {2, 2}, b.coordinate())), "")
+        << "rank " << rank;
+    DTensor back = Unwrap(y.Redistribute(a, Unwrap(suite::ToLayout(from))));
+    EXPECT_EQ(suite::CompareBits(back.ToLocal(), x.ToLocal()), "") << "rank " << rank;
+    // Over other ranks: "a" groups ranks {r % 4, r % 4 + 4}, not b's four.
+    DeviceMesh other = Unwrap(root_a.Sub("a"));
+    const absl::Status s = x.Redistribute(other, Layout({Replicate()})).status();
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("same ranks of one communicator"));
+  });
+}
+
 // Another mesh object over the same ranks and shape, with other names: the result carries the
 // target mesh (its names) and the target mesh's counter sees the collectives.
 TEST(DTensorCrossMesh, AnEqualMeshObjectRedistributesOnTheTarget) {
