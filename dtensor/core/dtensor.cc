@@ -331,7 +331,10 @@ absl::StatusOr<DTensor> DTensor::Redistribute(const DeviceMesh& mesh, const Layo
   std::vector<int> all_dims(static_cast<size_t>(mesh_.ndim()));
   std::iota(all_dims.begin(), all_dims.end(), 0);
   DT_ASSIGN_OR_RETURN(Communicator * group, mesh_.comm(all_dims));
-  absl::flat_hash_map<int, int> position;  // world rank -> rank in `group`
+  // World rank -> rank in `group`. (ranks() of any mesh view is ascending today, so two
+  // meshes over the same ranks list them alike and this is the identity; it is kept so that
+  // the exchange does not depend on that.)
+  absl::flat_hash_map<int, int> position;
   for (size_t i = 0; i < src_ranks.size(); ++i) position[src_ranks[i]] = static_cast<int>(i);
   DT_ASSIGN_OR_RETURN(Layout target, NormalizeLayout(op, layout, dim(), mesh.ndim()));
   // 1. Reduce Partial values on the source mesh.

@@ -101,7 +101,8 @@ struct Planner {
     return move;
   }
 
-  // Calls fn(layout) for every way of making each mesh dim of `group` (Replicate in `base`)
+  // Calls fn(layout) for every way of making each mesh dim of `group` (Replicate in `base`),
+  // until fn returns false,
   // a shard of some tensor dim, appended innermost in every order (duplicates included).
   // Unless `any_shard`, a mesh dim that the target shards only becomes that shard (sharding
   // it along another dim would have to be undone later, and the search space stays small).
@@ -125,7 +126,7 @@ struct Planner {
       while (true) {
         Layout l = base;
         for (size_t i = 0; i < order.size(); ++i) l = l.WithPlacement(order[i], Shard(choices[i][to[i]]));
-        fn(l);
+        if (!fn(l)) return;
         size_t i = 0;
         while (i < to.size() && ++to[i] == choices[i].size()) to[i++] = 0;
         if (i == to.size()) break;
@@ -133,9 +134,11 @@ struct Planner {
     } while (std::next_permutation(order.begin(), order.end()));
   }
 
-  // Every legal one-step move out of `l` (whose size-1 dims are Replicate).
-  std::vector<Move> Moves(const Layout& l) const {
+  // Every legal one-step move out of `l` (whose size-1 dims are Replicate); past `limit`
+  // moves it stops (then out.size() > limit), so a budget bounds the work, not just the result.
+  std::vector<Move> Moves(const Layout& l, size_t limit) const {
     std::vector<Move> out;
+    auto room = [&] { return out.size() <= limit; };
     const int64_t nd = static_cast<int64_t>(global_shape.size());
     const int md = l.ndim();
     // Shard -> Replicate (all_gather) and Shard -> Shard (all_to_all): for every tensor dim,
@@ -164,7 +167,9 @@ struct Planner {
       out.push_back(Make(StepKind::kAllGather, group, l, gathered));
       ForEachShardAssignment(group, gathered, /*any_shard=*/false, [&](const Layout& moved) {
         if (moved != l && seen.insert(moved).second) out.push_back(Make(StepKind::kAllToAll, group, l, moved));
+        return room();
       });
+      if (!room()) return out;
     }
     // Partial -> Replicate (all_reduce) and Partial -> Shard (reduce_scatter) over any
     // non-empty set of the Partial dims (one collective on their group).
@@ -186,7 +191,9 @@ struct Planner {
       absl::flat_hash_set<Layout> scattered;
       ForEachShardAssignment(group, reduced, /*any_shard=*/!narrow, [&](const Layout& to) {
         if (scattered.insert(to).second) out.push_back(Make(StepKind::kReduceScatter, group, l, to));
+        return room();
       });
+      if (!room()) return out;
     }
     // Replicate -> Shard (local chunk) and Replicate -> Partial (local), towards the target.
     const std::optional<PartialOp> current = l.partial_op();
@@ -194,11 +201,11 @@ struct Planner {
       if (!l[m].is_replicate() || mesh_shape[static_cast<size_t>(m)] == 1) continue;
       // Towards the target's shard, or (wide search) any shard: replicas that each take a
       // piece can reduce or re-shard less data (P R -> R R on 4x2 moves fewer bytes as chunk,
-      // reduce_scatter, all_gather than as one all_reduce). Not where the target is Partial:
-      // Shard -> Partial is no move.
+      // reduce_scatter, all_gather than as one all_reduce), also where the target is Partial:
+      // the piece is gathered back, then made Partial locally (P R -> R P on 4x2 likewise).
       if (narrow && target[m].is_shard()) {
         out.push_back(Make(StepKind::kChunk, {m}, l, l.WithPlacement(m, target[m])));
-      } else if (!narrow && !target[m].is_partial()) {
+      } else if (!narrow) {
         for (int64_t e = 0; e < nd; ++e) out.push_back(Make(StepKind::kChunk, {m}, l, l.WithPlacement(m, Shard(e))));
       }
       if (target[m].is_partial() && (!current || *current == target[m].partial_op())) {
@@ -262,7 +269,7 @@ std::optional<Found> Search(const Planner& p, const Layout& start, const Layout&
       break;
     }
     const Layout here = node.layout;
-    std::vector<Planner::Move> moves = p.Moves(here);
+    std::vector<Planner::Move> moves = p.Moves(here, budget);
     if (moves.size() > budget) return std::nullopt;
     budget -= moves.size();
     for (Planner::Move& move : moves) {
