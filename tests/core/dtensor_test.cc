@@ -531,7 +531,7 @@ TEST(DTensorCrossMesh, SubMeshesOverTheSameRanksOfALargerWorld) {
   RunRanks(8, [&](int rank, Communicator& comm) {
     DT_SUITE_MESH(root_a, DeviceMesh::Create(comm, {2, 4}, {"a", "b"}));
     DT_SUITE_MESH(root_b, DeviceMesh::Create(comm, {2, 2, 2}, {"x", "y", "z"}));
-    DeviceMesh a = Unwrap(root_a.Sub("b"));         // ranks 4a .. 4a+3
+    DeviceMesh a = Unwrap(root_a.Sub("b"));                                 // ranks 4a .. 4a+3
     DeviceMesh b = Unwrap(root_b.Sub(std::vector<std::string>{"y", "z"}));  // the same ranks, as 2x2
     ASSERT_EQ(a.ranks(), b.ranks());
     const Spec from{{Shard(0)}, {}};
