@@ -4,7 +4,6 @@
 #include <map>
 #include <numeric>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "dtensor/core/executor.h"
@@ -314,28 +313,19 @@ absl::StatusOr<DTensor> DTensor::Redistribute(const DeviceMesh& mesh, const Layo
   if (mesh.SameAs(mesh_)) return DTensor(local_, mesh, layout_, global_shape_).Redistribute(layout);
   // The two meshes must hold the same ranks (of one world): the exchange runs on the source
   // mesh's group over all its dims, whose rank i is mesh_.ranks()[i] (the world itself when
-  // the mesh spans it).
+  // the mesh spans it). ranks() of every mesh view is ascending, so meshes over the same ranks
+  // list them alike, and position i is the same rank in both.
   const std::vector<int> src_ranks = mesh_.ranks();
   const std::vector<int> dst_ranks = mesh.ranks();
-  {
-    std::vector<int> a = src_ranks, b = dst_ranks;
-    std::sort(a.begin(), a.end());
-    std::sort(b.begin(), b.end());
-    if (&mesh.world() != &mesh_.world() || a != b) {
-      return InvalidArg(op, "from ", mesh_.ToString(), " to ", mesh.ToString(),
-                        ": cross-mesh redistribution needs two meshes over the same ranks of one communicator (ranks {",
-                        absl::StrJoin(src_ranks, ","), "} and {", absl::StrJoin(dst_ranks, ","), "}",
-                        &mesh.world() != &mesh_.world() ? ", different communicators" : "", ")");
-    }
+  if (&mesh.world() != &mesh_.world() || src_ranks != dst_ranks) {
+    return InvalidArg(op, "from ", mesh_.ToString(), " to ", mesh.ToString(),
+                      ": cross-mesh redistribution needs two meshes over the same ranks of one communicator (ranks {",
+                      absl::StrJoin(src_ranks, ","), "} and {", absl::StrJoin(dst_ranks, ","), "}",
+                      &mesh.world() != &mesh_.world() ? ", different communicators" : "", ")");
   }
   std::vector<int> all_dims(static_cast<size_t>(mesh_.ndim()));
   std::iota(all_dims.begin(), all_dims.end(), 0);
   DT_ASSIGN_OR_RETURN(Communicator * group, mesh_.comm(all_dims));
-  // World rank -> rank in `group`. (ranks() of any mesh view is ascending today, so two
-  // meshes over the same ranks list them alike and this is the identity; it is kept so that
-  // the exchange does not depend on that.)
-  absl::flat_hash_map<int, int> position;
-  for (size_t i = 0; i < src_ranks.size(); ++i) position[src_ranks[i]] = static_cast<int>(i);
   DT_ASSIGN_OR_RETURN(Layout target, NormalizeLayout(op, layout, dim(), mesh.ndim()));
   // 1. Reduce Partial values on the source mesh.
   DTensor x = *this;
@@ -355,8 +345,7 @@ absl::StatusOr<DTensor> DTensor::Redistribute(const DeviceMesh& mesh, const Layo
     bool first_replica = true;
     for (int m = 0; m < mesh_.ndim(); ++m) first_replica &= x.layout_[m].is_shard() || c[static_cast<size_t>(m)] == 0;
     tiling[w] = first_replica;
-    after[static_cast<size_t>(position.at(dst_ranks[static_cast<size_t>(i)]))] =
-        LocalBoxOf(global_shape_, mesh.shape(), target_base, UnravelIndex(mesh.shape(), i));
+    after[w] = LocalBoxOf(global_shape_, mesh.shape(), target_base, UnravelIndex(mesh.shape(), i));
   }
   auto contains = [](const LocalBox& outer, const LocalBox& inner) { return Intersect(outer, inner) == inner; };
   auto sends = [&](int w, int v) {  // what group rank w sends to group rank v

@@ -531,16 +531,21 @@ TEST(PlanGoldenTest, SizeOneMeshDimsAreRelabels) {
 
 // ---- Golden plans on 2x2 (tensor 8 x 6 float32: 192 bytes) ----
 
+// P P -> R R on a 2-d mesh as one all_reduce over both mesh dims.
+void ExpectOneAllReduceOverBothDims(const RedistributePlan& pp) {
+  EXPECT_EQ(pp.ToString(), "P(sum)P(sum) -> RR");
+  ASSERT_EQ(pp.steps.size(), 1u);
+  EXPECT_EQ(pp.steps[0].kind, StepKind::kAllReduce);
+  EXPECT_THAT(pp.steps[0].mesh_dims, ElementsAre(0, 1));
+}
+
 // Mesh dims of 3 ranks: (s-1)/s is not exact in binary, yet one collective over the merged
 // group and a chain of them cost exactly the same; the tie must go to fewer collectives
 // (with double costs the chain came out an ulp cheaper).
 TEST(PlanGoldenTest, TiesAreExactOnMeshDimsThatAreNotPowersOfTwo) {
   const Index g = {7, 4}, m = {2, 3};
   const RedistributePlan pp = MustPlan(g, m, {Psum, Psum}, {R, R});
-  EXPECT_EQ(pp.ToString(), "P(sum)P(sum) -> RR");
-  ASSERT_EQ(pp.steps.size(), 1u);
-  EXPECT_EQ(pp.steps[0].kind, StepKind::kAllReduce);
-  EXPECT_THAT(pp.steps[0].mesh_dims, ElementsAre(0, 1));
+  ExpectOneAllReduceOverBothDims(pp);
   EXPECT_NEAR(pp.cost, 2.0 * 5 / 6 * 112, 1e-9);
   const Placement Pavg = Partial(PartialOp::kAvg);
   const RedistributePlan rs = MustPlan(g, m, {Pavg, Pavg}, {S1, S1});
@@ -597,10 +602,7 @@ TEST(PlanGoldenTest, TwoByTwoMergesMeshDims) {
   const Index g = {8, 6}, m = {2, 2};
   // P P -> R R: one all_reduce over all four ranks (2 * 3/4 * 192), not two.
   const RedistributePlan pp = MustPlan(g, m, {Psum, Psum}, {R, R});
-  EXPECT_EQ(pp.ToString(), "P(sum)P(sum) -> RR");
-  ASSERT_EQ(pp.steps.size(), 1u);
-  EXPECT_EQ(pp.steps[0].kind, StepKind::kAllReduce);
-  EXPECT_THAT(pp.steps[0].mesh_dims, ElementsAre(0, 1));
+  ExpectOneAllReduceOverBothDims(pp);
   EXPECT_DOUBLE_EQ(pp.cost, 288);
   for (const Index& c : AllCoords(m))
     EXPECT_THAT(pp.PredictComm(c), ElementsAre(CommRecord{CommKind::kAllReduce, 192}));
