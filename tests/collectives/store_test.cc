@@ -36,8 +36,10 @@ std::unique_ptr<StoreClient> ConnectTo(const StoreServer& server, absl::Duration
 }
 
 // ---- Raw socket helpers speaking (or abusing) the wire protocol ----
-int RawConnect(int port, const char* addr = "127.0.0.1") {
+// With rcvbuf > 0 the socket's receive buffer is set to that many bytes before connecting.
+int RawConnect(int port, const char* addr = "127.0.0.1", int rcvbuf = 0) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (rcvbuf > 0) setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof(rcvbuf));
   sockaddr_in sa{};
   sa.sin_family = AF_INET;
   sa.sin_port = htons(static_cast<uint16_t>(port));
@@ -333,7 +335,11 @@ TEST(TcpStoreTest, SlowReaderIsNotTimedOut) {
   ASSERT_NE(c, nullptr);
   const std::string value(3 << 20, 'x');
   ASSERT_TRUE(c->Set("big", value).ok());
-  const int fd = RawConnect(server->port());
+  // A small receive buffer keeps the replies on the server's side until this slow reader
+  // takes them. With loopback's megabytes of buffering, the server hands the last ~4 MiB over
+  // at once; reading them slowly after that can outlast the 300 ms (seen under load in CI),
+  // and the server, which cannot see a peer's receive buffer, rightly counts that as idle.
+  const int fd = RawConnect(server->port(), "127.0.0.1", 64 << 10);
   ASSERT_GE(fd, 0);
   constexpr int kRequests = 4;
   std::string requests;
