@@ -5,7 +5,6 @@
 #include <queue>
 #include <tuple>
 
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -32,12 +31,6 @@ struct Cost {
   Cost operator+(const Cost& o) const { return {bytes + o.bytes, collectives + o.collectives, steps + o.steps}; }
 };
 
-int64_t GroupSize(IntSpan mesh_shape, const Dims& dims) {
-  int64_t s = 1;
-  for (int m : dims) s *= mesh_shape[static_cast<size_t>(m)];
-  return s;
-}
-
 // The layout with every size-1 mesh dim Replicate: such dims never change data.
 Layout Canonical(const Layout& l, IntSpan mesh_shape) {
   Layout out = l;
@@ -47,259 +40,381 @@ Layout Canonical(const Layout& l, IntSpan mesh_shape) {
   return out;
 }
 
+// What the packed state below can hold.
+constexpr int kPlanMaxMeshDims = 8;
+constexpr int kPlanMaxTensorDims = 8;
+
+// A normalised layout packed into 64 bits for the search, so that moving, comparing and
+// hashing layouts costs a few instructions: byte m is mesh dim m, its placement in the low 4
+// bits (0 R, 1 + d S(d), 9 + op P(op)) and, for a shard, its nest level among the sharders
+// of its tensor dim in the high 4 (0 outermost, dense as in Layout). Equal layouts pack equal.
+struct Packed {
+  static constexpr int kReplicate = 0;
+  static constexpr int kShard0 = 1;
+  static constexpr int kPartial0 = kShard0 + kPlanMaxTensorDims;
+  uint64_t bits = 0;
+
+  int code(int m) const { return static_cast<int>((bits >> (8 * m)) & 0xF); }
+  int level(int m) const { return static_cast<int>((bits >> (8 * m + 4)) & 0xF); }
+  bool is_shard(int m) const { return code(m) >= kShard0 && code(m) < kPartial0; }
+  bool is_partial(int m) const { return code(m) >= kPartial0; }
+  int shard_dim(int m) const { return code(m) - kShard0; }
+  void Set(int m, int code, int level) {
+    const int shift = 8 * m;
+    bits = (bits & ~(uint64_t{0xFF} << shift)) | (static_cast<uint64_t>(code | (level << 4)) << shift);
+  }
+  friend bool operator==(Packed a, Packed b) { return a.bits == b.bits; }
+  friend bool operator!=(Packed a, Packed b) { return a.bits != b.bits; }
+};
+
+Packed Pack(const Layout& l) {
+  Packed p;
+  for (int m = 0; m < l.ndim(); ++m) {
+    const Placement& pl = l[m];
+    if (pl.is_shard()) {
+      p.Set(m, Packed::kShard0 + static_cast<int>(pl.shard_dim()), l.nest_level(m));
+    } else if (pl.is_partial()) {
+      p.Set(m, Packed::kPartial0 + static_cast<int>(pl.partial_op()), 0);
+    }
+  }
+  return p;
+}
+
+Layout Unpack(Packed p, int mesh_ndim, int tensor_ndim) {
+  Placements ps;
+  for (int m = 0; m < mesh_ndim; ++m) {
+    if (p.is_shard(m)) {
+      ps.push_back(Shard(p.shard_dim(m)));
+    } else if (p.is_partial(m)) {
+      ps.push_back(Partial(static_cast<PartialOp>(p.code(m) - Packed::kPartial0)));
+    } else {
+      ps.push_back(Replicate());
+    }
+  }
+  Layout out(ps);
+  for (int d = 0; d < tensor_ndim; ++d) {
+    Dims dims;
+    for (int m = 0; m < mesh_ndim; ++m) {
+      if (p.is_shard(m) && p.shard_dim(m) == d) dims.push_back(m);
+    }
+    if (dims.size() < 2) continue;
+    std::sort(dims.begin(), dims.end(), [&](int a, int b) { return p.level(a) < p.level(b); });
+    // Cannot fail: dims are exactly the sharders of d.
+    if (absl::StatusOr<Layout> ordered = out.WithShardOrder(d, dims); ordered.ok()) out = *std::move(ordered);
+  }
+  return out;
+}
+
+// The sharders of every tensor dim of a packed layout, outermost first.
+struct Nest {
+  int dims[kPlanMaxTensorDims][kPlanMaxMeshDims];
+  int count[kPlanMaxTensorDims];
+};
+
 struct Planner {
   IntSpan global_shape;
   IntSpan mesh_shape;
   int64_t element_size;
-  Layout target;
-  Shape zero;         // coordinate 0
+  Packed target;
+  int md;             // mesh dims
+  int nd;             // tensor dims
   int64_t mesh_size;  // M of Scaled
-  // Narrow search: a mesh dim only ever becomes the target's shard of it (by chunk,
-  // reduce_scatter or all_to_all). Wide: chunks and reduce_scatters to any shard (replicas
-  // that each take a piece reduce less), which finds cheaper plans but explores many more
-  // layouts; all_to_all stays narrow (its assignments are most of the moves).
+  // Narrow search: a mesh dim the target shards only ever becomes that shard (by chunk,
+  // reduce_scatter or all_to_all). Wide: any shard (replicas that each take a piece reduce or
+  // move less), which finds cheaper plans but weighs many more moves.
   bool narrow = false;
 
-  // Memoised: the searches weigh many moves into the same layouts.
-  mutable absl::flat_hash_map<Layout, int64_t> box_bytes;
-  int64_t BoxBytes(const Layout& l) const {
-    auto [it, added] = box_bytes.try_emplace(l, 0);
-    if (added) it->second = LocalBoxOf(global_shape, mesh_shape, l, zero).numel() * element_size;
-    return it->second;
-  }
+  // extent[d][mask]: the size along tensor dim d of the box at coordinate 0 when the mesh
+  // dims in `mask` shard it: ceil(n / k) for the product k of their sizes, in any nest order
+  // (nested ceil-divisions compose). Filled by Init.
+  std::vector<int64_t> extent;
 
-  // A step and its exact cost (Scaled).
-  struct Move {
-    RedistributeStep step;
-    Scaled cost = 0;
-  };
-
-  Move Make(StepKind kind, Dims dims, const Layout& before, const Layout& after) const {
-    Move move{RedistributeStep{kind, std::move(dims), before, after, 0}, 0};
-    const int64_t s = GroupSize(mesh_shape, move.step.mesh_dims);
-    const Scaled share = static_cast<Scaled>(s - 1) * (mesh_size / s);  // (s-1)/s, times M
-    int64_t bytes = 0;
-    switch (kind) {
-      case StepKind::kAllGather:
-        bytes = BoxBytes(after);
-        break;
-      case StepKind::kAllReduce:
-        bytes = 2 * BoxBytes(before);
-        break;
-      case StepKind::kReduceScatter:
-        bytes = BoxBytes(before);
-        break;
-      case StepKind::kAllToAll:
-        // The larger of the two boxes: with uneven pieces rank 0's may grow.
-        bytes = std::max(BoxBytes(before), BoxBytes(after));
-        break;
-      default:
-        return move;
-    }
-    move.cost = share * bytes;
-    move.step.cost = static_cast<double>(move.cost) / static_cast<double>(mesh_size);
-    return move;
-  }
-
-  // Calls fn(layout) for every way of making each mesh dim of `group` (Replicate in `base`),
-  // until fn returns false,
-  // a shard of some tensor dim, appended innermost in every order (duplicates included).
-  // Unless `any_shard`, a mesh dim that the target shards only becomes that shard (sharding
-  // it along another dim would have to be undone later, and the search space stays small).
-  template <typename Fn>
-  void ForEachShardAssignment(const Dims& group, const Layout& base, bool any_shard, Fn fn) const {
-    const int64_t nd = static_cast<int64_t>(global_shape.size());
-    if (nd == 0) return;
-    Dims order = group;
-    std::sort(order.begin(), order.end());
-    do {
-      // choices[i]: the tensor dims mesh dim order[i] may shard; to[i] indexes them.
-      std::vector<absl::InlinedVector<int64_t, 4>> choices(order.size());
-      for (size_t i = 0; i < order.size(); ++i) {
-        if (!any_shard && target[order[i]].is_shard()) {
-          choices[i].push_back(target[order[i]].shard_dim());
-        } else {
-          for (int64_t e = 0; e < nd; ++e) choices[i].push_back(e);
+  void Init() {
+    const size_t masks = size_t{1} << md;
+    extent.assign(static_cast<size_t>(nd) * masks, 0);
+    for (int d = 0; d < nd; ++d) {
+      for (size_t mask = 0; mask < masks; ++mask) {
+        int64_t k = 1;
+        for (int m = 0; m < md; ++m) {
+          if (mask & (size_t{1} << m)) k *= mesh_shape[static_cast<size_t>(m)];
         }
+        extent[static_cast<size_t>(d) * masks + mask] = (global_shape[static_cast<size_t>(d)] + k - 1) / k;
       }
-      std::vector<size_t> to(order.size(), 0);
-      while (true) {
-        Layout l = base;
-        for (size_t i = 0; i < order.size(); ++i) l = l.WithPlacement(order[i], Shard(choices[i][to[i]]));
-        if (!fn(l)) return;
-        size_t i = 0;
-        while (i < to.size() && ++to[i] == choices[i].size()) to[i++] = 0;
-        if (i == to.size()) break;
-      }
-    } while (std::next_permutation(order.begin(), order.end()));
+    }
   }
 
-  // Every legal one-step move out of `l` (whose size-1 dims are Replicate); past `limit`
-  // moves it stops (then out.size() > limit), so a budget bounds the work, not just the result.
-  std::vector<Move> Moves(const Layout& l, size_t limit) const {
-    std::vector<Move> out;
-    auto room = [&] { return out.size() <= limit; };
-    const int64_t nd = static_cast<int64_t>(global_shape.size());
-    const int md = l.ndim();
+  // Bytes of the box at coordinate 0.
+  int64_t BoxBytes(Packed l) const {
+    uint32_t mask[kPlanMaxTensorDims] = {};
+    for (int m = 0; m < md; ++m) {
+      if (l.is_shard(m)) mask[l.shard_dim(m)] |= 1u << m;
+    }
+    int64_t bytes = element_size;
+    for (int d = 0; d < nd; ++d) bytes *= extent[(static_cast<size_t>(d) << md) + mask[d]];
+    return bytes;
+  }
+
+  // (s-1)/s for the group of mesh dims in `mask`, times M (exact: s divides M).
+  Scaled Share(uint32_t mask) const {
+    int64_t s = 1;
+    for (int m = 0; m < md; ++m) {
+      if (mask & (1u << m)) s *= mesh_shape[static_cast<size_t>(m)];
+    }
+    return static_cast<Scaled>(s - 1) * (mesh_size / s);
+  }
+
+  Nest NestOf(Packed l) const {
+    Nest n;
+    std::fill(n.count, n.count + nd, 0);
+    for (int m = 0; m < md; ++m) {
+      if (l.is_shard(m)) {
+        n.dims[l.shard_dim(m)][l.level(m)] = m;
+        ++n.count[l.shard_dim(m)];
+      }
+    }
+    return n;
+  }
+
+  // l with mesh dim m (Replicate in l) made the innermost sharder of tensor dim d.
+  Packed Append(Packed l, int m, int d) const {
+    int level = 0;
+    for (int o = 0; o < md; ++o) level += l.is_shard(o) && l.shard_dim(o) == d ? 1 : 0;
+    l.Set(m, Packed::kShard0 + d, level);
+    return l;
+  }
+
+  // Calls fn(layout) for every distinct way of making the mesh dims `members[0, n)`
+  // (Replicate in `base`) shards, each of some tensor dim, appended innermost in every order
+  // among those that shard the same dim, until fn returns false (then returns false). Unless
+  // `any_shard`, a member the target shards only becomes that shard.
+  template <typename Fn>
+  bool ForEachShardAssignment(const int* members, int n, Packed base, bool any_shard, Fn&& fn) const {
+    if (nd == 0) return true;  // a 0-d tensor has nothing to shard
+    int lo[kPlanMaxMeshDims], hi[kPlanMaxMeshDims], to[kPlanMaxMeshDims];
+    for (int i = 0; i < n; ++i) {
+      const int m = members[i];
+      if (!any_shard && target.is_shard(m)) {
+        lo[i] = target.shard_dim(m);
+        hi[i] = lo[i] + 1;
+      } else {
+        lo[i] = 0;
+        hi[i] = nd;
+      }
+      to[i] = lo[i];
+    }
+    while (true) {
+      // The members per tensor dim, ascending; then every order of each dim's list.
+      int lists[kPlanMaxTensorDims][kPlanMaxMeshDims];
+      int count[kPlanMaxTensorDims];
+      std::fill(count, count + nd, 0);
+      for (int i = 0; i < n; ++i) lists[to[i]][count[to[i]]++] = members[i];
+      while (true) {
+        Packed x = base;
+        for (int d = 0; d < nd; ++d) {
+          for (int j = 0; j < count[d]; ++j) x = Append(x, lists[d][j], d);
+        }
+        if (!fn(x)) return false;
+        int d = 0;
+        while (d < nd && !std::next_permutation(lists[d], lists[d] + count[d])) ++d;
+        if (d == nd) break;
+      }
+      int i = 0;
+      while (i < n && ++to[i] == hi[i]) {
+        to[i] = lo[i];
+        ++i;
+      }
+      if (i == n) return true;
+    }
+  }
+
+  // Calls fn(kind, group mask, after, cost) for every legal one-step move out of `l` (whose
+  // size-1 mesh dims are Replicate), until fn returns false.
+  template <typename Fn>
+  void ForEachMove(Packed l, Fn&& fn) const {
+    const int64_t bytes = BoxBytes(l);
     // Shard -> Replicate (all_gather) and Shard -> Shard (all_to_all): for every tensor dim,
     // its innermost k_d sharders (any k_d, not all 0) form the group G of one collective over
     // the union of those mesh dims — the members' pieces tile the gathered box, whichever
     // dims they split. all_gather makes G Replicate; all_to_all re-shards that box over G in
     // any other arrangement (each member of G a shard of some tensor dim, innermost, in any
     // order), e.g. S(0)S(1) -> S(1)S(0), or S(0)S(0) -> the other shard order, in one step.
-    std::vector<Dims> sharders(static_cast<size_t>(nd));
-    for (int64_t d = 0; d < nd; ++d) sharders[static_cast<size_t>(d)] = l.ShardMeshDims(d);
-    absl::flat_hash_set<Layout> seen;
-    std::vector<size_t> k(static_cast<size_t>(nd), 0);
+    const Nest nest = NestOf(l);
+    int k[kPlanMaxTensorDims] = {};
     while (true) {
-      size_t d = 0;
-      while (d < k.size() && ++k[d] > sharders[d].size()) k[d++] = 0;
-      if (d == k.size()) break;
-      Dims group;
-      Layout gathered = l;
-      for (size_t e = 0; e < k.size(); ++e) {
-        for (size_t i = sharders[e].size() - k[e]; i < sharders[e].size(); ++i) {
-          group.push_back(sharders[e][i]);
-          gathered = gathered.WithPlacement(sharders[e][i], Replicate());
+      int d = 0;
+      while (d < nd && ++k[d] > nest.count[d]) k[d++] = 0;
+      if (d == nd) break;
+      uint32_t mask = 0;
+      Packed gathered = l;
+      for (int e = 0; e < nd; ++e) {
+        for (int i = nest.count[e] - k[e]; i < nest.count[e]; ++i) {
+          mask |= 1u << nest.dims[e][i];
+          gathered.Set(nest.dims[e][i], Packed::kReplicate, 0);
         }
       }
-      std::sort(group.begin(), group.end());
-      out.push_back(Make(StepKind::kAllGather, group, l, gathered));
-      ForEachShardAssignment(group, gathered, /*any_shard=*/false, [&](const Layout& moved) {
-        if (moved != l && seen.insert(moved).second) out.push_back(Make(StepKind::kAllToAll, group, l, moved));
-        return room();
+      int members[kPlanMaxMeshDims];
+      int n = 0;
+      for (int m = 0; m < md; ++m) {
+        if (mask & (1u << m)) members[n++] = m;
+      }
+      const Scaled share = Share(mask);
+      if (!fn(StepKind::kAllGather, mask, gathered, share * BoxBytes(gathered))) return;
+      const bool more = ForEachShardAssignment(members, n, gathered, !narrow, [&](Packed x) {
+        return x == l || fn(StepKind::kAllToAll, mask, x, share * std::max(bytes, BoxBytes(x)));
       });
-      if (!room()) return out;
+      if (!more) return;
     }
     // Partial -> Replicate (all_reduce) and Partial -> Shard (reduce_scatter) over any
-    // non-empty set of the Partial dims (one collective on their group).
-    Dims partial;
+    // non-empty set of the Partial dims (one collective on their group); reduce_scatter makes
+    // every member of the group a shard of some tensor dim (several dims at once, in any
+    // nesting order): the members' pieces tile the reduced box.
+    int partial[kPlanMaxMeshDims];
+    int np = 0;
+    int partial_code = -1;
     for (int m = 0; m < md; ++m) {
-      if (l[m].is_partial()) partial.push_back(m);
-    }
-    const uint32_t nsub = 1u << partial.size();
-    for (uint32_t sub = 1; sub < nsub; ++sub) {
-      Dims group;
-      for (size_t i = 0; i < partial.size(); ++i) {
-        if (sub & (1u << i)) group.push_back(partial[i]);
+      if (l.is_partial(m)) {
+        partial[np++] = m;
+        partial_code = l.code(m);
       }
-      Layout reduced = l;
-      for (int m : group) reduced = reduced.WithPlacement(m, Replicate());
-      out.push_back(Make(StepKind::kAllReduce, group, l, reduced));
-      // reduce_scatter: every member of the group becomes a shard of some tensor dim (several
-      // dims at once, in any nesting order); the members' pieces tile the reduced box.
-      absl::flat_hash_set<Layout> scattered;
-      ForEachShardAssignment(group, reduced, /*any_shard=*/!narrow, [&](const Layout& to) {
-        if (scattered.insert(to).second) out.push_back(Make(StepKind::kReduceScatter, group, l, to));
-        return room();
-      });
-      if (!room()) return out;
+    }
+    for (uint32_t sub = 1; sub < (1u << np); ++sub) {
+      uint32_t mask = 0;
+      int members[kPlanMaxMeshDims];
+      int n = 0;
+      Packed reduced = l;
+      for (int i = 0; i < np; ++i) {
+        if (sub & (1u << i)) {
+          mask |= 1u << partial[i];
+          members[n++] = partial[i];
+          reduced.Set(partial[i], Packed::kReplicate, 0);
+        }
+      }
+      const Scaled share = Share(mask);
+      if (!fn(StepKind::kAllReduce, mask, reduced, 2 * share * bytes)) return;
+      const bool more = ForEachShardAssignment(
+          members, n, reduced, !narrow, [&](Packed x) { return fn(StepKind::kReduceScatter, mask, x, share * bytes); });
+      if (!more) return;
     }
     // Replicate -> Shard (local chunk) and Replicate -> Partial (local), towards the target.
-    const std::optional<PartialOp> current = l.partial_op();
     for (int m = 0; m < md; ++m) {
-      if (!l[m].is_replicate() || mesh_shape[static_cast<size_t>(m)] == 1) continue;
+      if (l.code(m) != Packed::kReplicate || mesh_shape[static_cast<size_t>(m)] == 1) continue;
       // Towards the target's shard, or (wide search) any shard: replicas that each take a
       // piece can reduce or re-shard less data (P R -> R R on 4x2 moves fewer bytes as chunk,
       // reduce_scatter, all_gather than as one all_reduce), also where the target is Partial:
       // the piece is gathered back, then made Partial locally (P R -> R P on 4x2 likewise).
-      if (narrow && target[m].is_shard()) {
-        out.push_back(Make(StepKind::kChunk, {m}, l, l.WithPlacement(m, target[m])));
+      if (narrow && target.is_shard(m)) {
+        if (!fn(StepKind::kChunk, 1u << m, Append(l, m, target.shard_dim(m)), 0)) return;
       } else if (!narrow) {
-        for (int64_t e = 0; e < nd; ++e) out.push_back(Make(StepKind::kChunk, {m}, l, l.WithPlacement(m, Shard(e))));
+        for (int d = 0; d < nd; ++d) {
+          if (!fn(StepKind::kChunk, 1u << m, Append(l, m, d), 0)) return;
+        }
       }
-      if (target[m].is_partial() && (!current || *current == target[m].partial_op())) {
-        out.push_back(Make(StepKind::kToPartial, {m}, l, l.WithPlacement(m, target[m])));
+      if (target.is_partial(m) && (partial_code < 0 || partial_code == target.code(m))) {
+        Packed x = l;
+        x.Set(m, target.code(m), 0);
+        if (!fn(StepKind::kToPartial, 1u << m, x, 0)) return;
       }
     }
-    return out;
   }
 };
 
 constexpr size_t kNoBudget = ~size_t{0};
-constexpr size_t kWideSearchMoves = 5000;  // a few ms of planning at most
+// Moves the wide search may weigh: about 8 ms of planning (0.15 us a move).
+constexpr size_t kWideSearchMoves = 50000;
+
+struct PackedStep {
+  StepKind kind;
+  uint32_t mask;
+  Packed before;
+  Packed after;
+  Scaled cost;
+};
 
 struct Found {
-  std::vector<RedistributeStep> steps;
+  std::vector<PackedStep> steps;
   Cost cost;
 };
 
 // A* over layouts from start to goal with p's moves. h = growth of the box at coordinate 0
-// still needed to reach the target's, in bytes: a lower bound, since only gathers grow a box
-// and a gather costs at least the growth it brings ((s-1)/s x out >= out - in, because
-// in >= out/s). With `bound`, only plans cheaper than it are looked for; nullopt when there
-// is none, or when more than `budget` moves had to be weighed first.
-std::optional<Found> Search(const Planner& p, const Layout& start, const Layout& goal, std::optional<Cost> bound,
-                            size_t budget) {
+// still needed to reach the target's, in bytes: a lower bound, since only gathers and
+// all_to_alls grow a box, and they cost at least the growth they bring ((s-1)/s x out >=
+// out - in, because in >= out/s). With `bound`, only plans cheaper than it are looked for;
+// nullopt when there is none, or when more than `budget` moves had to be weighed first.
+std::optional<Found> Search(const Planner& p, Packed start, Packed goal, std::optional<Cost> bound, size_t budget) {
   const int64_t goal_bytes = p.BoxBytes(goal);
-  auto h = [&](const Layout& l) {
+  auto h = [&](Packed l) {
     return static_cast<Scaled>(std::max<int64_t>(0, goal_bytes - p.BoxBytes(l))) * p.mesh_size;
   };
   struct Node {
-    Layout layout;
+    Packed layout;
     Cost g;
     Scaled h = 0;
     int parent = -1;
-    int via = -1;  // index into `edges`
+    StepKind kind = StepKind::kRelabel;  // the move from the parent
+    uint32_t mask = 0;
+    Scaled cost = 0;
   };
   std::vector<Node> nodes;
-  std::vector<RedistributeStep> edges;  // every step that improved a node, as found
-  absl::flat_hash_map<Layout, int> index;
-  using Entry = std::tuple<Cost, Cost, int>;  // (g + h, g, node); ties go to the earlier node
+  absl::flat_hash_map<uint64_t, int> index;
+  using Entry = std::pair<Cost, int>;  // (g + h, node); ties go to the earlier node
   auto cmp = [](const Entry& a, const Entry& b) {
-    if (std::get<0>(b) < std::get<0>(a)) return true;
-    if (std::get<0>(a) < std::get<0>(b)) return false;
-    return std::get<2>(a) > std::get<2>(b);
+    if (b.first < a.first) return true;
+    if (a.first < b.first) return false;
+    return a.second > b.second;
   };
   auto f = [](const Cost& g, Scaled h_bytes) { return Cost{g.bytes + h_bytes, g.collectives, g.steps}; };
   auto worth = [&](const Cost& priority) { return !bound || priority < *bound; };
   std::priority_queue<Entry, std::vector<Entry>, decltype(cmp)> queue(cmp);
-  nodes.push_back(Node{start, Cost{}, h(start), -1, -1});
-  index[start] = 0;
-  queue.push({f(Cost{}, nodes[0].h), Cost{}, 0});
+  nodes.push_back(Node{start, Cost{}, h(start)});
+  index[start.bits] = 0;
+  queue.push({f(Cost{}, nodes[0].h), 0});
   int found = -1;
-  while (!queue.empty()) {
-    auto [priority, g, id] = queue.top();
+  bool over_budget = false;
+  while (!queue.empty() && !over_budget) {
+    const auto [priority, id] = queue.top();
     queue.pop();
     if (!worth(priority)) break;  // every plan left costs at least the bound
-    Node& node = nodes[static_cast<size_t>(id)];
-    if (node.g < g) continue;  // a stale entry: the node was reached more cheaply since
+    const Node& node = nodes[static_cast<size_t>(id)];
+    if (f(node.g, node.h) < priority) continue;  // stale: the node was reached more cheaply since
     if (node.layout == goal) {
       found = id;
       break;
     }
-    const Layout here = node.layout;
-    std::vector<Planner::Move> moves = p.Moves(here, budget);
-    if (moves.size() > budget) return std::nullopt;
-    budget -= moves.size();
-    for (Planner::Move& move : moves) {
-      RedistributeStep& step = move.step;
-      const Cost next = g + Cost{move.cost, step.is_collective() ? 1 : 0, 1};
-      auto it = index.find(step.after);
-      if (it == index.end()) {
-        const Scaled hn = h(step.after);
-        if (!worth(f(next, hn))) continue;
-        index.emplace(step.after, static_cast<int>(nodes.size()));
-        edges.push_back(std::move(step));
-        nodes.push_back(Node{edges.back().after, next, hn, id, static_cast<int>(edges.size()) - 1});
-        queue.push({f(next, hn), next, static_cast<int>(nodes.size()) - 1});
+    const Packed here = node.layout;
+    const Cost g = node.g;
+    p.ForEachMove(here, [&](StepKind kind, uint32_t mask, Packed after, Scaled cost) {
+      if (budget-- == 0) {
+        over_budget = true;
+        return false;
+      }
+      const bool collective = kind <= StepKind::kAllToAll;
+      const Cost next = g + Cost{cost, collective ? 1 : 0, 1};
+      const Scaled hn = h(after);
+      const Cost priority_next = f(next, hn);
+      if (!worth(priority_next)) return true;
+      auto [it, added] = index.try_emplace(after.bits, static_cast<int>(nodes.size()));
+      if (added) {
+        nodes.push_back(Node{after, next, hn, id, kind, mask, cost});
       } else {
         Node& n = nodes[static_cast<size_t>(it->second)];
-        if (next < n.g && worth(f(next, n.h))) {  // also re-opens an expanded node: h need not be consistent
-          edges.push_back(std::move(step));
-          n.g = next;
-          n.parent = id;
-          n.via = static_cast<int>(edges.size()) - 1;
-          queue.push({f(next, n.h), next, it->second});
-        }
+        if (!(next < n.g)) return true;
+        // Also re-opens an expanded node: h need not be consistent.
+        n.g = next;
+        n.parent = id;
+        n.kind = kind;
+        n.mask = mask;
+        n.cost = cost;
       }
-    }
+      queue.push({priority_next, it->second});
+      return true;
+    });
   }
   if (found < 0) return std::nullopt;
   Found out;
   out.cost = nodes[static_cast<size_t>(found)].g;
   for (int id = found; nodes[static_cast<size_t>(id)].parent >= 0; id = nodes[static_cast<size_t>(id)].parent) {
-    out.steps.push_back(edges[static_cast<size_t>(nodes[static_cast<size_t>(id)].via)]);
+    const Node& n = nodes[static_cast<size_t>(id)];
+    out.steps.push_back({n.kind, n.mask, nodes[static_cast<size_t>(n.parent)].layout, n.layout, n.cost});
   }
   std::reverse(out.steps.begin(), out.steps.end());
   return out;
@@ -415,6 +530,10 @@ absl::StatusOr<RedistributePlan> PlanRedistribute(IntSpan global_shape, IntSpan 
   plan.global_shape.assign(global_shape.begin(), global_shape.end());
   plan.mesh_shape.assign(mesh_shape.begin(), mesh_shape.end());
   plan.element_size = element_size;
+  if (md > kPlanMaxMeshDims || nd > kPlanMaxTensorDims) {
+    return InvalidArg(op, "a ", nd, "-d tensor on a ", md, "-d mesh: plans are made for up to ", kPlanMaxTensorDims,
+                      " tensor dims and ", kPlanMaxMeshDims, " mesh dims");
+  }
   for (int m = 0; m < md; ++m) {
     if (mesh_shape[static_cast<size_t>(m)] > 1 && plan.src[m].is_shard() && plan.dst[m].is_partial()) {
       return InvalidArg(op, plan.src.ToString(), " -> ", plan.dst.ToString(), ": mesh dim ", m, " goes from ",
@@ -430,25 +549,28 @@ absl::StatusOr<RedistributePlan> PlanRedistribute(IntSpan global_shape, IntSpan 
   if (start != goal) {
     int64_t mesh_size = 1;
     for (int64_t m : mesh_shape) mesh_size *= m;
-    Planner p{global_shape, mesh_shape, element_size, goal, Shape(mesh_shape.size(), 0), mesh_size, false, {}};
-    // The narrow search first (small: a mesh dim only becomes the target's shard of it), then
-    // the wide one (any shard) for a strictly cheaper plan, bounded by the narrow plan's cost
-    // and by kWideSearchMoves moves weighed: past that, the narrow plan stands (4-d meshes).
-    p.narrow = true;
-    std::optional<Found> narrow = Search(p, start, goal, std::nullopt, kNoBudget);
+    Planner p{global_shape, mesh_shape, element_size, Pack(goal), md, static_cast<int>(nd), mesh_size, true, {}};
+    p.Init();
+    // The narrow search first (small: a mesh dim the target shards only becomes that shard),
+    // then the wide one (any shard) for a strictly cheaper plan, bounded by the narrow plan's
+    // cost and by kWideSearchMoves moves weighed: past that, the narrow plan stands.
+    std::optional<Found> narrow = Search(p, Pack(start), p.target, std::nullopt, kNoBudget);
     if (!narrow) {
       return absl::UnimplementedError(
           absl::StrCat("[Redistribute] no plan from ", plan.src.ToString(), " to ", plan.dst.ToString()));
     }
-    // Only a reduction gains from the detour (replicas each reducing a piece: the examples
-    // in plan_test); the wide search would multiply planning time for every other pair.
-    std::optional<Found> wide;
-    if (start.has_partial()) {
-      p.narrow = false;
-      wide = Search(p, start, goal, narrow->cost, kWideSearchMoves);
-    }
+    p.narrow = false;
+    std::optional<Found> wide = Search(p, Pack(start), p.target, narrow->cost, kWideSearchMoves);
     const Found& best = wide && wide->cost < narrow->cost ? *wide : *narrow;
-    plan.steps.insert(plan.steps.end(), best.steps.begin(), best.steps.end());
+    for (const PackedStep& s : best.steps) {
+      Dims dims;
+      for (int m = 0; m < md; ++m) {
+        if (s.mask & (1u << m)) dims.push_back(m);
+      }
+      plan.steps.push_back({s.kind, std::move(dims), Unpack(s.before, md, static_cast<int>(nd)),
+                            Unpack(s.after, md, static_cast<int>(nd)),
+                            static_cast<double>(s.cost) / static_cast<double>(mesh_size)});
+    }
   }
   if (goal != plan.dst) {
     plan.steps.push_back({StepKind::kRelabel, {}, goal, plan.dst, 0});

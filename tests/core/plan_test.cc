@@ -559,7 +559,8 @@ TEST(PlanGoldenTest, TiesAreExactOnMeshDimsThatAreNotPowersOfTwo) {
 // Replicas that take a piece first can move fewer bytes than the collective PyTorch would
 // issue: P R -> R R on 4x2 as chunk (mesh dim 1), reduce_scatter (dim 0), all_gather (both)
 // sends 99 + 231 = 330 bytes against one all_reduce's 2 * 3/4 * 264 = 396. The narrow search
-// (a mesh dim only ever becomes the target's shard) cannot find these.
+// (a mesh dim only ever becomes the target's shard) cannot find these. The best costs were
+// checked against an exhaustive search over every layout (exact fractions, outside the repo).
 TEST(PlanGoldenTest, WideSearchFindsPlansThroughOtherShards) {
   const Placement Pavg = Partial(PartialOp::kAvg);
   struct Case {
@@ -574,6 +575,12 @@ TEST(PlanGoldenTest, WideSearchFindsPlansThroughOtherShards) {
       // A Partial target: the chunked mesh dim is gathered back before it becomes Partial.
       {{6, 11}, {4, 2}, Layout({Psum, R}), Layout({R, Psum}), 396, 330},
       {{16, 8}, {2, 2, 2}, Layout({Psum, R, R}), Layout({S0, S0, Psum}), 192, 160},
+      // Sources without Partial dims: a chunk on another dim, then an all_to_all that swaps
+      // the pieces, moves less than all_gather + chunk or an all_to_all from a larger box.
+      {{8, 6}, {2, 2}, Layout({S1, R}), Layout({R, S1}), 96, 84},
+      {{8, 6}, {2, 2}, Layout({S1, R}), Layout({S0, S1}), 48, 36},
+      {{10, 7}, {3, 3}, Layout({S0, R}), Layout({R, S0}), 1120.0 / 9, 1056.0 / 9},
+      {{5, 6}, {2, 2, 2}, Layout({S1, R, R}), Layout({S0, S1, R}), 30, 27},
   };
   for (const Case& c : cases) {
     const RedistributePlan plan = MustPlan(c.shape, c.mesh, c.src, c.dst);
@@ -691,6 +698,30 @@ TEST(PlanErrorTest, ShardToPartial) {
     EXPECT_THAT(plan.status().message(), HasSubstr(c.src.ToString()));
     EXPECT_THAT(plan.status().message(), HasSubstr(c.dst.ToString()));
   }
+}
+
+// A 0-d tensor (a loss, a norm) has nothing to shard: Partial -> Replicate is one all_reduce
+// of one element, and no move may try to shard it.
+TEST(PlanGoldenTest, ZeroDimTensor) {
+  const RedistributePlan pp = MustPlan({}, {2, 2}, {Psum, Psum}, {R, R});
+  ExpectOneAllReduceOverBothDims(pp);
+  EXPECT_NEAR(pp.cost, 2.0 * 3 / 4 * 4, 1e-9);
+  const RedistributePlan rp = MustPlan({}, {2, 2}, {R, R}, {R, Psum});
+  EXPECT_EQ(rp.num_collectives(), 0) << rp.DebugString();
+}
+
+// The planner's search packs a layout into 64 bits: up to 8 tensor dims and 8 mesh dims.
+TEST(PlanErrorTest, TooManyDims) {
+  const absl::StatusOr<RedistributePlan> plan = PlanRedistribute(Index(9, 2), {2}, Layout({Shard(8)}), Layout({R}), 4);
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
+  EXPECT_THAT(plan.status().message(), HasSubstr("9-d tensor"));
+  const absl::StatusOr<RedistributePlan> mesh9 =
+      PlanRedistribute({4}, Index(9, 1), Layout(Placements(9, R)), Layout(Placements(9, R)), 4);
+  ASSERT_FALSE(mesh9.ok());
+  EXPECT_THAT(mesh9.status().message(), HasSubstr("9-d mesh"));
+  // 8 and 8 plan.
+  EXPECT_TRUE(PlanRedistribute(Index(8, 2), Index(8, 1), Layout(Placements(8, R)), Layout(Placements(8, R)), 4).ok());
 }
 
 TEST(PlanErrorTest, BadLayouts) {
