@@ -13,6 +13,8 @@
 
 #ifdef DTENSOR_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "dtensor/tensor/cuda_device_guard.h"
 #endif
 
 namespace dtensor {
@@ -34,14 +36,11 @@ class SystemMemory {
   explicit SystemMemory(Device d) : device_(d) {}
   absl::StatusOr<void*> Alloc([[maybe_unused]] size_t n) {
 #ifdef DTENSOR_WITH_CUDA
-    int prev = 0;
-    cudaGetDevice(&prev);
-    cudaSetDevice(device_.index);
+    internal::DeviceGuard guard(device_.index);
     void* p = nullptr;
-    cudaError_t err = cudaMalloc(&p, n);
-    cudaSetDevice(prev);
+    const cudaError_t err = guard.ok() ? cudaMalloc(&p, n) : guard.error();
     if (err != cudaSuccess) {
-      cudaGetLastError();  // clear the sticky-free error state
+      cudaGetLastError();  // clear the (non-sticky) error state
       return absl::ResourceExhaustedError(absl::StrCat("[Allocate] ", device_.ToString(), ": cudaMalloc of ", n,
                                                        " bytes failed: ", cudaGetErrorString(err)));
     }
@@ -53,11 +52,8 @@ class SystemMemory {
   }
   void Release([[maybe_unused]] void* p) {
 #ifdef DTENSOR_WITH_CUDA
-    int prev = 0;
-    cudaGetDevice(&prev);
-    cudaSetDevice(device_.index);
-    cudaFree(p);
-    cudaSetDevice(prev);
+    internal::DeviceGuard guard(device_.index);
+    if (guard.ok()) cudaFree(p);
 #endif
   }
 
@@ -72,31 +68,30 @@ class CachingAllocator final : public Allocator {
   absl::StatusOr<void*> Allocate(size_t nbytes) override {
     if (nbytes == 0) return nullptr;
     const size_t size = RoundSize(nbytes);
-    absl::MutexLock lock(&mu_);
-    void* p = nullptr;
-    size_t block = size;
-    auto it = free_.lower_bound(size);
-    if (it != free_.end() && it->first <= size + size / 8) {
-      block = it->first;
-      p = it->second;
-      free_.erase(it);
-      stats_.bytes_cached -= static_cast<int64_t>(block);
-      ++stats_.num_cache_hits;
-    } else {
-      auto got = system_.Alloc(size);
-      if (!got.ok()) {  // return the cache to the system and try once more
-        ReleaseCacheLocked();
-        got = system_.Alloc(size);
-        if (!got.ok()) return got.status();
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = free_.lower_bound(size);
+      if (it != free_.end() && it->first <= size + size / 8) {
+        const size_t block = it->first;
+        void* p = it->second;
+        free_.erase(it);
+        stats_.bytes_cached -= static_cast<int64_t>(block);
+        ++stats_.num_cache_hits;
+        return HandedLocked(p, block);
       }
-      p = *got;
-      ++stats_.num_system_allocs;
     }
-    live_[p] = block;
-    ++stats_.num_allocs;
-    stats_.bytes_in_use += static_cast<int64_t>(block);
-    if (stats_.bytes_in_use > stats_.peak_bytes_in_use) stats_.peak_bytes_in_use = stats_.bytes_in_use;
-    return p;
+    // cudaMalloc and cudaFree outside the lock: they may wait for the device (cudaFree
+    // synchronises it), e.g. behind an NCCL kernel waiting for a peer, and other threads
+    // must still be served from the cache meanwhile.
+    absl::StatusOr<void*> got = system_.Alloc(size);
+    if (!got.ok()) {  // return the cache to the system and try once more
+      EmptyCache();
+      got = system_.Alloc(size);
+      if (!got.ok()) return got.status();
+    }
+    absl::MutexLock lock(&mu_);
+    ++stats_.num_system_allocs;
+    return HandedLocked(*got, size);
   }
 
   void Free(void* ptr) override {
@@ -120,16 +115,23 @@ class CachingAllocator final : public Allocator {
     stats_.peak_bytes_in_use = stats_.bytes_in_use;
   }
   void EmptyCache() override {
-    absl::MutexLock lock(&mu_);
-    ReleaseCacheLocked();
+    std::multimap<size_t, void*> blocks;
+    {
+      absl::MutexLock lock(&mu_);
+      blocks.swap(free_);
+      stats_.bytes_cached = 0;
+    }
+    for (auto& [size, p] : blocks) system_.Release(p);  // outside the lock, as in Allocate
   }
   Device device() const override { return device_; }
 
  private:
-  void ReleaseCacheLocked() {
-    for (auto& [size, p] : free_) system_.Release(p);
-    free_.clear();
-    stats_.bytes_cached = 0;
+  void* HandedLocked(void* p, size_t block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    live_[p] = block;
+    ++stats_.num_allocs;
+    stats_.bytes_in_use += static_cast<int64_t>(block);
+    if (stats_.bytes_in_use > stats_.peak_bytes_in_use) stats_.peak_bytes_in_use = stats_.bytes_in_use;
+    return p;
   }
 
   const Device device_;

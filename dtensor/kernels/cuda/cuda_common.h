@@ -1,5 +1,5 @@
 // Host-side helpers of the CUDA backend (internal; not installed): error conversion, the
-// device guard, and Tensor -> gpu::Layout conversion.
+// device guard (from dtensor/tensor/cuda_device_guard.h), and Tensor -> gpu::Layout conversion.
 //
 //   DeviceGuard guard(index_);                         // cudaSetDevice, restored on scope exit
 //   if (!guard.ok()) return ToStatus(guard.error(), "Softmax", index_);
@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "dtensor/kernels/cuda/launch.h"
+#include "dtensor/tensor/cuda_device_guard.h"  // DeviceGuard
 #include "dtensor/tensor/tensor.h"
 
 namespace dtensor::internal {
@@ -72,31 +73,6 @@ inline absl::Status ToStatus(cublasStatus_t st, const char* op, int device) {
       return absl::InternalError(msg);
   }
 }
-
-// Makes `device` current for the guard's lifetime and restores the previous device after.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
-    if (prev_ != device) {
-      error_ = cudaSetDevice(device);
-      changed_ = error_ == cudaSuccess && prev_ >= 0;
-    }
-  }
-  ~DeviceGuard() {
-    if (changed_) cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
-  bool ok() const { return error_ == cudaSuccess; }
-  cudaError_t error() const { return error_; }
-
- private:
-  int prev_ = -1;
-  bool changed_ = false;
-  cudaError_t error_ = cudaSuccess;
-};
 
 // Runs `launch` (returning cudaError_t) with `device` current; a failure becomes a Status
 // naming `op`.
