@@ -328,15 +328,29 @@ class NcclWork final : public Work {
   ~NcclWork() override {
     if (done_event_ == nullptr) return;
     DeviceGuard guard(state_->device());
-    if (!finished_) {
+    bool leak = false;
+    if (!finished_ && std::this_thread::get_id() == owner_) {
       // Not waited for: blocks freed below must not be reused by compute-stream work before
       // the collective is done with them.
       cudaStreamWaitEvent(cudaStreamPerThread, done_event_.get(), 0);
+    } else if (!finished_) {
+      // Destroyed on another thread: its cudaStreamPerThread is not the stream the owner's
+      // next kernels run on, so making it wait would not protect the blocks. Wait on the
+      // host for the event instead (no NCCL call: the communicator is the owner's), up to
+      // the timeout; past it, or on a CUDA error, leak the buffers.
+      const absl::Time deadline = absl::Now() + timeout_;
+      cudaError_t q = cudaEventQuery(done_event_.get());
+      for (int i = 0; q == cudaErrorNotReady && absl::Now() < deadline; ++i) {
+        Backoff(i);
+        q = cudaEventQuery(done_event_.get());
+      }
+      leak = q != cudaSuccess;
     } else if (!status_.ok() && cudaEventQuery(done_event_.get()) == cudaErrorNotReady) {
-      // Failed and (after the abort) possibly still touching its buffers: leak them rather
-      // than let the allocator hand them out again.
-      new std::vector<Tensor>(std::move(keep_));
+      // Failed and (after the abort) possibly still touching its buffers.
+      leak = true;
     }
+    // Leak rather than let the allocator hand the blocks out again while NCCL may write them.
+    if (leak) new std::vector<Tensor>(std::move(keep_));
   }
 
   absl::Status Wait() override {
@@ -367,6 +381,7 @@ class NcclWork final : public Work {
   std::vector<Tensor> keep_;
   bool finished_ = false;
   absl::Status status_;
+  std::thread::id owner_ = std::this_thread::get_id();  // the thread that issued the collective
 };
 
 template <typename F>

@@ -34,8 +34,10 @@
 //                   final for every stream and for the host. (Because Wait() blocks the host,
 //                   the host cannot queue kernels past it; overlap comes from issuing the
 //                   *Async call early and waiting late.)
-// Destroying a Work that was not waited for makes the destroying thread's compute stream
-// wait for its event (no host block), so memory its tensors free is only reused after it.
+// Destroying a Work that was not waited for makes the issuing thread's compute stream wait
+// for its event (no host block), so memory its tensors free is only reused after it; on
+// another thread (whose compute stream is another) it waits on the host for the event, up to
+// the timeout, and past that leaks the tensors rather than free memory NCCL may still write.
 //
 // Failures. The NCCL communicator is non-blocking (ncclConfig_t::blocking = 0): init,
 // split and every enqueue are polled with the communicator's timeout, so a dead or missing
