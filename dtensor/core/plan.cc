@@ -64,7 +64,6 @@ struct Packed {
     bits = (bits & ~(uint64_t{0xFF} << shift)) | (static_cast<uint64_t>(code | (level << 4)) << shift);
   }
   friend bool operator==(Packed a, Packed b) { return a.bits == b.bits; }
-  friend bool operator!=(Packed a, Packed b) { return a.bits != b.bits; }
 };
 
 Packed Pack(const Layout& l) {
@@ -119,10 +118,13 @@ struct Planner {
   int md;             // mesh dims
   int nd;             // tensor dims
   int64_t mesh_size;  // M of Scaled
-  // Narrow search: a mesh dim the target shards only ever becomes that shard (by chunk,
-  // reduce_scatter or all_to_all). Wide: any shard (replicas that each take a piece reduce or
-  // move less), which finds cheaper plans but weighs many more moves.
-  bool narrow = false;
+  // Which shards a Replicate or Partial mesh dim may become (by chunk, reduce_scatter or
+  // all_to_all). kNarrow: where the target shards it, only that shard. kWide: any shard
+  // (replicas that each take a piece reduce or move less), which finds cheaper plans but
+  // weighs many more moves. kWideReductions: chunks and reduce_scatters to any shard,
+  // all_to_alls narrow — most of kWide's gains at a fraction of its moves.
+  enum class Breadth { kNarrow, kWideReductions, kWide };
+  Breadth breadth = Breadth::kNarrow;
 
   // extent[d][mask]: the size along tensor dim d of the box at coordinate 0 when the mesh
   // dims in `mask` shard it: ceil(n / k) for the product k of their sizes, in any nest order
@@ -259,7 +261,7 @@ struct Planner {
       }
       const Scaled share = Share(mask);
       if (!fn(StepKind::kAllGather, mask, gathered, share * BoxBytes(gathered))) return;
-      const bool more = ForEachShardAssignment(members, n, gathered, !narrow, [&](Packed x) {
+      const bool more = ForEachShardAssignment(members, n, gathered, breadth == Breadth::kWide, [&](Packed x) {
         return x == l || fn(StepKind::kAllToAll, mask, x, share * std::max(bytes, BoxBytes(x)));
       });
       if (!more) return;
@@ -291,8 +293,9 @@ struct Planner {
       }
       const Scaled share = Share(mask);
       if (!fn(StepKind::kAllReduce, mask, reduced, 2 * share * bytes)) return;
-      const bool more = ForEachShardAssignment(
-          members, n, reduced, !narrow, [&](Packed x) { return fn(StepKind::kReduceScatter, mask, x, share * bytes); });
+      const bool more = ForEachShardAssignment(members, n, reduced, breadth != Breadth::kNarrow, [&](Packed x) {
+        return fn(StepKind::kReduceScatter, mask, x, share * bytes);
+      });
       if (!more) return;
     }
     // Replicate -> Shard (local chunk) and Replicate -> Partial (local), towards the target.
@@ -302,6 +305,7 @@ struct Planner {
       // piece can reduce or re-shard less data (P R -> R R on 4x2 moves fewer bytes as chunk,
       // reduce_scatter, all_gather than as one all_reduce), also where the target is Partial:
       // the piece is gathered back, then made Partial locally (P R -> R P on 4x2 likewise).
+      const bool narrow = breadth == Breadth::kNarrow;
       if (narrow && target.is_shard(m)) {
         if (!fn(StepKind::kChunk, 1u << m, Append(l, m, target.shard_dim(m)), 0)) return;
       } else if (!narrow) {
@@ -318,8 +322,10 @@ struct Planner {
   }
 };
 
-constexpr size_t kNoBudget = ~size_t{0};
-// Moves the wide search may weigh: about 8 ms of planning (0.15 us a move).
+// Moves each search may weigh (about 0.15 us a move): past that, the best plan found so far
+// stands. The narrow search gets more: its plans are the ones the wide searches improve on,
+// and on 4-d meshes it can need over 100000 moves to beat the fallback by 2x.
+constexpr size_t kNarrowSearchMoves = 250000;
 constexpr size_t kWideSearchMoves = 50000;
 
 struct PackedStep {
@@ -371,7 +377,8 @@ std::optional<Found> Search(const Planner& p, Packed start, Packed goal, std::op
   int found = -1;
   bool over_budget = false;
   while (!queue.empty() && !over_budget) {
-    const auto [priority, id] = queue.top();
+    const Cost priority = queue.top().first;
+    const int id = queue.top().second;
     queue.pop();
     if (!worth(priority)) break;  // every plan left costs at least the bound
     const Node& node = nodes[static_cast<size_t>(id)];
@@ -417,6 +424,51 @@ std::optional<Found> Search(const Planner& p, Packed start, Packed goal, std::op
     out.steps.push_back({n.kind, n.mask, nodes[static_cast<size_t>(n.parent)].layout, n.layout, n.cost});
   }
   std::reverse(out.steps.begin(), out.steps.end());
+  return out;
+}
+
+// A plan that always exists, found without search: all_reduce every Partial dim (on the
+// smaller box), all_gather every shard (one collective: each tensor dim's sharders are all
+// its innermost ones), then chunk into the target's shards (outermost first, so the nest
+// order comes out right) and make its Partial dims locally. The searches start from its cost.
+Found Fallback(const Planner& p, Packed start) {
+  Found out;
+  Packed l = start;
+  auto add = [&](StepKind kind, uint32_t mask, Packed after, Scaled cost) {
+    out.steps.push_back({kind, mask, l, after, cost});
+    out.cost = out.cost + Cost{cost, kind <= StepKind::kAllToAll ? 1 : 0, 1};
+    l = after;
+  };
+  uint32_t partial = 0, shards = 0;
+  Packed reduced = l;
+  for (int m = 0; m < p.md; ++m) {
+    if (l.is_partial(m)) {
+      partial |= 1u << m;
+      reduced.Set(m, Packed::kReplicate, 0);
+    }
+  }
+  if (partial != 0) add(StepKind::kAllReduce, partial, reduced, 2 * p.Share(partial) * p.BoxBytes(l));
+  Packed gathered = l;
+  for (int m = 0; m < p.md; ++m) {
+    if (l.is_shard(m)) {
+      shards |= 1u << m;
+      gathered.Set(m, Packed::kReplicate, 0);
+    }
+  }
+  if (shards != 0) add(StepKind::kAllGather, shards, gathered, p.Share(shards) * p.BoxBytes(gathered));
+  const Nest nest = p.NestOf(p.target);
+  for (int d = 0; d < p.nd; ++d) {
+    for (int i = 0; i < nest.count[d]; ++i) {
+      add(StepKind::kChunk, 1u << nest.dims[d][i], p.Append(l, nest.dims[d][i], d), 0);
+    }
+  }
+  for (int m = 0; m < p.md; ++m) {
+    if (p.target.is_partial(m)) {
+      Packed x = l;
+      x.Set(m, p.target.code(m), 0);
+      add(StepKind::kToPartial, 1u << m, x, 0);
+    }
+  }
   return out;
 }
 
@@ -530,9 +582,8 @@ absl::StatusOr<RedistributePlan> PlanRedistribute(IntSpan global_shape, IntSpan 
   plan.global_shape.assign(global_shape.begin(), global_shape.end());
   plan.mesh_shape.assign(mesh_shape.begin(), mesh_shape.end());
   plan.element_size = element_size;
-  if (md > kPlanMaxMeshDims || nd > kPlanMaxTensorDims) {
-    return InvalidArg(op, "a ", nd, "-d tensor on a ", md, "-d mesh: plans are made for up to ", kPlanMaxTensorDims,
-                      " tensor dims and ", kPlanMaxMeshDims, " mesh dims");
+  for (int64_t n : mesh_shape) {
+    if (n < 1) return InvalidArg(op, "mesh shape ", ShapeString(mesh_shape), ": every mesh dim needs a rank");
   }
   for (int m = 0; m < md; ++m) {
     if (mesh_shape[static_cast<size_t>(m)] > 1 && plan.src[m].is_shard() && plan.dst[m].is_partial()) {
@@ -547,21 +598,35 @@ absl::StatusOr<RedistributePlan> PlanRedistribute(IntSpan global_shape, IntSpan 
     plan.steps.push_back({StepKind::kRelabel, {}, plan.src, start, 0});
   }
   if (start != goal) {
+    if (md > kPlanMaxMeshDims || nd > kPlanMaxTensorDims) {
+      return InvalidArg(op, plan.src.ToString(), " -> ", plan.dst.ToString(), " for a ", nd, "-d tensor on a ", md,
+                        "-d mesh: data moves are planned for up to ", kPlanMaxTensorDims, " tensor dims and ",
+                        kPlanMaxMeshDims, " mesh dims");
+    }
     int64_t mesh_size = 1;
     for (int64_t m : mesh_shape) mesh_size *= m;
-    Planner p{global_shape, mesh_shape, element_size, Pack(goal), md, static_cast<int>(nd), mesh_size, true, {}};
+    Planner p{global_shape,
+              mesh_shape,
+              element_size,
+              Pack(goal),
+              md,
+              static_cast<int>(nd),
+              mesh_size,
+              Planner::Breadth::kNarrow,
+              {}};
     p.Init();
-    // The narrow search first (small: a mesh dim the target shards only becomes that shard),
-    // then the wide one (any shard) for a strictly cheaper plan, bounded by the narrow plan's
-    // cost and by kWideSearchMoves moves weighed: past that, the narrow plan stands.
-    std::optional<Found> narrow = Search(p, Pack(start), p.target, std::nullopt, kNoBudget);
-    if (!narrow) {
-      return absl::UnimplementedError(
-          absl::StrCat("[Redistribute] no plan from ", plan.src.ToString(), " to ", plan.dst.ToString()));
+    // From the fallback plan, each search looks for a cheaper one: narrow (the target's shards
+    // only; it may also match the fallback's cost, and wins that tie), then wide reductions,
+    // then wide, each within kSearchMoves moves.
+    Found best = Fallback(p, Pack(start));
+    for (Planner::Breadth breadth :
+         {Planner::Breadth::kNarrow, Planner::Breadth::kWideReductions, Planner::Breadth::kWide}) {
+      p.breadth = breadth;
+      Cost bound = best.cost;
+      if (breadth == Planner::Breadth::kNarrow) ++bound.steps;  // an equal plan too
+      const size_t budget = breadth == Planner::Breadth::kNarrow ? kNarrowSearchMoves : kWideSearchMoves;
+      if (std::optional<Found> found = Search(p, Pack(start), p.target, bound, budget)) best = *std::move(found);
     }
-    p.narrow = false;
-    std::optional<Found> wide = Search(p, Pack(start), p.target, narrow->cost, kWideSearchMoves);
-    const Found& best = wide && wide->cost < narrow->cost ? *wide : *narrow;
     for (const PackedStep& s : best.steps) {
       Dims dims;
       for (int m = 0; m < md; ++m) {

@@ -35,20 +35,22 @@
 // largest — so every rank computes the same plan. Thus [S(0),R] -> [R,S(1)] chunks first and
 // gathers half the bytes, and P P -> R R is one all_reduce over all 4 ranks of a 2x2 mesh.
 // Costs are exact (integers scaled by the mesh size), so equal-byte plans tie exactly and the
-// one with fewer collectives wins. Two searches: a narrow one, where a mesh dim the target
-// shards only ever becomes that shard, then a wide one where chunks, reduce_scatters and
-// all_to_alls may go to any shard, bounded by the narrow plan's cost and by 50000 moves weighed
-// (about 8 ms; past that the narrow plan stands: in random samples, most pairs on 4-d meshes of
-// tensors with 3 or more dims, a tenth on 3-d meshes of 5-d tensors, none smaller). The wide
-// one finds plans where replicas each take a piece: P R -> R R on a 4x2 mesh becomes chunk,
-// reduce_scatter, all_gather (330 bytes for [6, 11] float32) instead of one all_reduce (396,
-// PyTorch's plan), and S(1)R -> S(0)S(1) on 2x2 chunks mesh dim 1 along dim 0 and swaps the
-// pieces with one all_to_all (36 bytes for [8, 6], not 48). Checked against an exhaustive
-// search (every layout, exact fractions) on 15277 layout pairs over 11 mesh and shape cases
-// (1-d to 3-d meshes, even and uneven shapes): every plan moves the fewest bytes, and no
-// equal-byte plan uses fewer collectives. The search runs on layouts packed into 64 bits (a
-// byte per mesh dim), so a move costs about 0.15 us: plans for tensors of up to 8 dims on
-// meshes of up to 8 dims.
+// one with fewer collectives wins. The search starts from a plan found without search
+// (all_reduce every Partial dim, all_gather every shard, chunk into the target), then three A*
+// searches each look for a cheaper plan within a budget of moves weighed: a narrow one, where a
+// mesh dim the target shards only ever becomes that shard (250000 moves); one where chunks and
+// reduce_scatters may go to any shard; and one where all_to_alls may too (50000 moves each).
+// Past a budget the best plan so far stands; a move costs about 0.15 us, so an uncached plan
+// takes microseconds on 1-d and 2-d meshes and, in random samples of tensors of up to 5 dims,
+// at most 5 ms on 3-d and 30 ms on 4-d meshes. The wide searches find plans where replicas each take a piece: P R ->
+// R R on a 4x2 mesh becomes chunk, reduce_scatter, all_gather (330 bytes for [6, 11] float32)
+// instead of one all_reduce (396, PyTorch's plan), and S(1)R -> S(0)S(1) on 2x2 chunks mesh dim
+// 1 along dim 0 and swaps the pieces with one all_to_all (36 bytes for [8, 6], not 48). Checked
+// against an exhaustive search (every layout, exact fractions) on 15277 layout pairs over 11
+// mesh and shape cases (1-d to 3-d meshes, even and uneven shapes): every plan moves the fewest
+// bytes, and no equal-byte plan uses fewer collectives. The search runs on layouts packed into
+// 64 bits (a byte per mesh dim): data moves are planned for tensors of up to 8 dims on meshes
+// of up to 8 dims.
 #ifndef DTENSOR_CORE_PLAN_H_
 #define DTENSOR_CORE_PLAN_H_
 

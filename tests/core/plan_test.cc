@@ -710,18 +710,29 @@ TEST(PlanGoldenTest, ZeroDimTensor) {
   EXPECT_EQ(rp.num_collectives(), 0) << rp.DebugString();
 }
 
-// The planner's search packs a layout into 64 bits: up to 8 tensor dims and 8 mesh dims.
-TEST(PlanErrorTest, TooManyDims) {
+// The planner's search packs a layout into 64 bits: data moves for up to 8 tensor dims and 8
+// mesh dims. Layouts with nothing to move plan at any size; mesh dims need a rank.
+TEST(PlanErrorTest, TooManyDimsAndEmptyMeshDims) {
   const absl::StatusOr<RedistributePlan> plan = PlanRedistribute(Index(9, 2), {2}, Layout({Shard(8)}), Layout({R}), 4);
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().code(), absl::StatusCode::kInvalidArgument) << plan.status();
   EXPECT_THAT(plan.status().message(), HasSubstr("9-d tensor"));
-  const absl::StatusOr<RedistributePlan> mesh9 =
-      PlanRedistribute({4}, Index(9, 1), Layout(Placements(9, R)), Layout(Placements(9, R)), 4);
+  Placements rs(9, R), srs(9, R);
+  srs[0] = S0;
+  const absl::StatusOr<RedistributePlan> mesh9 = PlanRedistribute({4}, Index(9, 2), Layout(srs), Layout(rs), 4);
   ASSERT_FALSE(mesh9.ok());
   EXPECT_THAT(mesh9.status().message(), HasSubstr("9-d mesh"));
+  // Nothing to move: planned at any size (a 9-d DTensor may still call Redistribute).
+  EXPECT_EQ(MustPlan(Index(9, 2), {2}, {R}, {R}).steps.size(), 0u);
+  EXPECT_EQ(MustPlan({4}, Index(9, 2), Layout(rs), Layout(rs)).steps.size(), 0u);
   // 8 and 8 plan.
-  EXPECT_TRUE(PlanRedistribute(Index(8, 2), Index(8, 1), Layout(Placements(8, R)), Layout(Placements(8, R)), 4).ok());
+  Placements s8(8, R);
+  s8[7] = Shard(7);
+  EXPECT_EQ(MustPlan(Index(8, 2), Index(8, 2), Layout(s8), Layout(Placements(8, R))).num_collectives(), 1);
+  const absl::StatusOr<RedistributePlan> empty = PlanRedistribute({4}, {2, 0}, {S0, R}, {R, R}, 4);
+  ASSERT_FALSE(empty.ok());
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument) << empty.status();
+  EXPECT_THAT(empty.status().message(), HasSubstr("[2, 0]"));
 }
 
 TEST(PlanErrorTest, BadLayouts) {
