@@ -700,6 +700,27 @@ TEST(PlanErrorTest, ShardToPartial) {
   }
 }
 
+// Large searches run out of budget; the best plan found by then stands, never a worse one
+// than a smaller search finds: these are the costs the wide-reductions search (chunks and
+// reduce_scatters to any shard) reached when it was the only wide search.
+TEST(PlanGoldenTest, BudgetedSearchesKeepTheirBestPlans) {
+  const Placement S1 = Shard(1), S2 = Shard(2), S3 = Shard(3), S4 = Shard(4);
+  struct Case {
+    Index shape, mesh;
+    Layout src, dst;
+    double at_most;
+  };
+  const std::vector<Case> cases = {
+      {{10, 7, 7, 6, 12}, {4, 4, 3}, Layout({S3, R, Psum}), Layout({S4, Psum, S1}), 23410},
+      {{3, 12, 12, 12, 13}, {4, 4, 3}, Layout({R, Psum, Psum}), Layout({S4, S2, R}), 80784},
+      {{3, 8, 12, 3, 6}, {3, 1, 3, 3}, Layout({S0, S2, Psum, R}), Layout({R, S1, S0, S1}), 4096},
+  };
+  for (const Case& c : cases) {
+    const RedistributePlan plan = MustPlan(c.shape, c.mesh, c.src, c.dst);
+    EXPECT_LE(plan.cost, c.at_most + 1e-6) << plan.DebugString();
+  }
+}
+
 // A 0-d tensor (a loss, a norm) has nothing to shard: Partial -> Replicate is one all_reduce
 // of one element, and no move may try to shard it.
 TEST(PlanGoldenTest, ZeroDimTensor) {
