@@ -332,7 +332,7 @@ class NcclWork final : public Work {
     if (!finished_ && std::this_thread::get_id() == owner_) {
       // Not waited for: blocks freed below must not be reused by compute-stream work before
       // the collective is done with them.
-      cudaStreamWaitEvent(cudaStreamPerThread, done_event_.get(), 0);
+      leak = cudaStreamWaitEvent(cudaStreamPerThread, done_event_.get(), 0) != cudaSuccess;
     } else if (!finished_) {
       // Destroyed on another thread: its cudaStreamPerThread is not the stream the owner's
       // next kernels run on, so making it wait would not protect the blocks. Wait on the

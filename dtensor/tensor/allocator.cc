@@ -84,8 +84,12 @@ class CachingAllocator final : public Allocator {
     // synchronises it), e.g. behind an NCCL kernel waiting for a peer, and other threads
     // must still be served from the cache meanwhile.
     absl::StatusOr<void*> got = system_.Alloc(size);
-    if (!got.ok()) {  // return the cache to the system and try once more
-      EmptyCache();
+    if (!got.ok()) {
+      // Return the cache to the system and try once more. One thread at a time, and after any
+      // release in progress has finished (else this retry could run before another thread's
+      // EmptyCache has given its blocks back, and fail with memory about to be free).
+      absl::MutexLock release(&release_mu_);
+      ReleaseCache();
       got = system_.Alloc(size);
       if (!got.ok()) return got.status();
     }
@@ -115,17 +119,23 @@ class CachingAllocator final : public Allocator {
     stats_.peak_bytes_in_use = stats_.bytes_in_use;
   }
   void EmptyCache() override {
+    absl::MutexLock release(&release_mu_);
+    ReleaseCache();
+  }
+  Device device() const override { return device_; }
+
+ private:
+  // Takes the free blocks under mu_ and gives them back to the system outside it.
+  void ReleaseCache() ABSL_EXCLUSIVE_LOCKS_REQUIRED(release_mu_) {
     std::multimap<size_t, void*> blocks;
     {
       absl::MutexLock lock(&mu_);
       blocks.swap(free_);
       stats_.bytes_cached = 0;
     }
-    for (auto& [size, p] : blocks) system_.Release(p);  // outside the lock, as in Allocate
+    for (auto& [size, p] : blocks) system_.Release(p);
   }
-  Device device() const override { return device_; }
 
- private:
   void* HandedLocked(void* p, size_t block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     live_[p] = block;
     ++stats_.num_allocs;
@@ -136,6 +146,8 @@ class CachingAllocator final : public Allocator {
 
   const Device device_;
   SystemMemory system_;
+  // Order: release_mu_ before mu_. No CUDA call is made under mu_.
+  absl::Mutex release_mu_;  // one cache release (and the out-of-memory retry after it) at a time
   mutable absl::Mutex mu_;  // spins briefly before sleeping: the critical sections are short
   std::multimap<size_t, void*> free_;
   std::unordered_map<void*, size_t> live_;

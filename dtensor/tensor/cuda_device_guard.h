@@ -1,7 +1,7 @@
 // DeviceGuard: makes a CUDA device current for a scope (internal; CUDA builds only; not
 // installed). Used by the caching allocator and by the CUDA kernels and NCCL backend.
 //
-//   DeviceGuard guard(index_);                         // cudaSetDevice, restored on scope exit
+//   DeviceGuard guard(index_);                         // cudaSetDevice; see below for the exit
 //   if (!guard.ok()) return ToStatus(guard.error(), "Softmax", index_);
 //
 // On exit the previous device is made current again only when its primary context already
@@ -21,6 +21,12 @@ namespace dtensor::internal {
 // Whether the primary context of CUDA device `device` exists (true when it cannot be told).
 // Creates no context.
 inline bool CudaPrimaryContextActive(int device) {
+#if CUDART_VERSION < 12000
+  // Before CUDA 12, cudaSetDevice creates no context, so restoring a device is harmless (and
+  // cudaGetDriverEntryPoint has another signature, or does not exist).
+  (void)device;
+  return true;
+#else
   struct Driver {
     CUresult (*device_get)(CUdevice*, int) = nullptr;
     CUresult (*get_state)(CUdevice, unsigned int*, int*) = nullptr;
@@ -49,13 +55,14 @@ inline bool CudaPrimaryContextActive(int device) {
     }
     return d;
   }();
-  if (driver.get_state == nullptr) return true;
+  if (driver.get_state == nullptr) return true;  // not known: restore
   CUdevice dev = 0;
   unsigned int flags = 0;
   int active = 0;
   if (driver.device_get(&dev, device) != CUDA_SUCCESS) return true;
   if (driver.get_state(dev, &flags, &active) != CUDA_SUCCESS) return true;
   return active != 0;
+#endif
 }
 
 // Makes `device` current for the guard's lifetime; see the top of this file for what is

@@ -21,7 +21,7 @@ namespace {
 
 // The check the guard relies on, against what CUDA documents: no context in a fresh process,
 // one after cudaSetDevice + cudaFree(nullptr).
-TEST(DeviceGuardTest, PrimaryContextCheckSeesContextsAppear) {
+TEST(DeviceGuardDeathTest, PrimaryContextCheckSeesContextsAppear) {
   if (CudaDeviceCount() < 1) GTEST_SKIP() << "no CUDA device visible";
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(
@@ -35,7 +35,7 @@ TEST(DeviceGuardTest, PrimaryContextCheckSeesContextsAppear) {
 
 // A thread that never chose a device reads device 0; the guard for cuda:1 must not set device
 // 0 back (that would create a context there), and must restore it where it has a context.
-TEST(DeviceGuardTest, RestoresOnlyADeviceWithAContext) {
+TEST(DeviceGuardDeathTest, RestoresOnlyADeviceWithAContext) {
   if (CudaDeviceCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices, " << CudaDeviceCount() << " visible";
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(

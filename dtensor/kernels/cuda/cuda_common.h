@@ -1,7 +1,7 @@
 // Host-side helpers of the CUDA backend (internal; not installed): error conversion, the
 // device guard (from dtensor/tensor/cuda_device_guard.h), and Tensor -> gpu::Layout conversion.
 //
-//   DeviceGuard guard(index_);                         // cudaSetDevice, restored on scope exit
+//   DeviceGuard guard(index_);                         // cudaSetDevice (see cuda_device_guard.h)
 //   if (!guard.ok()) return ToStatus(guard.error(), "Softmax", index_);
 //   DT_ASSIGN_OR_RETURN(auto l, Layouts<2>("Copy", dst.shape(), {dst.strides(), src.strides()}));
 //   return ToStatus(gpu::LaunchCopy(..., l[0], ..., l[1], n), "Copy", index_);
