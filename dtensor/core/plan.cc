@@ -617,7 +617,7 @@ absl::StatusOr<RedistributePlan> PlanRedistribute(IntSpan global_shape, IntSpan 
     p.Init();
     // From the fallback plan, each search looks for a cheaper one: narrow (the target's shards
     // only; it may also match the fallback's cost, and wins that tie), then wide reductions,
-    // then wide, each within kSearchMoves moves.
+    // then wide, each within its budget of moves.
     Found best = Fallback(p, Pack(start));
     for (Planner::Breadth breadth :
          {Planner::Breadth::kNarrow, Planner::Breadth::kWideReductions, Planner::Breadth::kWide}) {
