@@ -341,11 +341,12 @@ struct Found {
   Cost cost;
 };
 
-// A* over layouts from start to goal with p's moves. h = growth of the box at coordinate 0
-// still needed to reach the target's, in bytes: a lower bound, since only gathers and
-// all_to_alls grow a box, and they cost at least the growth they bring ((s-1)/s x out >=
-// out - in, because in >= out/s). With `bound`, only plans cheaper than it are looked for;
-// nullopt when there is none, or when more than `budget` moves had to be weighed first.
+// A* over layouts from start to goal with p's moves, pruned by the best plan found so far.
+// h = growth of the box at coordinate 0 still needed to reach the target's, in bytes: a lower
+// bound, since only gathers and all_to_alls grow a box, and they cost at least the growth they
+// bring ((s-1)/s x out >= out - in, because in >= out/s). Only plans cheaper than `bound` are
+// looked for; after `budget` moves weighed, the best one found by then is returned (nullopt
+// when there is none).
 std::optional<Found> Search(const Planner& p, Packed start, Packed goal, std::optional<Cost> bound, size_t budget) {
   const int64_t goal_bytes = p.BoxBytes(goal);
   auto h = [&](Packed l) {
@@ -369,24 +370,23 @@ std::optional<Found> Search(const Planner& p, Packed start, Packed goal, std::op
     return a.second > b.second;
   };
   auto f = [](const Cost& g, Scaled h_bytes) { return Cost{g.bytes + h_bytes, g.collectives, g.steps}; };
-  auto worth = [&](const Cost& priority) { return !bound || priority < *bound; };
+  // Plans must cost less than `limit`: the bound, then the cost of the best plan found (as
+  // soon as a move reaches the goal), so every path that cannot beat it is dropped at once.
+  std::optional<Cost> limit = bound;
+  auto worth = [&](const Cost& priority) { return !limit || priority < *limit; };
   std::priority_queue<Entry, std::vector<Entry>, decltype(cmp)> queue(cmp);
   nodes.push_back(Node{start, Cost{}, h(start)});
   index[start.bits] = 0;
   queue.push({f(Cost{}, nodes[0].h), 0});
-  int found = -1;
   bool over_budget = false;
   while (!queue.empty() && !over_budget) {
     const Cost priority = queue.top().first;
     const int id = queue.top().second;
     queue.pop();
-    if (!worth(priority)) break;  // every plan left costs at least the bound
+    if (!worth(priority)) break;  // every plan left costs at least the best one (or the bound)
     const Node& node = nodes[static_cast<size_t>(id)];
     if (f(node.g, node.h) < priority) continue;  // stale: the node was reached more cheaply since
-    if (node.layout == goal) {
-      found = id;
-      break;
-    }
+    if (node.layout == goal) break;              // start == goal
     const Packed here = node.layout;
     const Cost g = node.g;
     p.ForEachMove(here, [&](StepKind kind, uint32_t mask, Packed after, Scaled cost) {
@@ -412,11 +412,20 @@ std::optional<Found> Search(const Planner& p, Packed start, Packed goal, std::op
         n.mask = mask;
         n.cost = cost;
       }
-      queue.push({priority_next, it->second});
+      if (after == goal) {
+        limit = next;  // h(goal) = 0: a plan of cost `next`, the best so far; nothing to expand
+      } else {
+        queue.push({priority_next, it->second});
+      }
       return true;
     });
   }
-  if (found < 0) return std::nullopt;
+  // The best plan found: optimal when the queue ran out of nodes that could beat it, the best
+  // within the budget otherwise.
+  auto reached = index.find(goal.bits);
+  if (reached == index.end()) return std::nullopt;
+  const int found = reached->second;
+  if (bound && !(nodes[static_cast<size_t>(found)].g < *bound)) return std::nullopt;
   Found out;
   out.cost = nodes[static_cast<size_t>(found)].g;
   for (int id = found; nodes[static_cast<size_t>(id)].parent >= 0; id = nodes[static_cast<size_t>(id)].parent) {
