@@ -342,15 +342,29 @@ struct Found {
 };
 
 // A* over layouts from start to goal with p's moves, pruned by the best plan found so far.
-// h = growth of the box at coordinate 0 still needed to reach the target's, in bytes: a lower
-// bound, since only gathers and all_to_alls grow a box, and they cost at least the growth they
-// bring ((s-1)/s x out >= out - in, because in >= out/s). Only plans cheaper than `bound` are
+// h = growth of the box at coordinate 0 still needed to reach the target's, in bytes (only
+// gathers and all_to_alls grow a box, and they cost at least the growth they bring: (s-1)/s x
+// out >= out - in, because in >= out/s), plus the least a reduction still needed costs (see
+// below): a lower bound of what is left. Only plans cheaper than `bound` are
 // looked for; after `budget` moves weighed, the best one found by then is returned (nullopt
 // when there is none).
 std::optional<Found> Search(const Planner& p, Packed start, Packed goal, std::optional<Cost> bound, size_t budget) {
   const int64_t goal_bytes = p.BoxBytes(goal);
+  Scaled total_bytes = p.element_size;
+  for (int64_t n : p.global_shape) total_bytes *= n;
   auto h = [&](Packed l) {
-    return static_cast<Scaled>(std::max<int64_t>(0, goal_bytes - p.BoxBytes(l))) * p.mesh_size;
+    Scaled growth = static_cast<Scaled>(std::max<int64_t>(0, goal_bytes - p.BoxBytes(l))) * p.mesh_size;
+    // A Partial dim the goal does not keep must be reduced, on a box of at least total / K
+    // bytes (K: the product of the other mesh dims, which can shard it at most), sending
+    // (s-1)/s of it, times M = s K: (s-1) x total, scaled. Reductions grow no box, so this
+    // adds to the growth.
+    Scaled reduce = 0;
+    for (int m = 0; m < p.md; ++m) {
+      if (l.is_partial(m) && l.code(m) != goal.code(m)) {
+        reduce = std::max(reduce, static_cast<Scaled>(p.mesh_shape[static_cast<size_t>(m)] - 1) * total_bytes);
+      }
+    }
+    return growth + reduce;
   };
   struct Node {
     Packed layout;
