@@ -358,13 +358,19 @@ std::optional<Found> Search(const Planner& p, Packed start, Packed goal, std::op
     // bytes (K: the product of the other mesh dims, which can shard it at most), sending
     // (s-1)/s of it, times M = s K: (s-1) x total, scaled. Reductions grow no box, so this
     // adds to the growth.
-    Scaled reduce = 0;
+    // Likewise a shard the goal does not have in that place (another dim, another nest level,
+    // or none) must go through an all_gather or all_to_all of a group holding it, of a box of
+    // at least total / M bytes: (s-1)/s of it, scaled, at least. It may be the gather that
+    // brings the growth: the larger of the two counts.
+    Scaled reduce = 0, reshard = 0;
     for (int m = 0; m < p.md; ++m) {
-      if (l.is_partial(m) && l.code(m) != goal.code(m)) {
-        reduce = std::max(reduce, static_cast<Scaled>(p.mesh_shape[static_cast<size_t>(m)] - 1) * total_bytes);
+      const Scaled s = p.mesh_shape[static_cast<size_t>(m)];
+      if (l.is_partial(m) && l.code(m) != goal.code(m)) reduce = std::max(reduce, (s - 1) * total_bytes);
+      if (l.is_shard(m) && (l.code(m) != goal.code(m) || l.level(m) != goal.level(m))) {
+        reshard = std::max(reshard, (s - 1) * total_bytes / s);
       }
     }
-    return growth + reduce;
+    return std::max(growth, reshard) + reduce;
   };
   struct Node {
     Packed layout;
