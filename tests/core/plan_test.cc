@@ -4,16 +4,23 @@
 // that the plan chains from src to dst, that every step is a legal move whose boxes fit
 // together on every rank (gathered pieces tile the gathered box, and so on), that its cost
 // is the documented one and no more than the naive "gather everything, reduce everything,
-// then chunk" path, and that PredictComm matches box sizes computed independently.
+// then chunk" path, that PredictComm matches box sizes computed independently, and (small
+// meshes, every pair) that it moves exactly the fewest bytes an exhaustive search over every
+// layout finds, with no more collectives.
 #include "dtensor/core/plan.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <functional>
+#include <optional>
+#include <queue>
 #include <random>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
@@ -860,6 +867,162 @@ std::vector<Layout> AllLayouts(int mesh_ndim, const std::vector<Placement>& opti
   return out;
 }
 
+// An exhaustive reference for the planner's choice: Dijkstra (no heuristic, no budget) over
+// every layout the moves listed in plan.h reach, written on Layout (WithPlacement appends a
+// shard innermost; a gather takes the innermost k sharders of each dim) with the costs of the
+// documented model, in integers scaled by the mesh size M (bytes x (s-1) x M/s). It knows
+// nothing of the planner's packed search, heuristics, budgets or fallback.
+class ReferencePlanner {
+ public:
+  struct Cost {
+    __int128 bytes = 0;  // x M
+    int collectives = 0;
+    friend bool operator<(const Cost& a, const Cost& b) {
+      return a.bytes != b.bytes ? a.bytes < b.bytes : a.collectives < b.collectives;
+    }
+  };
+
+  ReferencePlanner(Index global, Index mesh) : global_(std::move(global)), mesh_(std::move(mesh)) {
+    for (int64_t s : mesh_) mesh_size_ *= s;
+  }
+
+  // The cheapest cost from src to every layout reachable when R -> Partial moves go only to
+  // `partial_target`'s Partial placements (the planner makes Partial dims only towards its
+  // target): one search serves every target with the same Partial dims.
+  absl::flat_hash_map<Layout, Cost> From(const Layout& src, const Layout& partial_target) {
+    const Layout start = Canonical(src);
+    absl::flat_hash_map<Layout, Cost> best;
+    using Entry = std::tuple<__int128, int, int64_t>;  // bytes, collectives, node
+    std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> queue;
+    std::vector<Layout> nodes = {start};
+    best[start] = Cost{};
+    queue.push({0, 0, 0});
+    while (!queue.empty()) {
+      const auto [bytes, coll, id] = queue.top();
+      queue.pop();
+      const Layout here = nodes[static_cast<size_t>(id)];
+      const Cost g = best[here];
+      if (g.bytes != bytes || g.collectives != coll) continue;
+      ForEachMove(here, partial_target, [&](const Layout& next, __int128 cost, int collectives) {
+        const Cost c{g.bytes + cost, g.collectives + collectives};
+        auto it = best.find(next);
+        if (it != best.end() && !(c < it->second)) return;
+        best[next] = c;
+        nodes.push_back(next);
+        queue.push({c.bytes, c.collectives, static_cast<int64_t>(nodes.size()) - 1});
+      });
+    }
+    return best;
+  }
+
+  Layout Canonical(const Layout& l) const {
+    Layout out = l;
+    for (int m = 0; m < l.ndim(); ++m) {
+      if (mesh_[static_cast<size_t>(m)] == 1 && !l[m].is_replicate()) out = out.WithPlacement(m, R);
+    }
+    return out;
+  }
+
+  __int128 mesh_size() const { return mesh_size_; }
+
+ private:
+  static constexpr int64_t kElem = 4;
+
+  int64_t Bytes(const Layout& l) {
+    auto [it, added] = bytes_.try_emplace(l, 0);
+    if (added) it->second = LocalBoxOf(global_, mesh_, l, Index(mesh_.size(), 0)).numel() * kElem;
+    return it->second;
+  }
+  __int128 Share(const std::vector<int>& group) const {
+    int64_t s = 1;
+    for (int m : group) s *= mesh_[static_cast<size_t>(m)];
+    return static_cast<__int128>(s - 1) * (mesh_size_ / s);
+  }
+  // Every layout that makes each of `group` (Replicate in `base`) a shard of some tensor dim,
+  // appended innermost in every order.
+  template <typename Fn>
+  void ForEachShardAssignment(std::vector<int> group, const Layout& base, Fn fn) const {
+    const int64_t nd = static_cast<int64_t>(global_.size());
+    if (nd == 0) return;
+    std::sort(group.begin(), group.end());
+    do {
+      Index to(group.size(), 0);
+      while (true) {
+        Layout x = base;
+        for (size_t i = 0; i < group.size(); ++i) x = x.WithPlacement(group[i], Shard(to[i]));
+        fn(x);
+        size_t i = 0;
+        while (i < to.size() && ++to[i] == nd) to[i++] = 0;
+        if (i == to.size()) break;
+      }
+    } while (std::next_permutation(group.begin(), group.end()));
+  }
+  template <typename Fn>
+  void ForEachMove(const Layout& l, const Layout& target, Fn emit) {
+    const int md = l.ndim();
+    const int64_t nd = static_cast<int64_t>(global_.size());
+    std::vector<std::vector<int>> sharders;
+    for (int64_t d = 0; d < nd; ++d) {
+      const auto s = l.ShardMeshDims(d);
+      sharders.emplace_back(s.begin(), s.end());
+    }
+    std::vector<size_t> k(static_cast<size_t>(nd), 0);
+    while (true) {
+      size_t d = 0;
+      while (d < k.size() && ++k[d] > sharders[d].size()) k[d++] = 0;
+      if (d == k.size()) break;
+      std::vector<int> group;
+      Layout gathered = l;
+      for (size_t e = 0; e < k.size(); ++e) {
+        for (size_t i = sharders[e].size() - k[e]; i < sharders[e].size(); ++i) {
+          group.push_back(sharders[e][i]);
+          gathered = gathered.WithPlacement(sharders[e][i], R);
+        }
+      }
+      const __int128 share = Share(group);
+      emit(gathered, share * Bytes(gathered), 1);
+      ForEachShardAssignment(group, gathered, [&](const Layout& x) {
+        if (x != l) emit(x, share * std::max(Bytes(l), Bytes(x)), 1);
+      });
+    }
+    std::vector<int> partial;
+    for (int m = 0; m < md; ++m) {
+      if (l[m].is_partial()) partial.push_back(m);
+    }
+    for (uint32_t sub = 1; sub < (1u << partial.size()); ++sub) {
+      std::vector<int> group;
+      Layout reduced = l;
+      for (size_t i = 0; i < partial.size(); ++i) {
+        if (sub & (1u << i)) {
+          group.push_back(partial[i]);
+          reduced = reduced.WithPlacement(partial[i], R);
+        }
+      }
+      const __int128 share = Share(group);
+      emit(reduced, 2 * share * Bytes(l), 1);
+      ForEachShardAssignment(group, reduced, [&](const Layout& x) { emit(x, share * Bytes(l), 1); });
+    }
+    const std::optional<PartialOp> op = l.partial_op();
+    for (int m = 0; m < md; ++m) {
+      if (!l[m].is_replicate() || mesh_[static_cast<size_t>(m)] == 1) continue;
+      for (int64_t d = 0; d < nd; ++d) emit(l.WithPlacement(m, Shard(d)), 0, 0);
+      if (target[m].is_partial() && (!op || *op == target[m].partial_op())) emit(l.WithPlacement(m, target[m]), 0, 0);
+    }
+  }
+
+  Index global_, mesh_;
+  __int128 mesh_size_ = 1;
+  absl::flat_hash_map<Layout, int64_t> bytes_;
+};
+
+// The Partial placements of `l` alone (Replicate elsewhere): targets with the same ones share
+// a reference search.
+Layout PartialsOf(const Layout& l) {
+  std::vector<Placement> ps;
+  for (int m = 0; m < l.ndim(); ++m) ps.push_back(l[m].is_partial() ? l[m] : R);
+  return Layout(ps);
+}
+
 using SweepParam = std::tuple<Index /*mesh*/, Index /*global*/>;
 class PlanSweepTest : public ::testing::TestWithParam<SweepParam> {};
 
@@ -870,8 +1033,10 @@ TEST_P(PlanSweepTest, EveryPairOfLayouts) {
   for (int64_t d = 0; d < static_cast<int64_t>(global.size()); ++d) options.push_back(Shard(d));
   if (mesh.size() == 3) options = {R, Psum, S0, S1};  // keep the 3-d sweep small
   const std::vector<Layout> layouts = AllLayouts(static_cast<int>(mesh.size()), options);
+  ReferencePlanner reference(global, mesh);
   int planned = 0, rejected = 0;
   for (const Layout& src : layouts) {
+    absl::flat_hash_map<Layout, absl::flat_hash_map<Layout, ReferencePlanner::Cost>> cheapest;  // by PartialsOf(dst)
     for (const Layout& dst : layouts) {
       absl::StatusOr<RedistributePlan> plan = PlanRedistribute(global, mesh, src, dst, 4);
       if (ShardToPartial(mesh, src, dst)) {
@@ -883,6 +1048,21 @@ TEST_P(PlanSweepTest, EveryPairOfLayouts) {
       ASSERT_TRUE(plan.ok()) << src.ToString() << " -> " << dst.ToString() << " on " << Str(mesh) << ": "
                              << plan.status();
       CheckPlan(*plan, global, mesh, src, dst, 4);
+      // The fewest bytes, and no more collectives than the cheapest plan needs.
+      const Layout partials =
+          PartialsOf(*NormalizeLayout("test", dst, static_cast<int64_t>(global.size()), static_cast<int>(mesh.size())));
+      auto found = cheapest.find(partials);
+      if (found == cheapest.end()) found = cheapest.emplace(partials, reference.From(src, partials)).first;
+      const Layout goal = reference.Canonical(plan->dst);
+      ASSERT_TRUE(found->second.contains(goal)) << "the reference cannot reach " << dst.ToString();
+      const ReferencePlanner::Cost best = found->second.at(goal);
+      const double best_bytes = static_cast<double>(best.bytes) / static_cast<double>(reference.mesh_size());
+      EXPECT_NEAR(plan->cost, best_bytes, 1e-9 * (1 + best_bytes))
+          << src.ToString() << " -> " << dst.ToString() << " on " << Str(mesh) << ": " << plan->DebugString();
+      if (std::abs(plan->cost - best_bytes) <= 1e-9 * (1 + best_bytes)) {
+        EXPECT_EQ(plan->num_collectives(), best.collectives)
+            << src.ToString() << " -> " << dst.ToString() << " on " << Str(mesh) << ": " << plan->DebugString();
+      }
       ++planned;
       if (::testing::Test::HasFailure()) return;  // one broken pair is enough to read
     }
