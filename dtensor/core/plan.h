@@ -42,15 +42,16 @@
 // reduce_scatters may go to any shard; and one where all_to_alls may too (50000 moves each).
 // Past a budget the best plan so far stands; a move costs about 0.15 us, so an uncached plan
 // takes microseconds on 1-d and 2-d meshes and, in random samples of tensors of up to 5 dims,
-// at most 5 ms on 3-d and 30 ms on 4-d meshes. The wide searches find plans where replicas each take a piece: P R ->
-// R R on a 4x2 mesh becomes chunk, reduce_scatter, all_gather (330 bytes for [6, 11] float32)
-// instead of one all_reduce (396, PyTorch's plan), and S(1)R -> S(0)S(1) on 2x2 chunks mesh dim
-// 1 along dim 0 and swaps the pieces with one all_to_all (36 bytes for [8, 6], not 48). Checked
-// against an exhaustive search (every layout, exact fractions) on 15277 layout pairs over 11
-// mesh and shape cases (1-d to 3-d meshes, even and uneven shapes): every plan moves the fewest
-// bytes, and no equal-byte plan uses fewer collectives. The search runs on layouts packed into
-// 64 bits (a byte per mesh dim): data moves are planned for tensors of up to 8 dims on meshes
-// of up to 8 dims.
+// at most 5 ms on 3-d and 30 ms on 4-d meshes. The wide searches find plans where replicas each
+// take a piece: P R -> R R on a 4x2 mesh becomes chunk, reduce_scatter, all_gather (330 bytes
+// for [6, 11] float32) instead of one all_reduce (396, PyTorch's plan), and S(1)R -> S(0)S(1)
+// on 2x2 chunks mesh dim 1 along dim 0 and swaps the pieces with one all_to_all (36 bytes for
+// [8, 6], not 48). Checked against exhaustive searches (every layout reachable): one in
+// plan_test, run on every pair of its sweep (1-d to 3-d meshes, even and uneven shapes), and
+// one outside the repository (exact fractions) on 15277 pairs over 11 mesh and shape cases:
+// every plan moves the fewest bytes, and no equal-byte plan uses fewer collectives. The search
+// runs on layouts packed into 64 bits (a byte per mesh dim): data moves are planned for tensors
+// of up to 8 dims on meshes of up to 8 dims.
 #ifndef DTENSOR_CORE_PLAN_H_
 #define DTENSOR_CORE_PLAN_H_
 
