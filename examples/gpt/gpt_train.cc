@@ -32,6 +32,7 @@
 #include "collectives/store/cpus.h"
 #include "collectives/threads/threads_communicator.h"
 #include "collectives/ucx/ucx_communicator.h"
+#include "dtensor/kernels/cpu/blas_core.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 #include "examples/gpt/data.h"
@@ -229,13 +230,14 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   DT_RETURN_IF_ERROR(model->To(device));  // this rank's device (a no-op on the CPU)
   // Parameters Replicate over "dp" (each rank keeps its copy; no communication).
   if (mesh.defined()) DT_RETURN_IF_ERROR(nn::DistributeModule(*model, mesh));
-  say("gpt_train: %d rank(s) on %s (%s), %lld parameters, %lld layers, %lld heads, C=%lld, V=%lld, B=%lld (global), "
+  const std::string blas = device.is_cpu() ? ", OpenBLAS " + BlasCoreName() : "";
+  say("gpt_train: %d rank(s) on %s (%s%s), %lld parameters, %lld layers, %lld heads, C=%lld, V=%lld, B=%lld (global), "
       "T=%lld, "
       "%lld tokens\n",
-      world.size(), device.ToString().c_str(), world.backend(), static_cast<long long>(model->NumParameters()),
-      static_cast<long long>(cfg.n_layer), static_cast<long long>(cfg.n_head), static_cast<long long>(cfg.n_embd),
-      static_cast<long long>(cfg.vocab_size), static_cast<long long>(f.batch), static_cast<long long>(f.seq),
-      static_cast<long long>(loader.num_tokens()));
+      world.size(), device.ToString().c_str(), world.backend(), blas.c_str(),
+      static_cast<long long>(model->NumParameters()), static_cast<long long>(cfg.n_layer),
+      static_cast<long long>(cfg.n_head), static_cast<long long>(cfg.n_embd), static_cast<long long>(cfg.vocab_size),
+      static_cast<long long>(f.batch), static_cast<long long>(f.seq), static_cast<long long>(loader.num_tokens()));
 
   std::vector<Variable*> params = model->Parameters();
   nn::AdamW opt(params, {.lr = f.lr, .beta1 = f.beta1, .beta2 = f.beta2, .eps = f.eps, .weight_decay = f.weight_decay});
@@ -357,6 +359,13 @@ bool LaunchedAsProcess() {
 
 int main(int argc, char** argv) {
   using namespace dtensor;
+  // First: OpenBLAS picks its kernels when it loads, and falls back to generic SSE3 ones on CPUs
+  // newer than its table (4-5x slower GEMMs). Where so, this restarts the program with the
+  // faster set named (OPENBLAS_CORETYPE). It returns where there is nothing to do, or the restart
+  // failed (then training goes on, slower).
+  if (absl::Status blas = ReexecWithFasterBlasCore(argv); !blas.ok()) {
+    std::fprintf(stderr, "gpt_train: %s\n", blas.ToString().c_str());
+  }
   Flags f;
   std::string error;
   if (!ParseFlags(argc, argv, &f, &error)) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "autograd/ops.h"
+#include "dtensor/kernels/cpu/blas_core.h"
 #include "dtensor/tensor/device.h"
 #include "examples/gpt/data.h"
 #include "examples/gpt/llmc.h"
@@ -137,6 +138,32 @@ TEST(GptTrainTest, BadFlagsFailCleanly) {
   std::ifstream in4(log4);
   const std::string out4((std::istreambuf_iterator<char>(in4)), std::istreambuf_iterator<char>());
   EXPECT_NE(out4.find("cannot open --metrics /nonexistent/dir/m.jsonl"), std::string::npos) << out4;
+}
+
+// The trainer runs OpenBLAS's fastest kernel set for this CPU even where OpenBLAS, loading,
+// fell back to generic ones (it restarts itself with OPENBLAS_CORETYPE), and keeps a set the
+// user names. The banner says which set runs.
+std::string BlasCoreOfTrainer(const std::string& env, const std::string& tag) {
+  const std::string log = TempPath(tag + ".log");
+  const std::string cmd = "env " + env + " " + std::string(GPT_TRAIN_PATH) + " --text " + WriteCorpus() +
+                          " --n-layer 1 --n-head 2 --n-embd 16 --seq 8 --steps 1 --sample-tokens 0 --device cpu > " +
+                          log + " 2>&1";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::ifstream in(log);
+  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const size_t at = out.find("OpenBLAS ");
+  if (at == std::string::npos) {
+    ADD_FAILURE() << "no OpenBLAS core in the banner:\n" << out;
+    return "";
+  }
+  const size_t begin = at + 9;
+  return out.substr(begin, out.find_first_of("),", begin) - begin);
+}
+
+TEST(GptTrainTest, RunsTheFastestBlasKernelsForThisCpu) {
+  const std::string core = BlasCoreOfTrainer("-u OPENBLAS_CORETYPE", "blas_auto");
+  EXPECT_EQ(FasterBlasCoreType(core, HostVectorIsa()), "") << "trainer ran OpenBLAS's " << core << " kernels";
+  EXPECT_EQ(BlasCoreOfTrainer("OPENBLAS_CORETYPE=Prescott", "blas_user"), "Prescott");
 }
 
 // One rank on cuda:0 trains to the CPU's losses (float32 on both; GPU reductions run in
