@@ -118,6 +118,70 @@ class CompletedWork final : public Work {
 };
 }  // namespace
 
+absl::StatusOr<std::vector<std::pair<size_t, size_t>>> CheckPeerOps(const char* op, int rank, int size, Device device,
+                                                                    absl::Span<const PeerOp> ops) {
+  std::vector<size_t> self_sends, self_recvs;
+  for (size_t k = 0; k < ops.size(); ++k) {
+    const PeerOp& o = ops[k];
+    const bool send = o.kind == PeerOp::Kind::kSend;
+    const std::string name = absl::StrCat("ops[", k, "] (", send ? "send to " : "recv from ", o.peer, ")");
+    if (o.kind != PeerOp::Kind::kSend && o.kind != PeerOp::Kind::kRecv) {
+      return InvalidArg(op, "rank ", rank, ": ops[", k, "] has kind ", static_cast<int>(o.kind));
+    }
+    DT_RETURN_IF_ERROR(
+        CheckPeer(op, rank, absl::StrCat("ops[", k, "] ", send ? "send" : "recv", " peer").c_str(), o.peer, size));
+    DT_RETURN_IF_ERROR(CheckContiguous(op, rank, name.c_str(), o.tensor));
+    if (o.tensor.device() != device) {
+      return InvalidArg(op, "rank ", rank, ": ", name, " is on ", o.tensor.device().ToString(),
+                        " but the communicator moves ", device.ToString(), " tensors");
+    }
+    if (o.peer == rank) (send ? self_sends : self_recvs).push_back(k);
+  }
+  if (self_sends.size() != self_recvs.size()) {
+    return InvalidArg(op, "rank ", rank, ": ", self_sends.size(), " send(s) to this rank but ", self_recvs.size(),
+                      " receive(s) from it in one batch");
+  }
+  std::vector<std::pair<size_t, size_t>> pairs;
+  for (size_t i = 0; i < self_sends.size(); ++i) {
+    const Tensor& s = ops[self_sends[i]].tensor;
+    const Tensor& r = ops[self_recvs[i]].tensor;
+    if (s.numel() != r.numel() || s.dtype() != r.dtype()) {
+      return InvalidArg(op, "rank ", rank, ": send to itself ops[", self_sends[i], "] has ", s.numel(), " ",
+                        DTypeName(s.dtype()), " elements but its receive ops[", self_recvs[i], "] has ", r.numel(), " ",
+                        DTypeName(r.dtype()));
+    }
+    pairs.emplace_back(self_sends[i], self_recvs[i]);
+  }
+  return pairs;
+}
+
+namespace {
+
+class WorkOfAll final : public Work {
+ public:
+  explicit WorkOfAll(std::vector<std::unique_ptr<Work>> works) : works_(std::move(works)) {}
+  absl::Status Wait() override {
+    absl::Status first;
+    for (auto& w : works_) first.Update(w->Wait());
+    return first;
+  }
+  bool IsCompleted() override {
+    for (auto& w : works_) {
+      if (!w->IsCompleted()) return false;
+    }
+    return true;
+  }
+
+ private:
+  std::vector<std::unique_ptr<Work>> works_;
+};
+
+}  // namespace
+
+std::unique_ptr<Work> MakeWorkOfAll(std::vector<std::unique_ptr<Work>> works) {
+  return std::make_unique<WorkOfAll>(std::move(works));
+}
+
 std::unique_ptr<Work> MakeCompletedWork(absl::Status status) {
   return std::make_unique<CompletedWork>(std::move(status));
 }

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -43,9 +44,17 @@ absl::Status CheckUniformBlocks(const char* op, int rank, absl::Span<const Tenso
                                 absl::Span<const Tensor> recvs);
 // A root or peer index in [0, size).
 absl::Status CheckPeer(const char* op, int rank, const char* what, int peer, int size);
+// BatchSendRecv's ops: each tensor defined, contiguous and on `device`, each peer in [0, size),
+// and this rank's sends to itself paired in order with its receives from itself (as many of
+// each, elements and dtype alike). Returns the pairs as (send index, recv index) into ops.
+absl::StatusOr<std::vector<std::pair<size_t, size_t>>> CheckPeerOps(const char* op, int rank, int size, Device device,
+                                                                    absl::Span<const PeerOp> ops);
 // Reductions: float8 is storage-only (Unimplemented); avg is not defined for bool.
 absl::Status CheckReducible(const char* op, int rank, DType dtype, CommReduceOp rop);
 
+// A Work over several: Wait() waits for each and returns the first error; IsCompleted() once
+// all are.
+std::unique_ptr<Work> MakeWorkOfAll(std::vector<std::unique_ptr<Work>> works);
 // A Work that is already complete: Wait() returns `status` (transports that run a collective
 // eagerly inside its *Async call return one).
 std::unique_ptr<Work> MakeCompletedWork(absl::Status status);

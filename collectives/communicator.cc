@@ -59,6 +59,7 @@ absl::Status Communicator::AllToAll(const Tensor& input, const Tensor& output) {
 absl::Status Communicator::Broadcast(const Tensor& tensor, int root) { return WaitOn(BroadcastAsync(tensor, root)); }
 absl::Status Communicator::Send(const Tensor& tensor, int peer) { return WaitOn(SendAsync(tensor, peer)); }
 absl::Status Communicator::Recv(const Tensor& tensor, int peer) { return WaitOn(RecvAsync(tensor, peer)); }
+absl::Status Communicator::BatchSendRecv(absl::Span<const PeerOp> ops) { return WaitOn(BatchSendRecvAsync(ops)); }
 absl::Status Communicator::AllGatherV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> counts) {
   return WaitOn(AllGatherVAsync(input, output, counts));
 }
@@ -132,6 +133,30 @@ absl::Status Communicator::AllToAllBlocks(absl::Span<const Tensor> sends, absl::
     DT_RETURN_IF_ERROR(AllToAllV(send, recv, send_counts, recv_counts));
   }
   return recv_view ? absl::OkStatus() : CopyBlocks(recvs, recv, /*pack=*/false);
+}
+
+// Transports whose sends and receives are posted without waiting (threads, ucx): every receive,
+// then every send, each through the transport's own P2P; sends to this rank are copies.
+absl::StatusOr<std::unique_ptr<Work>> Communicator::BatchSendRecvAsync(absl::Span<const PeerOp> ops) {
+  constexpr const char* kOp = "BatchSendRecv";
+  DT_ASSIGN_OR_RETURN(const auto self_pairs, internal::CheckPeerOps(kOp, rank(), size(), device(), ops));
+  std::vector<std::unique_ptr<Work>> works;
+  for (const PeerOp::Kind kind : {PeerOp::Kind::kRecv, PeerOp::Kind::kSend}) {
+    for (const PeerOp& o : ops) {
+      if (o.kind != kind || o.peer == rank()) continue;
+      DT_ASSIGN_OR_RETURN(std::unique_ptr<Work> w,
+                          kind == PeerOp::Kind::kSend ? SendAsync(o.tensor, o.peer) : RecvAsync(o.tensor, o.peer));
+      works.push_back(std::move(w));
+    }
+  }
+  for (const auto& [send, recv] : self_pairs) {
+    const int64_t n = ops[send].tensor.numel();
+    if (n == 0) continue;
+    DT_ASSIGN_OR_RETURN(Tensor dst, ops[recv].tensor.View({n}));
+    DT_ASSIGN_OR_RETURN(Tensor src, ops[send].tensor.View({n}));
+    DT_RETURN_IF_ERROR(CopyBlock(dst, src));
+  }
+  return internal::MakeWorkOfAll(std::move(works));
 }
 
 }  // namespace dtensor

@@ -15,6 +15,7 @@
 //   AllToAll        input [size * n] -> output [size * n]        (block j goes to rank j)
 //   Broadcast       tensor [n], root                              (in place)
 //   Send / Recv     tensor [n], peer
+//   BatchSendRecv   {Send(tensor, peer) | Recv(tensor, peer), ...}   (all posted at once)
 // Tensors must be contiguous, of one dtype and on the communicator's device; "[n]" means any
 // shape with n elements (blocks are along the flat, row-major order, which is dim 0 for a
 // contiguous tensor). The *V variants take per-rank counts for torch.chunk-style uneven shards.
@@ -27,6 +28,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -50,6 +52,16 @@ class Work {
   virtual absl::Status Wait() = 0;
   // Non-blocking: true once Wait() would return at once.
   virtual bool IsCompleted() = 0;
+};
+
+// One send or receive of a batch (Communicator::BatchSendRecvAsync).
+struct PeerOp {
+  enum class Kind : uint8_t { kSend, kRecv };
+  static PeerOp Send(Tensor tensor, int peer) { return PeerOp{Kind::kSend, std::move(tensor), peer}; }
+  static PeerOp Recv(Tensor tensor, int peer) { return PeerOp{Kind::kRecv, std::move(tensor), peer}; }
+  Kind kind = Kind::kSend;
+  Tensor tensor;
+  int peer = 0;
 };
 
 class Communicator {
@@ -92,6 +104,16 @@ class Communicator {
                                                                absl::Span<const int64_t> recv_counts) = 0;
   virtual absl::Status Barrier() = 0;
 
+  // Sends and receives posted together and completing together, as
+  // torch.distributed.batch_isend_irecv: the ops of a batch never wait for one another, so an
+  // exchange (each rank of a pair sending first, or a ring shift) cannot deadlock. On NCCL the
+  // batch is one group; there a lone Send before a Recv on both ranks of a pair would wait for
+  // the peer's Recv until the timeout. Messages between two ranks match in the order posted
+  // (within and across batches), as for Send / Recv. A peer may be this rank: the k-th send to
+  // itself lands in the k-th receive from itself (a copy), and the counts of both must agree.
+  // Every op is checked before any is posted; an empty batch is a completed Work.
+  virtual absl::StatusOr<std::unique_ptr<Work>> BatchSendRecvAsync(absl::Span<const PeerOp> ops);
+
   // All-to-all of blocks given as views of any strides (the column blocks of a row-major
   // matrix, say): sends[j] goes to rank j and lands in recvs[j], element for element in
   // row-major order, so sends[j].numel() on rank i must equal recvs[i].numel() on rank j.
@@ -117,6 +139,7 @@ class Communicator {
   absl::Status Broadcast(const Tensor& tensor, int root);
   absl::Status Send(const Tensor& tensor, int peer);
   absl::Status Recv(const Tensor& tensor, int peer);
+  absl::Status BatchSendRecv(absl::Span<const PeerOp> ops);
   absl::Status AllGatherV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> counts);
   absl::Status ReduceScatterV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> counts,
                               CommReduceOp op);

@@ -576,6 +576,34 @@ class NcclCommunicator final : public Communicator {
     return P2P("Recv", tensor, peer, /*is_send=*/false);
   }
 
+  // One NCCL group: every send and receive of the batch is queued before any waits for its
+  // peer. NCCL matches sends to this rank with its receives from it, in order, itself.
+  absl::StatusOr<std::unique_ptr<Work>> BatchSendRecvAsync(absl::Span<const PeerOp> ops) override {
+    constexpr const char* kOp = "BatchSendRecv";
+    DT_RETURN_IF_ERROR(internal::CheckPeerOps(kOp, rank(), size(), device(), ops).status());
+    if (ops.empty()) return internal::MakeCompletedWork(absl::OkStatus());
+    std::vector<Tensor> keep;
+    int peer = ops[0].peer;  // named by a timeout when the batch has one peer
+    for (const PeerOp& o : ops) {
+      keep.push_back(o.tensor);
+      if (o.peer != peer) peer = -1;
+    }
+    return state_->Launch(kOp, peer, std::move(keep), [&](ncclComm_t comm, cudaStream_t stream) {
+      return Grouped([&]() -> ncclResult_t {
+        for (const PeerOp& o : ops) {
+          const size_t n = static_cast<size_t>(o.tensor.numel());
+          if (n == 0) continue;
+          const ncclDataType_t type = MoveType(o.tensor.dtype());
+          const ncclResult_t r = o.kind == PeerOp::Kind::kSend
+                                     ? ncclSend(o.tensor.raw_data(), n, type, o.peer, comm, stream)
+                                     : ncclRecv(o.tensor.raw_data(), n, type, o.peer, comm, stream);
+          if (r != ncclSuccess) return r;
+        }
+        return ncclSuccess;
+      });
+    });
+  }
+
   absl::StatusOr<std::unique_ptr<Work>> AllGatherVAsync(const Tensor& input, const Tensor& output,
                                                         absl::Span<const int64_t> counts) override {
     const char* kOp = "AllGatherV";

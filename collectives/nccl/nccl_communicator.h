@@ -19,7 +19,8 @@
 // stream, in posting order. Unlike the threads and ucx backends, two ranks that both send
 // before they receive wait for each other (NCCL needs the matching receive to be in the same
 // group; always on a first exchange between two ranks, and past NCCL's buffer for large
-// messages) until the timeout: exchange with AllToAllV, or have one side receive first.
+// messages) until the timeout: exchange with BatchSendRecv (one NCCL group for all of a
+// batch's sends and receives, as torch.distributed.batch_isend_irecv), or AllToAllV.
 //
 // Streams and lifetimes. Collectives run on a stream owned by the communicator, ordered
 // after the calling thread's compute stream (cudaStreamPerThread of the communicator's

@@ -32,7 +32,8 @@
 // (no overlap with compute on this backend). SendAsync / RecvAsync post the message and
 // return at once; the copy happens when the matching Recv / Send is posted (by whichever
 // side comes second), and Wait() waits for it. A blocking Send waits until it is received,
-// so two ranks that both Send before they Recv deadlock (until the timeout): use SendAsync.
+// so two ranks that both Send before they Recv deadlock (until the timeout): use SendAsync
+// or BatchSendRecv.
 // Messages between one pair of ranks match in posting order.
 //
 // Failures: a wait past the timeout gives DeadlineExceeded naming the missing ranks; it

@@ -353,6 +353,38 @@ void PointToPoint(Communicator& comm) {
       ExpectData(in, want, absl::StrCat("Send/Recv n=", n, " rank ", r));
     }
   }
+  // BatchSendRecv: every rank sends to every rank (itself too), sends listed first, with a
+  // second batch posted before the first is waited for (messages of a pair match in order).
+  for (int64_t n : {int64_t{0}, int64_t{3}, int64_t{70000}}) {
+    std::vector<Tensor> got1, got2;
+    std::vector<PeerOp> ops1, ops2;
+    for (int j = 0; j < p; ++j) {
+      ops1.push_back(PeerOp::Send(Fill<float>(r, n + r, 100 + j, false), j));
+      ops2.push_back(PeerOp::Send(Fill<float>(r, n + r, 200 + j, false), j));
+    }
+    for (int j = 0; j < p; ++j) {
+      got1.push_back(Make<float>(n + j));
+      got2.push_back(Make<float>(n + j));
+      ops1.push_back(PeerOp::Recv(got1.back(), j));
+      ops2.push_back(PeerOp::Recv(got2.back(), j));
+    }
+    auto w1 = comm.BatchSendRecvAsync(ops1);
+    auto w2 = comm.BatchSendRecvAsync(ops2);
+    ExpectOk(w1.status(), "BatchSendRecvAsync 1");
+    ExpectOk(w2.status(), "BatchSendRecvAsync 2");
+    if (!w1.ok() || !w2.ok()) continue;
+    ExpectOk((*w2)->Wait(), absl::StrCat("BatchSendRecv 2 n=", n));
+    ExpectOk((*w1)->Wait(), absl::StrCat("BatchSendRecv 1 n=", n));
+    for (int j = 0; j < p; ++j) {
+      std::vector<float> want1, want2;
+      for (int64_t i = 0; i < n + j; ++i) {
+        want1.push_back(Gen<float>(j, i, 100 + r, false));
+        want2.push_back(Gen<float>(j, i, 200 + r, false));
+      }
+      ExpectData(got1[static_cast<size_t>(j)], want1, absl::StrCat("BatchSendRecv 1 n=", n, " from ", j));
+      ExpectData(got2[static_cast<size_t>(j)], want2, absl::StrCat("BatchSendRecv 2 n=", n, " from ", j));
+    }
+  }
   // Several messages between one pair match in order; blocking forms.
   if (p >= 2 && r < 2) {
     for (int k = 0; k < 3; ++k) {

@@ -284,6 +284,41 @@ TEST(NcclTest, SingleRankValidation) {
   EXPECT_TRUE(comm->Barrier().ok());
 }
 
+// BatchSendRecv to itself: NCCL pairs the k-th send to this rank with the k-th receive from
+// it, in one group (a lone Send to itself is InvalidArgument: it could never complete).
+TEST(NcclTest, SingleRankBatchSendRecvToItself) {
+  SKIP_WITHOUT_GPUS(1);
+  SingleRank world;
+  CommPtr& comm = world.comm;
+  ASSERT_NE(comm, nullptr);
+  const Tensor a = OnGpu(Input({5, 3}, DType::kFloat32, 0, 9), 0);
+  const Tensor b = OnGpu(Input({1000}, DType::kBFloat16, 0, 10), 0);
+  const Tensor got_a = OnGpu(Unwrap(Full({15}, -1.0, DType::kFloat32)), 0);
+  const Tensor got_b = OnGpu(Unwrap(Full({1000}, -1.0, DType::kBFloat16)), 0);
+  const Tensor empty = Unwrap(Tensor::Empty({0}, DType::kFloat32, Device::Cuda(0)));
+  ASSERT_OK(comm->BatchSendRecv({PeerOp::Send(a, 0), PeerOp::Send(empty, 0), PeerOp::Send(b, 0), PeerOp::Recv(got_a, 0),
+                                 PeerOp::Recv(empty, 0), PeerOp::Recv(got_b, 0)}));
+  EXPECT_EQ(Values(got_a), Values(a));
+  EXPECT_EQ(Values(got_b), Values(b));
+  // Async, then waited on.
+  const Tensor got_c = OnGpu(Unwrap(Full({5, 3}, -1.0, DType::kFloat32)), 0);
+  auto work = comm->BatchSendRecvAsync({PeerOp::Recv(got_c, 0), PeerOp::Send(a, 0)});
+  ASSERT_TRUE(work.ok()) << work.status();
+  ASSERT_OK((*work)->Wait());
+  EXPECT_TRUE((*work)->IsCompleted());
+  EXPECT_EQ(Values(got_c), Values(a));
+  // Checked before anything is queued.
+  absl::Status s = comm->BatchSendRecv({PeerOp::Send(a, 0), PeerOp::Recv(got_b, 0)});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_THAT(s.message(), HasSubstr("send to itself ops[0] has 15 float32 elements but its receive ops[1] has 1000"));
+  s = comm->BatchSendRecv({PeerOp::Send(a, 0)});
+  EXPECT_THAT(s.message(), HasSubstr("1 send(s) to this rank but 0 receive(s) from it"));
+  s = comm->BatchSendRecv({PeerOp::Send(Input({15}, DType::kFloat32, 0, 9), 0), PeerOp::Recv(got_a, 0)});
+  EXPECT_THAT(s.message(), HasSubstr("ops[0] (send to 0) is on cpu but the communicator moves cuda:0 tensors"));
+  ASSERT_OK(comm->BatchSendRecv({}));
+  EXPECT_TRUE(comm->Barrier().ok());
+}
+
 // AllToAllBlocks (the default: pack, ncclSend/Recv, unpack) with strided CUDA views on both
 // sides: a column block of a matrix into the transpose of a buffer.
 TEST(NcclTest, SingleRankAllToAllBlocksOfStridedViews) {
@@ -452,15 +487,26 @@ TEST(NcclTest, MultiRankDataMovement) {
     const Tensor b = OnGpu(Input({n}, dtype, rank, 7), rank);
     ASSERT_TRUE(comm.Broadcast(b, world - 1).ok());
     EXPECT_EQ(Values(b), Values(Input({n}, dtype, world - 1, 7))) << "Broadcast";
-    // Ring of Send / Recv (async, so no rank blocks in Send).
+    // Ring shift in one batch, sends listed first (as separate SendAsync / RecvAsync calls
+    // every rank's send would wait for a receive queued behind it: see nccl_communicator.h).
     const Tensor mine = OnGpu(Input({n}, dtype, rank, 8), rank);
     const Tensor got = Unwrap(Tensor::Empty({n}, dtype, Device::Cuda(rank)));
-    auto sw = comm.SendAsync(mine, (rank + 1) % world);
-    auto rw = comm.RecvAsync(got, (rank + world - 1) % world);
-    ASSERT_TRUE(sw.ok() && rw.ok());
-    ASSERT_TRUE((*sw)->Wait().ok());
-    ASSERT_TRUE((*rw)->Wait().ok());
-    EXPECT_EQ(Values(got), Values(Input({n}, dtype, (rank + world - 1) % world, 8))) << "Recv";
+    ASSERT_OK(
+        comm.BatchSendRecv({PeerOp::Send(mine, (rank + 1) % world), PeerOp::Recv(got, (rank + world - 1) % world)}));
+    EXPECT_EQ(Values(got), Values(Input({n}, dtype, (rank + world - 1) % world, 8))) << "BatchSendRecv";
+    // Then Send / Recv in an order that needs no group: even ranks send first, odd ones receive.
+    const Tensor back = Unwrap(Tensor::Empty({n}, dtype, Device::Cuda(rank)));
+    const int next = (rank + 1) % world, prev = (rank + world - 1) % world;
+    if (world % 2 == 0) {
+      if (rank % 2 == 0) {
+        ASSERT_OK(comm.Send(got, prev));
+        ASSERT_OK(comm.Recv(back, next));
+      } else {
+        ASSERT_OK(comm.Recv(back, next));
+        ASSERT_OK(comm.Send(got, prev));
+      }
+      EXPECT_EQ(Values(back), Values(mine)) << "Send / Recv";
+    }
     EXPECT_TRUE(comm.Barrier().ok());
   });
 }

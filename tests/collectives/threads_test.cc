@@ -150,6 +150,7 @@ enum class Coll {
   kReduceScatterV,
   kAllToAllV,
   kSendRecv,
+  kBatchSendRecv,
 };
 
 const char* CollName(Coll c) {
@@ -174,6 +175,8 @@ const char* CollName(Coll c) {
       return "AllToAllV";
     case Coll::kSendRecv:
       return "SendRecv";
+    case Coll::kBatchSendRecv:
+      return "BatchSendRecv";
   }
   return "?";
 }
@@ -306,6 +309,37 @@ absl::Status RunMoving(Coll coll, DType dtype, int64_t m, int rank, Communicator
       ExpectValues(b, Values(prev, m + 1, dtype, 50), dtype, what + " second");
       return absl::OkStatus();
     }
+    case Coll::kBatchSendRecv: {
+      // Every rank sends to every rank, itself included, m + sender elements, in two batches
+      // posted before either is waited for: the first lists its sends first (a blocking
+      // Send there would deadlock), the second its receives first. Messages of a pair must
+      // match in posting order, across the batches too (the payloads differ by batch).
+      std::vector<Tensor> first(static_cast<size_t>(world)), second(static_cast<size_t>(world));
+      std::vector<PeerOp> ops1, ops2;
+      for (int j = 0; j < world; ++j) {
+        ops1.push_back(PeerOp::Send(Make(Values(rank, m + rank, dtype, 100 * j), dtype), j));
+        ops2.push_back(PeerOp::Send(Make(Values(rank, m + rank, dtype, 100 * j + 1000), dtype), j));
+      }
+      for (int j = world - 1; j >= 0; --j) {
+        const size_t uj = static_cast<size_t>(j);
+        first[uj] = Sentinel(m + j, dtype);
+        second[uj] = Sentinel(m + j, dtype);
+        ops1.push_back(PeerOp::Recv(first[uj], j));
+        ops2.insert(ops2.begin(), PeerOp::Recv(second[uj], j));
+      }
+      DT_ASSIGN_OR_RETURN(auto w1, comm.BatchSendRecvAsync(ops1));
+      DT_ASSIGN_OR_RETURN(auto w2, comm.BatchSendRecvAsync(ops2));
+      DT_RETURN_IF_ERROR(w2->Wait());
+      DT_RETURN_IF_ERROR(w1->Wait());
+      EXPECT_TRUE(w1->IsCompleted() && w2->IsCompleted());
+      for (int j = 0; j < world; ++j) {
+        const size_t uj = static_cast<size_t>(j);
+        ExpectValues(first[uj], Values(j, m + j, dtype, 100 * rank), dtype, absl::StrCat(what, " first from ", j));
+        ExpectValues(second[uj], Values(j, m + j, dtype, 100 * rank + 1000), dtype,
+                     absl::StrCat(what, " second from ", j));
+      }
+      return absl::OkStatus();
+    }
     default:
       return absl::InternalError("not a moving collective");
   }
@@ -342,7 +376,8 @@ INSTANTIATE_TEST_SUITE_P(
     All, ThreadsSweepTest,
     ::testing::Combine(::testing::Values(Coll::kAllReduce, Coll::kAllReduceInPlace, Coll::kReduceScatter,
                                          Coll::kAllGather, Coll::kAllToAll, Coll::kBroadcast, Coll::kAllGatherV,
-                                         Coll::kReduceScatterV, Coll::kAllToAllV, Coll::kSendRecv),
+                                         Coll::kReduceScatterV, Coll::kAllToAllV, Coll::kSendRecv,
+                                         Coll::kBatchSendRecv),
                        ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kInt32,
                                          DType::kInt64, DType::kBool, DType::kFloat8E4M3, DType::kFloat8E5M2),
                        ::testing::Values(1, 2, 3, 4, 8)),
@@ -548,6 +583,43 @@ TEST(ThreadsTest, SendRecvMismatchFailsBothSides) {
   EXPECT_THAT(std::string(statuses[0].message()), StartsWith("[Send] rank 0 sent 3 float32 elements to rank 1"));
   EXPECT_EQ(statuses[1].code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(statuses[1].message()), HasSubstr("expected 4 float32"));
+}
+
+// BatchSendRecv checks every op before posting any, and names the offending one.
+TEST(ThreadsTest, BatchSendRecvRejectsBadOpsBeforePostingAny) {
+  const auto statuses = RunRanks(2, [](int rank, CommPtr& comm) -> absl::Status {
+    DT_ASSIGN_OR_RETURN(Tensor a, Tensor::Empty({3}, DType::kFloat32));
+    DT_ASSIGN_OR_RETURN(Tensor b, Tensor::Empty({4}, DType::kFloat32));
+    DT_ASSIGN_OR_RETURN(Tensor m, Tensor::Empty({2, 3}, DType::kFloat32));
+    DT_ASSIGN_OR_RETURN(Tensor strided, m.Transpose(0, 1));
+    const int other = 1 - rank;
+    struct Case {
+      std::vector<PeerOp> ops;
+      std::string message;
+    };
+    const std::vector<Case> cases = {
+        {{PeerOp::Recv(a, other), PeerOp::Send(a, 2)}, "ops[1] send peer 2 is out of range for a group of size 2"},
+        {{PeerOp::Send(a, other), PeerOp::Recv(strided, other)},
+         "ops[1] (recv from " + std::to_string(other) + ") is not contiguous"},
+        {{PeerOp::Send(a, rank)}, "1 send(s) to this rank but 0 receive(s) from it"},
+        {{PeerOp::Send(a, rank), PeerOp::Recv(b, rank)},
+         "send to itself ops[0] has 3 float32 elements but its "
+         "receive ops[1] has 4 float32"},
+        {{PeerOp::Send(a, other), PeerOp::Recv(Tensor(), other)}, "is undefined"},
+    };
+    for (const Case& c : cases) {
+      const absl::Status s = comm->BatchSendRecv(c.ops);
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_THAT(std::string(s.message()), HasSubstr(c.message));
+      EXPECT_THAT(std::string(s.message()), StartsWith("[BatchSendRecv] rank " + std::to_string(rank)));
+    }
+    // Nothing was posted: a plain exchange now matches its own messages, not a rejected batch's.
+    DT_ASSIGN_OR_RETURN(Tensor mine, Tensor::FromVector<float>({1.f + rank, 2.f, 3.f}, {3}));
+    DT_RETURN_IF_ERROR(comm->BatchSendRecv({PeerOp::Send(mine, other), PeerOp::Recv(a, other)}));
+    EXPECT_EQ(a.data<float>()[0], 1.f + other);
+    return comm->BatchSendRecv({});
+  });
+  ExpectAllOk(statuses);
 }
 
 using Clock = std::chrono::steady_clock;
