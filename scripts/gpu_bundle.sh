@@ -10,8 +10,9 @@
 #   mkdir -p /tmp/gpu && tar xJf OUT.tar.xz -C /tmp/gpu && bash /tmp/gpu/run.sh "$PWD" [LOGDIR]
 #
 # run.sh finds cuBLAS and NCCL (libcublasLt.so.13, libnccl.so.2) under /usr/local, /opt and
-# /usr/lib, links the paths the binaries were built with (golden tensors, the trainer) to the
-# checkout, and runs every test that does something on a GPU, then the trainer on cuda:0.
+# /usr/lib, links the paths the binaries were built with (golden tensors, the trainer, dtrun) to
+# the checkout, and runs every test that does something on a GPU (all of gpt_test: its CPU runs
+# must also hold where a GPU is visible), then the trainer on cuda:0.
 set -euo pipefail
 
 [[ $# -eq 2 ]] || { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
@@ -48,9 +49,10 @@ mkdir -p "\$logs"
 find_dir() { dirname "\$(find /usr/local /opt /usr/lib -name "\$1" 2>/dev/null | head -1)"; }
 export LD_LIBRARY_PATH="\$here/lib:\$(find_dir 'libcublasLt.so.13*'):\$(find_dir 'libnccl.so.2*')\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 # The paths compiled into the tests: golden tensors and the trainer.
-mkdir -p "$src/tests" "$build/examples/gpt"
+mkdir -p "$src/tests" "$build/examples/gpt" "$build/collectives/dtrun"
 [[ -e "$src/tests/golden" ]] || ln -s "\$repo/tests/golden" "$src/tests/golden"
 [[ -e "$build/examples/gpt/gpt_train" ]] || ln -s "\$here/bin/gpt_train" "$build/examples/gpt/gpt_train"
+[[ -e "$build/collectives/dtrun/dtrun" ]] || ln -s "\$here/bin/dtrun" "$build/collectives/dtrun/dtrun"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 rc=0
 t() {
@@ -66,7 +68,7 @@ t ops "\$here/bin/ops_test"
 t nccl "\$here/bin/collectives_test" --gtest_filter='NcclTest.*:*Blocks*'
 t nn "\$here/bin/nn_test"
 t autograd "\$here/bin/autograd_test" --gtest_filter='Grad.*'
-t gpt "\$here/bin/gpt_test" --gtest_filter='GptTrainTest.OneGpuMatchesCpu:GptTrainTest.BadFlagsFailCleanly'
+t gpt "\$here/bin/gpt_test"
 t trainer "\$here/bin/dtrun" --nproc-per-node 1 "\$here/bin/gpt_train" --text "\$repo/README.md" --device cuda \\
   --steps 30 --log-every 10 --sample-tokens 0
 tail -3 "\$logs/trainer.log"

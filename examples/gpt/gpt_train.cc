@@ -37,6 +37,7 @@
 #include "dtensor/tensor/status.h"
 #include "examples/gpt/data.h"
 #include "examples/gpt/llmc.h"
+#include "examples/gpt/local_gpu.h"
 #include "nlohmann/json.hpp"
 #include "nn/gpt.h"
 #include "nn/optim.h"
@@ -400,22 +401,17 @@ int main(int argc, char** argv) {
     Device device = Device::Cpu();
     if (use_cuda) {
       auto info = LaunchInfoFromEnv();
-      if (info.ok() && info->local_world_size > CudaDeviceCount()) {  // NCCL wants a GPU per rank
-        comm = absl::FailedPreconditionError(
-            absl::StrCat("[gpt_train] ", info->local_world_size, " processes on this host but ", CudaDeviceCount(),
-                         " CUDA device(s) visible: NCCL needs one GPU per process (start at most ", CudaDeviceCount(),
-                         " per host, or pass --device cpu for UCX)"));
-      } else if (info.ok()) {
-        auto s = ConnectStore(*info, DefaultTimeout());
-        if (s.ok()) {
-          store = *std::move(s);
-          device = Device::Cuda(info->local_rank % CudaDeviceCount());
-          comm = MakeNcclCommunicator(*info, *store, device.index);
-        } else {
-          comm = s.status();
-        }
+      absl::StatusOr<int> gpu = info.ok() ? gpt::LocalGpu(info->local_rank, info->local_world_size, CudaDeviceCount(),
+                                                          std::getenv("CUDA_VISIBLE_DEVICES") != nullptr)
+                                          : absl::StatusOr<int>(info.status());
+      auto s =
+          gpu.ok() ? ConnectStore(*info, DefaultTimeout()) : absl::StatusOr<std::unique_ptr<StoreClient>>(gpu.status());
+      if (s.ok()) {
+        store = *std::move(s);
+        device = Device::Cuda(*gpu);
+        comm = MakeNcclCommunicator(*info, *store, device.index);
       } else {
-        comm = info.status();
+        comm = s.status();
       }
     } else {
       comm = MakeUcxCommunicatorFromEnv();

@@ -62,16 +62,27 @@ void ExpectSame(const std::vector<double>& a, const std::vector<double>& b) {
 }
 
 TEST(GptTrainTest, DataParallelLossesEqualSingleRank) {
-  const std::vector<double> one = RunLosses("", "--batch 6 --ranks 1", "r1");
+  const std::vector<double> one = RunLosses("", "--batch 6 --ranks 1 --device cpu", "r1");
   ASSERT_EQ(one.size(), 6u);
   EXPECT_LT(one.back(), one.front() - 0.3) << "loss did not fall";
   ExpectSame(RunLosses("", "--batch 6 --ranks 2 --device cpu", "r2"), one);
-  ExpectSame(RunLosses("", "--batch 6 --ranks 4", "r4"), one);  // 6 rows over 4 ranks: 2, 2, 2, 0
+  ExpectSame(RunLosses("", "--batch 6 --ranks 4 --device cpu", "r4"), one);  // 6 rows over 4 ranks: 2, 2, 2, 0
 }
 
 TEST(GptTrainTest, UcxProcessesMatchThreads) {
-  const std::vector<double> one = RunLosses("", "--batch 5 --ranks 1", "u1");
-  ExpectSame(RunLosses(std::string(DTRUN_PATH) + " --nproc-per-node 2 ", "--batch 5", "u2"), one);
+  const std::vector<double> one = RunLosses("", "--batch 5 --ranks 1 --device cpu", "u1");
+  ExpectSame(RunLosses(std::string(DTRUN_PATH) + " --nproc-per-node 2 ", "--batch 5 --device cpu", "u2"), one);
+}
+
+// Two processes under dtrun, a GPU each over NCCL, train to one GPU's losses (1e-4: the
+// all-reduce sums in another order).
+TEST(GptTrainTest, TwoGpuProcessesMatchOneGpu) {
+  if (CudaDeviceCount() < 2) GTEST_SKIP() << "needs 2 CUDA devices, " << CudaDeviceCount() << " visible";
+  const std::vector<double> one = RunLosses("", "--batch 4 --ranks 1 --device cuda", "n1");
+  const std::vector<double> two =
+      RunLosses(std::string(DTRUN_PATH) + " --nproc-per-node 2 ", "--batch 4 --device cuda", "n2");
+  ASSERT_EQ(two.size(), one.size());
+  for (size_t i = 0; i < one.size(); ++i) EXPECT_NEAR(two[i], one[i], 1e-4 * std::abs(one[i])) << "step " << i;
 }
 
 // --init-llmc + --train-bin: the trainer starts from an llm.c checkpoint (here PyTorch's golden
@@ -111,8 +122,8 @@ TEST(GptTrainTest, StartsFromAnLlmcCheckpoint) {
 // The same binary started by Open MPI's mpirun (OMPI_COMM_WORLD_* rendezvous) is a UCX rank.
 TEST(GptTrainTest, MpirunProcessesMatchThreads) {
   if (std::system("command -v mpirun > /dev/null 2>&1") != 0) GTEST_SKIP() << "mpirun is not installed";
-  const std::vector<double> one = RunLosses("", "--batch 5 --ranks 1", "m1");
-  ExpectSame(RunLosses("mpirun --allow-run-as-root --oversubscribe -np 2 ", "--batch 5", "m2"), one);
+  const std::vector<double> one = RunLosses("", "--batch 5 --ranks 1 --device cpu", "m1");
+  ExpectSame(RunLosses("mpirun --allow-run-as-root --oversubscribe -np 2 ", "--batch 5 --device cpu", "m2"), one);
 }
 
 TEST(GptTrainTest, BadFlagsFailCleanly) {
