@@ -111,7 +111,9 @@ class Communicator {
   // the peer's Recv until the timeout. Messages between two ranks match in the order posted
   // (within and across batches), as for Send / Recv. A peer may be this rank: the k-th send to
   // itself lands in the k-th receive from itself (a copy), and the counts of both must agree.
-  // Every op is checked before any is posted; an empty batch is a completed Work.
+  // Every op's arguments are checked before any is posted; an empty batch is a completed Work.
+  // Should posting fail part-way (a peer left, the group failed), the ops already posted are
+  // dropped as an unfinished Send / Recv Work is (see the transport).
   virtual absl::StatusOr<std::unique_ptr<Work>> BatchSendRecvAsync(absl::Span<const PeerOp> ops);
 
   // All-to-all of blocks given as views of any strides (the column blocks of a row-major

@@ -429,6 +429,14 @@ class ThreadGroup {
     cv_.notify_all();
   }
 
+  // Takes back a posted op that no peer has matched yet (its Work was dropped unfinished).
+  void Withdraw(int src, int dst, bool is_send, const P2POp& op) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (op.matched) return;
+    auto& queue = is_send ? channel(src, dst).sends : channel(src, dst).recvs;
+    queue.erase(std::remove_if(queue.begin(), queue.end(), [&](const auto& p) { return p.get() == &op; }), queue.end());
+  }
+
   // Waits for a posted op of `rank` with `peer`; withdraws it on failure.
   absl::Status WaitP2P(int rank, int peer, int src, int dst, bool is_send, P2POp& op, absl::Duration timeout) {
     const char* name = is_send ? "Send" : "Recv";
@@ -531,6 +539,11 @@ class P2PWork final : public Work {
   P2PWork(std::shared_ptr<ThreadGroup> group, std::shared_ptr<P2POp> op, int rank, int peer, bool is_send,
           absl::Duration timeout)
       : group_(std::move(group)), op_(std::move(op)), rank_(rank), peer_(peer), is_send_(is_send), timeout_(timeout) {}
+  // Dropped unfinished: an op no peer has matched is taken back, so it cannot consume a later
+  // message of the pair (a matched one completes; the op keeps its tensor alive meanwhile).
+  ~P2PWork() override {
+    if (!waited_) group_->Withdraw(is_send_ ? rank_ : peer_, is_send_ ? peer_ : rank_, is_send_, *op_);
+  }
   absl::Status Wait() override {
     if (!waited_) {
       result_ =

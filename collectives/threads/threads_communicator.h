@@ -34,7 +34,8 @@
 // side comes second), and Wait() waits for it. A blocking Send waits until it is received,
 // so two ranks that both Send before they Recv deadlock (until the timeout): use SendAsync
 // or BatchSendRecv.
-// Messages between one pair of ranks match in posting order.
+// Messages between one pair of ranks match in posting order. Dropping an unfinished Send /
+// Recv Work takes it back if no peer has matched it yet (else it completes).
 //
 // Failures: a wait past the timeout gives DeadlineExceeded naming the missing ranks; it
 // marks the group failed, and every later call on the group (and every rank still waiting in

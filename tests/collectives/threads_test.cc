@@ -2,6 +2,7 @@
 // (float64, or exact integers), for every dtype and world sizes 1, 2, 3, 4, 8; sub-groups,
 // timeouts, departed ranks, cross-rank call checks and bad inputs.
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -311,8 +312,8 @@ absl::Status RunMoving(Coll coll, DType dtype, int64_t m, int rank, Communicator
     }
     case Coll::kBatchSendRecv: {
       // Every rank sends to every rank, itself included, m + sender elements, in two batches
-      // posted before either is waited for: the first lists its sends first (a blocking
-      // Send there would deadlock), the second its receives first. Messages of a pair must
+      // posted before either is waited for: the first lists its sends first, the second its
+      // receives first (the order of a batch's ops must not matter). Messages of a pair must
       // match in posting order, across the batches too (the payloads differ by batch).
       std::vector<Tensor> first(static_cast<size_t>(world)), second(static_cast<size_t>(world));
       std::vector<PeerOp> ops1, ops2;
@@ -587,37 +588,72 @@ TEST(ThreadsTest, SendRecvMismatchFailsBothSides) {
 
 // BatchSendRecv checks every op before posting any, and names the offending one.
 TEST(ThreadsTest, BatchSendRecvRejectsBadOpsBeforePostingAny) {
-  const auto statuses = RunRanks(2, [](int rank, CommPtr& comm) -> absl::Status {
-    DT_ASSIGN_OR_RETURN(Tensor a, Tensor::Empty({3}, DType::kFloat32));
-    DT_ASSIGN_OR_RETURN(Tensor b, Tensor::Empty({4}, DType::kFloat32));
-    DT_ASSIGN_OR_RETURN(Tensor m, Tensor::Empty({2, 3}, DType::kFloat32));
-    DT_ASSIGN_OR_RETURN(Tensor strided, m.Transpose(0, 1));
-    const int other = 1 - rank;
-    struct Case {
-      std::vector<PeerOp> ops;
-      std::string message;
-    };
-    const std::vector<Case> cases = {
-        {{PeerOp::Recv(a, other), PeerOp::Send(a, 2)}, "ops[1] send peer 2 is out of range for a group of size 2"},
-        {{PeerOp::Send(a, other), PeerOp::Recv(strided, other)},
-         "ops[1] (recv from " + std::to_string(other) + ") is not contiguous"},
-        {{PeerOp::Send(a, rank)}, "1 send(s) to this rank but 0 receive(s) from it"},
-        {{PeerOp::Send(a, rank), PeerOp::Recv(b, rank)},
-         "send to itself ops[0] has 3 float32 elements but its "
-         "receive ops[1] has 4 float32"},
-        {{PeerOp::Send(a, other), PeerOp::Recv(Tensor(), other)}, "is undefined"},
-    };
-    for (const Case& c : cases) {
-      const absl::Status s = comm->BatchSendRecv(c.ops);
-      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-      EXPECT_THAT(std::string(s.message()), HasSubstr(c.message));
-      EXPECT_THAT(std::string(s.message()), StartsWith("[BatchSendRecv] rank " + std::to_string(rank)));
+  const auto statuses = RunRanks(
+      2,
+      [](int rank, CommPtr& comm) -> absl::Status {
+        DT_ASSIGN_OR_RETURN(Tensor a, Tensor::Empty({3}, DType::kFloat32));
+        DT_ASSIGN_OR_RETURN(Tensor b, Tensor::Empty({4}, DType::kFloat32));
+        DT_ASSIGN_OR_RETURN(Tensor m, Tensor::Empty({2, 3}, DType::kFloat32));
+        DT_ASSIGN_OR_RETURN(Tensor strided, m.Transpose(0, 1));
+        const int other = 1 - rank;
+        struct Case {
+          std::vector<PeerOp> ops;
+          std::string message;
+        };
+        const std::vector<Case> cases = {
+            {{PeerOp::Recv(a, other), PeerOp::Send(a, 2)}, "ops[1] send peer 2 is out of range for a group of size 2"},
+            {{PeerOp::Send(a, other), PeerOp::Recv(strided, other)},
+             "ops[1] (recv from " + std::to_string(other) + ") is not contiguous"},
+            {{PeerOp::Send(a, rank)}, "1 send(s) to this rank but 0 receive(s) from it"},
+            {{PeerOp::Send(a, rank), PeerOp::Recv(b, rank)},
+             "send to itself ops[0] has 3 float32 elements but its "
+             "receive ops[1] has 4 float32"},
+            {{PeerOp::Send(a, other), PeerOp::Recv(Tensor(), other)}, "is undefined"},
+        };
+        for (const Case& c : cases) {
+          const absl::Status s = comm->BatchSendRecv(c.ops);
+          EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+          EXPECT_THAT(std::string(s.message()), HasSubstr(c.message));
+          EXPECT_THAT(std::string(s.message()), StartsWith("[BatchSendRecv] rank " + std::to_string(rank)));
+        }
+        // Nothing was posted: a plain exchange now matches its own messages, not a rejected batch's.
+        DT_ASSIGN_OR_RETURN(Tensor mine, Tensor::FromVector<float>({1.f + rank, 2.f, 3.f}, {3}));
+        DT_RETURN_IF_ERROR(comm->BatchSendRecv({PeerOp::Send(mine, other), PeerOp::Recv(a, other)}));
+        EXPECT_EQ(a.data<float>()[0], 1.f + other);
+        return comm->BatchSendRecv({});
+      },
+      absl::Seconds(5));
+  ExpectAllOk(statuses);
+}
+
+// A batch that fails part-way (its second op's peer has left) takes back the receive it had
+// posted: the pair's next message goes to the next receive, not into the failed call's tensor.
+TEST(ThreadsTest, BatchSendRecvFailingPartWayLeavesNothingPosted) {
+  auto comms = testing::Unwrap(MakeThreadGroup(3, absl::Seconds(5)));
+  std::atomic<bool> left{false}, batch_failed{false};
+  const auto statuses = RunOn(comms, [&](int rank, CommPtr& comm) -> absl::Status {
+    if (rank == 2) {
+      comm.reset();  // leaves the group
+      left = true;
+      return absl::OkStatus();
     }
-    // Nothing was posted: a plain exchange now matches its own messages, not a rejected batch's.
-    DT_ASSIGN_OR_RETURN(Tensor mine, Tensor::FromVector<float>({1.f + rank, 2.f, 3.f}, {3}));
-    DT_RETURN_IF_ERROR(comm->BatchSendRecv({PeerOp::Send(mine, other), PeerOp::Recv(a, other)}));
-    EXPECT_EQ(a.data<float>()[0], 1.f + other);
-    return comm->BatchSendRecv({});
+    DT_ASSIGN_OR_RETURN(Tensor stale, Tensor::FromVector<float>({-1.f, -1.f}, {2}));
+    DT_ASSIGN_OR_RETURN(Tensor got, Tensor::FromVector<float>({-2.f, -2.f}, {2}));
+    DT_ASSIGN_OR_RETURN(Tensor mine, Tensor::FromVector<float>({10.f + rank, 20.f + rank}, {2}));
+    if (rank == 0) {
+      while (!left) std::this_thread::yield();
+      // The receive from rank 1 is posted, then the send to rank 2 fails.
+      const absl::Status s = comm->BatchSendRecv({PeerOp::Recv(stale, 1), PeerOp::Send(mine, 2)});
+      EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+      EXPECT_THAT(std::string(s.message()), HasSubstr("rank 2"));
+      batch_failed = true;
+      DT_RETURN_IF_ERROR(comm->Recv(got, 1));
+      EXPECT_EQ(got.data<float>()[0], 11.f);
+      EXPECT_EQ(stale.data<float>()[0], -1.f);  // the failed batch's receive got nothing
+      return absl::OkStatus();
+    }
+    while (!batch_failed) std::this_thread::yield();
+    return comm->Send(mine, 0);
   });
   ExpectAllOk(statuses);
 }
