@@ -17,8 +17,8 @@
 // (cudaStreamPerThread). Work issued on another stream must synchronise before freeing.
 // Out of memory, it empties its cache and retries once; the cudaFree calls of that release
 // synchronise the device, so behind an NCCL collective still waiting for a peer they wait
-// with it. Ranks that are threads of one process and share a GPU's driver state can then
-// stall each other: give such ranks memory headroom.
+// with it, in the thread that would otherwise notice the communicator's timeout: a dead peer
+// then hangs the allocation past that timeout. Give ranks memory headroom.
 //
 // DefaultAllocator() returns one allocator per device, created on first use and never
 // destroyed (tensors may outlive static destruction). It is thread-safe.

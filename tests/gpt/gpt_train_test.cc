@@ -172,6 +172,7 @@ std::string BlasCoreOfTrainer(const std::string& env, const std::string& tag) {
 }
 
 TEST(GptTrainTest, RunsTheFastestBlasKernelsForThisCpu) {
+  if (!BlasChoosesCoreAtLoad()) GTEST_SKIP() << "OpenBLAS built for one core: nothing to choose";
   const std::string core = BlasCoreOfTrainer("-u OPENBLAS_CORETYPE", "blas_auto");
   EXPECT_EQ(FasterBlasCoreType(core, HostVectorIsa()), "") << "trainer ran OpenBLAS's " << core << " kernels";
   EXPECT_EQ(BlasCoreOfTrainer("OPENBLAS_CORETYPE=Prescott", "blas_user"), "Prescott");

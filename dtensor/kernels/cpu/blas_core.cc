@@ -4,10 +4,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace dtensor {
@@ -22,6 +24,11 @@ CpuVectorIsa HostVectorIsa() {
                __builtin_cpu_supports("avx512vl");
 #endif
   return isa;
+}
+
+bool BlasChoosesCoreAtLoad() {
+  const char* config = openblas_get_config();
+  return config != nullptr && std::strstr(config, "DYNAMIC_ARCH") != nullptr;
 }
 
 std::string BlasCoreName() {
@@ -45,17 +52,26 @@ std::string FasterBlasCoreType(const std::string& core, CpuVectorIsa isa) {
 }
 
 absl::Status ReexecWithFasterBlasCore(char** argv) {
-  if (std::getenv("OPENBLAS_CORETYPE") != nullptr) return absl::OkStatus();
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr || !BlasChoosesCoreAtLoad()) return absl::OkStatus();
   const std::string core = BlasCoreName();
   const std::string faster = FasterBlasCoreType(core, HostVectorIsa());
   if (faster.empty()) return absl::OkStatus();
   if (setenv("OPENBLAS_CORETYPE", faster.c_str(), /*overwrite=*/1) != 0) {
     return absl::InternalError(absl::StrCat("setenv(OPENBLAS_CORETYPE=", faster, ") failed: ", std::strerror(errno)));
   }
-  execv("/proc/self/exe", argv);
+  // The file itself rather than the /proc link, whose name ("exe") the process would take in
+  // ps, top and pkill; the link where the file is gone (" (deleted)") or cannot be read.
+  std::string self = "/proc/self/exe";
+  char path[PATH_MAX];
+  const ssize_t n = readlink(self.c_str(), path, sizeof(path) - 1);
+  if (n > 0) {
+    const std::string target(path, static_cast<size_t>(n));
+    if (!absl::EndsWith(target, " (deleted)")) self = target;
+  }
+  execv(self.c_str(), argv);
   const int err = errno;  // only reached where the exec failed
   unsetenv("OPENBLAS_CORETYPE");
-  return absl::InternalError(absl::StrCat("re-executing /proc/self/exe with OPENBLAS_CORETYPE=", faster,
+  return absl::InternalError(absl::StrCat("re-executing ", self, " with OPENBLAS_CORETYPE=", faster,
                                           " (OpenBLAS runs its ", core, " kernels here) failed: ", std::strerror(err)));
 }
 

@@ -25,6 +25,10 @@ struct CpuVectorIsa {
 // This CPU's (from cpuid, as the compiler runtime reads it).
 CpuVectorIsa HostVectorIsa();
 
+// Whether this OpenBLAS chooses its kernels when it loads (built with DYNAMIC_ARCH, as
+// Debian's), and so honours OPENBLAS_CORETYPE.
+bool BlasChoosesCoreAtLoad();
+
 // The name OpenBLAS gives the kernel set it runs (openblas_get_corename(), e.g. "SkylakeX",
 // "Haswell", "Prescott").
 std::string BlasCoreName();
@@ -35,12 +39,15 @@ std::string BlasCoreName();
 // choice OpenBLAS made on purpose, e.g. Zen, is kept). Case-insensitive. Pure.
 std::string FasterBlasCoreType(const std::string& core, CpuVectorIsa isa);
 
-// For main(), before any other work: where OPENBLAS_CORETYPE is unset and FasterBlasCoreType
-// names a faster set for this CPU, sets OPENBLAS_CORETYPE to it and re-executes this program
-// (/proc/self/exe) with the same arguments and environment, so that OpenBLAS loads with it; the
-// process keeps its pid, CPU binding and open files. Returns OK where there was nothing to do
-// (the variable set already, by the user or the previous exec, or the core fine), and an error
-// naming the cause where the exec failed (the program can go on, slower).
+// For main(), before any other work: where OpenBLAS chooses its kernels at load, OPENBLAS_CORETYPE
+// is unset, and FasterBlasCoreType names a faster set for this CPU, sets OPENBLAS_CORETYPE to
+// it and re-executes this program (the file /proc/self/exe links to, so the process keeps its
+// name) with the same arguments and environment, so that OpenBLAS loads with it. The process
+// keeps its pid, CPU binding and the file descriptors not marked close-on-exec. Returns OK
+// where there was nothing to do, and an error naming the cause where the exec failed (the
+// program can go on, slower). Setting OPENBLAS_CORETYPE to any value turns the restart off:
+// e.g. OPENBLAS_CORETYPE=Haswell under valgrind, which does not follow an exec by default and
+// does not run AVX-512.
 absl::Status ReexecWithFasterBlasCore(char** argv);
 
 }  // namespace dtensor
