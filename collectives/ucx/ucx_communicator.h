@@ -39,7 +39,8 @@
 // copy in + copy out and move bytes between their own buffers with Linux cross-memory attach
 // (process_vm_readv / writev; probed once at setup, every rank agreeing): each publishes its
 // buffer's address in its slot, and after one barrier AllGather / AllToAll read each peer's
-// block straight into the output; Broadcast (past 32 KiB, at any rank count) has the root
+// block straight into the output; Broadcast (past 32 KiB, or 256 KiB when ranks share CPUs;
+// below, the root copies into its ring places and goes on, readers copy out) has the root
 // write 1/P of the buffer into each reader while the readers read the rest (so the root's core
 // works too); ReduceScatter and AllReduce
 // up to 2 MiB blocks read the peers' pieces of this rank's block into cache, reduce, and (for
