@@ -124,15 +124,17 @@ absl::StatusOr<std::vector<std::pair<size_t, size_t>>> CheckPeerOps(const char* 
   for (size_t k = 0; k < ops.size(); ++k) {
     const PeerOp& o = ops[k];
     const bool send = o.kind == PeerOp::Kind::kSend;
-    const std::string name = absl::StrCat("ops[", k, "] (", send ? "send to " : "recv from ", o.peer, ")");
+    // The op's name, built only for an error message.
+    auto name = [&] { return absl::StrCat("ops[", k, "] (", send ? "send to " : "recv from ", o.peer, ")"); };
     if (o.kind != PeerOp::Kind::kSend && o.kind != PeerOp::Kind::kRecv) {
       return InvalidArg(op, "rank ", rank, ": ops[", k, "] has kind ", static_cast<int>(o.kind));
     }
-    DT_RETURN_IF_ERROR(
-        CheckPeer(op, rank, absl::StrCat("ops[", k, "] ", send ? "send" : "recv", " peer").c_str(), o.peer, size));
-    DT_RETURN_IF_ERROR(CheckContiguous(op, rank, name.c_str(), o.tensor));
+    if (o.peer < 0 || o.peer >= size) {
+      return CheckPeer(op, rank, absl::StrCat("ops[", k, "] ", send ? "send" : "recv", " peer").c_str(), o.peer, size);
+    }
+    if (!o.tensor.defined() || !o.tensor.is_contiguous()) return CheckContiguous(op, rank, name().c_str(), o.tensor);
     if (o.tensor.device() != device) {
-      return InvalidArg(op, "rank ", rank, ": ", name, " is on ", o.tensor.device().ToString(),
+      return InvalidArg(op, "rank ", rank, ": ", name(), " is on ", o.tensor.device().ToString(),
                         " but the communicator moves ", device.ToString(), " tensors");
     }
     if (o.peer == rank) (send ? self_sends : self_recvs).push_back(k);
