@@ -157,6 +157,16 @@ absl::StatusOr<std::vector<std::pair<size_t, size_t>>> CheckPeerOps(const char* 
   return pairs;
 }
 
+std::string RanksPhrase(absl::Span<const int> ranks) {
+  if (ranks.empty()) return "no rank";
+  if (ranks.size() == 1) return absl::StrCat("rank ", ranks[0]);
+  std::string s = "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    absl::StrAppend(&s, i == 0 ? "" : (i + 1 == ranks.size() ? " and " : ", "), ranks[i]);
+  }
+  return s;
+}
+
 namespace {
 
 class WorkOfAll final : public Work {

@@ -63,6 +63,8 @@ std::unique_ptr<Work> MakeCompletedWork(absl::Status status);
 // overlap: conservative for interleaved strided views, which may span common bytes without
 // sharing an element.
 bool Overlap(const Tensor& a, const Tensor& b);
+// "rank 3", "ranks 1 and 3", "ranks 1, 3 and 5" (in the order given; "no rank" if empty).
+std::string RanksPhrase(absl::Span<const int> ranks);
 // Exclusive prefix sums: offsets[j] = counts[0] + ... + counts[j - 1].
 std::vector<int64_t> PrefixOffsets(absl::Span<const int64_t> counts);
 

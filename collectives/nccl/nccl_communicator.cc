@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "collectives/checks.h"
@@ -134,10 +135,23 @@ ncclResult_t PollComm(ncclComm_t comm, ncclResult_t first, absl::Time deadline, 
   }
 }
 
-std::string WaitingFor(int peer, int size) {
-  return peer >= 0 ? absl::StrCat("rank ", peer)
-                   : absl::StrCat("all ", size, " ranks (NCCL cannot tell which is missing)");
-}
+// Whom a call waits for, as its timeout and error messages name them: one peer, the peers of
+// a BatchSendRecv, or every rank (a collective: -1 or no peers).
+class WaitTarget {
+ public:
+  WaitTarget(int peer) {  // NOLINT(google-explicit-constructor): a peer, or -1 for every rank
+    if (peer >= 0) peers_.push_back(peer);
+  }
+  explicit WaitTarget(absl::InlinedVector<int, 2> peers) : peers_(std::move(peers)) {}
+  std::string Describe(int size) const {
+    if (peers_.empty()) return absl::StrCat("all ", size, " ranks (NCCL cannot tell which is missing)");
+    if (peers_.size() == 1) return internal::RanksPhrase(peers_);
+    return absl::StrCat(internal::RanksPhrase(peers_), " (NCCL cannot tell which is missing)");
+  }
+
+ private:
+  absl::InlinedVector<int, 2> peers_;
+};
 
 // ---------------------------------------------------------------------------------------------
 // NcclState
@@ -236,20 +250,20 @@ class NcclState : public std::enable_shared_from_this<NcclState> {
 
   // Settles the result of an NCCL call that enqueued work: polls ncclInProgress away; an
   // error or the timeout kills the communicator.
-  absl::Status Settle(const char* op, int peer, ncclResult_t r) {
+  absl::Status Settle(const char* op, const WaitTarget& who, ncclResult_t r) {
     bool timed_out = false;
     r = PollComm(comm_.get(), r, absl::Now() + timeout_, &timed_out);
     if (timed_out) {
       return Fail(absl::DeadlineExceededError(absl::StrCat(
           "[", op, "] rank ", rank_, " (cuda:", device_, "): NCCL did not accept the call within ",
-          absl::FormatDuration(timeout_), " waiting for ", WaitingFor(peer, size_), "; communicator aborted")));
+          absl::FormatDuration(timeout_), " waiting for ", who.Describe(size_), "; communicator aborted")));
     }
     if (r != ncclSuccess) return Fail(NcclStatus(r, op, rank_, device_, comm_.get()));
     return absl::OkStatus();
   }
 
   // Waits (host side) until `event` has completed, NCCL reports an error, or the timeout.
-  absl::Status WaitEvent(cudaEvent_t event, const char* op, int peer, absl::Duration timeout) {
+  absl::Status WaitEvent(cudaEvent_t event, const char* op, const WaitTarget& who, absl::Duration timeout) {
     DeviceGuard guard(device_);
     if (!guard.ok()) return ToStatus(guard.error(), op, device_);
     const absl::Time deadline = absl::Now() + timeout;
@@ -263,13 +277,13 @@ class NcclState : public std::enable_shared_from_this<NcclState> {
       if (r != ncclSuccess) return Fail(NcclStatus(r, op, rank_, device_, comm_.get()));
       if (async != ncclSuccess && async != ncclInProgress) {
         const absl::Status s = NcclStatus(async, op, rank_, device_, comm_.get());
-        return Fail(absl::Status(s.code(), absl::StrCat(s.message(), " (while waiting for ", WaitingFor(peer, size_),
+        return Fail(absl::Status(s.code(), absl::StrCat(s.message(), " (while waiting for ", who.Describe(size_),
                                                         "; communicator aborted)")));
       }
       if (absl::Now() >= deadline) {
         return Fail(absl::DeadlineExceededError(absl::StrCat(
             "[", op, "] rank ", rank_, " (cuda:", device_, "): timed out after ", absl::FormatDuration(timeout),
-            " waiting for ", WaitingFor(peer, size_), "; communicator aborted")));
+            " waiting for ", who.Describe(size_), "; communicator aborted")));
       }
       Backoff(i);
     }
@@ -278,7 +292,7 @@ class NcclState : public std::enable_shared_from_this<NcclState> {
   // Runs `enqueue(comm, stream)` (NCCL calls returning ncclResult_t) on the communication
   // stream, after the compute stream, and returns a Work completing with it.
   template <typename F>
-  absl::StatusOr<std::unique_ptr<Work>> Launch(const char* op, int peer, std::vector<Tensor> keep, F&& enqueue);
+  absl::StatusOr<std::unique_ptr<Work>> Launch(const char* op, WaitTarget who, std::vector<Tensor> keep, F&& enqueue);
 
   // A 1-element float32 buffer for Barrier.
   absl::StatusOr<Tensor> Scratch() {
@@ -316,12 +330,12 @@ class NcclState : public std::enable_shared_from_this<NcclState> {
 
 class NcclWork final : public Work {
  public:
-  NcclWork(std::shared_ptr<NcclState> state, EventPtr done, const char* op, int peer, absl::Duration timeout,
+  NcclWork(std::shared_ptr<NcclState> state, EventPtr done, const char* op, WaitTarget who, absl::Duration timeout,
            std::vector<Tensor> keep)
       : state_(std::move(state)),
         done_event_(std::move(done)),
         op_(op),
-        peer_(peer),
+        who_(std::move(who)),
         timeout_(timeout),
         keep_(std::move(keep)) {}
 
@@ -355,7 +369,7 @@ class NcclWork final : public Work {
 
   absl::Status Wait() override {
     if (finished_) return status_;
-    status_ = state_->WaitEvent(done_event_.get(), op_, peer_, timeout_);
+    status_ = state_->WaitEvent(done_event_.get(), op_, who_, timeout_);
     finished_ = true;
     if (status_.ok()) keep_.clear();  // done with the buffers; a failed Work keeps them (see ~NcclWork)
     return status_;
@@ -376,7 +390,7 @@ class NcclWork final : public Work {
   std::shared_ptr<NcclState> state_;
   EventPtr done_event_;
   const char* op_;
-  int peer_;  // -1: every rank
+  WaitTarget who_;
   absl::Duration timeout_;
   std::vector<Tensor> keep_;
   bool finished_ = false;
@@ -385,14 +399,14 @@ class NcclWork final : public Work {
 };
 
 template <typename F>
-absl::StatusOr<std::unique_ptr<Work>> NcclState::Launch(const char* op, int peer, std::vector<Tensor> keep,
+absl::StatusOr<std::unique_ptr<Work>> NcclState::Launch(const char* op, WaitTarget who, std::vector<Tensor> keep,
                                                         F&& enqueue) {
   DT_RETURN_IF_ERROR(CheckAlive(op));
   DeviceGuard guard(device_);
   if (!guard.ok()) return ToStatus(guard.error(), op, device_);
   DT_RETURN_IF_ERROR(OrderAfterCompute(op));
   DT_ASSIGN_OR_RETURN(EventPtr done, NewEvent(op, device_));  // before the enqueue: it may fail
-  DT_RETURN_IF_ERROR(Settle(op, peer, enqueue(comm_.get(), stream_.get())));
+  DT_RETURN_IF_ERROR(Settle(op, who, enqueue(comm_.get(), stream_.get())));
   const absl::Status recorded = ToStatus(cudaEventRecord(done.get(), stream_.get()), op, device_);
   if (!recorded.ok()) {
     // The collective is queued with no way to tell when it ends: the communicator is dead,
@@ -401,7 +415,7 @@ absl::StatusOr<std::unique_ptr<Work>> NcclState::Launch(const char* op, int peer
     return Fail(recorded);
   }
   return std::unique_ptr<Work>(
-      std::make_unique<NcclWork>(shared_from_this(), std::move(done), op, peer, timeout_, std::move(keep)));
+      std::make_unique<NcclWork>(shared_from_this(), std::move(done), op, std::move(who), timeout_, std::move(keep)));
 }
 
 // ncclGroupStart(); body(); ncclGroupEnd() — the group is closed even when body fails.
@@ -583,25 +597,27 @@ class NcclCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(internal::CheckPeerOps(kOp, rank(), size(), device(), ops).status());
     if (ops.empty()) return internal::MakeCompletedWork(absl::OkStatus());
     std::vector<Tensor> keep;
-    int peer = ops[0].peer;  // named by a timeout when the batch has one peer
+    absl::InlinedVector<int, 2> peers;  // the other ranks of the batch, named by a timeout
     for (const PeerOp& o : ops) {
       keep.push_back(o.tensor);
-      if (o.peer != peer) peer = -1;
+      if (o.peer != rank() && std::find(peers.begin(), peers.end(), o.peer) == peers.end()) peers.push_back(o.peer);
     }
-    return state_->Launch(kOp, peer, std::move(keep), [&](ncclComm_t comm, cudaStream_t stream) {
-      return Grouped([&]() -> ncclResult_t {
-        for (const PeerOp& o : ops) {
-          const size_t n = static_cast<size_t>(o.tensor.numel());
-          if (n == 0) continue;
-          const ncclDataType_t type = MoveType(o.tensor.dtype());
-          const ncclResult_t r = o.kind == PeerOp::Kind::kSend
-                                     ? ncclSend(o.tensor.raw_data(), n, type, o.peer, comm, stream)
-                                     : ncclRecv(o.tensor.raw_data(), n, type, o.peer, comm, stream);
-          if (r != ncclSuccess) return r;
-        }
-        return ncclSuccess;
-      });
-    });
+    std::sort(peers.begin(), peers.end());
+    return state_->Launch(
+        kOp, WaitTarget(std::move(peers)), std::move(keep), [&](ncclComm_t comm, cudaStream_t stream) {
+          return Grouped([&]() -> ncclResult_t {
+            for (const PeerOp& o : ops) {
+              const size_t n = static_cast<size_t>(o.tensor.numel());
+              if (n == 0) continue;
+              const ncclDataType_t type = MoveType(o.tensor.dtype());
+              const ncclResult_t r = o.kind == PeerOp::Kind::kSend
+                                         ? ncclSend(o.tensor.raw_data(), n, type, o.peer, comm, stream)
+                                         : ncclRecv(o.tensor.raw_data(), n, type, o.peer, comm, stream);
+              if (r != ncclSuccess) return r;
+            }
+            return ncclSuccess;
+          });
+        });
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllGatherVAsync(const Tensor& input, const Tensor& output,

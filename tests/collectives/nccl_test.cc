@@ -551,6 +551,27 @@ TEST(NcclTest, MultiRankTimeoutAbortsAndNamesTheCall) {
   });
 }
 
+// A BatchSendRecv whose peers never answer times out naming them: the one peer, or all of the
+// batch's (NCCL cannot tell which one is missing), not every rank of the group.
+TEST(NcclTest, MultiRankBatchTimeoutNamesTheBatchPeers) {
+  SKIP_WITHOUT_GPUS(2);
+  const int world = MultiWorld();
+  RunRanks(world, [&](int rank, Communicator& comm) {
+    ASSERT_TRUE(comm.Barrier().ok());
+    comm.SetTimeout(absl::Seconds(2));
+    if (rank != 0) return;
+    const Tensor a = Unwrap(Tensor::Empty({8}, DType::kFloat32, Device::Cuda(0)));
+    const Tensor b = Unwrap(Tensor::Empty({8}, DType::kFloat32, Device::Cuda(0)));
+    std::vector<PeerOp> ops = {PeerOp::Recv(a, 1), PeerOp::Send(a, 1)};
+    if (world >= 3) ops.push_back(PeerOp::Recv(b, 2));
+    const absl::Status s = comm.BatchSendRecv(ops);
+    EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+    EXPECT_THAT(s.message(), HasSubstr("[BatchSendRecv] rank 0"));
+    EXPECT_THAT(s.message(),
+                HasSubstr(world >= 3 ? "waiting for ranks 1 and 2 (NCCL cannot tell" : "waiting for rank 1;"));
+  });
+}
+
 // DTENSOR_DEBUG=1 while the communicators are made; restored afterwards.
 class ScopedDebugEnv {
  public:
