@@ -178,6 +178,27 @@ TEST(GptTrainTest, RunsTheFastestBlasKernelsForThisCpu) {
   EXPECT_EQ(BlasCoreOfTrainer("OPENBLAS_CORETYPE=Prescott", "blas_user"), "Prescott");
 }
 
+// Two processes on a host with one GPU fail at once on every rank with a message that says
+// so: ours where nothing hands each process its own GPU, NCCL's where CUDA_VISIBLE_DEVICES says
+// it does but both masks name the same GPU. Never a hang.
+TEST(GptTrainTest, TwoProcessesOnOneGpuFailClearly) {
+  if (CudaDeviceCount() != 1) GTEST_SKIP() << "needs exactly 1 CUDA device, " << CudaDeviceCount() << " visible";
+  for (const std::string env : {"env -u CUDA_VISIBLE_DEVICES", "env CUDA_VISIBLE_DEVICES=0"}) {
+    const std::string log = TempPath("one_gpu_two_procs.log");
+    const std::string cmd = "DTENSOR_TIMEOUT_S=60 " + env + " " + std::string(DTRUN_PATH) + " --nproc-per-node 2 " +
+                            std::string(GPT_TRAIN_PATH) + " --text " + WriteCorpus() +
+                            " --n-layer 1 --n-head 2 --n-embd 16 --seq 8 --steps 1 --device cuda > " + log + " 2>&1";
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_NE(std::system(cmd.c_str()), 0) << cmd;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(45)) << env;
+    std::ifstream in(log);
+    const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const bool ours = out.find("2 processes on this host but 1 CUDA device(s) visible") != std::string::npos;
+    const bool nccls = out.find("Duplicate GPU") != std::string::npos;
+    EXPECT_TRUE(env.find("-u") != std::string::npos ? ours : nccls) << env << ":\n" << out;
+  }
+}
+
 // One rank on cuda:0 trains to the CPU's losses (float32 on both; GPU reductions run in
 // another order).
 TEST(GptTrainTest, OneGpuMatchesCpu) {
