@@ -188,6 +188,13 @@ bool CmaFromEnv() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
+// DTENSOR_UCX_ZERO_COPY=0: large CPU tensors stay private memory, so single-copy steps copy
+// through the kernel (dtensor/tensor/shared_cpu_block.h).
+bool ZeroCopyFromEnv() {
+  const char* v = std::getenv("DTENSOR_UCX_ZERO_COPY");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 // Blocks of at least this many bytes are read from the peers' memory (ShmGroup::ReadPeer)
 // rather than passed through the slots (kCmaMinBytes, or kCmaMinOversubscribedBytes when ranks
 // share CPUs); DTENSOR_UCX_CMA_MIN=<bytes> overrides it (tests, tuning).
@@ -604,12 +611,16 @@ class UcxCommunicator final : public Communicator {
                                     : (oversubscribed ? kCmaMinOversubscribedBytes : kCmaMinBytes);
     DT_RETURN_IF_ERROR(Run(
         "Setup", [&] { return Describe("Setup"); }, [&] { return shm_->SetupCma(CmaFromEnv(), ctx_); }));
+    // Large CPU tensors allocated from now on can be mapped by the peers (single-copy steps
+    // then copy with memcpy); each rank decides for its own memory, the peers adapt per buffer.
+    if (shm_->cma() && ZeroCopyFromEnv()) EnableSharedCpuBlocks();
     if (rank_ == 0 && InfoFromEnv()) {
       std::string where;
       for (size_t j = 0; j < cpus.size(); ++j) absl::StrAppend(&where, j == 0 ? "" : " | ", FormatCpuList(cpus[j]));
       std::fprintf(
-          stderr, "dtensor ucx: communicator %d, %d ranks on one host: shared memory, single copy %s, %s (cpus %s)\n",
+          stderr, "dtensor ucx: communicator %d, %d ranks on one host: shared memory, single copy %s%s, %s (cpus %s)\n",
           static_cast<int>(id_), size(), shm_->cma() ? absl::StrCat("from ", cma_min_, " B blocks").c_str() : "off",
+          SharedCpuBlocksEnabled() ? ", zero copy from shared blocks" : "",
           oversubscribed ? "ranks share CPUs" : "a CPU per rank", where.c_str());
     }
     return absl::OkStatus();
@@ -988,6 +999,12 @@ class UcxCommunicator final : public Communicator {
     const Blocks b = MakeBlocks(counts, es);
     if (UseCma(b.max_len)) {
       if (b.max_len > kCmaReduceMaxBytes && !shm_->oversubscribed()) {
+        // Through the kernel the slots win at this size (kCmaReduceMaxBytes); from shared
+        // blocks single copy is plain memcpy and wins by far (2 ranks, 16 MiB: 2.0 against
+        // 3.5 ms). Every rank must take the same path: one Sync to agree.
+        const CmaReduceDesc mine{DescribeBuffer(in, b.total), DescribeBuffer(out, b.total)};
+        DT_ASSIGN_OR_RETURN(const bool all_shared, AllAgree(mine.in.shared.id != 0 && mine.out.shared.id != 0));
+        if (all_shared) return CmaReduceWith(mine, in, out, b, dtype, op, /*all=*/true);
         return ShmReduceScatter(in, out, counts, b, dtype, op, /*write_back=*/true);
       }
       return CmaReduce(in, out, b, dtype, op, /*all=*/true);
@@ -1042,8 +1059,12 @@ class UcxCommunicator final : public Communicator {
   // block j only after the Sync that follows this rank's copy of that window into its slot.
   absl::Status ShmReduceScatter(const char* in, char* out, absl::Span<const int64_t> counts, const Blocks& b,
                                 DType dtype, CommReduceOp op, bool write_back = false) {
-    if (!write_back && UseCma(b.max_len) && b.max_len <= kCmaReduceMaxBytes) {
-      return CmaReduce(in, out, b, dtype, op, /*all=*/false);
+    if (!write_back && UseCma(b.max_len)) {
+      if (b.max_len <= kCmaReduceMaxBytes) return CmaReduce(in, out, b, dtype, op, /*all=*/false);
+      // Larger, single copy wins only from shared blocks (see ShmAllReduce): agree on it.
+      const CmaReduceDesc mine{DescribeBuffer(in, b.total), {}};
+      DT_ASSIGN_OR_RETURN(const bool all_shared, AllAgree(mine.in.shared.id != 0));
+      if (all_shared) return CmaReduceWith(mine, in, out, b, dtype, op, /*all=*/false);
     }
     DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
     const int64_t per = static_cast<int64_t>(ShmGroup::kSlotBytes / ElementSize(dtype) / members_.size());
@@ -1234,6 +1255,16 @@ class UcxCommunicator final : public Communicator {
   // ---- Single copy among ranks of one host (ShmGroup::ReadPeer) ----
   // Every rank's decision depends only on sizes all ranks know, so all take the same path.
   bool UseCma(size_t block_bytes) const { return shm_->cma() && block_bytes >= cma_min_; }
+  // Collective over the shared-memory group: whether `mine` holds on every rank (one Sync).
+  absl::StatusOr<bool> AllAgree(bool mine) {
+    DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
+    shm_->slot(rank_)[0] = mine ? 1 : 0;
+    DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
+    bool all = true;
+    for (int j = 0; j < size(); ++j) all = all && shm_->slot(j)[0] == 1;
+    shm_->NextStep();
+    return all;
+  }
 
   // Every rank publishes `desc` in its slot; after the Sync each runs own() (while waiting) and
   // read(j, rank j's desc) for every other rank; a second Sync then holds every rank until all
@@ -1266,16 +1297,46 @@ class UcxCommunicator final : public Communicator {
   absl::Status CmaStep(const void* desc, size_t desc_bytes, Own&& own, Read&& read) {
     return CmaStep(desc, desc_bytes, own, read, [] { return absl::OkStatus(); });
   }
-  static uint64_t AddrIn(const char* desc) {
-    uint64_t a;
-    std::memcpy(&a, desc, sizeof(a));
-    return a;
+  // What a rank publishes of one of its buffers for a single-copy step: the address and, where
+  // the buffer lies in a shared block, the block, which the peers map and copy with memcpy.
+  struct BufferDesc {
+    uint64_t addr = 0;
+    SharedCpuRange shared;  // id 0: private memory
+  };
+  static BufferDesc DescribeBuffer(const void* p, size_t bytes) {
+    BufferDesc d{reinterpret_cast<uintptr_t>(p), {}};
+    if (std::optional<SharedCpuRange> r = FindSharedCpuRange(p, bytes)) d.shared = *r;
+    return d;
+  }
+  static BufferDesc DescIn(const char* desc) {
+    BufferDesc d;
+    std::memcpy(&d, desc, sizeof(d));
+    return d;
+  }
+  // Peer j's buffer `d` mapped into this process (its first byte), or nullptr: copy through the
+  // kernel.
+  char* Mapped(int j, const BufferDesc& d) { return d.shared.id != 0 ? shm_->MapPeer(j, d.shared) : nullptr; }
+  // `bytes` at `off` of peer j's buffer `d` (mapped: `at`, else through the kernel) into `local`.
+  absl::Status ReadFrom(int j, const BufferDesc& d, const char* at, size_t off, void* local, size_t bytes) {
+    if (at == nullptr) return shm_->ReadPeer(j, local, d.addr + off, bytes, ctx_);
+    std::memcpy(local, at + off, bytes);
+    return absl::OkStatus();
+  }
+  // ... and the other way. A peer that gave up may be freeing the buffer: write none of it.
+  absl::Status WriteTo(int j, const BufferDesc& d, char* at, size_t off, const void* local, size_t bytes) {
+    if (at == nullptr) return shm_->WritePeer(j, d.addr + off, local, bytes, ctx_);
+    if (shm_->PeerFailed(j)) {
+      return absl::UnavailableError(
+          absl::StrCat("[", ctx_.op, "] rank ", rank_, ": peer rank ", j, " failed (see its error)"));
+    }
+    std::memcpy(at + off, local, bytes);
+    return absl::OkStatus();
   }
 
   // ShmGather's contract; each rank reads every peer's block from the peer's `in`.
   absl::Status CmaGather(const char* in, char* out, const Blocks& b) {
     const size_t r = static_cast<size_t>(rank_);
-    const uint64_t mine = reinterpret_cast<uintptr_t>(in);
+    const BufferDesc mine = DescribeBuffer(in, b.len[r]);
     return CmaStep(
         &mine, sizeof(mine),
         [&] {
@@ -1284,28 +1345,41 @@ class UcxCommunicator final : public Communicator {
         [&](int j, const char* desc) {
           const size_t u = static_cast<size_t>(j);
           if (b.len[u] == 0) return absl::OkStatus();
-          return shm_->ReadPeer(j, out + b.off[u], AddrIn(desc), b.len[u], ctx_);
+          const BufferDesc d = DescIn(desc);
+          return ReadFrom(j, d, Mapped(j, d), 0, out + b.off[u], b.len[u]);
         });
   }
 
   // Reduce-scatter (all = false: this rank's block of the result into `out`) or all-reduce
   // (all = true: `out` is the whole result). Rank r reduces block r, a chunk at a time: it
-  // reads every peer's piece of the chunk into scratch, reduces them in rank order with its
-  // own, and for all-reduce writes the result into every peer's output while it is still in
-  // cache (process_vm_writev). Two Syncs in all; no rank's bytes pass through the slots. In
-  // place (out == in, or out == in's block r) is fine: only rank r reads or writes block r.
+  // reduces every peer's piece of the chunk (from the peer's mapped shared block, else read into
+  // scratch) in rank order with its own, and for all-reduce writes the result into every
+  // peer's output while it is still in cache (mapped, or process_vm_writev). Two Syncs in all;
+  // no rank's bytes pass through the slots. In place (out == in, or out == in's block r) is
+  // fine: only rank r reads or writes block r.
+  struct CmaReduceDesc {
+    BufferDesc in, out;  // out: all-reduce only
+  };
   absl::Status CmaReduce(const char* in, char* out, const Blocks& b, DType dtype, CommReduceOp op, bool all) {
-    struct Desc {
-      uint64_t in, out;
-    };
-    const Desc mine{reinterpret_cast<uintptr_t>(in), reinterpret_cast<uintptr_t>(out)};
+    const CmaReduceDesc mine{DescribeBuffer(in, b.total), all ? DescribeBuffer(out, b.total) : BufferDesc{}};
+    return CmaReduceWith(mine, in, out, b, dtype, op, all);
+  }
+  // CmaReduce, this rank's descriptors made (ShmAllReduce decides on them first at large sizes).
+  absl::Status CmaReduceWith(const CmaReduceDesc& mine, const char* in, char* out, const Blocks& b, DType dtype,
+                             CommReduceOp op, bool all) {
+    using Desc = CmaReduceDesc;
     const size_t p = members_.size(), r = static_cast<size_t>(rank_), es = ElementSize(dtype);
     absl::InlinedVector<Desc, 8> peers(p);
+    absl::InlinedVector<const char*, 8> pin(p, nullptr);
+    absl::InlinedVector<char*, 8> pout(p, nullptr);
     char* const block = all ? out + b.off[r] : out;
     return CmaStep(
         &mine, sizeof(mine), [] {},
         [&](int j, const char* desc) {
-          std::memcpy(&peers[static_cast<size_t>(j)], desc, sizeof(Desc));
+          const size_t u = static_cast<size_t>(j);
+          std::memcpy(&peers[u], desc, sizeof(Desc));
+          pin[u] = Mapped(j, peers[u].in);
+          if (all) pout[u] = Mapped(j, peers[u].out);
           return absl::OkStatus();
         },
         [&]() -> absl::Status {
@@ -1315,8 +1389,12 @@ class UcxCommunicator final : public Communicator {
             const size_t m = std::min(kCmaChunk, b.len[r] - at);
             for (size_t k = 1; k < p; ++k) {  // from the next rank on, so that peers spread out
               const size_t j = (r + k) % p;
+              if (pin[j] != nullptr) {
+                srcs[j] = pin[j] + b.off[r] + at;
+                continue;
+              }
               DT_RETURN_IF_ERROR(
-                  shm_->ReadPeer(static_cast<int>(j), scratch + j * kCmaChunk, peers[j].in + b.off[r] + at, m, ctx_));
+                  ReadFrom(static_cast<int>(j), peers[j].in, nullptr, b.off[r] + at, scratch + j * kCmaChunk, m));
               srcs[j] = scratch + j * kCmaChunk;
             }
             srcs[r] = in + b.off[r] + at;
@@ -1324,8 +1402,7 @@ class UcxCommunicator final : public Communicator {
             if (!all) continue;
             for (size_t k = 1; k < p; ++k) {
               const size_t j = (r + k) % p;
-              DT_RETURN_IF_ERROR(
-                  shm_->WritePeer(static_cast<int>(j), peers[j].out + b.off[r] + at, block + at, m, ctx_));
+              DT_RETURN_IF_ERROR(WriteTo(static_cast<int>(j), peers[j].out, pout[j], b.off[r] + at, block + at, m));
             }
           }
           return absl::OkStatus();
@@ -1335,35 +1412,43 @@ class UcxCommunicator final : public Communicator {
   // ShmAllToAll's contract (in and out do not overlap).
   absl::Status CmaAllToAll(const char* in, char* out, size_t len) {
     const size_t r = static_cast<size_t>(rank_);
-    const uint64_t mine = reinterpret_cast<uintptr_t>(in);
+    const BufferDesc mine = DescribeBuffer(in, len * members_.size());
     return CmaStep(
         &mine, sizeof(mine), [&] { std::memcpy(out + r * len, in + r * len, len); },
         [&](int j, const char* desc) {
-          return shm_->ReadPeer(j, out + static_cast<size_t>(j) * len, AddrIn(desc) + r * len, len, ctx_);
+          const BufferDesc d = DescIn(desc);
+          return ReadFrom(j, d, Mapped(j, d), r * len, out + static_cast<size_t>(j) * len, len);
         });
   }
 
   // The buffer in p parts: the root writes part `pos` into the rank `pos` places after it
-  // (process_vm_writev), and each other rank reads the remaining parts from the root, so the
-  // root copies as much as each reader and every core works (2 ranks: half each; reading it all
-  // on the reader measured 0.96-0.98x Open MPI at 4-16 MiB, with the root's core idle).
+  // (mapped, or process_vm_writev), and each other rank reads the remaining parts from the
+  // root, so the root copies as much as each reader and every core works (2 ranks: half each;
+  // reading it all on the reader measured 0.96-0.98x Open MPI at 4-16 MiB, with the root's core
+  // idle).
   absl::Status CmaBroadcast(char* data, size_t bytes, int root) {
-    const uint64_t mine = reinterpret_cast<uintptr_t>(data);
+    const BufferDesc mine = DescribeBuffer(data, bytes);
     const int p = size();
     auto part = [&](int q) { return bytes * static_cast<size_t>(q) / static_cast<size_t>(p); };
     return CmaStep(
         &mine, sizeof(mine), [] {},
         [&](int j, const char* desc) -> absl::Status {
-          const uint64_t theirs = AddrIn(desc);
+          const BufferDesc d = DescIn(desc);
+          char* at = Mapped(j, d);
           if (rank_ == root) {
             const int pos = Mod(j - root);
-            return shm_->WritePeer(j, theirs + part(pos), data + part(pos), part(pos + 1) - part(pos), ctx_);
+            return WriteTo(j, d, at, part(pos), data + part(pos), part(pos + 1) - part(pos));
           }
           if (j != root) return absl::OkStatus();
           const int pos = Mod(rank_ - root);
+          if (at != nullptr) {
+            std::memcpy(data, at, part(pos));
+            std::memcpy(data + part(pos + 1), at + part(pos + 1), bytes - part(pos + 1));
+            return absl::OkStatus();
+          }
           const iovec local[2] = {{data, part(pos)}, {data + part(pos + 1), bytes - part(pos + 1)}};
-          const iovec remote[2] = {{reinterpret_cast<void*>(theirs), part(pos)},
-                                   {reinterpret_cast<void*>(theirs + part(pos + 1)), bytes - part(pos + 1)}};
+          const iovec remote[2] = {{reinterpret_cast<void*>(d.addr), part(pos)},
+                                   {reinterpret_cast<void*>(d.addr + part(pos + 1)), bytes - part(pos + 1)}};
           return shm_->ReadPeer(j, local, remote, ctx_);
         });
   }

@@ -50,6 +50,13 @@
 // cache (the kernel's copy is slower than memcpy here, so large reductions keep the slots).
 // AllToAllBlocks always uses the slots (the kernel's per-range cost loses on strided rows).
 // DTENSOR_UCX_CMA=0 turns single copy off, DTENSOR_UCX_CMA_MIN=<bytes> moves the threshold.
+// Zero copy: once a communicator with single copy is made, CPU tensors of 256 KiB or more are
+// allocated in shared blocks (dtensor/tensor/shared_cpu_block.h); a buffer in one is published
+// with its block, and the peers map the block (once, cached) and copy with memcpy instead of
+// process_vm_readv / writev, each rank per peer buffer (a private buffer is still moved through
+// the kernel). AllReduce past 2 MiB blocks then stays single copy when every rank's input and
+// output are shared (one extra barrier agrees on it), and ReduceScatter likewise for inputs.
+// DTENSOR_UCX_ZERO_COPY=0 keeps this rank's tensors private.
 // Reductions take the slots in rank order, in float32 for bfloat16 / float16 (rounded once),
 // so every rank gets the same bits. Waits spin briefly (when every rank has a CPU), then
 // yield, then nap, and check the deadline and the peers' pidfds and failed flags: the failure

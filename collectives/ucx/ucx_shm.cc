@@ -371,4 +371,51 @@ absl::Status ShmGroup::WritePeer(int j, uint64_t remote, const void* local, size
   return Transfer(j, absl::MakeConstSpan(&l, 1), absl::MakeConstSpan(&r, 1), /*write=*/true, ctx);
 }
 
+char* ShmGroup::MapPeer(int j, const SharedCpuRange& r) {
+  const size_t u = static_cast<size_t>(j);
+  if (r.id == 0 || u >= pids_.size() || pids_[u] <= 0) return nullptr;
+  if (peer_maps_.size() != members_.size()) {
+    peer_maps_.resize(members_.size());
+    no_peer_maps_.assign(members_.size(), false);
+  }
+  if (no_peer_maps_[u]) return nullptr;
+  std::vector<PeerMap>& maps = peer_maps_[u];
+  ++map_clock_;
+  char* found = nullptr;
+  for (size_t k = 0; k < maps.size();) {
+    if (maps[k].block.released()) {  // the owner gave it back: the memory means nothing now
+      maps[k] = std::move(maps.back());
+      maps.pop_back();
+      continue;
+    }
+    if (maps[k].block.id() == r.id && maps[k].block.map_bytes() == r.map_bytes) {
+      maps[k].last_use = map_clock_;
+      found = maps[k].block.at(r.offset);
+    }
+    ++k;
+  }
+  if (found != nullptr) return found;
+  absl::StatusOr<PeerSharedCpuBlock> m = PeerSharedCpuBlock::Open(pids_[u], r);
+  if (!m.ok()) {
+    // Not allowed to open its descriptors (another user, a hardened /proc): stop trying.
+    if (absl::IsPermissionDenied(m.status())) no_peer_maps_[u] = true;
+    return nullptr;
+  }
+  if (maps.size() >= kMaxPeerMaps) {
+    auto oldest = std::min_element(maps.begin(), maps.end(),
+                                   [](const PeerMap& a, const PeerMap& b) { return a.last_use < b.last_use; });
+    *oldest = std::move(maps.back());
+    maps.pop_back();
+  }
+  ++peer_maps_opened_;
+  maps.push_back(PeerMap{*std::move(m), map_clock_});
+  return maps.back().block.at(r.offset);
+}
+
+size_t ShmGroup::peer_maps_held() const {
+  size_t n = 0;
+  for (const auto& maps : peer_maps_) n += maps.size();
+  return n;
+}
+
 }  // namespace dtensor::internal

@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "collectives/ucx/ucx_transport.h"
+#include "dtensor/tensor/shared_cpu_block.h"
 
 namespace dtensor::internal {
 
@@ -168,6 +169,21 @@ class ShmGroup {
   // The other way: this process's `bytes` at `local` into peer j's memory at `remote`.
   absl::Status WritePeer(int j, uint64_t remote, const void* local, size_t bytes, const UcxWaitContext& ctx) const;
 
+  // ---- Zero copy: peers' shared CPU blocks, mapped (dtensor/tensor/shared_cpu_block.h) ----
+  // Where a peer's buffer lies in a shared block, this rank maps the block and copies with
+  // memcpy (about twice process_vm_readv's rate). MapPeer returns the address in this process
+  // of peer j's byte at r.offset, or nullptr where the block cannot be mapped (the caller then
+  // copies through the kernel). Mappings are kept per block for the next calls; those whose
+  // owner has released the block are dropped on the way, and a peer keeps at most kMaxPeerMaps
+  // (the least recently used goes).
+  static constexpr size_t kMaxPeerMaps = 64;
+  char* MapPeer(int j, const SharedCpuRange& r);
+  // Peer j said it gave up (MarkFailed): it may be freeing its memory, so write none of it.
+  bool PeerFailed(int j) const { return std::atomic_ref<uint32_t>(*failed_of(j)).load(std::memory_order_acquire) != 0; }
+  // How many peer blocks this rank has mapped / holds mapped now (for tests).
+  int64_t peer_maps_opened() const { return peer_maps_opened_; }
+  size_t peer_maps_held() const;
+
  private:
   ShmGroup() = default;
   char* slot_in(int buf, int j) const {
@@ -213,6 +229,14 @@ class ShmGroup {
   int64_t yield_ns_ = 0;
   std::vector<int> members_;
   UcxWorld* world_ = nullptr;
+  struct PeerMap {
+    PeerSharedCpuBlock block;
+    uint64_t last_use;
+  };
+  std::vector<std::vector<PeerMap>> peer_maps_;  // per group rank
+  std::vector<bool> no_peer_maps_;               // per group rank: its blocks cannot be opened here
+  uint64_t map_clock_ = 0;
+  int64_t peer_maps_opened_ = 0;
 };
 
 }  // namespace dtensor::internal

@@ -21,10 +21,17 @@
 //   ucx_test_child debug-mismatch   (under DTENSOR_DEBUG=1) rank 1 calls AllGather while the
 //                              others call AllReduce; every rank must get InvalidArgument
 //                              naming both calls (printed), and a matching call must work after.
+//   ucx_test_child zero-copy on|off   AllReduce, AllGather and Broadcast of 4 MiB tensors;
+//                              with on, every rank's blocks must be shared and mapped by
+//                              every peer (seen in /proc/self/maps), and once a rank gives its
+//                              blocks back (EmptyCache) the peers must drop those mappings and
+//                              map the new ones; with off (DTENSOR_UCX_ZERO_COPY=0), nothing
+//                              is shared or mapped. Results are checked either way.
 //   ucx_test_child bench       not a test: timings.
 //   ucx_test_child bench-blocks   not a test: AllToAllBlocks of S(0) -> S(1) column blocks
 //                              beside the default's pack + AllToAll and a plain AllToAll.
 #include <sched.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,7 +41,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
+#include <set>
+#include <sstream>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -43,6 +53,8 @@
 #include "absl/time/clock.h"
 #include "collectives/ucx/ucx_communicator.h"
 #include "dtensor/ops/ops.h"
+#include "dtensor/tensor/allocator.h"
+#include "dtensor/tensor/shared_cpu_block.h"
 #include "dtensor/tensor/status.h"
 #include "dtensor/tensor/tensor.h"
 
@@ -755,6 +767,111 @@ int RunSetup() {
   return (*comm)->Barrier().ok() ? 0 : 1;
 }
 
+// The inode of the shared block holding t (0: not shared).
+int64_t BlockInode(const Tensor& t) {
+  const std::optional<SharedCpuRange> r = FindSharedCpuRange(t.raw_data(), t.nbytes());
+  struct stat st {};
+  if (!r.has_value() || fstat(r->fd, &st) != 0) return 0;
+  return static_cast<int64_t>(st.st_ino);
+}
+
+// Inodes of the dtensor blocks this process has mapped (its own and its peers').
+std::set<int64_t> MappedBlockInodes() {
+  std::set<int64_t> inodes;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("dtensor-block") == std::string::npos) continue;
+    std::istringstream fields(line);
+    std::string range, perms, offset, dev;
+    int64_t inode = 0;
+    fields >> range >> perms >> offset >> dev >> inode;
+    inodes.insert(inode);
+  }
+  return inodes;
+}
+
+// Every rank's inodes of its blocks of `ts`, in rank order (AllGather).
+std::vector<int64_t> AllInodes(Communicator& c, const std::vector<const Tensor*>& ts) {
+  const int64_t k = static_cast<int64_t>(ts.size());
+  Tensor mine = Make<int64_t>(k), all = Make<int64_t>(k * c.size());
+  for (int64_t i = 0; i < k; ++i) mine.data<int64_t>()[i] = BlockInode(*ts[static_cast<size_t>(i)]);
+  ExpectOk(c.AllGather(mine, all), "AllGather of the block inodes");
+  return std::vector<int64_t>(all.data<int64_t>(), all.data<int64_t>() + k * c.size());
+}
+
+// One round of RunZeroCopy: checks the results and the mappings, returns every rank's block
+// inodes of the round's buffers (4 per rank).
+std::vector<int64_t> ZeroCopyRound(Communicator& c, bool on, int round) {
+  const int p = c.size(), r = c.rank();
+  const std::string at = absl::StrCat("round ", round, " rank ", r);
+  const int64_t n = int64_t{1} << 20;  // 4 MiB of float32: past the 2 MiB blocks' agreement
+  const int seed = 11 + 3 * round;
+  Tensor in = Fill<float>(r, n, seed, false), out = Make<float>(n);
+  Tensor gin = Fill<float>(r, n / p, seed + 1, false), gout = Make<float>(n / p * p);
+  Tensor b = Fill<float>(r, n, seed + 2, false);
+  ExpectOk(c.AllReduce(in, out, CommReduceOp::kSum), "AllReduce " + at);
+  ExpectData(out, RefReduced<float>(CommReduceOp::kSum, p, 0, n, seed, false, -1, -1), "AllReduce " + at);
+  ExpectOk(c.AllGather(gin, gout), "AllGather " + at);
+  std::vector<float> want;
+  for (int j = 0; j < p; ++j) {
+    for (int64_t i = 0; i < n / p; ++i) want.push_back(Gen<float>(j, i, seed + 1, false));
+  }
+  ExpectData(gout, want, "AllGather " + at);
+  ExpectOk(c.Broadcast(b, p - 1), "Broadcast " + at);
+  want.clear();
+  for (int64_t i = 0; i < n; ++i) want.push_back(Gen<float>(p - 1, i, seed + 2, false));
+  ExpectData(b, want, "Broadcast " + at);
+  // Every peer's AllReduce input and output, its AllGather input and (from the broadcast's
+  // root, which every rank writes into or reads from) its buffer are mapped here.
+  const std::vector<int64_t> inodes = AllInodes(c, {&in, &out, &gin, &b});
+  const std::set<int64_t> mapped = MappedBlockInodes();
+  for (int j = 0; j < p; ++j) {
+    for (int k = 0; k < 4; ++k) {
+      const int64_t ino = inodes[static_cast<size_t>(j * 4 + k)];
+      ++g_checks;
+      if (on == (ino == 0)) {
+        Fail(absl::StrCat(at, ": rank ", j, "'s buffer ", k, on ? " is not in a shared block" : " is shared"));
+      }
+      if (!on || j == r || (k == 3 && j != p - 1 && r != p - 1)) continue;
+      ++g_checks;
+      if (mapped.count(ino) == 0) {
+        Fail(absl::StrCat(at, ": rank ", j, "'s buffer ", k, " (inode ", ino, ") is not mapped here"));
+      }
+    }
+  }
+  ++g_checks;
+  if (!on && !mapped.empty()) Fail(absl::StrCat(at, ": ", mapped.size(), " blocks mapped with zero copy off"));
+  return inodes;
+}
+
+int RunZeroCopy(bool on) {
+  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(30));
+  if (!comm.ok()) {
+    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
+    return 2;
+  }
+  Communicator& c = **comm;
+  ++g_checks;
+  if (SharedCpuBlocksEnabled() != on) Fail(absl::StrCat("shared blocks enabled: ", SharedCpuBlocksEnabled()));
+  const std::vector<int64_t> first = ZeroCopyRound(c, on, 0);
+  // Every rank gives round 0's blocks back; round 1 gets new ones, and the peers' mappings of
+  // the old ones (their pages kept alive by the mapping alone) must go.
+  DefaultAllocator(Device::Cpu()).EmptyCache();
+  ExpectOk(c.Barrier(), "Barrier after EmptyCache");
+  ZeroCopyRound(c, on, 1);
+  const std::set<int64_t> mapped = MappedBlockInodes();
+  for (size_t i = 0; i < first.size(); ++i) {
+    ++g_checks;
+    if (first[i] != 0 && mapped.count(first[i]) != 0) {
+      Fail(absl::StrCat("rank ", c.rank(), ": rank ", i / 4, "'s released round-0 block ", i % 4, " (inode ", first[i],
+                        ") is still mapped"));
+    }
+  }
+  std::printf("%d checks, %d failures\n", g_checks, g_failures);
+  ExpectOk(c.Barrier(), "last Barrier");
+  return g_failures == 0 ? 0 : 1;
+}
+
 int RunDebugMismatch() {
   auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(30));
   if (!comm.ok()) {
@@ -891,6 +1008,7 @@ int main(int argc, char** argv) {
   }
   if (mode == "dead-peer") return dtensor::RunFailure(true);
   if (mode == "timeout") return dtensor::RunFailure(false);
+  if (mode == "zero-copy" && argc > 2) return dtensor::RunZeroCopy(std::string(argv[2]) == "on");
   if (mode == "bench") return dtensor::RunBench();
   if (mode == "bench-blocks") return dtensor::RunBenchBlocks();
   if (mode == "debug-mismatch") return dtensor::RunDebugMismatch();

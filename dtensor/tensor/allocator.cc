@@ -1,15 +1,20 @@
 #include "dtensor/tensor/allocator.h"
 
+#include <sys/resource.h>
+
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>  // std::once_flag
+#include <optional>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "dtensor/tensor/shared_cpu_block.h"
 
 #ifdef DTENSOR_WITH_CUDA
 #include <cuda_runtime.h>
@@ -168,9 +173,18 @@ class CpuAllocator final : public Allocator {
       return absl::ResourceExhaustedError(absl::StrCat("[Allocate] cpu: out of memory for ", nbytes, " bytes"));
     }
     const size_t size = RoundSize(nbytes);
+    // Once shared blocks are on, cached private blocks of a shareable size are given back
+    // rather than handed out (EnableShared cannot reach other threads' caches).
+    const bool want_shared = size >= kSharedCpuMinBytes && shared_enabled();
     ThreadCache* tc = Local();
     for (int i = 0; tc != nullptr && i < tc->n; ++i) {
       const size_t block = tc->entries[i].first;
+      if (want_shared && block >= kSharedCpuMinBytes && HeaderOf(tc->entries[i].second)->shared_id == 0) {
+        bytes_cached_.fetch_sub(static_cast<int64_t>(block), std::memory_order_relaxed);
+        SystemFree(tc->entries[i].second);
+        tc->entries[i--] = tc->entries[--tc->n];
+        continue;
+      }
       if (block >= size && block <= size + size / 8) {
         void* p = tc->entries[i].second;
         tc->entries[i] = tc->entries[--tc->n];
@@ -184,6 +198,11 @@ class CpuAllocator final : public Allocator {
     {
       absl::MutexLock lock(&mu_);
       auto it = free_.lower_bound(size);
+      while (want_shared && it != free_.end() && it->first <= size + size / 8 && HeaderOf(it->second)->shared_id == 0) {
+        bytes_cached_.fetch_sub(static_cast<int64_t>(it->first), std::memory_order_relaxed);
+        SystemFree(it->second);
+        it = free_.erase(it);
+      }
       if (it != free_.end() && it->first <= size + size / 8) {
         block = it->first;
         p = it->second;
@@ -248,9 +267,25 @@ class CpuAllocator final : public Allocator {
     if (tc != nullptr) tc->n = 0;
     for (auto& [size, p] : free_) {
       bytes_cached_.fetch_sub(static_cast<int64_t>(size), std::memory_order_relaxed);
-      std::free(static_cast<char*>(p) - kHeader);
+      SystemFree(p);
     }
     free_.clear();
+  }
+
+  // Shared blocks (shared_cpu_block.h).
+  // Cached private blocks of a shareable size are given back as Allocate comes across them.
+  void EnableShared() { shared_on_.store(true, std::memory_order_relaxed); }
+  bool shared_enabled() const { return shared_on_.load(std::memory_order_relaxed); }
+  std::optional<SharedCpuRange> FindShared(const void* p, size_t bytes) {
+    if (bytes == 0 || !shared_enabled()) return std::nullopt;
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    absl::MutexLock lock(&shared_mu_);
+    auto it = shared_.upper_bound(a);
+    if (it == shared_.begin()) return std::nullopt;
+    --it;
+    const SharedEntry& e = it->second;
+    if (a + bytes < a || a + bytes > it->first + e.block.map_bytes - internal::kSharedCpuPage) return std::nullopt;
+    return SharedCpuRange{e.id, internal::kSharedCpuPage + (a - it->first), e.block.map_bytes, e.block.fd, 0};
   }
   Device device() const override { return Device::Cpu(); }
 
@@ -262,6 +297,11 @@ class CpuAllocator final : public Allocator {
   struct Header {
     size_t block;
     uint64_t tag;
+    uint64_t shared_id;  // 0: private memory (aligned_alloc)
+  };
+  struct SharedEntry {
+    uint64_t id;
+    internal::OwnedSharedCpuBlock block;
   };
   struct ThreadCache {
     CpuAllocator* owner = nullptr;
@@ -290,12 +330,45 @@ class CpuAllocator final : public Allocator {
     return &tc;
   }
   static Header* HeaderOf(void* p) { return reinterpret_cast<Header*>(static_cast<char*>(p) - kHeader); }
-  static void* SystemAlloc(size_t block) {
+  void* SystemAlloc(size_t block) {
+    if (block >= kSharedCpuMinBytes && shared_enabled()) {
+      if (void* p = SharedAlloc(block)) return p;
+    }
     char* raw = static_cast<char*>(std::aligned_alloc(64, block + kHeader));
     if (raw == nullptr) return nullptr;
     void* p = raw + kHeader;
-    *HeaderOf(p) = Header{block, kTag};
+    *HeaderOf(p) = Header{block, kTag, 0};
     return p;
+  }
+  // nullptr where the system refuses or MaxSharedCpuBlocks() exist (private memory then).
+  void* SharedAlloc(size_t block) {
+    uint64_t id;
+    {
+      absl::MutexLock lock(&shared_mu_);
+      if (shared_.size() >= static_cast<size_t>(MaxSharedCpuBlocks())) return nullptr;
+      id = ++last_shared_id_;
+    }
+    std::optional<internal::OwnedSharedCpuBlock> b = internal::CreateSharedCpuBlock(block, id);
+    if (!b.has_value()) return nullptr;
+    *HeaderOf(b->user) = Header{block, kTag, id};
+    absl::MutexLock lock(&shared_mu_);
+    shared_.emplace(reinterpret_cast<uintptr_t>(b->user), SharedEntry{id, *b});
+    return b->user;
+  }
+  void SystemFree(void* p) {
+    if (HeaderOf(p)->shared_id == 0) {
+      std::free(static_cast<char*>(p) - kHeader);
+      return;
+    }
+    internal::OwnedSharedCpuBlock b;
+    {
+      absl::MutexLock lock(&shared_mu_);
+      auto it = shared_.find(reinterpret_cast<uintptr_t>(p));
+      if (it == shared_.end()) return;
+      b = it->second.block;
+      shared_.erase(it);
+    }
+    internal::ReleaseSharedCpuBlock(b);
   }
   void* Handed(void* p, size_t block) {
     HeaderOf(p)->tag = kTag;
@@ -312,7 +385,17 @@ class CpuAllocator final : public Allocator {
   std::multimap<size_t, void*> free_;  // user pointers by block size
   std::atomic<int64_t> bytes_in_use_{0}, peak_{0}, bytes_cached_{0}, num_allocs_{0}, num_cache_hits_{0},
       num_system_allocs_{0};
+  std::atomic<bool> shared_on_{false};
+  absl::Mutex shared_mu_;                                                // after mu_ where both are held
+  std::map<uintptr_t, SharedEntry> shared_ ABSL_GUARDED_BY(shared_mu_);  // by user pointer
+  uint64_t last_shared_id_ ABSL_GUARDED_BY(shared_mu_) = 0;
 };
+
+CpuAllocator& TheCpuAllocator() {
+  // Leaked on purpose: tensors held in static objects may be freed after main() returns.
+  static CpuAllocator* const cpu = new CpuAllocator();
+  return *cpu;
+}
 
 // Allocation for a device that does not exist: fails with a clear message.
 class InvalidDeviceAllocator final : public Allocator {
@@ -330,15 +413,27 @@ class InvalidDeviceAllocator final : public Allocator {
 }  // namespace
 
 Allocator& DefaultAllocator(Device device) {
-  // Leaked on purpose: tensors held in static objects may be freed after main() returns.
-  static CpuAllocator* const cpu = new CpuAllocator();
   static InvalidDeviceAllocator* const invalid = new InvalidDeviceAllocator();
   static std::once_flag once[kMaxCudaDevices];
   static CachingAllocator* cuda[kMaxCudaDevices] = {};
-  if (device.is_cpu()) return *cpu;
+  if (device.is_cpu()) return TheCpuAllocator();
   if (device.index < 0 || device.index >= kMaxCudaDevices) return *invalid;
   std::call_once(once[device.index], [&] { cuda[device.index] = new CachingAllocator(device); });
   return *cuda[device.index];
+}
+
+void EnableSharedCpuBlocks() { TheCpuAllocator().EnableShared(); }
+bool SharedCpuBlocksEnabled() { return TheCpuAllocator().shared_enabled(); }
+int MaxSharedCpuBlocks() {
+  static const int max = [] {
+    rlimit r{};
+    if (getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur == RLIM_INFINITY) return 1024;
+    return static_cast<int>(std::min<rlim_t>(1024, r.rlim_cur / 4));
+  }();
+  return max;
+}
+std::optional<SharedCpuRange> FindSharedCpuRange(const void* p, size_t bytes) {
+  return TheCpuAllocator().FindShared(p, bytes);
 }
 
 }  // namespace dtensor

@@ -12,6 +12,10 @@
 // thread that ends hands them to the shared cache; blocks freed on it after that, by statics
 // or other thread_locals, go to the shared cache too). CUDA blocks come from cudaMalloc.
 //
+// After EnableSharedCpuBlocks() (shared_cpu_block.h; the ucx backend calls it), CPU blocks
+// of 256 KiB or more come from memfd-backed shared mappings that peer processes can map; a
+// fork()ed child does not inherit those (MADV_DONTFORK), so it must not touch such tensors.
+//
 // CUDA note: as in PyTorch, a freed block may be reused at once by the next allocation; this
 // is safe because all work on a device is ordered on the allocating thread's stream
 // (cudaStreamPerThread). Work issued on another stream must synchronise before freeing.

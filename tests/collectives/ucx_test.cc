@@ -62,7 +62,7 @@ RunResult RunDtrun(const std::vector<std::string>& args, const std::vector<std::
     setpgid(0, 0);
     if (!cpus.empty() && sched_setaffinity(0, sizeof(set), &set) != 0) _exit(125);
     for (const char* name : {"DTENSOR_UCX_SHM", "DTENSOR_UCX_CMA", "DTENSOR_UCX_CMA_MIN", "DTENSOR_DEBUG",
-                             "DTENSOR_UCX_INFO", "DTENSOR_TIMEOUT_S"}) {
+                             "DTENSOR_UCX_INFO", "DTENSOR_TIMEOUT_S", "DTENSOR_UCX_ZERO_COPY"}) {
       unsetenv(name);
     }
     for (const std::string& e : env) putenv(const_cast<char*>(e.c_str()));
@@ -105,7 +105,8 @@ std::vector<int> FirstTwoCpus() {
 // (ranks, extra environment, name): the shared-memory channel (the default on one host), UCX
 // alone (DTENSOR_UCX_SHM=0, the path between hosts), the debug mode's call checks, and the
 // shared-memory channel with every block read from the peers' memory (DTENSOR_UCX_CMA_MIN=0)
-// or none (DTENSOR_UCX_CMA=0: every byte through the slots).
+// or none (DTENSOR_UCX_CMA=0: every byte through the slots), and single copy through the
+// kernel only (DTENSOR_UCX_ZERO_COPY=0: no tensor in a shared block).
 struct BatteryCase {
   int ranks;
   std::vector<std::string> env;
@@ -135,6 +136,8 @@ INSTANTIATE_TEST_SUITE_P(Ranks, UcxBatteryTest,
                                          BatteryCase{3, {"DTENSOR_DEBUG=1"}, "P3Debug"},
                                          BatteryCase{2, {"DTENSOR_UCX_CMA_MIN=0"}, "P2AllSingleCopy"},
                                          BatteryCase{3, {"DTENSOR_UCX_CMA_MIN=0"}, "P3AllSingleCopy"},
+                                         BatteryCase{2, {"DTENSOR_UCX_ZERO_COPY=0"}, "P2NoZeroCopy"},
+                                         BatteryCase{3, {"DTENSOR_UCX_ZERO_COPY=0"}, "P3NoZeroCopy"},
                                          BatteryCase{2, {"DTENSOR_UCX_CMA=0"}, "P2SlotsOnly"},
                                          BatteryCase{4, {"DTENSOR_UCX_CMA=0"}, "P4SlotsOnly"}),
                          [](const testing::TestParamInfo<BatteryCase>& info) { return info.param.name; });
@@ -142,7 +145,8 @@ INSTANTIATE_TEST_SUITE_P(Ranks, UcxBatteryTest,
 // A setting on odd ranks only (ranks, setting, environment of all ranks, name): every input to
 // a path choice is agreed at setup, so the battery passes however the ranks' own answers
 // differ: single copy refused (DTENSOR_UCX_CMA=0) or its threshold moved (DTENSOR_UCX_CMA_MIN)
-// on some ranks, the shared-memory channel refused on some (DTENSOR_UCX_SHM=0), the debug
+// on some ranks, the shared-memory channel refused on some (DTENSOR_UCX_SHM=0), tensors in
+// shared blocks on some ranks only (DTENSOR_UCX_ZERO_COPY=0 on the others), the debug
 // checks asked for by some (DTENSOR_DEBUG=1: then every rank makes them), or some ranks
 // moved onto rank 0's CPU (the ranks then share CPUs, which picks other all-reduce paths).
 struct MixedCase {
@@ -177,8 +181,28 @@ INSTANTIATE_TEST_SUITE_P(
                     MixedCase{3, "DTENSOR_UCX_CMA_MIN=0", {}, "SingleCopyThreshold"},
                     MixedCase{3, "DTENSOR_UCX_SHM=0", {}, "SharedMemoryRefused"},
                     MixedCase{3, "DTENSOR_DEBUG=1", {}, "DebugOnSome"},
+                    MixedCase{3, "DTENSOR_UCX_ZERO_COPY=0", {}, "ZeroCopyOnSome"},
                     MixedCase{2, "one-cpu", {}, "SharingCores", true}),
     [](const testing::TestParamInfo<MixedCase>& info) { return info.param.name; });
+
+// Zero copy: with it on (the default) every rank's large tensors are in shared blocks that
+// the peers map (checked in /proc/self/maps), and blocks their owner gives back are unmapped
+// by the peers at their next call; with DTENSOR_UCX_ZERO_COPY=0 nothing is shared or mapped.
+// Results are checked in every case.
+TEST(UcxZeroCopyTest, PeersMapEachOthersBlocksAndDropReleasedOnes) {
+  for (int n : {2, 3, 4}) {
+    RunResult run = RunDtrun({"--nproc-per-node", std::to_string(n), UCX_TEST_CHILD_PATH, "zero-copy", "on"}, {});
+    EXPECT_EQ(run.code, 0) << n << " ranks\n" << run.out << run.err;
+    EXPECT_TRUE(Contains(run.out, " checks, 0 failures")) << run.out << run.err;
+  }
+}
+
+TEST(UcxZeroCopyTest, OffMapsNothing) {
+  RunResult run =
+      RunDtrun({"--nproc-per-node", "2", UCX_TEST_CHILD_PATH, "zero-copy", "off"}, {"DTENSOR_UCX_ZERO_COPY=0"});
+  EXPECT_EQ(run.code, 0) << run.out << run.err;
+  EXPECT_TRUE(Contains(run.out, " checks, 0 failures")) << run.out << run.err;
+}
 
 // DTENSOR_UCX_INFO=1: rank 0 prints the paths the ranks agreed on. The CPU affinity decides
 // whether the ranks spin (a CPU each) or give the CPU up at once (they share): dtrun binds

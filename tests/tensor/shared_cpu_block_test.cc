@@ -1,0 +1,162 @@
+// Shared CPU blocks: what the ucx backend's zero-copy steps rest on. Each test case runs in
+// its own process under ctest; EnableSharedCpuBlocks() is for the rest of that process.
+#include "dtensor/tensor/shared_cpu_block.h"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "dtensor/tensor/allocator.h"
+#include "dtensor/tensor/tensor.h"
+#include "gtest/gtest.h"
+#include "tests/testing/test_util.h"
+
+namespace dtensor {
+namespace {
+
+constexpr int64_t kLarge = 1 << 18;  // floats: 1 MiB
+
+Tensor Floats(int64_t n) { return testing::Unwrap(Tensor::Empty({n}, DType::kFloat32)); }
+
+TEST(SharedCpuBlockTest, OffUntilEnabled) {
+  if (SharedCpuBlocksEnabled()) GTEST_SKIP() << "enabled by an earlier test of this process";
+  Tensor t = Floats(kLarge);
+  EXPECT_FALSE(FindSharedCpuRange(t.raw_data(), t.nbytes()).has_value());
+}
+
+TEST(SharedCpuBlockTest, LargeBlocksAreSharedAndFoundFromAnyAddressInThem) {
+  EnableSharedCpuBlocks();
+  ASSERT_TRUE(SharedCpuBlocksEnabled());
+  Tensor t = Floats(kLarge);
+  Tensor u = Floats(kLarge);
+  const std::optional<SharedCpuRange> r = FindSharedCpuRange(t.raw_data(), t.nbytes());
+  ASSERT_TRUE(r.has_value());
+  EXPECT_NE(r->id, 0u);
+  EXPECT_GE(r->fd, 0);
+  EXPECT_GE(r->map_bytes, t.nbytes() + r->offset);
+  // An interior range: same block, offset moved by as much.
+  const char* mid = static_cast<const char*>(t.raw_data()) + 1000;
+  const std::optional<SharedCpuRange> m = FindSharedCpuRange(mid, 4000);
+  ASSERT_TRUE(m.has_value());
+  EXPECT_EQ(m->id, r->id);
+  EXPECT_EQ(m->offset, r->offset + 1000);
+  // Another block has another id and descriptor.
+  const std::optional<SharedCpuRange> ru = FindSharedCpuRange(u.raw_data(), u.nbytes());
+  ASSERT_TRUE(ru.has_value());
+  EXPECT_NE(ru->id, r->id);
+  EXPECT_NE(ru->fd, r->fd);
+  // Past the block's end, empty, small blocks and memory not from the allocator: not found.
+  const size_t block_bytes = r->map_bytes - r->offset;
+  EXPECT_FALSE(FindSharedCpuRange(t.raw_data(), block_bytes + 1).has_value());
+  EXPECT_FALSE(FindSharedCpuRange(t.raw_data(), 0).has_value());
+  Tensor small = Floats(1000);
+  EXPECT_FALSE(FindSharedCpuRange(small.raw_data(), small.nbytes()).has_value());
+  int on_stack = 0;
+  EXPECT_FALSE(FindSharedCpuRange(&on_stack, sizeof(on_stack)).has_value());
+}
+
+TEST(SharedCpuBlockTest, APeerMappingSeesTheSameBytesBothWays) {
+  EnableSharedCpuBlocks();
+  Tensor t = Floats(kLarge);
+  float* x = t.data<float>();
+  for (int64_t i = 0; i < kLarge; ++i) x[i] = static_cast<float>(i) * 0.5f;
+  const std::optional<SharedCpuRange> r = FindSharedCpuRange(t.raw_data(), t.nbytes());
+  ASSERT_TRUE(r.has_value());
+  // This process's own block, opened the way a peer opens it (/proc/<pid>/fd/<fd>).
+  absl::StatusOr<PeerSharedCpuBlock> m = PeerSharedCpuBlock::Open(getpid(), *r);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(m->id(), r->id);
+  EXPECT_FALSE(m->released());
+  const float* seen = reinterpret_cast<const float*>(m->at(r->offset));
+  EXPECT_NE(static_cast<const void*>(seen), t.raw_data());  // a second mapping, not the same address
+  EXPECT_EQ(std::memcmp(seen, x, t.nbytes()), 0);
+  reinterpret_cast<float*>(m->at(r->offset))[kLarge - 1] = -7.0f;
+  EXPECT_EQ(x[kLarge - 1], -7.0f);
+}
+
+TEST(SharedCpuBlockTest, ReleasingABlockIsVisibleToItsMappingsAndItCannotBeOpenedAgain) {
+  EnableSharedCpuBlocks();
+  Allocator& alloc = DefaultAllocator(Device::Cpu());
+  std::optional<SharedCpuRange> r;
+  std::optional<PeerSharedCpuBlock> m;
+  {
+    Tensor t = Floats(3 * kLarge);  // a size no other test here caches
+    r = FindSharedCpuRange(t.raw_data(), t.nbytes());
+    ASSERT_TRUE(r.has_value());
+    absl::StatusOr<PeerSharedCpuBlock> opened = PeerSharedCpuBlock::Open(getpid(), *r);
+    ASSERT_TRUE(opened.ok()) << opened.status();
+    m.emplace(*std::move(opened));
+  }
+  EXPECT_FALSE(m->released());  // back in the cache: still the allocator's
+  alloc.EmptyCache();
+  EXPECT_TRUE(m->released());
+  absl::StatusOr<PeerSharedCpuBlock> again = PeerSharedCpuBlock::Open(getpid(), *r);
+  EXPECT_FALSE(again.ok());
+}
+
+TEST(SharedCpuBlockTest, OpenChecksTheBlockId) {
+  EnableSharedCpuBlocks();
+  Tensor t = Floats(kLarge);
+  std::optional<SharedCpuRange> r = FindSharedCpuRange(t.raw_data(), t.nbytes());
+  ASSERT_TRUE(r.has_value());
+  SharedCpuRange wrong = *r;
+  wrong.id += 1000;
+  absl::StatusOr<PeerSharedCpuBlock> m = PeerSharedCpuBlock::Open(getpid(), wrong);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(m.status().message().find(std::to_string(wrong.id)), std::string::npos) << m.status();
+  SharedCpuRange no_fd = *r;
+  no_fd.fd = 100000;
+  m = PeerSharedCpuBlock::Open(getpid(), no_fd);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find("/fd/100000"), std::string::npos) << m.status();
+  EXPECT_FALSE(PeerSharedCpuBlock::Open(getpid(), SharedCpuRange{}).ok());
+}
+
+TEST(SharedCpuBlockTest, EnablingReleasesCachedPrivateBlocks) {
+  if (SharedCpuBlocksEnabled()) GTEST_SKIP() << "enabled by an earlier test of this process";
+  {
+    Tensor a = Floats(kLarge);      // 1 MiB: cached by this thread when freed
+    Tensor b = Floats(5 * kLarge);  // larger: the shared cache
+  }
+  EnableSharedCpuBlocks();
+  Tensor a = Floats(kLarge);
+  Tensor b = Floats(5 * kLarge);
+  EXPECT_TRUE(FindSharedCpuRange(a.raw_data(), a.nbytes()).has_value());
+  EXPECT_TRUE(FindSharedCpuRange(b.raw_data(), b.nbytes()).has_value());
+}
+
+// Another process (a fork()ed child: it does not inherit the block, MADV_DONTFORK) maps the
+// parent's block by descriptor, checks the parent's bytes and writes its own.
+TEST(SharedCpuBlockTest, AnotherProcessMapsTheBlock) {
+  EnableSharedCpuBlocks();
+  Tensor t = Floats(kLarge);
+  float* x = t.data<float>();
+  for (int64_t i = 0; i < kLarge; ++i) x[i] = static_cast<float>(i % 977);
+  const std::optional<SharedCpuRange> r = FindSharedCpuRange(t.raw_data(), t.nbytes());
+  ASSERT_TRUE(r.has_value());
+  const pid_t parent = getpid();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    absl::StatusOr<PeerSharedCpuBlock> m = PeerSharedCpuBlock::Open(parent, *r);
+    if (!m.ok()) _exit(2);
+    float* y = reinterpret_cast<float*>(m->at(r->offset));
+    for (int64_t i = 0; i < kLarge; ++i) {
+      if (y[i] != static_cast<float>(i % 977)) _exit(3);
+    }
+    for (int64_t i = 0; i < kLarge; ++i) y[i] = static_cast<float>(-i);
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  ASSERT_EQ(WEXITSTATUS(status), 0) << "2: could not open the block, 3: wrong bytes";
+  for (int64_t i = 0; i < kLarge; i += 4099) EXPECT_EQ(x[i], static_cast<float>(-i));
+}
+
+}  // namespace
+}  // namespace dtensor
