@@ -801,14 +801,28 @@ std::vector<int64_t> AllInodes(Communicator& c, const std::vector<const Tensor*>
 
 // One round of RunZeroCopy: checks the results and the mappings, returns every rank's block
 // inodes of the round's buffers (4 per rank).
-std::vector<int64_t> ZeroCopyRound(Communicator& c, bool on, int round) {
+// With `mixed`, odd ranks' buffers are private memory (FromBlob): the even ranks' peers then
+// move them through the kernel, and AllReduce past 2 MiB blocks agrees on the slots.
+std::vector<int64_t> ZeroCopyRound(Communicator& c, bool on, int round, bool mixed = false) {
   const int p = c.size(), r = c.rank();
-  const std::string at = absl::StrCat("round ", round, " rank ", r);
+  const std::string at = absl::StrCat("round ", round, mixed ? " (odd ranks private)" : "", " rank ", r);
   const int64_t n = int64_t{1} << 20;  // 4 MiB of float32: past the 2 MiB blocks' agreement
   const int seed = 11 + 3 * round;
-  Tensor in = Fill<float>(r, n, seed, false), out = Make<float>(n);
-  Tensor gin = Fill<float>(r, n / p, seed + 1, false), gout = Make<float>(n / p * p);
-  Tensor b = Fill<float>(r, n, seed + 2, false);
+  const bool private_here = mixed && r % 2 == 1;
+  std::vector<std::vector<float>> storage;
+  auto make = [&](int64_t count) {
+    if (!private_here) return Make<float>(count);
+    storage.emplace_back(static_cast<size_t>(count));
+    return *Tensor::FromBlob(storage.back().data(), {count}, DType::kFloat32, Device::Cpu());
+  };
+  auto fill = [&](int64_t count, int s) {
+    Tensor t = make(count);
+    for (int64_t i = 0; i < count; ++i) t.data<float>()[i] = Gen<float>(r, i, s, false);
+    return t;
+  };
+  Tensor in = fill(n, seed), out = make(n);
+  Tensor gin = fill(n / p, seed + 1), gout = make(n / p * p);
+  Tensor b = fill(n, seed + 2);
   ExpectOk(c.AllReduce(in, out, CommReduceOp::kSum), "AllReduce " + at);
   ExpectData(out, RefReduced<float>(CommReduceOp::kSum, p, 0, n, seed, false, -1, -1), "AllReduce " + at);
   ExpectOk(c.AllGather(gin, gout), "AllGather " + at);
@@ -828,11 +842,16 @@ std::vector<int64_t> ZeroCopyRound(Communicator& c, bool on, int round) {
   for (int j = 0; j < p; ++j) {
     for (int k = 0; k < 4; ++k) {
       const int64_t ino = inodes[static_cast<size_t>(j * 4 + k)];
+      if (mixed && j % 2 == 1) {
+        ++g_checks;
+        if (ino != 0) Fail(absl::StrCat(at, ": rank ", j, "'s private buffer ", k, " is in a shared block"));
+        continue;
+      }
       ++g_checks;
       if (on == (ino == 0)) {
         Fail(absl::StrCat(at, ": rank ", j, "'s buffer ", k, on ? " is not in a shared block" : " is shared"));
       }
-      if (!on || j == r || (k == 3 && j != p - 1 && r != p - 1)) continue;
+      if (!on || mixed || j == r || (k == 3 && j != p - 1 && r != p - 1)) continue;
       ++g_checks;
       if (mapped.count(ino) == 0) {
         Fail(absl::StrCat(at, ": rank ", j, "'s buffer ", k, " (inode ", ino, ") is not mapped here"));
@@ -860,6 +879,7 @@ int RunZeroCopy(bool on) {
   ExpectOk(c.Barrier(), "Barrier after EmptyCache");
   ZeroCopyRound(c, on, 1);
   const std::set<int64_t> mapped = MappedBlockInodes();
+  ZeroCopyRound(c, on, 2, /*mixed=*/true);
   for (size_t i = 0; i < first.size(); ++i) {
     ++g_checks;
     if (first[i] != 0 && mapped.count(first[i]) != 0) {
