@@ -999,7 +999,9 @@ class UcxCommunicator final : public Communicator {
     if (static_cast<size_t>(n) * es <= kShmFullReduceBytes) {
       std::memcpy(shm_->slot(rank_), in, static_cast<size_t>(n) * es);
       DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
-      for (int j = 0; j < p; ++j) srcs[j] = shm_->slot(j);
+      // Its own part from its input: the same bits as its slot, which the peers are reading
+      // (2 ranks: 4 KiB 1.28-1.34 against 1.41-1.52 us, 16 KiB 3.7-3.8 against 5.0-5.3 us).
+      for (int j = 0; j < p; ++j) srcs[j] = j == rank_ ? in : shm_->slot(j);
       Reduce(dtype, op, srcs, p, n, out, p);
       shm_->NextStep();
       return absl::OkStatus();
