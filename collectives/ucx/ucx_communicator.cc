@@ -1309,6 +1309,7 @@ class UcxCommunicator final : public Communicator {
       DT_RETURN_IF_ERROR(finish());
       DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
       shm_->NextStep();
+      shm_->SweepReleasedMaps();
       return absl::OkStatus();
     }();
     if (!s.ok()) shm_->Quiesce(first, done, ctx_);
@@ -1322,10 +1323,11 @@ class UcxCommunicator final : public Communicator {
   // the buffer lies in a shared block, the block, which the peers map and copy with memcpy.
   struct BufferDesc {
     uint64_t addr = 0;
+    uint64_t bytes = 0;     // what the peers may touch from addr on
     SharedCpuRange shared;  // id 0: private memory
   };
   static BufferDesc DescribeBuffer(const void* p, size_t bytes) {
-    BufferDesc d{reinterpret_cast<uintptr_t>(p), {}};
+    BufferDesc d{reinterpret_cast<uintptr_t>(p), bytes, {}};
     if (std::optional<SharedCpuRange> r = FindSharedCpuRange(p, bytes)) d.shared = *r;
     return d;
   }
@@ -1337,14 +1339,24 @@ class UcxCommunicator final : public Communicator {
   // Peer j's buffer `d` mapped into this process (its first byte), or nullptr: copy through the
   // kernel.
   char* Mapped(int j, const BufferDesc& d) { return d.shared.id != 0 ? shm_->MapPeer(j, d.shared) : nullptr; }
+  // Ranks whose calls disagree on sizes (a user error that DTENSOR_DEBUG=1 reports first)
+  // would read or write past a peer's buffer: an error instead.
+  absl::Status CheckRange(int j, const BufferDesc& d, size_t off, size_t bytes) const {
+    if (off <= d.bytes && bytes <= d.bytes - off) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "[", ctx_.op, "] rank ", rank_, ": peer rank ", j, "'s buffer holds ", d.bytes, " bytes, this call moves ",
+        bytes, " at ", off, " (do the ranks' calls agree? DTENSOR_DEBUG=1 checks)"));
+  }
   // `bytes` at `off` of peer j's buffer `d` (mapped: `at`, else through the kernel) into `local`.
   absl::Status ReadFrom(int j, const BufferDesc& d, const char* at, size_t off, void* local, size_t bytes) {
+    DT_RETURN_IF_ERROR(CheckRange(j, d, off, bytes));
     if (at == nullptr) return shm_->ReadPeer(j, local, d.addr + off, bytes, ctx_);
     std::memcpy(local, at + off, bytes);
     return absl::OkStatus();
   }
   // ... and the other way. A peer that gave up may be freeing the buffer: write none of it.
   absl::Status WriteTo(int j, const BufferDesc& d, char* at, size_t off, const void* local, size_t bytes) {
+    DT_RETURN_IF_ERROR(CheckRange(j, d, off, bytes));
     if (at == nullptr) return shm_->WritePeer(j, d.addr + off, local, bytes, ctx_);
     if (shm_->PeerFailed(j)) {
       return absl::UnavailableError(
@@ -1411,6 +1423,7 @@ class UcxCommunicator final : public Communicator {
             for (size_t k = 1; k < p; ++k) {  // from the next rank on, so that peers spread out
               const size_t j = (r + k) % p;
               if (pin[j] != nullptr) {
+                DT_RETURN_IF_ERROR(CheckRange(static_cast<int>(j), peers[j].in, b.off[r] + at, m));
                 srcs[j] = pin[j] + b.off[r] + at;
                 continue;
               }
@@ -1454,14 +1467,15 @@ class UcxCommunicator final : public Communicator {
     return CmaStep(
         &mine, sizeof(mine), [] {},
         [&](int j, const char* desc) -> absl::Status {
+          if (rank_ != root && j != root) return absl::OkStatus();  // readers touch only the root
           const BufferDesc d = DescIn(desc);
           char* at = Mapped(j, d);
           if (rank_ == root) {
             const int pos = Mod(j - root);
             return WriteTo(j, d, at, part(pos), data + part(pos), part(pos + 1) - part(pos));
           }
-          if (j != root) return absl::OkStatus();
           const int pos = Mod(rank_ - root);
+          DT_RETURN_IF_ERROR(CheckRange(j, d, 0, bytes));
           if (at != nullptr) {
             std::memcpy(data, at, part(pos));
             std::memcpy(data + part(pos + 1), at + part(pos + 1), bytes - part(pos + 1));

@@ -50,13 +50,16 @@
 // cache (the kernel's copy is slower than memcpy here, so large reductions keep the slots).
 // AllToAllBlocks always uses the slots (the kernel's per-range cost loses on strided rows).
 // DTENSOR_UCX_CMA=0 turns single copy off, DTENSOR_UCX_CMA_MIN=<bytes> moves the threshold.
-// Zero copy: once a communicator with single copy is made, CPU tensors of 256 KiB or more are
-// allocated in shared blocks (dtensor/tensor/shared_cpu_block.h); a buffer in one is published
-// with its block, and the peers map the block (once, cached) and copy with memcpy instead of
-// process_vm_readv / writev, each rank per peer buffer (a private buffer is still moved through
-// the kernel). AllReduce past 2 MiB blocks then stays single copy when every rank's input and
-// output are shared (one extra barrier agrees on it), and ReduceScatter likewise for inputs.
-// DTENSOR_UCX_ZERO_COPY=0 keeps this rank's tensors private.
+// Zero copy: once a communicator with single copy is made (and no rank sets
+// DTENSOR_UCX_ZERO_COPY=0), CPU tensors of 256 KiB or more are allocated in shared blocks
+// (dtensor/tensor/shared_cpu_block.h); a buffer in one is published with its block, and the
+// peers map the block (once, cached) and copy with memcpy instead of process_vm_readv /
+// writev, each rank per peer buffer (a private buffer, e.g. a tensor made before the
+// communicator, still moves through the kernel). Single copy then starts at 16 KiB blocks for
+// buffers of 256 KiB or more, also when ranks share CPUs, and AllReduce past 2 MiB blocks stays
+// single copy when every rank's input and output are shared (one extra barrier per call agrees
+// on it; else the slots as above), ReduceScatter likewise for inputs. A single-copy read or
+// write past a peer's buffer (ranks whose calls disagree on sizes) is InvalidArgument.
 // Reductions take the slots in rank order, in float32 for bfloat16 / float16 (rounded once),
 // so every rank gets the same bits. Waits spin briefly (when every rank has a CPU), then
 // yield, then nap, and check the deadline and the peers' pidfds and failed flags: the failure
@@ -64,8 +67,8 @@
 // turns the channel off (everything over UCX, as between hosts).
 // Every setting that picks an algorithm is agreed when the communicator is made, so ranks with
 // different environments or CPU affinities still take the same paths: the channel only if no
-// rank refuses it, single copy only if every rank wants it and can, the largest
-// DTENSOR_UCX_CMA_MIN any rank sets, "ranks share CPUs" unless the ranks' CPU affinity masks
+// rank refuses it, single copy only if every rank wants it and can, zero copy only if every
+// rank wants it, the largest DTENSOR_UCX_CMA_MIN any rank sets, "ranks share CPUs" unless the ranks' CPU affinity masks
 // give each rank a CPU of its own (RanksHaveOwnCpus in collectives/store/cpus.h: two ranks
 // bound to a core each by dtrun have their own; two ranks bound to one CPU, or three unbound
 // on two CPUs, share), and the debug checks below if any rank sets DTENSOR_DEBUG.

@@ -379,22 +379,14 @@ char* ShmGroup::MapPeer(int j, const SharedCpuRange& r) {
     no_peer_maps_.assign(members_.size(), false);
   }
   if (no_peer_maps_[u]) return nullptr;
-  std::vector<PeerMap>& maps = peer_maps_[u];
+  absl::flat_hash_map<uint64_t, PeerMap>& maps = peer_maps_[u];
   ++map_clock_;
-  char* found = nullptr;
-  for (size_t k = 0; k < maps.size();) {
-    if (maps[k].block.released()) {  // the owner gave it back: the memory means nothing now
-      maps[k] = std::move(maps.back());
-      maps.pop_back();
-      continue;
-    }
-    if (maps[k].block.id() == r.id && maps[k].block.map_bytes() == r.map_bytes) {
-      maps[k].last_use = map_clock_;
-      found = maps[k].block.at(r.offset);
-    }
-    ++k;
+  // A published id is live (its owner holds the buffer for this call), and ids are never
+  // reused: a cached mapping of it is still the block.
+  if (auto it = maps.find(r.id); it != maps.end() && it->second.block.map_bytes() == r.map_bytes) {
+    it->second.last_use = map_clock_;
+    return it->second.block.at(r.offset);
   }
-  if (found != nullptr) return found;
   absl::StatusOr<PeerSharedCpuBlock> m = PeerSharedCpuBlock::Open(pids_[u], r);
   if (!m.ok()) {
     // Not allowed to open its descriptors (another user, a hardened /proc): stop trying.
@@ -402,20 +394,21 @@ char* ShmGroup::MapPeer(int j, const SharedCpuRange& r) {
     return nullptr;
   }
   if (maps.size() >= kMaxPeerMaps) {
-    auto oldest = std::min_element(maps.begin(), maps.end(),
-                                   [](const PeerMap& a, const PeerMap& b) { return a.last_use < b.last_use; });
-    *oldest = std::move(maps.back());
-    maps.pop_back();
+    auto oldest = maps.begin();
+    for (auto it = maps.begin(); it != maps.end(); ++it) {
+      if (it->second.last_use < oldest->second.last_use) oldest = it;
+    }
+    maps.erase(oldest);
   }
-  ++peer_maps_opened_;
-  maps.push_back(PeerMap{*std::move(m), map_clock_});
-  return maps.back().block.at(r.offset);
+  auto [it, fresh] = maps.insert_or_assign(r.id, PeerMap{*std::move(m), map_clock_});
+  return it->second.block.at(r.offset);
 }
 
-size_t ShmGroup::peer_maps_held() const {
-  size_t n = 0;
-  for (const auto& maps : peer_maps_) n += maps.size();
-  return n;
+void ShmGroup::SweepReleasedMaps() {
+  if (++sweeps_ % kSweepEvery != 0) return;
+  for (auto& maps : peer_maps_) {
+    absl::erase_if(maps, [](const auto& kv) { return kv.second.block.released(); });
+  }
 }
 
 }  // namespace dtensor::internal

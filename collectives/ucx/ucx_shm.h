@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -173,16 +174,17 @@ class ShmGroup {
   // Where a peer's buffer lies in a shared block, this rank maps the block and copies with
   // memcpy (about twice process_vm_readv's rate). MapPeer returns the address in this process
   // of peer j's byte at r.offset, or nullptr where the block cannot be mapped (the caller then
-  // copies through the kernel). Mappings are kept per block for the next calls; those whose
-  // owner has released the block are dropped on the way, and a peer keeps at most kMaxPeerMaps
-  // (the least recently used goes).
-  static constexpr size_t kMaxPeerMaps = 64;
+  // copies through the kernel). Mappings are kept per block for the next calls, at most
+  // kMaxPeerMaps per peer (the least recently used goes).
+  static constexpr size_t kMaxPeerMaps = 256;
   char* MapPeer(int j, const SharedCpuRange& r);
+  // Unmaps the blocks that their owners have released (their memory stays allocated while
+  // mapped here). Every kSweepEvery calls of it do the work: each check touches a page of
+  // every mapping.
+  static constexpr uint64_t kSweepEvery = 16;
+  void SweepReleasedMaps();
   // Peer j said it gave up (MarkFailed): it may be freeing its memory, so write none of it.
   bool PeerFailed(int j) const { return std::atomic_ref<uint32_t>(*failed_of(j)).load(std::memory_order_acquire) != 0; }
-  // How many peer blocks this rank has mapped / holds mapped now (for tests).
-  int64_t peer_maps_opened() const { return peer_maps_opened_; }
-  size_t peer_maps_held() const;
 
  private:
   ShmGroup() = default;
@@ -233,10 +235,10 @@ class ShmGroup {
     PeerSharedCpuBlock block;
     uint64_t last_use;
   };
-  std::vector<std::vector<PeerMap>> peer_maps_;  // per group rank
-  std::vector<bool> no_peer_maps_;               // per group rank: its blocks cannot be opened here
+  std::vector<absl::flat_hash_map<uint64_t, PeerMap>> peer_maps_;  // per group rank, by block id
+  std::vector<bool> no_peer_maps_;                                 // per group rank: its blocks cannot be opened here
   uint64_t map_clock_ = 0;
-  int64_t peer_maps_opened_ = 0;
+  uint64_t sweeps_ = 0;
 };
 
 }  // namespace dtensor::internal

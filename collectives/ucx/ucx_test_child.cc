@@ -21,12 +21,20 @@
 //   ucx_test_child debug-mismatch   (under DTENSOR_DEBUG=1) rank 1 calls AllGather while the
 //                              others call AllReduce; every rank must get InvalidArgument
 //                              naming both calls (printed), and a matching call must work after.
-//   ucx_test_child zero-copy on|off   AllReduce, AllGather and Broadcast of 4 MiB tensors;
-//                              with on, every rank's blocks must be shared and mapped by
-//                              every peer (seen in /proc/self/maps), and once a rank gives its
-//                              blocks back (EmptyCache) the peers must drop those mappings and
-//                              map the new ones; with off (DTENSOR_UCX_ZERO_COPY=0), nothing
-//                              is shared or mapped. Results are checked either way.
+//   ucx_test_child zero-copy on|off   AllReduce, ReduceScatter, AllGather and Broadcast of
+//                              12 MiB tensors; with on, every rank's blocks must be shared and
+//                              mapped by the peers that read or write them (seen in
+//                              /proc/self/maps; broadcast readers map only the root's), and once
+//                              a rank gives its blocks back (EmptyCache) the peers must drop
+//                              those mappings within 32 more steps; a last round has the odd
+//                              ranks' buffers in private memory (split agreement past 2 MiB
+//                              blocks). With off (DTENSOR_UCX_ZERO_COPY=0), nothing is shared
+//                              or mapped. Results are checked in every round.
+//   ucx_test_child size-mismatch   an AllGather whose ranks disagree on the block size (a user
+//                              error, no DTENSOR_DEBUG): rank 0 reads a larger block than
+//                              rank 1 holds and must get InvalidArgument naming both sizes
+//                              (not bytes past rank 1's buffer), the others an error; all
+//                              print it and exit 0 then.
 //   ucx_test_child bench       not a test: timings.
 //   ucx_test_child bench-blocks   not a test: AllToAllBlocks of S(0) -> S(1) column blocks
 //                              beside the default's pack + AllToAll and a plain AllToAll.
@@ -806,7 +814,9 @@ std::vector<int64_t> AllInodes(Communicator& c, const std::vector<const Tensor*>
 std::vector<int64_t> ZeroCopyRound(Communicator& c, bool on, int round, bool mixed = false) {
   const int p = c.size(), r = c.rank();
   const std::string at = absl::StrCat("round ", round, mixed ? " (odd ranks private)" : "", " rank ", r);
-  const int64_t n = int64_t{1} << 20;  // 4 MiB of float32: past the 2 MiB blocks' agreement
+  // 12 MiB of float32: blocks of 3-6 MiB on 2-4 ranks, past 2 MiB, where AllReduce and
+  // ReduceScatter first agree on single copy (every rank's buffers shared) or the slots.
+  const int64_t n = int64_t{3} << 20;
   const int seed = 11 + 3 * round;
   const bool private_here = mixed && r % 2 == 1;
   std::vector<std::vector<float>> storage;
@@ -825,6 +835,10 @@ std::vector<int64_t> ZeroCopyRound(Communicator& c, bool on, int round, bool mix
   Tensor b = fill(n, seed + 2);
   ExpectOk(c.AllReduce(in, out, CommReduceOp::kSum), "AllReduce " + at);
   ExpectData(out, RefReduced<float>(CommReduceOp::kSum, p, 0, n, seed, false, -1, -1), "AllReduce " + at);
+  Tensor rs_out = make(n / p);
+  ExpectOk(c.ReduceScatter(in, rs_out, CommReduceOp::kSum), "ReduceScatter " + at);
+  ExpectData(rs_out, RefReduced<float>(CommReduceOp::kSum, p, r * (n / p), n / p, seed, false, -1, -1),
+             "ReduceScatter " + at);
   ExpectOk(c.AllGather(gin, gout), "AllGather " + at);
   std::vector<float> want;
   for (int j = 0; j < p; ++j) {
@@ -851,7 +865,13 @@ std::vector<int64_t> ZeroCopyRound(Communicator& c, bool on, int round, bool mix
       if (on == (ino == 0)) {
         Fail(absl::StrCat(at, ": rank ", j, "'s buffer ", k, on ? " is not in a shared block" : " is shared"));
       }
-      if (!on || mixed || j == r || (k == 3 && j != p - 1 && r != p - 1)) continue;
+      const bool reader_pair = k == 3 && j != p - 1 && r != p - 1;  // broadcast readers: no data between them
+      if (on && !mixed && round == 0 && j != r && reader_pair) {
+        // Fresh blocks (later rounds reuse cached ones, which other calls mapped).
+        ++g_checks;
+        if (mapped.count(ino) != 0) Fail(absl::StrCat(at, ": rank ", j, "'s broadcast buffer is mapped here"));
+      }
+      if (!on || mixed || j == r || reader_pair) continue;
       ++g_checks;
       if (mapped.count(ino) == 0) {
         Fail(absl::StrCat(at, ": rank ", j, "'s buffer ", k, " (inode ", ino, ") is not mapped here"));
@@ -878,6 +898,12 @@ int RunZeroCopy(bool on) {
   DefaultAllocator(Device::Cpu()).EmptyCache();
   ExpectOk(c.Barrier(), "Barrier after EmptyCache");
   ZeroCopyRound(c, on, 1);
+  // Released mappings go at a sweep, one per 16 single-copy steps (ShmGroup::kSweepEvery):
+  // 32 more steps (256 KiB blocks: single copy on any rank count).
+  {
+    Tensor gin = Fill<float>(c.rank(), 1 << 16, 5, false), gout = Make<float>((1 << 16) * c.size());
+    for (int i = 0; i < 32; ++i) ExpectOk(c.AllGather(gin, gout), "AllGather to sweep");
+  }
   const std::set<int64_t> mapped = MappedBlockInodes();
   ZeroCopyRound(c, on, 2, /*mixed=*/true);
   for (size_t i = 0; i < first.size(); ++i) {
@@ -890,6 +916,26 @@ int RunZeroCopy(bool on) {
   std::printf("%d checks, %d failures\n", g_checks, g_failures);
   ExpectOk(c.Barrier(), "last Barrier");
   return g_failures == 0 ? 0 : 1;
+}
+
+int RunSizeMismatch() {
+  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(30));
+  if (!comm.ok()) {
+    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
+    return 2;
+  }
+  Communicator& c = **comm;
+  c.SetTimeout(absl::Seconds(20));
+  const int64_t n = c.rank() == 1 ? int64_t{1} << 17 : int64_t{1} << 18;  // 512 KiB / 1 MiB blocks
+  Tensor in = Fill<float>(c.rank(), n, 3, false), out = Make<float>(n * c.size());
+  const absl::Status s = c.AllGather(in, out);
+  std::printf("AllGather: %s\n", s.ToString().c_str());
+  if (c.rank() == 0) {
+    return s.code() == absl::StatusCode::kInvalidArgument && s.message().find("holds 524288 bytes") != std::string::npos
+               ? 0
+               : 1;
+  }
+  return s.ok() ? 1 : 0;
 }
 
 int RunDebugMismatch() {
@@ -1029,6 +1075,7 @@ int main(int argc, char** argv) {
   if (mode == "dead-peer") return dtensor::RunFailure(true);
   if (mode == "timeout") return dtensor::RunFailure(false);
   if (mode == "zero-copy" && argc > 2) return dtensor::RunZeroCopy(std::string(argv[2]) == "on");
+  if (mode == "size-mismatch") return dtensor::RunSizeMismatch();
   if (mode == "bench") return dtensor::RunBench();
   if (mode == "bench-blocks") return dtensor::RunBenchBlocks();
   if (mode == "debug-mismatch") return dtensor::RunDebugMismatch();

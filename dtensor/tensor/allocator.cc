@@ -175,7 +175,7 @@ class CpuAllocator final : public Allocator {
     const size_t size = RoundSize(nbytes);
     // Once shared blocks are on, cached private blocks of a shareable size are given back
     // rather than handed out (EnableShared cannot reach other threads' caches).
-    const bool want_shared = size >= kSharedCpuMinBytes && shared_enabled();
+    const bool want_shared = size >= kSharedCpuMinBytes && CanShare();
     ThreadCache* tc = Local();
     for (int i = 0; tc != nullptr && i < tc->n; ++i) {
       const size_t block = tc->entries[i].first;
@@ -276,6 +276,11 @@ class CpuAllocator final : public Allocator {
   // Cached private blocks of a shareable size are given back as Allocate comes across them.
   void EnableShared() { shared_on_.store(true, std::memory_order_relaxed); }
   bool shared_enabled() const { return shared_on_.load(std::memory_order_relaxed); }
+  // A new block may be shared: enabled, under the cap, and the system has not refused one.
+  bool CanShare() const {
+    return shared_enabled() && !shared_refused_.load(std::memory_order_relaxed) &&
+           shared_count_.load(std::memory_order_relaxed) < MaxSharedCpuBlocks();
+  }
   std::optional<SharedCpuRange> FindShared(const void* p, size_t bytes) {
     if (bytes == 0 || !shared_enabled()) return std::nullopt;
     const auto a = reinterpret_cast<uintptr_t>(p);
@@ -331,7 +336,7 @@ class CpuAllocator final : public Allocator {
   }
   static Header* HeaderOf(void* p) { return reinterpret_cast<Header*>(static_cast<char*>(p) - kHeader); }
   void* SystemAlloc(size_t block) {
-    if (block >= kSharedCpuMinBytes && shared_enabled()) {
+    if (block >= kSharedCpuMinBytes && CanShare()) {
       if (void* p = SharedAlloc(block)) return p;
     }
     char* raw = static_cast<char*>(std::aligned_alloc(64, block + kHeader));
@@ -349,7 +354,13 @@ class CpuAllocator final : public Allocator {
       id = ++last_shared_id_;
     }
     std::optional<internal::OwnedSharedCpuBlock> b = internal::CreateSharedCpuBlock(block, id);
-    if (!b.has_value()) return nullptr;
+    if (!b.has_value()) {
+      // memfd refused (seccomp, descriptors used up): private memory from now on, else every
+      // large allocation would pay a failed attempt and skip the cache's private blocks.
+      if (block <= internal::MaxSharedCpuBlockBytes()) shared_refused_.store(true, std::memory_order_relaxed);
+      return nullptr;
+    }
+    shared_count_.fetch_add(1, std::memory_order_relaxed);
     *HeaderOf(b->user) = Header{block, kTag, id};
     absl::MutexLock lock(&shared_mu_);
     shared_.emplace(reinterpret_cast<uintptr_t>(b->user), SharedEntry{id, *b});
@@ -369,6 +380,7 @@ class CpuAllocator final : public Allocator {
       shared_.erase(it);
     }
     internal::ReleaseSharedCpuBlock(b);
+    shared_count_.fetch_sub(1, std::memory_order_relaxed);
   }
   void* Handed(void* p, size_t block) {
     HeaderOf(p)->tag = kTag;
@@ -386,6 +398,8 @@ class CpuAllocator final : public Allocator {
   std::atomic<int64_t> bytes_in_use_{0}, peak_{0}, bytes_cached_{0}, num_allocs_{0}, num_cache_hits_{0},
       num_system_allocs_{0};
   std::atomic<bool> shared_on_{false};
+  std::atomic<bool> shared_refused_{false};
+  std::atomic<int> shared_count_{0};
   absl::Mutex shared_mu_;                                                // after mu_ where both are held
   std::map<uintptr_t, SharedEntry> shared_ ABSL_GUARDED_BY(shared_mu_);  // by user pointer
   uint64_t last_shared_id_ ABSL_GUARDED_BY(shared_mu_) = 0;

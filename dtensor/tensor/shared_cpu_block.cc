@@ -2,9 +2,12 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/sysinfo.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -33,7 +36,20 @@ PageHeader* HeaderAt(char* base) { return reinterpret_cast<PageHeader*>(base); }
 
 namespace internal {
 
+uint64_t MaxSharedCpuBlockBytes() {
+  static const uint64_t max = [] {
+    uint64_t m = UINT64_MAX;
+    struct sysinfo si {};
+    if (sysinfo(&si) == 0) m = static_cast<uint64_t>(si.totalram) * si.mem_unit / 2;
+    rlimit r{};
+    if (getrlimit(RLIMIT_FSIZE, &r) == 0 && r.rlim_cur != RLIM_INFINITY) m = std::min<uint64_t>(m, r.rlim_cur);
+    return m > kSharedCpuPage ? m - kSharedCpuPage : 0;
+  }();
+  return max;
+}
+
 std::optional<OwnedSharedCpuBlock> CreateSharedCpuBlock(size_t user_bytes, uint64_t id) {
+  if (user_bytes > MaxSharedCpuBlockBytes()) return std::nullopt;
   const uint64_t bytes = kSharedCpuPage + user_bytes;
   const int fd = memfd_create("dtensor-block", MFD_CLOEXEC);
   if (fd < 0) return std::nullopt;

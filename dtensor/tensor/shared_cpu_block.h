@@ -1,7 +1,7 @@
 // Shared CPU blocks: CPU memory that the other processes of this host can map, so that a
 // collective between them moves bytes with plain loads and stores rather than through the
-// kernel (process_vm_readv / writev copy at about half of memcpy's rate here: 2-rank 4 MiB
-// all_reduce 0.28-0.34 ms mapped against 0.66-0.85 ms by single copy).
+// kernel (process_vm_readv / writev copy at about half of memcpy's rate here: 2 ranks, 4 MiB
+// all_reduce 0.35-0.42 ms mapped against 0.65-0.99 ms through the kernel).
 //
 //   EnableSharedCpuBlocks();                       // the ucx backend does this at setup
 //   Tensor t = Tensor::Empty({1 << 20}, kFloat32);  // a large block: shareable
@@ -10,15 +10,19 @@
 //   absl::StatusOr<PeerSharedCpuBlock> m = PeerSharedCpuBlock::Open(owner_pid, *r);
 //   std::memcpy(dst, m->at(r->offset), t.nbytes());
 //
-// Once enabled, CPU blocks of at least kSharedCpuMinBytes come from their own memfd (a shared
-// mapping, not inherited by fork()ed children: MADV_DONTFORK), as long as fewer than
-// MaxSharedCpuBlocks() exist; beyond that, and for smaller blocks, memory stays private and
-// collectives fall back to single copy. A peer opens the owner's memfd through
+// Once enabled, CPU blocks of at least kSharedCpuMinBytes (and at most half the host's memory)
+// come from their own memfd, as long as fewer than MaxSharedCpuBlocks() exist; beyond that,
+// for other sizes, and after the system refused a memfd, memory stays private and collectives
+// copy through the kernel. The mappings are not inherited by fork()ed children
+// (MADV_DONTFORK): a child must exec or _exit without touching, freeing or allocating large
+// CPU tensors (its allocator still lists blocks it has no mapping of). A peer opens the owner's memfd through
 // /proc/<pid>/fd/<fd> (same user; the same permission as reading the process's memory) and
 // checks the block's id, written in the mapping's first page, so a recycled descriptor
 // number can never map the wrong memory. When the owner gives the block back to the system it
-// marks that page released (PeerSharedCpuBlock::released()); a peer drops its mapping then.
-// Turning it off: DTENSOR_UCX_ZERO_COPY=0 (the ucx backend then never enables it).
+// marks that page released (PeerSharedCpuBlock::released()); peers drop their mappings at
+// their next sweep (the ucx backend sweeps every 16 single-copy steps), and until then the
+// memory stays allocated.
+// Turning it off: DTENSOR_UCX_ZERO_COPY=0 on any rank (the ucx backend then never enables it).
 #ifndef DTENSOR_TENSOR_SHARED_CPU_BLOCK_H_
 #define DTENSOR_TENSOR_SHARED_CPU_BLOCK_H_
 
@@ -50,8 +54,8 @@ void EnableSharedCpuBlocks();
 bool SharedCpuBlocksEnabled();
 // How many shared blocks may exist at once: a quarter of the descriptor limit, at most 1024.
 int MaxSharedCpuBlocks();
-// The shared block that holds all of [p, p + bytes), or nullopt (private memory, not a live
-// block of the CPU allocator, or bytes == 0).
+// The shared block that holds all of [p, p + bytes), or nullopt (private memory, memory not
+// from the CPU allocator, or bytes == 0).
 std::optional<SharedCpuRange> FindSharedCpuRange(const void* p, size_t bytes);
 
 // Another process's shared block, mapped into this one (unmapped when destroyed).
@@ -88,7 +92,12 @@ struct OwnedSharedCpuBlock {
   int fd = -1;
   uint64_t map_bytes = 0;
 };
+// nullopt also for blocks larger than MaxSharedCpuBlockBytes().
 std::optional<OwnedSharedCpuBlock> CreateSharedCpuBlock(size_t user_bytes, uint64_t id);
+// The largest block made shared: half the host's memory (a memfd is not reserved when made,
+// so a larger one would "succeed" where malloc fails, and the process die when it touches
+// it), and below the file size limit (past it, ftruncate raises SIGXFSZ).
+uint64_t MaxSharedCpuBlockBytes();
 // Marks the block released (for the peers' mappings), unmaps it and closes its memfd.
 void ReleaseSharedCpuBlock(const OwnedSharedCpuBlock& b);
 // Offset of the user bytes from the mapping's start.

@@ -204,6 +204,20 @@ TEST(UcxZeroCopyTest, OffMapsNothing) {
   EXPECT_TRUE(Contains(run.out, " checks, 0 failures")) << run.out << run.err;
 }
 
+// Calls whose sizes disagree between ranks (no DTENSOR_DEBUG): a single-copy read past a
+// peer's buffer is InvalidArgument naming the sizes (it read the peer's neighbouring memory,
+// or faulted past a mapped block), and the other ranks get an error too; nobody hangs.
+TEST(UcxZeroCopyTest, RanksThatDisagreeOnSizesGetAnErrorNotAStrayRead) {
+  for (const char* zero_copy : {"DTENSOR_UCX_ZERO_COPY=1", "DTENSOR_UCX_ZERO_COPY=0"}) {
+    for (int n : {2, 3}) {
+      RunResult run =
+          RunDtrun({"--nproc-per-node", std::to_string(n), UCX_TEST_CHILD_PATH, "size-mismatch"}, {zero_copy});
+      EXPECT_EQ(run.code, 0) << zero_copy << ", " << n << " ranks\n" << run.out << run.err;
+      EXPECT_TRUE(Contains(run.out, "[rank 0] AllGather: INVALID_ARGUMENT")) << run.out << run.err;
+    }
+  }
+}
+
 // DTENSOR_UCX_INFO=1: rank 0 prints the paths the ranks agreed on. The CPU affinity decides
 // whether the ranks spin (a CPU each) or give the CPU up at once (they share): dtrun binds
 // ranks to a CPU each when there are enough, and the ranks compare their affinity masks.

@@ -2,12 +2,14 @@
 // its own process under ctest; EnableSharedCpuBlocks() is for the rest of that process.
 #include "dtensor/tensor/shared_cpu_block.h"
 
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "dtensor/tensor/allocator.h"
 #include "dtensor/tensor/tensor.h"
@@ -127,6 +129,47 @@ TEST(SharedCpuBlockTest, EnablingReleasesCachedPrivateBlocks) {
   Tensor b = Floats(5 * kLarge);
   EXPECT_TRUE(FindSharedCpuRange(a.raw_data(), a.nbytes()).has_value());
   EXPECT_TRUE(FindSharedCpuRange(b.raw_data(), b.nbytes()).has_value());
+}
+
+// A block memfd could not really back (more than half the host's memory) stays private, so
+// that an impossible size fails at once as before instead of "succeeding" and killing the
+// process when touched.
+TEST(SharedCpuBlockTest, AnImpossibleSizeStillFails) {
+  EnableSharedCpuBlocks();
+  absl::StatusOr<Tensor> t = Tensor::Empty({int64_t{1} << 42}, DType::kFloat32);  // 16 TiB
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kResourceExhausted) << t.status();
+}
+
+// Past MaxSharedCpuBlocks() blocks are private, and the cache still serves them (it must not
+// give cached private blocks back in the hope of a shared one it cannot make).
+TEST(SharedCpuBlockTest, PastTheCapBlocksArePrivateAndStillCached) {
+  rlimit before{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
+  if (before.rlim_cur < 64) GTEST_SKIP() << "descriptor limit below 64";
+  rlimit low = before;
+  low.rlim_cur = 64;
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  const int cap = MaxSharedCpuBlocks();  // read once per process: 16 unless read earlier
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &before), 0);
+  if (cap > 64) GTEST_SKIP() << "the cap was computed earlier in this process (" << cap << ")";
+  EnableSharedCpuBlocks();
+  std::vector<Tensor> held;
+  bool got_private = false;
+  for (int i = 0; i <= 2 * cap && !got_private; ++i) {
+    Tensor t = Floats(kLarge / 2);  // 512 KiB
+    got_private = !FindSharedCpuRange(t.raw_data(), t.nbytes()).has_value();
+    held.push_back(std::move(t));
+  }
+  ASSERT_TRUE(got_private) << "more than " << 2 * cap << " shared blocks";
+  held.pop_back();  // the private block, to the cache
+  Allocator& alloc = DefaultAllocator(Device::Cpu());
+  const AllocatorStats s0 = alloc.Stats();
+  Tensor again = Floats(kLarge / 2);
+  const AllocatorStats s1 = alloc.Stats();
+  EXPECT_EQ(s1.num_cache_hits, s0.num_cache_hits + 1);
+  EXPECT_EQ(s1.num_system_allocs, s0.num_system_allocs);
+  EXPECT_FALSE(FindSharedCpuRange(again.raw_data(), again.nbytes()).has_value());
 }
 
 // Another process (a fork()ed child: it does not inherit the block, MADV_DONTFORK) maps the
