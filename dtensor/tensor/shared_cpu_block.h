@@ -22,6 +22,9 @@
 // marks that page released (PeerSharedCpuBlock::released()); peers drop their mappings at
 // their next sweep (the ucx backend sweeps every 16 single-copy steps), and until then the
 // memory stays allocated.
+// Shared blocks get transparent huge pages only where /sys/kernel/mm/transparent_hugepage/
+// shmem_enabled allows them (MADV_HUGEPAGE is asked for), while private memory follows
+// `enabled`: on a host with THP for anonymous memory only, large tensors lose their huge pages.
 // Turning it off: DTENSOR_UCX_ZERO_COPY=0 on any rank (the ucx backend then never enables it).
 #ifndef DTENSOR_TENSOR_SHARED_CPU_BLOCK_H_
 #define DTENSOR_TENSOR_SHARED_CPU_BLOCK_H_
