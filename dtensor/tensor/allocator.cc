@@ -1,6 +1,8 @@
 #include "dtensor/tensor/allocator.h"
 
+#include <pthread.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -11,6 +13,7 @@
 #include <mutex>  // std::once_flag
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
@@ -159,6 +162,9 @@ class CachingAllocator final : public Allocator {
   AllocatorStats stats_;
 };
 
+class CpuAllocator;
+CpuAllocator& TheCpuAllocator();
+
 // The CPU allocator. Rank threads of one process allocate and free in lockstep (right after
 // each collective), so the common path takes no lock: every block carries a 64-byte header
 // with its size (freeing needs no shared map), and each thread keeps up to kThreadSlots freed
@@ -227,6 +233,7 @@ class CpuAllocator final : public Allocator {
 
   void Free(void* ptr) override {
     if (ptr == nullptr) return;
+    if (forgot_shared_.load(std::memory_order_relaxed) && Forgotten(ptr)) return;  // see AtForkChild
     Header* h = HeaderOf(ptr);
     // Only blocks from Allocate() may come here, once each: the tag turns a second Free of a
     // block into a no-op (it is kFreeTag until the block is handed out again), and most other
@@ -274,8 +281,59 @@ class CpuAllocator final : public Allocator {
 
   // Shared blocks (shared_cpu_block.h).
   // Cached private blocks of a shareable size are given back as Allocate comes across them.
-  void EnableShared() { shared_on_.store(true, std::memory_order_relaxed); }
+  void EnableShared() {
+    static std::once_flag once;
+    std::call_once(once, [] { pthread_atfork(&AtForkPrepare, &AtForkParent, &AtForkChild); });
+    shared_on_.store(true, std::memory_order_relaxed);
+  }
+  // fork(): the child has no mapping of the shared blocks (MADV_DONTFORK). Its allocator
+  // forgets them without touching them (their headers are in those pages): no shared block is
+  // handed out from its caches, new blocks are private, it closes their descriptors (so it
+  // keeps none of their memory alive), and freeing one of its live tensors in them is a no-op
+  // (a tensor's destructor at exit must not fault). Their data stay unreadable in the child.
+  // The locks are held across fork() so the child finds the maps consistent.
+  static void AtForkPrepare() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    TheCpuAllocator().mu_.Lock();
+    TheCpuAllocator().shared_mu_.Lock();
+  }
+  static void AtForkParent() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    TheCpuAllocator().shared_mu_.Unlock();
+    TheCpuAllocator().mu_.Unlock();
+  }
+  static void AtForkChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    CpuAllocator& a = TheCpuAllocator();
+    a.shared_on_.store(false, std::memory_order_relaxed);
+    for (auto it = a.free_.begin(); it != a.free_.end();) {
+      if (a.shared_.count(reinterpret_cast<uintptr_t>(it->second)) != 0) {
+        a.bytes_cached_.fetch_sub(static_cast<int64_t>(it->first), std::memory_order_relaxed);
+        it = a.free_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    if (ThreadCache* tc = a.Local()) {
+      for (int i = 0; i < tc->n; ++i) {
+        if (a.shared_.count(reinterpret_cast<uintptr_t>(tc->entries[i].second)) != 0) {
+          a.bytes_cached_.fetch_sub(static_cast<int64_t>(tc->entries[i].first), std::memory_order_relaxed);
+          tc->entries[i--] = tc->entries[--tc->n];
+        }
+      }
+    }
+    for (const auto& [user, e] : a.shared_) {
+      close(e.block.fd);
+      a.forgotten_.insert(user);
+    }
+    a.shared_.clear();
+    a.forgot_shared_.store(true, std::memory_order_relaxed);
+    a.shared_count_.store(0, std::memory_order_relaxed);
+    a.shared_mu_.Unlock();
+    a.mu_.Unlock();
+  }
   bool shared_enabled() const { return shared_on_.load(std::memory_order_relaxed); }
+  bool Forgotten(void* p) {
+    absl::MutexLock lock(&shared_mu_);
+    return forgotten_.count(reinterpret_cast<uintptr_t>(p)) != 0;
+  }
   // A new block may be shared: enabled, under the cap, and the system has not refused one.
   bool CanShare() const {
     return shared_enabled() && !shared_refused_.load(std::memory_order_relaxed) &&
@@ -399,6 +457,8 @@ class CpuAllocator final : public Allocator {
       num_system_allocs_{0};
   std::atomic<bool> shared_on_{false};
   std::atomic<bool> shared_refused_{false};
+  std::atomic<bool> forgot_shared_{false};                               // a fork()ed child: see AtForkChild
+  std::unordered_set<uintptr_t> forgotten_ ABSL_GUARDED_BY(shared_mu_);  // its parent's shared blocks
   std::atomic<int> shared_count_{0};
   absl::Mutex shared_mu_;                                                // after mu_ where both are held
   std::map<uintptr_t, SharedEntry> shared_ ABSL_GUARDED_BY(shared_mu_);  // by user pointer

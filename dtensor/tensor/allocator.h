@@ -14,8 +14,8 @@
 //
 // After EnableSharedCpuBlocks() (shared_cpu_block.h; the ucx backend calls it), CPU blocks
 // of 256 KiB or more come from memfd-backed shared mappings that peer processes can map; a
-// fork()ed child does not inherit those (MADV_DONTFORK), so it must exec or _exit without
-// touching, freeing or allocating large CPU tensors.
+// fork()ed child does not inherit those (MADV_DONTFORK): it allocates and frees as usual
+// (its new blocks are private) but must not read its parent's large CPU tensors.
 //
 // CUDA note: as in PyTorch, a freed block may be reused at once by the next allocation; this
 // is safe because all work on a device is ordered on the allocating thread's stream

@@ -14,8 +14,10 @@
 // come from their own memfd, as long as fewer than MaxSharedCpuBlocks() exist; beyond that,
 // for other sizes, and after the system refused a memfd, memory stays private and collectives
 // copy through the kernel. The mappings are not inherited by fork()ed children
-// (MADV_DONTFORK): a child must exec or _exit without touching, freeing or allocating large
-// CPU tensors (its allocator still lists blocks it has no mapping of). A peer opens the owner's memfd through
+// (MADV_DONTFORK, as for memory registered for RDMA): a child's allocator forgets them (its
+// large blocks are private, it never hands out a cached shared one, freeing an inherited
+// tensor in one does nothing), but the data of tensors it inherited in shared blocks are not
+// there to read: a forked worker must not touch its parent's large CPU tensors. A peer opens the owner's memfd through
 // /proc/<pid>/fd/<fd> (same user; the same permission as reading the process's memory) and
 // checks the block's id, written in the mapping's first page, so a recycled descriptor
 // number can never map the wrong memory. When the owner gives the block back to the system it

@@ -201,5 +201,42 @@ TEST(SharedCpuBlockTest, AnotherProcessMapsTheBlock) {
   for (int64_t i = 0; i < kLarge; i += 4099) EXPECT_EQ(x[i], static_cast<float>(-i));
 }
 
+// A fork()ed child (a data-loader worker, say) has no mapping of the parent's shared blocks.
+// Its allocator must not hand one out of its cache (writing it would fault), and its new large
+// blocks are private.
+TEST(SharedCpuBlockTest, AForkedChildAllocatesPrivateMemoryNotTheParentsCachedBlocks) {
+  EnableSharedCpuBlocks();
+  void* cached = nullptr;
+  Tensor live = Floats(2 * kLarge);  // held across the fork: the child frees its copy
+  ASSERT_TRUE(FindSharedCpuRange(live.raw_data(), live.nbytes()).has_value());
+  {
+    Tensor a = Floats(kLarge);      // 1 MiB: this thread's cache when freed
+    Tensor b = Floats(3 * kLarge);  // the shared cache
+    ASSERT_TRUE(FindSharedCpuRange(a.raw_data(), a.nbytes()).has_value());
+    ASSERT_TRUE(FindSharedCpuRange(b.raw_data(), b.nbytes()).has_value());
+    cached = a.raw_data();
+  }
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    live = Tensor();  // frees (the child's view of) a block it has no mapping of
+    absl::StatusOr<Tensor> a = Tensor::Empty({kLarge}, DType::kFloat32);
+    absl::StatusOr<Tensor> b = Tensor::Empty({3 * kLarge}, DType::kFloat32);
+    if (!a.ok() || !b.ok()) _exit(2);
+    if (a->raw_data() == cached) _exit(3);
+    if (FindSharedCpuRange(a->raw_data(), a->nbytes()).has_value()) _exit(4);
+    std::memset(a->raw_data(), 1, a->nbytes());  // faults on an unmapped block
+    std::memset(b->raw_data(), 1, b->nbytes());
+    _exit(0);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child died of signal " << (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "2: allocation failed, 3: got the parent's cached block, 4: shared";
+  // The parent's blocks are untouched by all this.
+  Tensor again = Floats(kLarge);
+  EXPECT_TRUE(FindSharedCpuRange(again.raw_data(), again.nbytes()).has_value());
+}
+
 }  // namespace
 }  // namespace dtensor
