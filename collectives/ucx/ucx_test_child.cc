@@ -51,6 +51,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <set>
 #include <sstream>
 #include <string>
@@ -235,6 +236,17 @@ std::vector<int64_t> ChunkCounts(int64_t total, int p) {  // torch.chunk: ceil-s
   std::vector<int64_t> counts;
   for (int j = 0; j < p; ++j) counts.push_back(std::max<int64_t>(0, std::min(c, total - j * c)));
   return counts;
+}
+
+// The world communicator under dtrun (rendezvous within `timeout`), or nullptr after printing
+// why (the mode then exits 2).
+std::unique_ptr<Communicator> MakeWorld(absl::Duration timeout) {
+  absl::StatusOr<std::unique_ptr<Communicator>> comm = MakeUcxCommunicatorFromEnv(timeout);
+  if (!comm.ok()) {
+    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
+    return nullptr;
+  }
+  return *std::move(comm);
 }
 
 template <typename T>
@@ -707,12 +719,9 @@ void Blocks(Communicator& comm) {
 }
 
 int RunBattery() {
-  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(60));
-  if (!comm.ok()) {
-    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
-    return 2;
-  }
-  Communicator& c = **comm;
+  std::unique_ptr<Communicator> comm = MakeWorld(absl::Seconds(60));
+  if (comm == nullptr) return 2;
+  Communicator& c = *comm;
   const absl::Time start = absl::Now();
   Battery<float>(c, "float32");
   Battery<BFloat16>(c, "bfloat16");
@@ -731,12 +740,9 @@ int RunBattery() {
 
 // Survivors print the error they got and exit 0 if it has the expected code.
 int RunFailure(bool dead_peer) {
-  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(30));
-  if (!comm.ok()) {
-    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
-    return 2;
-  }
-  Communicator& c = **comm;
+  std::unique_ptr<Communicator> comm = MakeWorld(absl::Seconds(30));
+  if (comm == nullptr) return 2;
+  Communicator& c = *comm;
   c.SetTimeout(DefaultTimeout());  // DTENSOR_TIMEOUT_S, after a generous rendezvous
   const int r = c.rank(), p = c.size();
   Tensor x = Fill<float>(r, 1 << 20, 1, false);
@@ -767,12 +773,9 @@ int RunFailure(bool dead_peer) {
 // Makes the world communicator and does one Barrier (with DTENSOR_UCX_INFO=1, rank 0 prints
 // the paths the ranks agreed on).
 int RunSetup() {
-  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(30));
-  if (!comm.ok()) {
-    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
-    return 2;
-  }
-  return (*comm)->Barrier().ok() ? 0 : 1;
+  std::unique_ptr<Communicator> comm = MakeWorld(absl::Seconds(30));
+  if (comm == nullptr) return 2;
+  return comm->Barrier().ok() ? 0 : 1;
 }
 
 // The inode of the shared block holding t (0: not shared).
@@ -884,12 +887,9 @@ std::vector<int64_t> ZeroCopyRound(Communicator& c, bool on, int round, bool mix
 }
 
 int RunZeroCopy(bool on) {
-  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(30));
-  if (!comm.ok()) {
-    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
-    return 2;
-  }
-  Communicator& c = **comm;
+  std::unique_ptr<Communicator> comm = MakeWorld(absl::Seconds(30));
+  if (comm == nullptr) return 2;
+  Communicator& c = *comm;
   ++g_checks;
   if (SharedCpuBlocksEnabled() != on) Fail(absl::StrCat("shared blocks enabled: ", SharedCpuBlocksEnabled()));
   const std::vector<int64_t> first = ZeroCopyRound(c, on, 0);
@@ -919,12 +919,9 @@ int RunZeroCopy(bool on) {
 }
 
 int RunSizeMismatch() {
-  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(30));
-  if (!comm.ok()) {
-    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
-    return 2;
-  }
-  Communicator& c = **comm;
+  std::unique_ptr<Communicator> comm = MakeWorld(absl::Seconds(30));
+  if (comm == nullptr) return 2;
+  Communicator& c = *comm;
   c.SetTimeout(absl::Seconds(20));
   const int64_t n = c.rank() == 1 ? int64_t{1} << 17 : int64_t{1} << 18;  // 512 KiB / 1 MiB blocks
   Tensor in = Fill<float>(c.rank(), n, 3, false), out = Make<float>(n * c.size());
@@ -939,12 +936,9 @@ int RunSizeMismatch() {
 }
 
 int RunDebugMismatch() {
-  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(30));
-  if (!comm.ok()) {
-    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
-    return 2;
-  }
-  Communicator& c = **comm;
+  std::unique_ptr<Communicator> comm = MakeWorld(absl::Seconds(30));
+  if (comm == nullptr) return 2;
+  Communicator& c = *comm;
   const int r = c.rank(), p = c.size();
   Tensor a = Fill<float>(r, 12, 1, false);
   Tensor g = Make<float>(3 * p);
@@ -962,9 +956,9 @@ int RunDebugMismatch() {
 
 // Not a test: AllReduce / ReduceScatter / AllGather timings (float32), nccl-tests style.
 int RunBench() {
-  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(60));
-  if (!comm.ok()) return 2;
-  Communicator& c = **comm;
+  std::unique_ptr<Communicator> comm = MakeWorld(absl::Seconds(60));
+  if (comm == nullptr) return 2;
+  Communicator& c = *comm;
   const int p = c.size();
   for (int64_t bytes = 4096; bytes <= (int64_t{64} << 20); bytes *= 4) {
     const int64_t n = bytes / 4 / p * p;
@@ -999,9 +993,9 @@ int RunBench() {
 // beside the default implementation (pack, AllToAll, the receive views already back to back)
 // and the plain AllToAll of the same bytes; calls interleaved, medians of 15 trials.
 int RunBenchBlocks() {
-  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(60));
-  if (!comm.ok()) return 2;
-  Communicator& c = **comm;
+  std::unique_ptr<Communicator> comm = MakeWorld(absl::Seconds(60));
+  if (comm == nullptr) return 2;
+  Communicator& c = *comm;
   const int p = c.size();
   if (c.rank() == 0)
     std::printf("%10s %12s %12s %12s  (us per call, %d ranks)\n", "global", "blocks", "pack+a2a", "a2a", p);
