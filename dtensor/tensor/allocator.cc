@@ -403,12 +403,12 @@ class CpuAllocator final : public Allocator {
     *HeaderOf(p) = Header{block, kTag, 0};
     return p;
   }
-  // nullptr where the system refuses or MaxSharedCpuBlocks() exist (private memory then).
+  // nullptr where the system refuses (private memory then). The caller checked CanShare():
+  // threads allocating at once may pass the cap by one block each.
   void* SharedAlloc(size_t block) {
     uint64_t id;
     {
       absl::MutexLock lock(&shared_mu_);
-      if (shared_.size() >= static_cast<size_t>(MaxSharedCpuBlocks())) return nullptr;
       id = ++last_shared_id_;
     }
     std::optional<internal::OwnedSharedCpuBlock> b = internal::CreateSharedCpuBlock(block, id);
