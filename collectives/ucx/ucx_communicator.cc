@@ -562,6 +562,7 @@ class UcxCommunicator final : public Communicator {
       uint64_t debug;      // 1: DTENSOR_DEBUG
       uint64_t cma_min;    // DTENSOR_UCX_CMA_MIN, or kNoCmaMin
       uint64_t zero_copy;  // 1: DTENSOR_UCX_ZERO_COPY is not 0
+      uint64_t barrier;    // 1: this process can make every CPU fence (ShmGroup::RegisterProcessBarrier)
       uint64_t ncpus;      // entries of cpus
       // The first (up to kMaxShmRanks) CPUs this process may use: enough to decide whether
       // every rank has a CPU of its own (a rank with as many CPUs as ranks always has one).
@@ -581,6 +582,7 @@ class UcxCommunicator final : public Communicator {
                      DebugFromEnv() ? 1u : 0u,
                      CmaMinFromEnv().value_or(kNoCmaMin),
                      ZeroCopyFromEnv() ? 1u : 0u,
+                     ShmGroup::RegisterProcessBarrier() ? 1u : 0u,
                      0,
                      {}};
           for (int c : AllowedCpus()) {
@@ -613,6 +615,10 @@ class UcxCommunicator final : public Communicator {
     }
     shm_ = std::move(group);
     shm_->set_oversubscribed(oversubscribed);
+    // Ranks that share CPUs sleep at almost every wait: a barrier on every CPU each time would
+    // cost more than the fences it saves.
+    shm_->set_light_arrive(!oversubscribed &&
+                           std::all_of(all.begin(), all.end(), [](const Offer& o) { return o.barrier != 0; }));
     cma_min_ = cma_min != kNoCmaMin ? static_cast<size_t>(cma_min)
                                     : (oversubscribed ? kCmaMinOversubscribedBytes : kCmaMinBytes);
     zero_copy_min_ = cma_min != kNoCmaMin ? static_cast<size_t>(cma_min) : kCmaMinBytes;
@@ -627,10 +633,11 @@ class UcxCommunicator final : public Communicator {
       std::string where;
       for (size_t j = 0; j < cpus.size(); ++j) absl::StrAppend(&where, j == 0 ? "" : " | ", FormatCpuList(cpus[j]));
       std::fprintf(
-          stderr, "dtensor ucx: communicator %d, %d ranks on one host: shared memory, single copy %s%s, %s (cpus %s)\n",
+          stderr,
+          "dtensor ucx: communicator %d, %d ranks on one host: shared memory, single copy %s%s, %s (cpus %s), %s\n",
           static_cast<int>(id_), size(), shm_->cma() ? absl::StrCat("from ", cma_min_, " B blocks").c_str() : "off",
           zero_copy_ ? ", zero copy from shared blocks" : "", oversubscribed ? "ranks share CPUs" : "a CPU per rank",
-          where.c_str());
+          where.c_str(), shm_->light_arrive() ? "light arrivals" : "fenced arrivals");
     }
     return absl::OkStatus();
   }

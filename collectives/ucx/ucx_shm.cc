@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <linux/membarrier.h>
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -54,7 +55,21 @@ inline void CpuRelax() {
 #endif
 }
 
+// A full memory barrier on every running thread of every process that registered for it
+// (membarrier(2)): the slow side of an asymmetric fence.
+bool ProcessesBarrier() { return syscall(SYS_membarrier, MEMBARRIER_CMD_GLOBAL_EXPEDITED, 0, 0) == 0; }
+
 }  // namespace
+
+bool ShmGroup::RegisterProcessBarrier() {
+  static const bool registered = [] {
+    const long cmds = syscall(SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
+    const long need = MEMBARRIER_CMD_GLOBAL_EXPEDITED | MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED;
+    return cmds >= 0 && (cmds & need) == need &&
+           syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED, 0, 0) == 0;
+  }();
+  return registered;
+}
 
 std::string ShmGroup::NewName(uint16_t comm_id) {
   static std::atomic<uint64_t> counter{0};
@@ -88,6 +103,7 @@ absl::StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::Map(const std::string& name,
   g->ctl_bytes_ = ctl;
   g->rank_ = rank;
   g->members_ = std::move(members);
+  g->seen_.assign(p, 0);
   g->world_ = world;
   g->set_oversubscribed(true);  // until the ranks agree (UcxCommunicator's Setup)
   return g;
@@ -115,8 +131,14 @@ void ShmGroup::Arrive() {
   std::atomic_ref<uint64_t>(*epoch_of(rank_)).store(e, std::memory_order_release);
   // Pairs with the sleeper's fence between counting itself and re-reading the epoch: either
   // it sees the new epoch, or this sees its count and wakes it. No extra store: the futex
-  // word is the epoch's low half, which every arrival changes.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
+  // word is the epoch's low half, which every arrival changes. With light arrivals the
+  // sleeper's side is a barrier on every CPU (membarrier), so this one needs none: a fence
+  // here waits for this step's stores (a broadcast root's whole message) to leave the core.
+  if (light_arrive_) {
+    std::atomic_signal_fence(std::memory_order_seq_cst);
+  } else {
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+  }
   if (std::atomic_ref<uint32_t>(*waiters_of(rank_)).load(std::memory_order_relaxed) != 0) {
     FutexWakeAll(word_of(rank_));
   }
@@ -125,13 +147,15 @@ void ShmGroup::Arrive() {
 void ShmGroup::Quiesce(uint64_t first, uint64_t done, const UcxWaitContext& ctx) {
   MarkFailed();
   // Pairs with the fence in a peer's Arrive: either this sees its arrival at `first`, or it
-  // sees the failed flag before it writes.
+  // sees the failed flag before it writes. A peer may arrive light (no fence): then the
+  // barrier runs on its CPU too, and where that fails a peer short of `first` counts as busy.
   std::atomic_thread_fence(std::memory_order_seq_cst);
+  const bool fenced = !RegisterProcessBarrier() || ProcessesBarrier();
   const int64_t deadline = ctx.DeadlineNs(NowNs());
   for (;;) {
     bool quiet = true;
     for (int j = 0; j < static_cast<int>(members_.size()) && quiet; ++j) {
-      if (j == rank_ || !Arrived(j, first) || Arrived(j, done)) continue;
+      if (j == rank_ || (fenced && !Arrived(j, first)) || Arrived(j, done)) continue;
       if (std::atomic_ref<uint32_t>(*failed_of(j)).load(std::memory_order_acquire) != 0) continue;
       quiet = !world_->gone(members_[static_cast<size_t>(j)]).empty();
     }
@@ -142,13 +166,17 @@ void ShmGroup::Quiesce(uint64_t first, uint64_t done, const UcxWaitContext& ctx)
 }
 
 bool ShmGroup::Arrived(int j, uint64_t e) const {
-  return std::atomic_ref<uint64_t>(*epoch_of(j)).load(std::memory_order_acquire) >= e;
+  uint64_t& seen = seen_[static_cast<size_t>(j)];
+  if (seen < e) seen = std::atomic_ref<uint64_t>(*epoch_of(j)).load(std::memory_order_acquire);
+  return seen >= e;
 }
 
 absl::Status ShmGroup::WaitRank(int j, uint64_t e, const UcxWaitContext& ctx) {
+  uint64_t& seen = seen_[static_cast<size_t>(j)];
+  if (seen >= e) return absl::OkStatus();  // no load: the line stays where its writer has it
   std::atomic_ref<uint64_t> theirs(*epoch_of(j));
   for (int i = 0; i < 64; ++i) {
-    if (theirs.load(std::memory_order_acquire) >= e) return absl::OkStatus();
+    if ((seen = theirs.load(std::memory_order_acquire)) >= e) return absl::OkStatus();
     CpuRelax();
   }
   return WaitFor(j, e, ctx);
@@ -238,8 +266,12 @@ absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx)
     std::atomic_ref<uint32_t> waiters(*waiters_of(j));
     waiters.fetch_add(1, std::memory_order_seq_cst);
     std::atomic_thread_fence(std::memory_order_seq_cst);
+    // Rank j arrives light: its CPU gets the barrier now (without it, no sleep: yield).
+    const bool fenced = !light_arrive_ || ProcessesBarrier();
     const uint64_t seen = theirs.load(std::memory_order_acquire);
-    if (seen < epoch) {
+    if (!fenced) {
+      sched_yield();
+    } else if (seen < epoch) {
       FutexWait(word_of(j), static_cast<uint32_t>(seen), std::min(kPeerCheckNs, std::max<int64_t>(deadline - now, 1)));
     }
     waiters.fetch_sub(1, std::memory_order_seq_cst);

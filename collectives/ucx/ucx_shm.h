@@ -126,6 +126,16 @@ class ShmGroup {
   bool oversubscribed() const { return oversubscribed_; }
   void set_oversubscribed(bool v);
   void MarkRelaxed() { relaxed_ = true; }
+  // Arrivals without a fence (as all ranks agreed, each having RegisterProcessBarrier()):
+  // then a rank about to sleep on a peer's word makes every CPU fence instead (membarrier),
+  // which costs microseconds but is rare where every rank has a CPU (after the spin and yield
+  // phases), while the fence costs every step (a 4 KiB broadcast root waits ~0.1 us in it for
+  // its message's stores). Off (the default) until then.
+  void set_light_arrive(bool v) { light_arrive_ = v; }
+  bool light_arrive() const { return light_arrive_; }
+  // Registers this process for membarrier's global expedited barrier, once; false where the
+  // kernel lacks it or refuses (seccomp).
+  static bool RegisterProcessBarrier();
 
   // Small one-to-many messages may run further ahead: the root's slot (both buffers) is a
   // ring of 2 x kRingSlots places of kRingBytes, step e using RingSlot(root, e). Before the
@@ -219,8 +229,13 @@ class ShmGroup {
   int rank_ = 0;
   int buf_ = 0;
   uint64_t epoch_ = 0;
+  // Per group rank, the highest epoch read from its control line (epochs only grow, and each
+  // was read with acquire): a wait that it already covers loads nothing, so a rank far ahead
+  // (a broadcast root) keeps its line instead of losing it to every reader's poll.
+  mutable std::vector<uint64_t> seen_;
   uint64_t last_full_ = 0;  // the last step that wrote (or may have written) this rank's slot
   bool relaxed_ = false;
+  bool light_arrive_ = false;  // see set_light_arrive()
   bool cma_ = false;
   std::vector<int> pids_;  // per group rank, for ReadPeer
   uint64_t probe_ = 0;     // what SetupCma's peers read

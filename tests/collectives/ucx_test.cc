@@ -2,7 +2,9 @@
 // and 4 processes (every collective, dtype and size class checked against references the child
 // computes itself), and checks that a dead peer and a stalled peer give errors, not hangs.
 #include <fcntl.h>
+#include <linux/membarrier.h>
 #include <sched.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -239,6 +241,10 @@ TEST(UcxInfoTest, RanksBoundByDtrunHaveACpuEach) {
   // Single copy needs ptrace rights over the peer (Yama ptrace_scope, containers): either form.
   EXPECT_TRUE(Contains(line, "single copy from 16384 B blocks,") || Contains(line, "single copy off,")) << run.err;
   EXPECT_TRUE(Contains(line, absl::StrCat(", a CPU per rank (cpus ", two[0], " | ", two[1], ")"))) << run.err;
+  // Arrivals without a fence need membarrier's global barrier (Linux 4.16+, not refused).
+  const long cmds = syscall(SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
+  const bool barrier = cmds >= 0 && (cmds & MEMBARRIER_CMD_GLOBAL_EXPEDITED) != 0;
+  EXPECT_TRUE(Contains(line, barrier ? "), light arrivals" : "), fenced arrivals")) << run.err;
 }
 
 TEST(UcxInfoTest, UnboundRanksSeeEveryCpu) {
@@ -260,6 +266,7 @@ TEST(UcxInfoTest, MoreRanksThanCpusShare) {
   EXPECT_TRUE(Contains(line, "3 ranks on one host: shared memory, single copy ")) << run.err;
   EXPECT_TRUE(Contains(line, "single copy from 131072 B blocks,") || Contains(line, "single copy off,")) << run.err;
   EXPECT_TRUE(Contains(line, ", ranks share CPUs (cpus ")) << run.err;
+  EXPECT_TRUE(Contains(line, "), fenced arrivals")) << run.err;  // they sleep at almost every wait
 }
 
 TEST(UcxInfoTest, ARankMovedOntoAnothersCpuShares) {
