@@ -145,15 +145,18 @@ struct Planner {
     }
   }
 
-  // Bytes of the box at coordinate 0.
+  // Bytes of the box at coordinate 0 when mask[d] are the mesh dims sharding tensor dim d.
+  int64_t BoxBytes(const uint32_t* mask) const {
+    int64_t bytes = element_size;
+    for (int d = 0; d < nd; ++d) bytes *= extent[(static_cast<size_t>(d) << md) + mask[d]];
+    return bytes;
+  }
   int64_t BoxBytes(Packed l) const {
     uint32_t mask[kPlanMaxTensorDims] = {};
     for (int m = 0; m < md; ++m) {
       if (l.is_shard(m)) mask[l.shard_dim(m)] |= 1u << m;
     }
-    int64_t bytes = element_size;
-    for (int d = 0; d < nd; ++d) bytes *= extent[(static_cast<size_t>(d) << md) + mask[d]];
-    return bytes;
+    return BoxBytes(mask);
   }
 
   // (s-1)/s for the group of mesh dims in `mask`, times M (exact: s divides M).
@@ -185,13 +188,23 @@ struct Planner {
     return l;
   }
 
-  // Calls fn(layout) for every distinct way of making the mesh dims `members[0, n)`
-  // (Replicate in `base`) shards, each of some tensor dim, appended innermost in every order
-  // among those that shard the same dim, until fn returns false (then returns false). Unless
-  // `any_shard`, a member the target shards only becomes that shard.
+  // Calls fn(layout, box bytes) for every distinct way of making the mesh dims
+  // `members[0, n)` (Replicate in `base`) shards, each of some tensor dim, appended innermost
+  // in every order among those that shard the same dim, until fn returns false (then returns
+  // false). Unless `any_shard`, a member the target shards only becomes that shard. (The
+  // search weighs millions of these: levels and box bytes come from `base` once, and the box
+  // once per assignment, which every order of it shares.)
   template <typename Fn>
   bool ForEachShardAssignment(const int* members, int n, Packed base, bool any_shard, Fn&& fn) const {
     if (nd == 0) return true;  // a 0-d tensor has nothing to shard
+    int base_count[kPlanMaxTensorDims] = {};
+    uint32_t base_mask[kPlanMaxTensorDims] = {};
+    for (int m = 0; m < md; ++m) {
+      if (base.is_shard(m)) {
+        ++base_count[base.shard_dim(m)];
+        base_mask[base.shard_dim(m)] |= 1u << m;
+      }
+    }
     int lo[kPlanMaxMeshDims], hi[kPlanMaxMeshDims], to[kPlanMaxMeshDims];
     for (int i = 0; i < n; ++i) {
       const int m = members[i];
@@ -208,14 +221,20 @@ struct Planner {
       // The members per tensor dim, ascending; then every order of each dim's list.
       int lists[kPlanMaxTensorDims][kPlanMaxMeshDims];
       int count[kPlanMaxTensorDims];
+      uint32_t mask[kPlanMaxTensorDims];
       std::fill(count, count + nd, 0);
-      for (int i = 0; i < n; ++i) lists[to[i]][count[to[i]]++] = members[i];
+      std::copy(base_mask, base_mask + nd, mask);
+      for (int i = 0; i < n; ++i) {
+        lists[to[i]][count[to[i]]++] = members[i];
+        mask[to[i]] |= 1u << members[i];
+      }
+      const int64_t x_bytes = BoxBytes(mask);
       while (true) {
         Packed x = base;
         for (int d = 0; d < nd; ++d) {
-          for (int j = 0; j < count[d]; ++j) x = Append(x, lists[d][j], d);
+          for (int j = 0; j < count[d]; ++j) x.Set(lists[d][j], Packed::kShard0 + d, base_count[d] + j);
         }
-        if (!fn(x)) return false;
+        if (!fn(x, x_bytes)) return false;
         int d = 0;
         while (d < nd && !std::next_permutation(lists[d], lists[d] + count[d])) ++d;
         if (d == nd) break;
@@ -229,8 +248,8 @@ struct Planner {
     }
   }
 
-  // Calls fn(kind, group mask, after, cost) for every legal one-step move out of `l` (whose
-  // size-1 mesh dims are Replicate), until fn returns false.
+  // Calls fn(kind, group mask, after, cost, BoxBytes(after)) for every legal one-step move out
+  // of `l` (whose size-1 mesh dims are Replicate), until fn returns false.
   template <typename Fn>
   void ForEachMove(Packed l, Fn&& fn) const {
     const int64_t bytes = BoxBytes(l);
@@ -260,10 +279,12 @@ struct Planner {
         if (mask & (1u << m)) members[n++] = m;
       }
       const Scaled share = Share(mask);
-      if (!fn(StepKind::kAllGather, mask, gathered, share * BoxBytes(gathered))) return;
-      const bool more = ForEachShardAssignment(members, n, gathered, breadth == Breadth::kWide, [&](Packed x) {
-        return x == l || fn(StepKind::kAllToAll, mask, x, share * std::max(bytes, BoxBytes(x)));
-      });
+      const int64_t gathered_bytes = BoxBytes(gathered);
+      if (!fn(StepKind::kAllGather, mask, gathered, share * gathered_bytes, gathered_bytes)) return;
+      const bool more =
+          ForEachShardAssignment(members, n, gathered, breadth == Breadth::kWide, [&](Packed x, int64_t x_bytes) {
+            return x == l || fn(StepKind::kAllToAll, mask, x, share * std::max(bytes, x_bytes), x_bytes);
+          });
       if (!more) return;
     }
     // Partial -> Replicate (all_reduce) and Partial -> Shard (reduce_scatter) over any
@@ -292,10 +313,10 @@ struct Planner {
         }
       }
       const Scaled share = Share(mask);
-      if (!fn(StepKind::kAllReduce, mask, reduced, 2 * share * bytes)) return;
-      const bool more = ForEachShardAssignment(members, n, reduced, breadth != Breadth::kNarrow, [&](Packed x) {
-        return fn(StepKind::kReduceScatter, mask, x, share * bytes);
-      });
+      if (!fn(StepKind::kAllReduce, mask, reduced, 2 * share * bytes, bytes)) return;
+      const bool more = ForEachShardAssignment(
+          members, n, reduced, breadth != Breadth::kNarrow,
+          [&](Packed x, int64_t x_bytes) { return fn(StepKind::kReduceScatter, mask, x, share * bytes, x_bytes); });
       if (!more) return;
     }
     // Replicate -> Shard (local chunk) and Replicate -> Partial (local), towards the target.
@@ -307,26 +328,30 @@ struct Planner {
       // the piece is gathered back, then made Partial locally (P R -> R P on 4x2 likewise).
       const bool narrow = breadth == Breadth::kNarrow;
       if (narrow && target.is_shard(m)) {
-        if (!fn(StepKind::kChunk, 1u << m, Append(l, m, target.shard_dim(m)), 0)) return;
+        const Packed x = Append(l, m, target.shard_dim(m));
+        if (!fn(StepKind::kChunk, 1u << m, x, 0, BoxBytes(x))) return;
       } else if (!narrow) {
         for (int d = 0; d < nd; ++d) {
-          if (!fn(StepKind::kChunk, 1u << m, Append(l, m, d), 0)) return;
+          const Packed x = Append(l, m, d);
+          if (!fn(StepKind::kChunk, 1u << m, x, 0, BoxBytes(x))) return;
         }
       }
       if (target.is_partial(m) && (partial_code < 0 || partial_code == target.code(m))) {
         Packed x = l;
         x.Set(m, target.code(m), 0);
-        if (!fn(StepKind::kToPartial, 1u << m, x, 0)) return;
+        if (!fn(StepKind::kToPartial, 1u << m, x, 0, bytes)) return;
       }
     }
   }
 };
 
-// Moves each search may weigh (about 0.15 us a move): past that, the best plan found so far
-// stands. The narrow search gets more: its plans are the ones the wide searches improve on,
-// and on 4-d meshes it can need over 100000 moves to beat the fallback by 2x.
+// Moves each search may weigh (about 0.05-0.09 us a move): past that, the best plan found so
+// far stands. (The narrow search weighs far fewer moves per layout.) At 50000,
+// the wide searches missed the cheapest plan in 23 of 27136 pairs on 2x2x2x2 with a [5, 6, 7]
+// tensor (up to 10% costlier; plan_test's PlanOptimalityTest has ten); at 500000 none, and on
+// 5-d meshes over a quarter of sampled plans got cheaper, for about twice the time.
 constexpr size_t kNarrowSearchMoves = 250000;
-constexpr size_t kWideSearchMoves = 50000;
+constexpr size_t kWideSearchMoves = 500000;
 
 struct PackedStep {
   StepKind kind;
@@ -352,8 +377,15 @@ std::optional<Found> Search(const Planner& p, Packed start, Packed goal, std::op
   const int64_t goal_bytes = p.BoxBytes(goal);
   Scaled total_bytes = p.element_size;
   for (int64_t n : p.global_shape) total_bytes *= n;
-  auto h = [&](Packed l) {
-    Scaled growth = static_cast<Scaled>(std::max<int64_t>(0, goal_bytes - p.BoxBytes(l))) * p.mesh_size;
+  // Per mesh dim m of size s: (s-1) x total and (s-1)/s x total, scaled (see h).
+  Scaled reduce_at[kPlanMaxMeshDims] = {}, reshard_at[kPlanMaxMeshDims] = {};
+  for (int m = 0; m < p.md; ++m) {
+    const Scaled s = p.mesh_shape[static_cast<size_t>(m)];
+    reduce_at[m] = (s - 1) * total_bytes;
+    reshard_at[m] = (s - 1) * total_bytes / s;
+  }
+  auto h = [&](Packed l, int64_t l_bytes) {
+    Scaled growth = static_cast<Scaled>(std::max<int64_t>(0, goal_bytes - l_bytes)) * p.mesh_size;
     // A Partial dim the goal does not keep must be reduced, on a box of at least total / K
     // bytes (K: the product of the other mesh dims, which can shard it at most), sending
     // (s-1)/s of it, times M = s K: (s-1) x total, scaled. Reductions grow no box, so this
@@ -364,10 +396,9 @@ std::optional<Found> Search(const Planner& p, Packed start, Packed goal, std::op
     // brings the growth: the larger of the two counts.
     Scaled reduce = 0, reshard = 0;
     for (int m = 0; m < p.md; ++m) {
-      const Scaled s = p.mesh_shape[static_cast<size_t>(m)];
-      if (l.is_partial(m) && l.code(m) != goal.code(m)) reduce = std::max(reduce, (s - 1) * total_bytes);
+      if (l.is_partial(m) && l.code(m) != goal.code(m)) reduce = std::max(reduce, reduce_at[m]);
       if (l.is_shard(m) && (l.code(m) != goal.code(m) || l.level(m) != goal.level(m))) {
-        reshard = std::max(reshard, (s - 1) * total_bytes / s);
+        reshard = std::max(reshard, reshard_at[m]);
       }
     }
     return std::max(growth, reshard) + reduce;
@@ -395,7 +426,7 @@ std::optional<Found> Search(const Planner& p, Packed start, Packed goal, std::op
   std::optional<Cost> limit = bound;
   auto worth = [&](const Cost& priority) { return !limit || priority < *limit; };
   std::priority_queue<Entry, std::vector<Entry>, decltype(cmp)> queue(cmp);
-  nodes.push_back(Node{start, Cost{}, h(start)});
+  nodes.push_back(Node{start, Cost{}, h(start, p.BoxBytes(start))});
   index[start.bits] = 0;
   queue.push({f(Cost{}, nodes[0].h), 0});
   bool over_budget = false;
@@ -409,14 +440,14 @@ std::optional<Found> Search(const Planner& p, Packed start, Packed goal, std::op
     if (node.layout == goal) break;              // start == goal
     const Packed here = node.layout;
     const Cost g = node.g;
-    p.ForEachMove(here, [&](StepKind kind, uint32_t mask, Packed after, Scaled cost) {
+    p.ForEachMove(here, [&](StepKind kind, uint32_t mask, Packed after, Scaled cost, int64_t after_bytes) {
       if (budget-- == 0) {
         over_budget = true;
         return false;
       }
       const bool collective = kind <= StepKind::kAllToAll;
       const Cost next = g + Cost{cost, collective ? 1 : 0, 1};
-      const Scaled hn = h(after);
+      const Scaled hn = h(after, after_bytes);
       const Cost priority_next = f(next, hn);
       if (!worth(priority_next)) return true;
       auto [it, added] = index.try_emplace(after.bits, static_cast<int>(nodes.size()));

@@ -39,21 +39,23 @@
 // (all_reduce every Partial dim, all_gather every shard, chunk into the target), then three A*
 // searches each look for a cheaper plan within a budget of moves weighed: a narrow one, where a
 // mesh dim the target shards only ever becomes that shard (250000 moves); one where chunks and
-// reduce_scatters may go to any shard; and one where all_to_alls may too (50000 moves each).
-// Past a budget the best plan so far stands; a move costs about 0.15 us, so an uncached plan
-// takes microseconds on 1-d and 2-d meshes and, in random samples of tensors of up to 5 dims,
-// at most 5 ms on 3-d and 30 ms on 4-d meshes. The wide searches find plans where replicas each
-// take a piece: P R -> R R on a 4x2 mesh becomes chunk, reduce_scatter, all_gather (330 bytes
-// for [6, 11] float32) instead of one all_reduce (396, PyTorch's plan), and S(1)R -> S(0)S(1)
-// on 2x2 chunks mesh dim 1 along dim 0 and swaps the pieces with one all_to_all (36 bytes for
-// [8, 6], not 48). Checked against exhaustive searches (every layout reachable): one in
-// plan_test, run on every pair of its sweep (1-d to 3-d meshes, even and uneven shapes, and
-// sampled sources on 2x2x2x2), and one outside the repository (exact fractions) on 15277 pairs
-// over 11 mesh and shape cases: every plan moves the fewest bytes, and no equal-byte plan uses
-// fewer collectives. Where the budgets run out it can miss: on 2x2x2x2 with a [5, 6, 7] tensor,
-// 42 of 24531 pairs checked (30 sources) cost up to 24% more than the best (all 134705 checked
-// with a [5, 6] tensor were optimal). The search runs on layouts packed into 64 bits (a byte
-// per mesh dim): data moves are planned for tensors of up to 8 dims on meshes of up to 8 dims.
+// reduce_scatters may go to any shard; and one where all_to_alls may too (500000 moves each).
+// Past a budget the best plan so far stands; a move costs about 0.05-0.09 us, so an uncached plan
+// takes microseconds on 1-d and 2-d meshes and, in random samples of tensors of up to 5 dims, at
+// most 5 ms on 3-d and about 40 ms on 4-d meshes (5-d and 6-d: up to about 170 ms). The wide
+// searches find plans where replicas each take a piece: P R -> R R on a 4x2 mesh becomes chunk,
+// reduce_scatter, all_gather (330 bytes for [6, 11] float32) instead of one all_reduce (396,
+// PyTorch's plan), and S(1)R -> S(0)S(1) on 2x2 chunks mesh dim 1 along dim 0 and swaps the pieces
+// with one all_to_all (36 bytes for [8, 6], not 48). Checked against exhaustive searches (every
+// layout reachable): one in plan_test, run on every pair of its sweep (1-d to 3-d meshes, even and
+// uneven shapes, and sampled sources on 2x2x2x2), and one outside the repository (exact fractions)
+// on 15277 pairs over 11 mesh and shape cases: every plan moves the fewest bytes, and no equal-byte
+// plan uses fewer collectives. On 2x2x2x2 with a [5, 6, 7] tensor every one of 27136 pairs checked
+// (34 sources to every target) is optimal too (with 50000-move wide budgets 23 were not, up to 10%
+// costlier), as were all 134705 checked with a [5, 6] tensor. Where a budget runs out (larger
+// meshes and tensors) the best plan found stands, which can miss the cheapest. The search runs on
+// layouts packed into 64 bits (a byte per mesh dim): data moves are planned for tensors of up to 8
+// dims on meshes of up to 8 dims.
 #ifndef DTENSOR_CORE_PLAN_H_
 #define DTENSOR_CORE_PLAN_H_
 
