@@ -280,7 +280,7 @@ absl::StatusOr<PendingDTensor> DTensor::RedistributeAsync(const Layout& layout) 
       state->started = std::move(s);
       break;
     }
-    DT_ASSIGN_OR_RETURN(state->local, s.finish());
+    DT_ASSIGN_OR_RETURN(state->local, s.Finish());
   }
   PendingDTensor pending;
   pending.state_ = std::move(state);
@@ -297,7 +297,7 @@ absl::StatusOr<DTensor> PendingDTensor::Wait() {
   s.waited = true;
   if (s.started.work != nullptr) {
     DT_RETURN_IF_ERROR(s.started.work->Wait());
-    DT_ASSIGN_OR_RETURN(s.local, s.started.finish());
+    DT_ASSIGN_OR_RETURN(s.local, s.started.Finish());
   }
   DT_ASSIGN_OR_RETURN(Tensor local, internal::ExecuteSteps(s.plan, s.next, s.local, s.mesh));
   return DTensor(std::move(local), s.mesh, s.plan->dst, s.plan->global_shape);

@@ -54,10 +54,14 @@ CommReduceOp ToCommReduceOp(PartialOp op);
 // A view of `t` (whose box is `t_box`) restricted to `region` (inside t_box).
 absl::StatusOr<Tensor> RegionOf(const Tensor& t, const LocalBox& t_box, const LocalBox& region);
 
-// A collective step in flight: wait for `work`, then `finish` returns the step's output.
+// A collective step in flight: wait for `work`, then Finish() gives the step's output:
+// `finish`'s result, or `done` (moved out) where there is nothing to finish (a step done at once
+// needs no closure: no allocation on the path of every redistribution).
 struct StartedStep {
   std::unique_ptr<Work> work;
   std::function<absl::StatusOr<Tensor>()> finish;
+  Tensor done;
+  absl::StatusOr<Tensor> Finish() { return finish ? finish() : std::move(done); }
 };
 
 // The cached geometry of every step of `plan` at this rank's coordinate of `mesh`.

@@ -95,9 +95,7 @@ void Record(CommKind kind, int64_t bytes, const DeviceMesh& mesh) {
   if (CommCounter* c = CoreStateOf(mesh).counter) c->Record(kind, bytes);
 }
 
-StartedStep Done(Tensor t) {
-  return StartedStep{nullptr, [t = std::move(t)]() -> absl::StatusOr<Tensor> { return t; }};
-}
+StartedStep Done(Tensor t) { return StartedStep{nullptr, nullptr, std::move(t)}; }
 
 }  // namespace
 
@@ -180,9 +178,10 @@ absl::Status Unpack(const Tensor& flat, absl::Span<const LocalBox> regions, cons
 }
 
 // The view of `t` (whose box is t_box) for each region; empty regions give empty tensors.
-absl::StatusOr<std::vector<Tensor>> RegionViews(const Tensor& t, const LocalBox& t_box,
-                                                absl::Span<const LocalBox> regions) {
-  std::vector<Tensor> views;
+using Views = absl::InlinedVector<Tensor, 4>;
+
+absl::StatusOr<Views> RegionViews(const Tensor& t, const LocalBox& t_box, absl::Span<const LocalBox> regions) {
+  Views views;
   views.reserve(regions.size());
   for (const LocalBox& r : regions) {
     if (r.numel() == 0) {
@@ -212,8 +211,8 @@ absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, co
   if (kind == TransferKind::kBlocks || kind == TransferKind::kEvenBlocks) {
     // Regions that are not back to back (the column blocks of S(0) -> S(1)): the transport
     // moves them view to view (threads) or packs them around its all_to_all_v.
-    DT_ASSIGN_OR_RETURN(std::vector<Tensor> sends, RegionViews(local, local_box, send_regions));
-    DT_ASSIGN_OR_RETURN(std::vector<Tensor> recvs, RegionViews(out, out_box, recv_regions));
+    DT_ASSIGN_OR_RETURN(const Views sends, RegionViews(local, local_box, send_regions));
+    DT_ASSIGN_OR_RETURN(const Views recvs, RegionViews(out, out_box, recv_regions));
     DT_RETURN_IF_ERROR(comm.AllToAllBlocks(sends, recvs, kind == TransferKind::kEvenBlocks));
     return out;
   }
@@ -341,10 +340,12 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
       DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(before.shape, local.dtype(), local.device()));
       Record(CommKind::kAllReduce, before.numel() * esize, mesh);
       DT_ASSIGN_OR_RETURN(auto work, comm->AllReduceAsync(input, out, ToCommReduceOp(*step.before.partial_op())));
-      return StartedStep{std::move(work), [out, input]() -> absl::StatusOr<Tensor> {
+      return StartedStep{std::move(work),
+                         [out, input]() -> absl::StatusOr<Tensor> {
                            (void)input;  // kept alive until the collective is done
                            return out;
-                         }};
+                         },
+                         Tensor()};
     }
     case StepKind::kAllGather: {
       DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(after.shape, local.dtype(), local.device()));
@@ -353,10 +354,12 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
       if (g.consecutive) {
         DT_ASSIGN_OR_RETURN(auto work,
                             g.even ? comm->AllGatherAsync(input, out) : comm->AllGatherVAsync(input, out, counts));
-        return StartedStep{std::move(work), [out, input]() -> absl::StatusOr<Tensor> {
+        return StartedStep{std::move(work),
+                           [out, input]() -> absl::StatusOr<Tensor> {
                              (void)input;  // kept alive until the collective is done
                              return out;
-                           }};
+                           },
+                           Tensor()};
       }
       DT_ASSIGN_OR_RETURN(Tensor staging, Tensor::Empty({after.numel()}, local.dtype(), local.device()));
       DT_ASSIGN_OR_RETURN(
@@ -366,7 +369,7 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
         DT_RETURN_IF_ERROR(Unpack(staging, g.parts, out, g.after));
         return out;
       };
-      return StartedStep{std::move(work), std::move(finish)};
+      return StartedStep{std::move(work), std::move(finish), Tensor()};
     }
     case StepKind::kReduceScatter: {
       DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(after.shape, local.dtype(), local.device()));
@@ -381,11 +384,13 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
       DT_ASSIGN_OR_RETURN(auto work, g.even ? comm->ReduceScatterAsync(send, out, op)
                                             : comm->ReduceScatterVAsync(send, out, counts, op));
       // The buffers must live until the collective is done: the finisher holds them.
-      return StartedStep{std::move(work), [out, send, input]() -> absl::StatusOr<Tensor> {
+      return StartedStep{std::move(work),
+                         [out, send, input]() -> absl::StatusOr<Tensor> {
                            (void)send;
                            (void)input;
                            return out;
-                         }};
+                         },
+                         Tensor()};
     }
     case StepKind::kAllToAll: {
       const TransferKind kind = g.blocks ? (g.uniform ? TransferKind::kEvenBlocks : TransferKind::kBlocks)
@@ -406,7 +411,7 @@ absl::StatusOr<Tensor> ExecuteSteps(const std::shared_ptr<const RedistributePlan
   for (size_t i = first; i < plan->steps.size(); ++i) {
     DT_ASSIGN_OR_RETURN(StartedStep started, StartStep(plan->steps[i], geometry->steps[i], local, mesh));
     if (started.work != nullptr) DT_RETURN_IF_ERROR(started.work->Wait());
-    DT_ASSIGN_OR_RETURN(local, started.finish());
+    DT_ASSIGN_OR_RETURN(local, started.Finish());
   }
   return local;
 }
