@@ -582,7 +582,7 @@ class UcxCommunicator final : public Communicator {
                      DebugFromEnv() ? 1u : 0u,
                      CmaMinFromEnv().value_or(kNoCmaMin),
                      ZeroCopyFromEnv() ? 1u : 0u,
-                     ShmGroup::RegisterProcessBarrier() ? 1u : 0u,
+                     group != nullptr && ShmGroup::RegisterProcessBarrier() ? 1u : 0u,
                      0,
                      {}};
           for (int c : AllowedCpus()) {

@@ -27,10 +27,11 @@
 namespace dtensor::internal {
 namespace {
 
-constexpr int64_t kSpinNs = 50'000;          // when every rank has a CPU of its own (hyperthreads count as CPUs)
-constexpr int64_t kYieldNs = 200'000;        // then sched_yield until this, then futex sleeps
-constexpr int64_t kOversubYieldNs = 5'000;   // the same when ranks share CPUs: give the CPU up soon
-constexpr int64_t kPeerCheckNs = 1'000'000;  // a sleeper wakes at least this often (pidfds, deadline)
+constexpr int64_t kSpinNs = 50'000;           // when every rank has a CPU of its own (hyperthreads count as CPUs)
+constexpr int64_t kYieldNs = 200'000;         // then sched_yield until this, then futex sleeps
+constexpr int64_t kOversubYieldNs = 5'000;    // the same when ranks share CPUs: give the CPU up soon
+constexpr int64_t kPeerCheckNs = 1'000'000;   // a sleeper wakes at least this often (pidfds, deadline)
+constexpr int64_t kUnfencedSleepNs = 50'000;  // the same where a wake-up can be missed (see WaitFor)
 
 // Sleeps while *word == expected (shared-memory futex: not FUTEX_PRIVATE), at most timeout_ns.
 void FutexWait(uint32_t* word, uint32_t expected, int64_t timeout_ns) {
@@ -147,10 +148,10 @@ void ShmGroup::Arrive() {
 void ShmGroup::Quiesce(uint64_t first, uint64_t done, const UcxWaitContext& ctx) {
   MarkFailed();
   // Pairs with the fence in a peer's Arrive: either this sees its arrival at `first`, or it
-  // sees the failed flag before it writes. A peer may arrive light (no fence): then the
-  // barrier runs on its CPU too, and where that fails a peer short of `first` counts as busy.
+  // sees the failed flag before it writes. Peers that arrive light (no fence) get the barrier
+  // on their CPUs instead; where that fails, a peer short of `first` counts as busy.
   std::atomic_thread_fence(std::memory_order_seq_cst);
-  const bool fenced = !RegisterProcessBarrier() || ProcessesBarrier();
+  const bool fenced = !light_arrive_ || ProcessesBarrier();
   const int64_t deadline = ctx.DeadlineNs(NowNs());
   for (;;) {
     bool quiet = true;
@@ -225,12 +226,26 @@ absl::Status ShmGroup::BeginWrite(const UcxWaitContext& ctx) {
 
 absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx) {
   std::atomic_ref<uint64_t> theirs(*epoch_of(j));
+  uint64_t& seen = seen_[static_cast<size_t>(j)];
+  auto reached = [&] { return (seen = theirs.load(std::memory_order_acquire)) >= epoch; };
+  // From its first sleep to its return this rank counts among rank j's sleepers (see Arrive):
+  // one count, fence and barrier for the whole wait, however often it sleeps (a barrier per
+  // sleep would interrupt every CPU of every rank up to a thousand times a second while one
+  // rank is late).
+  uint32_t* counted = nullptr;
+  struct Uncount {
+    uint32_t*& word;
+    ~Uncount() {
+      if (word != nullptr) std::atomic_ref<uint32_t>(*word).fetch_sub(1, std::memory_order_seq_cst);
+    }
+  } uncount{counted};
+  bool fenced = false;
   const int64_t start = NowNs();
   const int64_t deadline = ctx.DeadlineNs(start);
   int64_t last_check = start;
   for (;;) {
     for (int i = 0; i < 32; ++i) {
-      if (theirs.load(std::memory_order_acquire) >= epoch) return absl::OkStatus();
+      if (reached()) return absl::OkStatus();
       CpuRelax();
     }
     const int64_t now = NowNs();
@@ -251,7 +266,7 @@ absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx)
               absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": peer rank ", k, " failed (see its error)"));
         }
       }
-      if (theirs.load(std::memory_order_acquire) >= epoch) return absl::OkStatus();
+      if (reached()) return absl::OkStatus();
       if (now >= deadline) {
         return absl::DeadlineExceededError(absl::StrCat("[", ctx.op, "] rank ", ctx.rank, " timed out after ",
                                                         absl::FormatDuration(ctx.timeout), " waiting for rank ", j));
@@ -263,18 +278,17 @@ absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx)
       continue;
     }
     // Sleep until rank j publishes (it wakes us) or the next peer check is due.
-    std::atomic_ref<uint32_t> waiters(*waiters_of(j));
-    waiters.fetch_add(1, std::memory_order_seq_cst);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    // Rank j arrives light: its CPU gets the barrier now (without it, no sleep: yield).
-    const bool fenced = !light_arrive_ || ProcessesBarrier();
-    const uint64_t seen = theirs.load(std::memory_order_acquire);
-    if (!fenced) {
-      sched_yield();
-    } else if (seen < epoch) {
-      FutexWait(word_of(j), static_cast<uint32_t>(seen), std::min(kPeerCheckNs, std::max<int64_t>(deadline - now, 1)));
+    if (counted == nullptr) {
+      counted = waiters_of(j);
+      std::atomic_ref<uint32_t>(*counted).fetch_add(1, std::memory_order_seq_cst);
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      // Rank j arrives light: its CPU gets the barrier now.
+      fenced = !light_arrive_ || ProcessesBarrier();
     }
-    waiters.fetch_sub(1, std::memory_order_seq_cst);
+    if (reached()) return absl::OkStatus();
+    // Without the barrier rank j may miss the count and not wake us: short sleeps instead.
+    const int64_t nap = fenced ? kPeerCheckNs : kUnfencedSleepNs;
+    FutexWait(word_of(j), static_cast<uint32_t>(seen), std::min(nap, std::max<int64_t>(deadline - now, 1)));
   }
 }
 

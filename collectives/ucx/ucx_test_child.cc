@@ -35,6 +35,9 @@
 //                              rank 1 holds and must get InvalidArgument naming both sizes
 //                              (not bytes past rank 1's buffer), the others an error; all
 //                              print it and exit 0 then.
+//   ucx_test_child late-ranks  each round one rank comes 3 ms late, so the others sleep on
+//                              its futex word: AllReduce, Broadcast (from it, from another),
+//                              AllGather, Barrier, checked (the sleep and wake-up path).
 //   ucx_test_child bench       not a test: timings.
 //   ucx_test_child bench-blocks   not a test: AllToAllBlocks of S(0) -> S(1) column blocks
 //                              beside the default's pack + AllToAll and a plain AllToAll.
@@ -954,6 +957,62 @@ int RunDebugMismatch() {
   return c.Barrier().ok() ? 0 : 7;
 }
 
+// Each round one rank (in turn) comes 3 ms late to a collective, so the others wait long
+// enough to sleep on its futex word (past the spin and yield phases): AllReduce, a Broadcast
+// from the late rank and from another, an AllGather and a Barrier, results checked. The
+// waits must wake for the late rank (a missed wake-up costs at most a peer-check period,
+// 1 ms, per sleep) and count down their sleeper registration (WaitFor), round after round.
+int RunLateRanks() {
+  std::unique_ptr<Communicator> comm = MakeWorld(absl::Seconds(30));
+  if (comm == nullptr) return 2;
+  Communicator& c = *comm;
+  const int r = c.rank(), p = c.size();
+  const int64_t n = 1000;
+  const absl::Time start = absl::Now();
+  constexpr int kRounds = 8;
+  for (int round = 0; round < kRounds * 5; ++round) {
+    const int late = round / 5 % p;
+    if (r == late) absl::SleepFor(absl::Milliseconds(3));
+    const std::string at = absl::StrCat("round ", round, ", rank ", late, " late");
+    switch (round % 5) {
+      case 0: {
+        Tensor in = Fill<float>(r, n, round, false), out = Make<float>(n);
+        ExpectOk(c.AllReduce(in, out, CommReduceOp::kSum), "AllReduce " + at);
+        ExpectData(out, RefReduced<float>(CommReduceOp::kSum, p, 0, n, round, false, -1, -1), "AllReduce " + at);
+        break;
+      }
+      case 1:
+      case 2: {
+        const int root = round % 5 == 1 ? late : (late + 1) % p;
+        Tensor t = r == root ? Fill<float>(root, n, round, false) : Make<float>(n);
+        ExpectOk(c.Broadcast(t, root), "Broadcast " + at);
+        std::vector<float> want(static_cast<size_t>(n));
+        for (int64_t i = 0; i < n; ++i) want[static_cast<size_t>(i)] = Gen<float>(root, i, round, false);
+        ExpectData(t, want, absl::StrCat("Broadcast from ", root, ", ", at));
+        break;
+      }
+      case 3: {
+        Tensor in = Fill<float>(r, n, round, false), out = Make<float>(n * p);
+        ExpectOk(c.AllGather(in, out), "AllGather " + at);
+        std::vector<float> want;
+        for (int q = 0; q < p; ++q) {
+          for (int64_t i = 0; i < n; ++i) want.push_back(Gen<float>(q, i, round, false));
+        }
+        ExpectData(out, want, "AllGather " + at);
+        break;
+      }
+      default:
+        ExpectOk(c.Barrier(), "Barrier " + at);
+    }
+  }
+  // 40 calls with a 3 ms late rank each: about 0.12 s. A wake-up that never comes would hold
+  // a waiter for its 1 ms sleeps until the deadline (30 s) instead.
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  if (seconds > 10) Fail(absl::StrCat("40 late-rank rounds took ", seconds, " s"));
+  std::printf("%d checks, %d failures, %.3f s\n", g_checks, g_failures, seconds);
+  return g_failures == 0 ? 0 : 1;
+}
+
 // Not a test: AllReduce / ReduceScatter / AllGather timings (float32), nccl-tests style.
 int RunBench() {
   std::unique_ptr<Communicator> comm = MakeWorld(absl::Seconds(60));
@@ -1074,6 +1133,7 @@ int main(int argc, char** argv) {
   if (mode == "bench-blocks") return dtensor::RunBenchBlocks();
   if (mode == "debug-mismatch") return dtensor::RunDebugMismatch();
   if (mode == "setup") return dtensor::RunSetup();
+  if (mode == "late-ranks") return dtensor::RunLateRanks();
   std::fprintf(
       stderr,
       "usage: ucx_test_child battery|battery-mixed SETTING|dead-peer|timeout|debug-mismatch|bench|bench-blocks\n");

@@ -220,6 +220,17 @@ TEST(UcxZeroCopyTest, RanksThatDisagreeOnSizesGetAnErrorNotAStrayRead) {
   }
 }
 
+// Ranks that wait long enough sleep on the late rank's futex word; it must wake them. With a
+// CPU each (2 ranks bound by dtrun) arrivals are light (membarrier on the sleepers' side); 3
+// ranks on 2 CPUs fence.
+TEST(UcxWaitTest, LateRanksWakeTheirWaiters) {
+  for (int n : {2, 3}) {
+    RunResult run = RunDtrun({"--nproc-per-node", std::to_string(n), UCX_TEST_CHILD_PATH, "late-ranks"});
+    EXPECT_EQ(run.code, 0) << n << " ranks\n" << run.out << run.err;
+    EXPECT_TRUE(Contains(run.out, "[rank 0] 72 checks, 0 failures")) << run.out << run.err;
+  }
+}
+
 // DTENSOR_UCX_INFO=1: rank 0 prints the paths the ranks agreed on. The CPU affinity decides
 // whether the ranks spin (a CPU each) or give the CPU up at once (they share): dtrun binds
 // ranks to a CPU each when there are enough, and the ranks compare their affinity masks.
@@ -241,9 +252,12 @@ TEST(UcxInfoTest, RanksBoundByDtrunHaveACpuEach) {
   // Single copy needs ptrace rights over the peer (Yama ptrace_scope, containers): either form.
   EXPECT_TRUE(Contains(line, "single copy from 16384 B blocks,") || Contains(line, "single copy off,")) << run.err;
   EXPECT_TRUE(Contains(line, absl::StrCat(", a CPU per rank (cpus ", two[0], " | ", two[1], ")"))) << run.err;
-  // Arrivals without a fence need membarrier's global barrier (Linux 4.16+, not refused).
+  // Arrivals without a fence need membarrier's global barrier (Linux 4.16+, not refused):
+  // registering this process for it tells whether the ranks could.
   const long cmds = syscall(SYS_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
-  const bool barrier = cmds >= 0 && (cmds & MEMBARRIER_CMD_GLOBAL_EXPEDITED) != 0;
+  const long need = MEMBARRIER_CMD_GLOBAL_EXPEDITED | MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED;
+  const bool barrier = cmds >= 0 && (cmds & need) == need &&
+                       syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED, 0, 0) == 0;
   EXPECT_TRUE(Contains(line, barrier ? "), light arrivals" : "), fenced arrivals")) << run.err;
 }
 
