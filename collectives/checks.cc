@@ -25,7 +25,7 @@ absl::Status CheckSameDType(const char* op, int rank, const Tensor& input, const
 }
 
 absl::Status CheckNumel(const char* op, int rank, const char* name, const Tensor& t, int64_t expected,
-                        const std::string& why) {
+                        absl::string_view why) {
   if (t.numel() != expected) {
     return InvalidArg(op, "rank ", rank, ": ", name, " has ", t.numel(), " elements, expected ", expected, " (", why,
                       ")");

@@ -19,6 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "collectives/communicator.h"
 #include "dtensor/tensor/tensor.h"
@@ -31,7 +32,7 @@ absl::Status CheckContiguous(const char* op, int rank, const char* name, const T
 absl::Status CheckSameDType(const char* op, int rank, const Tensor& input, const Tensor& output);
 // InvalidArgument unless t has `expected` elements; `why` states the count convention.
 absl::Status CheckNumel(const char* op, int rank, const char* name, const Tensor& t, int64_t expected,
-                        const std::string& why);
+                        absl::string_view why);
 // One non-negative count per rank; returns their sum.
 absl::StatusOr<int64_t> CheckCounts(const char* op, int rank, const char* name, absl::Span<const int64_t> counts,
                                     int size);
