@@ -666,6 +666,7 @@ class UcxCommunicator final : public Communicator {
     if (s.ok()) {
       ++seq_;
       reqs_.clear();
+      if (shm_ != nullptr) shm_->TrackReleases();
       s = body();
     }
     if (!s.ok()) {

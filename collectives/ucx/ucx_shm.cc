@@ -105,6 +105,7 @@ absl::StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::Map(const std::string& name,
   g->rank_ = rank;
   g->members_ = std::move(members);
   g->seen_.assign(p, 0);
+  g->swept_releases_.assign(p, 0);
   g->world_ = world;
   g->set_oversubscribed(true);  // until the ranks agree (UcxCommunicator's Setup)
   return g;
@@ -454,6 +455,23 @@ void ShmGroup::SweepReleasedMaps() {
   if (++sweeps_ % kSweepEvery != 0) return;
   for (auto& maps : peer_maps_) {
     absl::erase_if(maps, [](const auto& kv) { return kv.second.block.released(); });
+  }
+}
+
+void ShmGroup::TrackReleases() {
+  const uint64_t mine = SharedCpuBlocksReleased();
+  if (mine != published_releases_) {  // after the blocks' released flags (acquire above)
+    std::atomic_ref<uint64_t>(*releases_of(rank_)).store(mine, std::memory_order_release);
+    published_releases_ = mine;
+  }
+  if (++release_checks_ % kSweepEvery != 0) return;
+  for (size_t j = 0; j < peer_maps_.size(); ++j) {
+    if (peer_maps_[j].empty()) continue;
+    const uint64_t theirs =
+        std::atomic_ref<uint64_t>(*releases_of(static_cast<int>(j))).load(std::memory_order_acquire);
+    if (theirs == swept_releases_[j]) continue;
+    absl::erase_if(peer_maps_[j], [](const auto& kv) { return kv.second.block.released(); });
+    swept_releases_[j] = theirs;
   }
 }
 

@@ -193,6 +193,12 @@ class ShmGroup {
   // every mapping.
   static constexpr uint64_t kSweepEvery = 16;
   void SweepReleasedMaps();
+  // Once per collective: publishes how many shared blocks this process has released, and
+  // every kSweepEvery calls unmaps the released blocks of each peer whose count changed, so
+  // that programs whose later collectives are all small (no single-copy step, no sweep) do
+  // not keep peers' freed memory alive. Costs a load and a compare, plus a load of each
+  // mapped peer's control line every kSweepEvery calls.
+  void TrackReleases();
   // Peer j said it gave up (MarkFailed): it may be freeing its memory, so write none of it.
   bool PeerFailed(int j) const { return std::atomic_ref<uint32_t>(*failed_of(j)).load(std::memory_order_acquire) != 0; }
 
@@ -221,6 +227,8 @@ class ShmGroup {
   }
   // How many ranks sleep on word_of(j).
   uint64_t* addr_of(int j) const { return reinterpret_cast<uint64_t*>(base_ + static_cast<size_t>(j) * 64 + 24); }
+  // How many shared blocks rank j's process has released (TrackReleases).
+  uint64_t* releases_of(int j) const { return reinterpret_cast<uint64_t*>(base_ + static_cast<size_t>(j) * 64 + 32); }
   uint32_t* waiters_of(int j) const { return reinterpret_cast<uint32_t*>(base_ + static_cast<size_t>(j) * 64 + 16); }
 
   char* base_ = nullptr;
@@ -254,6 +262,9 @@ class ShmGroup {
   std::vector<bool> no_peer_maps_;                                 // per group rank: its blocks cannot be opened here
   uint64_t map_clock_ = 0;
   uint64_t sweeps_ = 0;
+  uint64_t published_releases_ = 0;       // this process's count, as last published
+  uint64_t release_checks_ = 0;           // TrackReleases calls
+  std::vector<uint64_t> swept_releases_;  // per group rank: its count at this rank's last sweep of it
 };
 
 }  // namespace dtensor::internal

@@ -26,10 +26,11 @@
 //                              mapped by the peers that read or write them (seen in
 //                              /proc/self/maps; broadcast readers map only the root's), and once
 //                              a rank gives its blocks back (EmptyCache) the peers must drop
-//                              those mappings within 32 more steps; a last round has the odd
+//                              those mappings within 32 more steps; a round has the odd
 //                              ranks' buffers in private memory (split agreement past 2 MiB
-//                              blocks). With off (DTENSOR_UCX_ZERO_COPY=0), nothing is shared
-//                              or mapped. Results are checked in every round.
+//                              blocks); the last one's blocks, given back, must be unmapped
+//                              within 32 small calls (no single-copy step). With off (DTENSOR_UCX_ZERO_COPY=0), nothing
+//                              is shared or mapped. Results are checked in every round.
 //   ucx_test_child size-mismatch   an AllGather whose ranks disagree on the block size (a user
 //                              error, no DTENSOR_DEBUG): rank 0 reads a larger block than
 //                              rank 1 holds and must get InvalidArgument naming both sizes
@@ -914,6 +915,22 @@ int RunZeroCopy(bool on) {
     if (first[i] != 0 && mapped.count(first[i]) != 0) {
       Fail(absl::StrCat("rank ", c.rank(), ": rank ", i / 4, "'s released round-0 block ", i % 4, " (inode ", first[i],
                         ") is still mapped"));
+    }
+  }
+  // The same when only small collectives follow (no single-copy step): the peers see the
+  // owners' release counts change (ShmGroup::TrackReleases) within 32 calls.
+  const std::vector<int64_t> fourth = ZeroCopyRound(c, on, 3);
+  DefaultAllocator(Device::Cpu()).EmptyCache();
+  {
+    Tensor x = Fill<float>(c.rank(), 1000, 6, false), y = Make<float>(1000);
+    for (int i = 0; i < 32; ++i) ExpectOk(c.AllReduce(x, y, CommReduceOp::kSum), "small AllReduce to sweep");
+  }
+  const std::set<int64_t> still = MappedBlockInodes();
+  for (size_t i = 0; i < fourth.size(); ++i) {
+    ++g_checks;
+    if (fourth[i] != 0 && still.count(fourth[i]) != 0) {
+      Fail(absl::StrCat("rank ", c.rank(), ": rank ", i / 4, "'s released round-3 block ", i % 4, " (inode ", fourth[i],
+                        ") is still mapped after 32 small calls"));
     }
   }
   std::printf("%d checks, %d failures\n", g_checks, g_failures);

@@ -74,12 +74,22 @@ std::optional<OwnedSharedCpuBlock> CreateSharedCpuBlock(size_t user_bytes, uint6
   return OwnedSharedCpuBlock{base + kSharedCpuPage, fd, bytes};
 }
 
+namespace {
+std::atomic<uint64_t>& ReleasedCount() {
+  static std::atomic<uint64_t> count{0};  // a fact about this process, like its blocks
+  return count;
+}
+}  // namespace
+
 void ReleaseSharedCpuBlock(const OwnedSharedCpuBlock& b) {
   char* base = b.user - kSharedCpuPage;
   std::atomic_ref<uint32_t>(HeaderAt(base)->released).store(1, std::memory_order_release);
   munmap(base, b.map_bytes);
   close(b.fd);
+  ReleasedCount().fetch_add(1, std::memory_order_release);
 }
+
+uint64_t SharedCpuBlocksReleased() { return ReleasedCount().load(std::memory_order_acquire); }
 
 }  // namespace internal
 

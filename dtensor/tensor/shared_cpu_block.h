@@ -105,6 +105,9 @@ std::optional<OwnedSharedCpuBlock> CreateSharedCpuBlock(size_t user_bytes, uint6
 uint64_t MaxSharedCpuBlockBytes();
 // Marks the block released (for the peers' mappings), unmaps it and closes its memfd.
 void ReleaseSharedCpuBlock(const OwnedSharedCpuBlock& b);
+// How many blocks this process has released so far (ReleaseSharedCpuBlock; each block's
+// released flag is set first): a peer that sees the count change unmaps what it mapped of them.
+uint64_t SharedCpuBlocksReleased();
 // Offset of the user bytes from the mapping's start.
 inline constexpr uint64_t kSharedCpuPage = 4096;
 }  // namespace internal
