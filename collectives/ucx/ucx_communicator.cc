@@ -1317,7 +1317,6 @@ class UcxCommunicator final : public Communicator {
       DT_RETURN_IF_ERROR(finish());
       DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
       shm_->NextStep();
-      shm_->SweepReleasedMaps();
       return absl::OkStatus();
     }();
     if (!s.ok()) shm_->Quiesce(first, done, ctx_);

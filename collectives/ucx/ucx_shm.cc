@@ -451,13 +451,6 @@ char* ShmGroup::MapPeer(int j, const SharedCpuRange& r) {
   return it->second.block.at(r.offset);
 }
 
-void ShmGroup::SweepReleasedMaps() {
-  if (++sweeps_ % kSweepEvery != 0) return;
-  for (auto& maps : peer_maps_) {
-    absl::erase_if(maps, [](const auto& kv) { return kv.second.block.released(); });
-  }
-}
-
 void ShmGroup::TrackReleases() {
   const uint64_t mine = SharedCpuBlocksReleased();
   if (mine != published_releases_) {  // after the blocks' released flags (acquire above)

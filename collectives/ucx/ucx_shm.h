@@ -188,16 +188,13 @@ class ShmGroup {
   // kMaxPeerMaps per peer (the least recently used goes).
   static constexpr size_t kMaxPeerMaps = 256;
   char* MapPeer(int j, const SharedCpuRange& r);
-  // Unmaps the blocks that their owners have released (their memory stays allocated while
-  // mapped here). Every kSweepEvery calls of it do the work: each check touches a page of
-  // every mapping.
-  static constexpr uint64_t kSweepEvery = 16;
-  void SweepReleasedMaps();
   // Once per collective: publishes how many shared blocks this process has released, and
-  // every kSweepEvery calls unmaps the released blocks of each peer whose count changed, so
-  // that programs whose later collectives are all small (no single-copy step, no sweep) do
-  // not keep peers' freed memory alive. Costs a load and a compare, plus a load of each
-  // mapped peer's control line every kSweepEvery calls.
+  // every kSweepEvery calls unmaps the released blocks of each peer whose count changed (their
+  // memory stays allocated while mapped here), whatever the calls are: small collectives
+  // alone do not keep peers' freed memory alive. Costs a load and a compare, plus a load of
+  // each mapped peer's control line every kSweepEvery calls (a page of each of its mappings
+  // only when its count changed).
+  static constexpr uint64_t kSweepEvery = 16;
   void TrackReleases();
   // Peer j said it gave up (MarkFailed): it may be freeing its memory, so write none of it.
   bool PeerFailed(int j) const { return std::atomic_ref<uint32_t>(*failed_of(j)).load(std::memory_order_acquire) != 0; }
@@ -261,7 +258,6 @@ class ShmGroup {
   std::vector<absl::flat_hash_map<uint64_t, PeerMap>> peer_maps_;  // per group rank, by block id
   std::vector<bool> no_peer_maps_;                                 // per group rank: its blocks cannot be opened here
   uint64_t map_clock_ = 0;
-  uint64_t sweeps_ = 0;
   uint64_t published_releases_ = 0;       // this process's count, as last published
   uint64_t release_checks_ = 0;           // TrackReleases calls
   std::vector<uint64_t> swept_releases_;  // per group rank: its count at this rank's last sweep of it

@@ -902,8 +902,8 @@ int RunZeroCopy(bool on) {
   DefaultAllocator(Device::Cpu()).EmptyCache();
   ExpectOk(c.Barrier(), "Barrier after EmptyCache");
   ZeroCopyRound(c, on, 1);
-  // Released mappings go at a sweep, one per 16 single-copy steps (ShmGroup::kSweepEvery):
-  // 32 more steps (256 KiB blocks: single copy on any rank count).
+  // Released mappings go at a sweep, one per 16 calls (ShmGroup::kSweepEvery): 32 more steps
+  // (256 KiB blocks: single copy on any rank count).
   {
     Tensor gin = Fill<float>(c.rank(), 1 << 16, 5, false), gout = Make<float>((1 << 16) * c.size());
     for (int i = 0; i < 32; ++i) ExpectOk(c.AllGather(gin, gout), "AllGather to sweep");
