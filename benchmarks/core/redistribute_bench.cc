@@ -18,7 +18,11 @@
 // Threads backend: every rank is a thread of this process. Each timed batch starts after a
 // Barrier; its time is the slowest rank's; dtensor and raw batches alternate; medians of
 // --trials trials (the ratio: the median of each trial's dtensor/raw ratio). Every row also
-// checks Redistribute's output against the raw result.
+// checks Redistribute's output against the raw result. Both sides drop their last output
+// before every batch, so each batch starts from the same allocator state and both write the
+// same output blocks: otherwise each side keeps one block of its own, and which physical pages
+// each got biased the ratio by a few percent either way, differently in every process (an
+// S(0)->S(1) of 1 MiB beside itself read 0.99-1.05).
 //   redistribute_bench [--trials N] [--batch-ms M] [--with-2x2] [--only tables|breakdown|planner]
 //                      [--sizes BYTES,BYTES,...] [--ops RAW,RAW,...] [--quick]
 #include <algorithm>
@@ -134,6 +138,7 @@ const OpCase kOps[] = {
     {"S(0)->S(1)", Shard(0), Shard(1), Raw::kAllToAll, "all_to_all"},
     {"S(0)->S(1)", Shard(0), Shard(1), Raw::kBlocksAllToAll, "a2a_blocks"},
     {"S(0)->S(1)", Shard(0), Shard(1), Raw::kPackAllToAll, "pack+a2a"},
+    {"S(0)->S(1)", Shard(0), Shard(1), Raw::kItself, "itself"},
 };
 
 // A mesh of `shape` whose dims in `active` carry the placement under test (the others are
@@ -208,8 +213,10 @@ class RankRunner {
   RankRunner(Communicator& world, Shared& shared, const Options& options)
       : world_(world), shared_(shared), options_(options), rank_(world.rank()) {}
 
-  // Seconds the slowest rank took for `iters` calls of f, started together.
+  // Seconds the slowest rank took for `iters` calls of f, started together (after
+  // before_batch_, untimed).
   double Batch(const std::function<void()>& f, int64_t iters) {
+    if (before_batch_) before_batch_();
     Must(world_.Barrier(), "barrier");
     const auto start = Clock::now();
     for (int64_t i = 0; i < iters; ++i) f();
@@ -368,7 +375,12 @@ class RankRunner {
             };
             break;
         }
+        before_batch_ = [&] {
+          dt_out = Tensor();
+          raw_out = Tensor();
+        };
         const auto [t_dt, t_raw, ratio] = SideBySide(run_dt, run_raw);
+        before_batch_ = nullptr;
         // The results must agree (all_to_all without packing is a different layout).
         bool same = true;
         if (op.raw != Raw::kAllToAll) {
@@ -721,6 +733,7 @@ class RankRunner {
   Communicator& world_;
   Shared& shared_;
   const Options& options_;
+  std::function<void()> before_batch_;  // run before every timed batch (RunMesh: drop the outputs)
   int rank_;
 };
 
