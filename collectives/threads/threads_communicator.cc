@@ -821,8 +821,11 @@ class ThreadsCommunicator final : public Communicator {
   }
 
   // dst = src element for element in row-major order (equal counts, shapes may differ).
+  // `src` is usually a peer's tensor: it is read, not copied (a copy would write the peer's
+  // reference count, a cache line its owner touches again right after).
   static absl::Status CopyElements(const Tensor& dst, const Tensor& src) {
     if (dst.numel() == 0) return absl::OkStatus();
+    if (!Overlap(dst, src) && src.shape() == dst.shape()) return CopyBlock(dst, src);
     Tensor from = src;
     if (Overlap(dst, src)) {  // a rank's own block sent onto itself, or shared memory
       DT_ASSIGN_OR_RETURN(from, Clone(src));

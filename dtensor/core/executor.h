@@ -46,6 +46,9 @@ struct CoreState {
   // (users hold their entry: an async redistribution keeps its own).
   static constexpr size_t kMaxGeometries = 4096;
   absl::flat_hash_map<std::pair<const RedistributePlan*, Shape>, std::shared_ptr<const PlanGeometry>> geometry;
+  // The entry found last and its coordinate, tried first.
+  std::shared_ptr<const PlanGeometry> last_geometry;
+  Shape last_coordinate;
 };
 CoreState& CoreStateOf(const DeviceMesh& mesh);
 
@@ -73,8 +76,8 @@ std::shared_ptr<const PlanGeometry> GeometryOf(const std::shared_ptr<const Redis
 absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGeometry& g, const Tensor& local,
                                       const DeviceMesh& mesh);
 // Runs steps [first, end) of `plan` on `local`, synchronously.
-absl::StatusOr<Tensor> ExecuteSteps(const std::shared_ptr<const RedistributePlan>& plan, size_t first, Tensor local,
-                                    const DeviceMesh& mesh);
+absl::StatusOr<Tensor> ExecuteSteps(const std::shared_ptr<const RedistributePlan>& plan, size_t first,
+                                    const Tensor& local, const DeviceMesh& mesh);
 
 // Which all_to_all moves the boxes; the caller picks it alike on every rank (the transports
 // check that all ranks make the same call).

@@ -708,18 +708,26 @@ absl::StatusOr<std::shared_ptr<const RedistributePlan>> RedistributePlanner::Pla
                                                                                   IntSpan mesh_shape, const Layout& src,
                                                                                   const Layout& dst,
                                                                                   int64_t element_size) {
-  Key key{Shape(global_shape.begin(), global_shape.end()), Shape(mesh_shape.begin(), mesh_shape.end()), src, dst,
-          element_size};
-  auto it = cache_.find(key);
+  const KeyRef ref{global_shape, mesh_shape, src, dst, element_size};
+  if (last_ != cache_.end() && KeyEq::Same(Ref(last_->first), ref)) {  // the same as last time
+    ++hits_;
+    return last_->second;
+  }
+  auto it = cache_.find(ref);
   if (it != cache_.end()) {
     ++hits_;
+    last_ = it;
     return it->second;
   }
   ++misses_;
   DT_ASSIGN_OR_RETURN(RedistributePlan plan, PlanRedistribute(global_shape, mesh_shape, src, dst, element_size));
   auto shared = std::make_shared<const RedistributePlan>(std::move(plan));
   if (cache_.size() >= kMaxPlans) cache_.clear();  // holders keep their plans
-  cache_.emplace(std::move(key), shared);
+  last_ = cache_
+              .emplace(Key{Shape(global_shape.begin(), global_shape.end()), Shape(mesh_shape.begin(), mesh_shape.end()),
+                           src, dst, element_size},
+                       shared)
+              .first;
   return shared;
 }
 

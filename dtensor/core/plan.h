@@ -66,6 +66,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
+#include "absl/hash/hash.h"
 #include "absl/status/statusor.h"
 #include "dtensor/core/comm_counter.h"
 #include "dtensor/tensor/tensor.h"
@@ -131,6 +132,9 @@ absl::StatusOr<RedistributePlan> PlanRedistribute(IntSpan global_shape, IntSpan 
 class RedistributePlanner {
  public:
   static constexpr size_t kMaxPlans = 4096;
+  RedistributePlanner() = default;
+  RedistributePlanner(const RedistributePlanner&) = delete;  // last_ points into cache_
+  RedistributePlanner& operator=(const RedistributePlanner&) = delete;
   // The cached plan, planning it on the first request (the holder keeps it alive).
   absl::StatusOr<std::shared_ptr<const RedistributePlan>> Plan(IntSpan global_shape, IntSpan mesh_shape,
                                                                const Layout& src, const Layout& dst,
@@ -138,25 +142,51 @@ class RedistributePlanner {
   int64_t hits() const { return hits_; }
   int64_t misses() const { return misses_; }
   size_t size() const { return cache_.size(); }
-  void Clear() { cache_.clear(); }
+  void Clear() {
+    cache_.clear();
+    last_ = cache_.end();
+  }
 
  private:
+  // A lookup builds no Key: KeyRef points at the caller's values (a cached plan costs a hash
+  // and a compare, no copy of the shapes and layouts).
   struct Key {
     Shape global_shape;
     Shape mesh_shape;
     Layout src;
     Layout dst;
     int64_t element_size;
-    friend bool operator==(const Key& a, const Key& b) {
-      return a.global_shape == b.global_shape && a.mesh_shape == b.mesh_shape && a.src == b.src && a.dst == b.dst &&
-             a.element_size == b.element_size;
-    }
-    template <typename H>
-    friend H AbslHashValue(H h, const Key& k) {
-      return H::combine(std::move(h), k.global_shape, k.mesh_shape, k.src, k.dst, k.element_size);
-    }
   };
-  absl::flat_hash_map<Key, std::shared_ptr<const RedistributePlan>> cache_;
+  struct KeyRef {
+    IntSpan global_shape;
+    IntSpan mesh_shape;
+    const Layout& src;
+    const Layout& dst;
+    int64_t element_size;
+  };
+  static KeyRef Ref(const Key& k) { return {k.global_shape, k.mesh_shape, k.src, k.dst, k.element_size}; }
+  struct KeyHash {
+    using is_transparent = void;
+    size_t operator()(const KeyRef& k) const {
+      return absl::HashOf(k.global_shape, k.mesh_shape, k.src, k.dst, k.element_size);
+    }
+    size_t operator()(const Key& k) const { return (*this)(Ref(k)); }
+  };
+  struct KeyEq {
+    using is_transparent = void;
+    static bool Same(const KeyRef& a, const KeyRef& b) {
+      return a.element_size == b.element_size && a.global_shape == b.global_shape && a.mesh_shape == b.mesh_shape &&
+             a.src == b.src && a.dst == b.dst;
+    }
+    bool operator()(const Key& a, const Key& b) const { return Same(Ref(a), Ref(b)); }
+    bool operator()(const Key& a, const KeyRef& b) const { return Same(Ref(a), b); }
+    bool operator()(const KeyRef& a, const Key& b) const { return Same(a, Ref(b)); }
+  };
+  using Cache = absl::flat_hash_map<Key, std::shared_ptr<const RedistributePlan>, KeyHash, KeyEq>;
+  Cache cache_;
+  // The entry found or added last, compared first (no hashing for a loop that redistributes
+  // one way); end() when there is none. Insertions may move entries: each one resets it.
+  Cache::iterator last_ = cache_.end();
   int64_t hits_ = 0;
   int64_t misses_ = 0;
 };

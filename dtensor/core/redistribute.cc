@@ -180,19 +180,15 @@ absl::Status Unpack(const Tensor& flat, absl::Span<const LocalBox> regions, cons
 // The view of `t` (whose box is t_box) for each region; empty regions give empty tensors.
 using Views = absl::InlinedVector<Tensor, 4>;
 
-absl::StatusOr<Views> RegionViews(const Tensor& t, const LocalBox& t_box, absl::Span<const LocalBox> regions) {
-  Views views;
+// Built in place: a view is moved once, into `views` (this runs on every S -> S redistribution).
+absl::Status RegionViews(const Tensor& t, const LocalBox& t_box, absl::Span<const LocalBox> regions, Views& views) {
   views.reserve(regions.size());
   for (const LocalBox& r : regions) {
-    if (r.numel() == 0) {
-      DT_ASSIGN_OR_RETURN(Tensor empty, t.AsStrided({0}, {1}, t.storage_offset()));
-      views.push_back(std::move(empty));
-    } else {
-      DT_ASSIGN_OR_RETURN(Tensor v, RegionOf(t, t_box, r));
-      views.push_back(std::move(v));
-    }
+    absl::StatusOr<Tensor> v = r.numel() == 0 ? t.AsStrided({0}, {1}, t.storage_offset()) : RegionOf(t, t_box, r);
+    if (!v.ok()) return v.status();
+    views.push_back(*std::move(v));
   }
-  return views;
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -200,22 +196,25 @@ absl::StatusOr<Views> RegionViews(const Tensor& t, const LocalBox& t_box, absl::
 absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, const LocalBox& local_box,
                                      absl::Span<const LocalBox> send_regions, const LocalBox& out_box,
                                      absl::Span<const LocalBox> recv_regions, TransferKind kind, CommCounter* counter) {
-  const Counts send_counts = CountsOf(send_regions);
-  const Counts recv_counts = CountsOf(recv_regions);
-  const int64_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
-  const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
   DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_box.shape, local.dtype(), local.device()));
   if (counter != nullptr) {
+    int64_t send_total = 0;
+    for (const LocalBox& r : send_regions) send_total += r.numel();
     counter->Record(CommKind::kAllToAll, send_total * static_cast<int64_t>(ElementSize(local.dtype())));
   }
   if (kind == TransferKind::kBlocks || kind == TransferKind::kEvenBlocks) {
     // Regions that are not back to back (the column blocks of S(0) -> S(1)): the transport
     // moves them view to view (threads) or packs them around its all_to_all_v.
-    DT_ASSIGN_OR_RETURN(const Views sends, RegionViews(local, local_box, send_regions));
-    DT_ASSIGN_OR_RETURN(const Views recvs, RegionViews(out, out_box, recv_regions));
+    Views sends, recvs;
+    DT_RETURN_IF_ERROR(RegionViews(local, local_box, send_regions, sends));
+    DT_RETURN_IF_ERROR(RegionViews(out, out_box, recv_regions, recvs));
     DT_RETURN_IF_ERROR(comm.AllToAllBlocks(sends, recvs, kind == TransferKind::kEvenBlocks));
     return out;
   }
+  const Counts send_counts = CountsOf(send_regions);
+  const Counts recv_counts = CountsOf(recv_regions);
+  const int64_t send_total = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
+  const int64_t recv_total = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
   DT_ASSIGN_OR_RETURN(Tensor send, Contiguous(local));
   if (send.numel() != send_total) {
     DT_ASSIGN_OR_RETURN(send, send.View({send.numel()}));
@@ -294,15 +293,26 @@ StepGeometry ComputeGeometry(const RedistributeStep& step, IntSpan global_shape,
 std::shared_ptr<const PlanGeometry> GeometryOf(const std::shared_ptr<const RedistributePlan>& plan,
                                                const DeviceMesh& mesh) {
   CoreState& state = CoreStateOf(mesh);
+  // The last entry again (a loop redistributing one way): no hashing, no key to build.
+  if (state.last_geometry != nullptr && state.last_geometry->plan == plan &&
+      IntSpan(state.last_coordinate) == mesh.coordinate()) {
+    return state.last_geometry;
+  }
   std::pair<const RedistributePlan*, Shape> key(plan.get(), Shape(mesh.coordinate().begin(), mesh.coordinate().end()));
   auto it = state.geometry.find(key);
-  if (it != state.geometry.end()) return it->second;
+  if (it != state.geometry.end()) {
+    state.last_geometry = it->second;
+    state.last_coordinate = key.second;
+    return it->second;
+  }
   auto g = std::make_shared<PlanGeometry>();
   g->plan = plan;
   for (const RedistributeStep& step : plan->steps) {
     g->steps.push_back(ComputeGeometry(step, plan->global_shape, mesh.shape(), mesh.coordinate()));
   }
   if (state.geometry.size() >= CoreState::kMaxGeometries) state.geometry.clear();
+  state.last_geometry = g;
+  state.last_coordinate = key.second;
   state.geometry.emplace(std::move(key), g);
   return g;
 }
@@ -334,6 +344,13 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
       break;
   }
   DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(g.group));
+  if (step.kind == StepKind::kAllToAll) {  // synchronous; TransferBoxes takes any strides
+    const TransferKind kind = g.blocks ? (g.uniform ? TransferKind::kEvenBlocks : TransferKind::kBlocks)
+                                       : (g.uniform ? TransferKind::kAllToAll : TransferKind::kAllToAllV);
+    DT_ASSIGN_OR_RETURN(Tensor out, TransferBoxes(*comm, local, before, g.send_regions, after, g.recv_regions, kind,
+                                                  CoreStateOf(mesh).counter));
+    return Done(std::move(out));
+  }
   DT_ASSIGN_OR_RETURN(Tensor input, Contiguous(local));
   switch (step.kind) {
     case StepKind::kAllReduce: {
@@ -392,28 +409,23 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
                          },
                          Tensor()};
     }
-    case StepKind::kAllToAll: {
-      const TransferKind kind = g.blocks ? (g.uniform ? TransferKind::kEvenBlocks : TransferKind::kBlocks)
-                                         : (g.uniform ? TransferKind::kAllToAll : TransferKind::kAllToAllV);
-      DT_ASSIGN_OR_RETURN(Tensor out, TransferBoxes(*comm, input, before, g.send_regions, after, g.recv_regions, kind,
-                                                    CoreStateOf(mesh).counter));
-      return Done(std::move(out));
-    }
     default:
       return absl::InternalError(absl::StrCat("[Redistribute] unknown step ", StepKindName(step.kind)));
   }
 }
 
-absl::StatusOr<Tensor> ExecuteSteps(const std::shared_ptr<const RedistributePlan>& plan, size_t first, Tensor local,
-                                    const DeviceMesh& mesh) {
+absl::StatusOr<Tensor> ExecuteSteps(const std::shared_ptr<const RedistributePlan>& plan, size_t first,
+                                    const Tensor& local, const DeviceMesh& mesh) {
   if (first >= plan->steps.size()) return local;
   const std::shared_ptr<const PlanGeometry> geometry = GeometryOf(plan, mesh);
+  Tensor out;  // the last step's output
   for (size_t i = first; i < plan->steps.size(); ++i) {
-    DT_ASSIGN_OR_RETURN(StartedStep started, StartStep(plan->steps[i], geometry->steps[i], local, mesh));
+    DT_ASSIGN_OR_RETURN(StartedStep started,
+                        StartStep(plan->steps[i], geometry->steps[i], i == first ? local : out, mesh));
     if (started.work != nullptr) DT_RETURN_IF_ERROR(started.work->Wait());
-    DT_ASSIGN_OR_RETURN(local, started.Finish());
+    DT_ASSIGN_OR_RETURN(out, started.Finish());
   }
-  return local;
+  return out;
 }
 
 }  // namespace dtensor::internal

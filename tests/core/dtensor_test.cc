@@ -406,6 +406,36 @@ TEST(DTensorPlanCache, SecondRedistributeHitsTheCache) {
   });
 }
 
+// Two views of one mesh with the same shape share a plan but not their coordinates: on a 2x2
+// mesh, rank (0,1) is at 0 of "d0" and at 1 of "d1". Redistributing on them in turn must use
+// each view's own step geometry (the executor remembers the last one it used). Uneven shards
+// (5 rows, 7 columns over 2), so that the boxes differ in shape by coordinate.
+TEST(DTensorPlanCache, ViewsWithOneShapeKeepTheirOwnGeometry) {
+  RunRanks(4, [&](int rank, Communicator& comm) {
+    DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}));
+    DT_SUITE_MESH(d0, mesh.Sub("d0"));
+    DT_SUITE_MESH(d1, mesh.Sub("d1"));
+    const std::vector<double> v = suite::GlobalValues({5, 7}, DType::kFloat32, false, 5);
+    const Tensor full = suite::MakeTensor(v, {5, 7}, DType::kFloat32);
+    std::vector<DTensor> xs;
+    std::vector<Tensor> wants;
+    for (const DeviceMesh* sub : {&d0, &d1}) {
+      xs.push_back(Unwrap(DTensor::Distribute(full, *sub, Layout({Shard(0)}), {std::nullopt})));
+      wants.push_back(Unwrap(DTensor::Distribute(full, *sub, Layout({Shard(1)}), {std::nullopt})).ToLocal());
+    }
+    const int64_t plans_before = PlannerOf(mesh).misses();
+    for (int round = 0; round < 3; ++round) {
+      for (size_t i = 0; i < xs.size(); ++i) {  // back to back: nothing else runs between them
+        absl::StatusOr<DTensor> y = xs[i].Redistribute(Layout({Shard(1)}));
+        ASSERT_TRUE(y.ok()) << "rank " << rank << " round " << round << " on d" << i << ": " << y.status();
+        EXPECT_EQ(suite::CompareBits(y->ToLocal(), wants[i]), "")
+            << "rank " << rank << " round " << round << " on d" << i;
+      }
+    }
+    EXPECT_EQ(PlannerOf(mesh).misses(), plans_before + 1) << "the two views should share one plan";
+  });
+}
+
 // Shapes that keep changing (say, sequence lengths) do not grow the caches without end: past
 // kMaxPlans the planner starts over, and so does the step-geometry cache; an async
 // redistribution started before keeps its plan and geometry and still finishes right.
