@@ -31,6 +31,10 @@ constexpr uint32_t kAllGatherSteps = 0x8000;  // AllReduce's all-gather phase nu
 constexpr int kMaxCommId = 0x7fff;
 constexpr int kMaxShmRanks = 64;                          // larger groups on one host use UCX
 constexpr size_t kShmFullReduceBytes = size_t{16} << 10;  // below: every rank reduces everything
+// The same with ranks sharing cores: there the p-fold reduction work of every rank reducing
+// everything costs more than the sliced loop's extra Sync from 16 KiB on (4 ranks on 2 cores,
+// medians of 8 interleaved runs: 16 KiB 19.2 against 16.4 us; 8 KiB 12.0 against 13.7 us).
+constexpr size_t kShmFullReduceOversubscribedBytes = size_t{8} << 10;
 // Blocks from this size are read from the peers' memory (one copy, two Syncs) rather than
 // passed through the slots (two copies, a Sync per slot): 2 ranks, 64 KiB all_to_all 3.9-5.2
 // against 6.7-6.9 us, all_reduce 7-10 against 12.5-14 us; no gain below (compare.sh, 2026-11-25).
@@ -1004,7 +1008,8 @@ class UcxCommunicator final : public Communicator {
     const size_t es = ElementSize(dtype);
     const int p = size();
     const void* srcs[kMaxShmRanks];
-    if (static_cast<size_t>(n) * es <= kShmFullReduceBytes) {
+    if (static_cast<size_t>(n) * es <=
+        (shm_->oversubscribed() ? kShmFullReduceOversubscribedBytes : kShmFullReduceBytes)) {
       std::memcpy(shm_->slot(rank_), in, static_cast<size_t>(n) * es);
       DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
       // Its own part from its input: the same bits as its slot, which the peers are reading
