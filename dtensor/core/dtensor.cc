@@ -239,11 +239,12 @@ LocalBox DTensor::local_box() const { return LocalBoxOf(global_shape_, mesh_.sha
 
 absl::StatusOr<DTensor> DTensor::Redistribute(const Layout& layout) const {
   if (!defined()) return InvalidArg("Redistribute", "undefined DTensor");
-  DT_ASSIGN_OR_RETURN(
-      std::shared_ptr<const RedistributePlan> plan,
-      PlannerOf(mesh_).Plan(global_shape_, mesh_.shape(), layout_, layout, static_cast<int64_t>(ElementSize(dtype()))));
-  DT_ASSIGN_OR_RETURN(Tensor local, internal::ExecuteSteps(plan, 0, local_, mesh_));
-  return DTensor(std::move(local), mesh_, plan->dst, global_shape_);
+  // The cache's own pointer: nothing below plans on this mesh.
+  DT_ASSIGN_OR_RETURN(const std::shared_ptr<const RedistributePlan>* plan,
+                      PlannerOf(mesh_).PlanRef(global_shape_, mesh_.shape(), layout_, layout,
+                                               static_cast<int64_t>(ElementSize(dtype()))));
+  DT_ASSIGN_OR_RETURN(Tensor local, internal::ExecuteSteps(*plan, 0, local_, mesh_));
+  return DTensor(std::move(local), mesh_, (*plan)->dst, global_shape_);
 }
 
 struct PendingDTensor::State {

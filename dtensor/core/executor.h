@@ -70,6 +70,8 @@ struct StartedStep {
 // The cached geometry of every step of `plan` at this rank's coordinate of `mesh`.
 std::shared_ptr<const PlanGeometry> GeometryOf(const std::shared_ptr<const RedistributePlan>& plan,
                                                const DeviceMesh& mesh);
+// The same by reference, valid until the next GeometryOf or GeometryRef on a view of `mesh`.
+const PlanGeometry& GeometryRef(const std::shared_ptr<const RedistributePlan>& plan, const DeviceMesh& mesh);
 
 // Starts step `step` (with its geometry `g`) of a plan on `mesh`, with this rank's input
 // `local` (its box in step.before). Local steps complete at once (work is null).

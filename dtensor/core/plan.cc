@@ -708,16 +708,23 @@ absl::StatusOr<std::shared_ptr<const RedistributePlan>> RedistributePlanner::Pla
                                                                                   IntSpan mesh_shape, const Layout& src,
                                                                                   const Layout& dst,
                                                                                   int64_t element_size) {
+  DT_ASSIGN_OR_RETURN(const std::shared_ptr<const RedistributePlan>* plan,
+                      PlanRef(global_shape, mesh_shape, src, dst, element_size));
+  return *plan;
+}
+
+absl::StatusOr<const std::shared_ptr<const RedistributePlan>*> RedistributePlanner::PlanRef(
+    IntSpan global_shape, IntSpan mesh_shape, const Layout& src, const Layout& dst, int64_t element_size) {
   const KeyRef ref{global_shape, mesh_shape, src, dst, element_size};
   if (last_ != cache_.end() && KeyEq::Same(Ref(last_->first), ref)) {  // the same as last time
     ++hits_;
-    return last_->second;
+    return &last_->second;
   }
   auto it = cache_.find(ref);
   if (it != cache_.end()) {
     ++hits_;
     last_ = it;
-    return it->second;
+    return &it->second;
   }
   ++misses_;
   DT_ASSIGN_OR_RETURN(RedistributePlan plan, PlanRedistribute(global_shape, mesh_shape, src, dst, element_size));
@@ -726,9 +733,9 @@ absl::StatusOr<std::shared_ptr<const RedistributePlan>> RedistributePlanner::Pla
   last_ = cache_
               .emplace(Key{Shape(global_shape.begin(), global_shape.end()), Shape(mesh_shape.begin(), mesh_shape.end()),
                            src, dst, element_size},
-                       shared)
+                       std::move(shared))
               .first;
-  return shared;
+  return &last_->second;
 }
 
 }  // namespace dtensor

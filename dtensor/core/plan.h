@@ -139,6 +139,11 @@ class RedistributePlanner {
   absl::StatusOr<std::shared_ptr<const RedistributePlan>> Plan(IntSpan global_shape, IntSpan mesh_shape,
                                                                const Layout& src, const Layout& dst,
                                                                int64_t element_size);
+  // The same, as the cache's own pointer: valid until the next Plan, PlanRef or Clear (a caller
+  // that uses the plan only meanwhile touches no reference count).
+  absl::StatusOr<const std::shared_ptr<const RedistributePlan>*> PlanRef(IntSpan global_shape, IntSpan mesh_shape,
+                                                                         const Layout& src, const Layout& dst,
+                                                                         int64_t element_size);
   int64_t hits() const { return hits_; }
   int64_t misses() const { return misses_; }
   size_t size() const { return cache_.size(); }

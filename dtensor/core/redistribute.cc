@@ -290,20 +290,19 @@ StepGeometry ComputeGeometry(const RedistributeStep& step, IntSpan global_shape,
 
 }  // namespace
 
-std::shared_ptr<const PlanGeometry> GeometryOf(const std::shared_ptr<const RedistributePlan>& plan,
-                                               const DeviceMesh& mesh) {
+const PlanGeometry& GeometryRef(const std::shared_ptr<const RedistributePlan>& plan, const DeviceMesh& mesh) {
   CoreState& state = CoreStateOf(mesh);
   // The last entry again (a loop redistributing one way): no hashing, no key to build.
   if (state.last_geometry != nullptr && state.last_geometry->plan == plan &&
       IntSpan(state.last_coordinate) == mesh.coordinate()) {
-    return state.last_geometry;
+    return *state.last_geometry;
   }
   std::pair<const RedistributePlan*, Shape> key(plan.get(), Shape(mesh.coordinate().begin(), mesh.coordinate().end()));
+  state.last_coordinate = key.second;
   auto it = state.geometry.find(key);
   if (it != state.geometry.end()) {
     state.last_geometry = it->second;
-    state.last_coordinate = key.second;
-    return it->second;
+    return *state.last_geometry;
   }
   auto g = std::make_shared<PlanGeometry>();
   g->plan = plan;
@@ -312,10 +311,28 @@ std::shared_ptr<const PlanGeometry> GeometryOf(const std::shared_ptr<const Redis
   }
   if (state.geometry.size() >= CoreState::kMaxGeometries) state.geometry.clear();
   state.last_geometry = g;
-  state.last_coordinate = key.second;
-  state.geometry.emplace(std::move(key), g);
-  return g;
+  state.geometry.emplace(std::move(key), std::move(g));
+  return *state.last_geometry;
 }
+
+std::shared_ptr<const PlanGeometry> GeometryOf(const std::shared_ptr<const RedistributePlan>& plan,
+                                               const DeviceMesh& mesh) {
+  GeometryRef(plan, mesh);
+  return CoreStateOf(mesh).last_geometry;
+}
+
+namespace {
+
+// The all_to_all step, synchronous (TransferBoxes takes any strides: no Contiguous copy).
+absl::StatusOr<Tensor> RunAllToAll(const StepGeometry& g, const Tensor& local, const DeviceMesh& mesh) {
+  DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(g.group));
+  const TransferKind kind = g.blocks ? (g.uniform ? TransferKind::kEvenBlocks : TransferKind::kBlocks)
+                                     : (g.uniform ? TransferKind::kAllToAll : TransferKind::kAllToAllV);
+  return TransferBoxes(*comm, local, g.before, g.send_regions, g.after, g.recv_regions, kind,
+                       CoreStateOf(mesh).counter);
+}
+
+}  // namespace
 
 absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGeometry& g, const Tensor& local,
                                       const DeviceMesh& mesh) {
@@ -340,17 +357,14 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
                                                         mesh.coordinate()[static_cast<size_t>(m)] == 0));
       return Done(std::move(part));
     }
+    case StepKind::kAllToAll: {
+      DT_ASSIGN_OR_RETURN(Tensor out, RunAllToAll(g, local, mesh));
+      return Done(std::move(out));
+    }
     default:
       break;
   }
   DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(g.group));
-  if (step.kind == StepKind::kAllToAll) {  // synchronous; TransferBoxes takes any strides
-    const TransferKind kind = g.blocks ? (g.uniform ? TransferKind::kEvenBlocks : TransferKind::kBlocks)
-                                       : (g.uniform ? TransferKind::kAllToAll : TransferKind::kAllToAllV);
-    DT_ASSIGN_OR_RETURN(Tensor out, TransferBoxes(*comm, local, before, g.send_regions, after, g.recv_regions, kind,
-                                                  CoreStateOf(mesh).counter));
-    return Done(std::move(out));
-  }
   DT_ASSIGN_OR_RETURN(Tensor input, Contiguous(local));
   switch (step.kind) {
     case StepKind::kAllReduce: {
@@ -417,11 +431,15 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
 absl::StatusOr<Tensor> ExecuteSteps(const std::shared_ptr<const RedistributePlan>& plan, size_t first,
                                     const Tensor& local, const DeviceMesh& mesh) {
   if (first >= plan->steps.size()) return local;
-  const std::shared_ptr<const PlanGeometry> geometry = GeometryOf(plan, mesh);
-  Tensor out;  // the last step's output
+  const PlanGeometry& geometry = GeometryRef(plan, mesh);  // nothing below looks up another
+  Tensor out;                                              // the last step's output
   for (size_t i = first; i < plan->steps.size(); ++i) {
-    DT_ASSIGN_OR_RETURN(StartedStep started,
-                        StartStep(plan->steps[i], geometry->steps[i], i == first ? local : out, mesh));
+    const Tensor& in = i == first ? local : out;
+    if (plan->steps[i].kind == StepKind::kAllToAll) {  // synchronous: no StartedStep to build
+      DT_ASSIGN_OR_RETURN(out, RunAllToAll(geometry.steps[i], in, mesh));
+      continue;
+    }
+    DT_ASSIGN_OR_RETURN(StartedStep started, StartStep(plan->steps[i], geometry.steps[i], in, mesh));
     if (started.work != nullptr) DT_RETURN_IF_ERROR(started.work->Wait());
     DT_ASSIGN_OR_RETURN(out, started.Finish());
   }
