@@ -825,9 +825,10 @@ class ThreadsCommunicator final : public Communicator {
   // reference count, a cache line its owner touches again right after).
   static absl::Status CopyElements(const Tensor& dst, const Tensor& src) {
     if (dst.numel() == 0) return absl::OkStatus();
-    if (!Overlap(dst, src) && src.shape() == dst.shape()) return CopyBlock(dst, src);
+    const bool overlap = Overlap(dst, src);  // a rank's own block sent onto itself, or shared memory
+    if (!overlap && src.shape() == dst.shape()) return CopyBlock(dst, src);
     Tensor from = src;
-    if (Overlap(dst, src)) {  // a rank's own block sent onto itself, or shared memory
+    if (overlap) {
       DT_ASSIGN_OR_RETURN(from, Clone(src));
     }
     if (from.shape() != dst.shape()) {
