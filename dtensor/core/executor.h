@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -16,6 +17,19 @@
 #include "mesh/device_mesh.h"
 
 namespace dtensor::internal {
+
+// A region of a box that narrows the box in at most one dim: elements [start, start + length)
+// of `dim` (relative to the box), or the whole box (dim -1). Its view is one Tensor::Narrow,
+// where a region in general takes a view per dim's offset (RegionOf). The regions of an
+// S(i) -> S(j) step are slabs; an empty region is the slab of length 0 at the start of dim 0.
+struct Slab {
+  int64_t dim = -1;
+  int64_t start = 0;
+  int64_t length = 0;
+};
+// The slab of `region` (inside `box`), or nullopt when it narrows several dims or does not
+// lie inside the box.
+std::optional<Slab> SlabOf(const LocalBox& box, const LocalBox& region);
 
 // The box arithmetic of one plan step for one mesh coordinate: what StartStep needs besides
 // the tensors. Pure; computed once per (plan, coordinate) and cached (PlanGeometry).
@@ -29,6 +43,9 @@ struct StepGeometry {
   absl::InlinedVector<LocalBox, 4> send_regions, recv_regions;  // all_to_all
   bool uniform = false;                                         // all_to_all: every pair moves the same count
   bool blocks = false;  // all_to_all: some member's regions are not back to back (AllToAllBlocks)
+  // all_to_all: the regions as slabs of before / after, when every one of them is a slab (else
+  // empty).
+  absl::InlinedVector<Slab, 4> send_slabs, recv_slabs;
 };
 struct PlanGeometry {
   std::shared_ptr<const RedistributePlan> plan;  // kept alive: the cache is keyed by its address
@@ -93,10 +110,13 @@ enum class TransferKind {
 // Moves boxes between the ranks of `comm` in one all_to_all: send_regions[j] (a region of
 // `local`, whose box is local_box) goes to rank j, recv_regions[j] (a region of the output,
 // whose box is out_box) comes from rank j. Empty regions send nothing. Records one
-// all_to_all into `counter` (if any) with the bytes this rank sends.
+// all_to_all into `counter` (if any) with the bytes this rank sends. send_slabs and
+// recv_slabs, when not empty, are the same regions as slabs (StepGeometry's): the block kinds
+// then build each view with one Narrow.
 absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, const LocalBox& local_box,
                                      absl::Span<const LocalBox> send_regions, const LocalBox& out_box,
-                                     absl::Span<const LocalBox> recv_regions, TransferKind kind, CommCounter* counter);
+                                     absl::Span<const LocalBox> recv_regions, TransferKind kind, CommCounter* counter,
+                                     absl::Span<const Slab> send_slabs = {}, absl::Span<const Slab> recv_slabs = {});
 
 // R -> P(sum) over mesh dims of `divisor` ranks in all, as a copy: floating point values are
 // divided by it (as PyTorch does); other dtypes (integers, bool, float8) stay on the rank at

@@ -141,6 +141,21 @@ absl::StatusOr<Tensor> RegionOf(const Tensor& t, const LocalBox& t_box, const Lo
   return t.AsStrided(region.shape, t.strides(), offset);
 }
 
+std::optional<Slab> SlabOf(const LocalBox& box, const LocalBox& region) {
+  const size_t n = box.shape.size();
+  if (n == 0 || box.offset.size() != n || region.shape.size() != n || region.offset.size() != n) return std::nullopt;
+  if (region.numel() == 0) return Slab{0, 0, 0};
+  Slab slab;
+  for (size_t d = 0; d < n; ++d) {
+    const int64_t start = region.offset[d] - box.offset[d];
+    if (start < 0 || start + region.shape[d] > box.shape[d]) return std::nullopt;
+    if (region.shape[d] == box.shape[d]) continue;
+    if (slab.dim >= 0) return std::nullopt;  // a second narrowed dim
+    slab = Slab{static_cast<int64_t>(d), start, region.shape[d]};
+  }
+  return slab;
+}
+
 absl::StatusOr<Tensor> DivideForPartial(const Tensor& x, int64_t divisor, bool first) {
   if (divisor == 1) return Clone(x);
   if (IsComputeFloat(x.dtype())) return BinaryScalar(BinaryOp::kDiv, x, static_cast<double>(divisor));
@@ -181,8 +196,27 @@ absl::Status Unpack(const Tensor& flat, absl::Span<const LocalBox> regions, cons
 using Views = absl::InlinedVector<Tensor, 4>;
 
 // Built in place: a view is moved once, into `views` (this runs on every S -> S redistribution).
-absl::Status RegionViews(const Tensor& t, const LocalBox& t_box, absl::Span<const LocalBox> regions, Views& views) {
+// `slabs`, when not empty, are the regions as slabs: one Narrow each, the box checked once.
+absl::Status RegionViews(const Tensor& t, const LocalBox& t_box, absl::Span<const LocalBox> regions,
+                         absl::Span<const Slab> slabs, Views& views) {
   views.reserve(regions.size());
+  if (!slabs.empty()) {
+    if (slabs.size() != regions.size() || IntSpan(t.shape()) != IntSpan(t_box.shape)) {
+      return absl::InternalError(absl::StrCat("[Redistribute] a tensor of shape ", ShapeString(t.shape()),
+                                              " for a box of shape ", ShapeString(t_box.shape), " with ", slabs.size(),
+                                              " slabs for ", regions.size(), " regions"));
+    }
+    for (const Slab& s : slabs) {
+      if (s.dim < 0) {
+        views.push_back(t);
+        continue;
+      }
+      absl::StatusOr<Tensor> v = t.Narrow(s.dim, s.start, s.length);
+      if (!v.ok()) return v.status();
+      views.push_back(*std::move(v));
+    }
+    return absl::OkStatus();
+  }
   for (const LocalBox& r : regions) {
     absl::StatusOr<Tensor> v = r.numel() == 0 ? t.AsStrided({0}, {1}, t.storage_offset()) : RegionOf(t, t_box, r);
     if (!v.ok()) return v.status();
@@ -195,7 +229,8 @@ absl::Status RegionViews(const Tensor& t, const LocalBox& t_box, absl::Span<cons
 
 absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, const LocalBox& local_box,
                                      absl::Span<const LocalBox> send_regions, const LocalBox& out_box,
-                                     absl::Span<const LocalBox> recv_regions, TransferKind kind, CommCounter* counter) {
+                                     absl::Span<const LocalBox> recv_regions, TransferKind kind, CommCounter* counter,
+                                     absl::Span<const Slab> send_slabs, absl::Span<const Slab> recv_slabs) {
   DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_box.shape, local.dtype(), local.device()));
   if (counter != nullptr) {
     int64_t send_total = 0;
@@ -206,8 +241,8 @@ absl::StatusOr<Tensor> TransferBoxes(Communicator& comm, const Tensor& local, co
     // Regions that are not back to back (the column blocks of S(0) -> S(1)): the transport
     // moves them view to view (threads) or packs them around its all_to_all_v.
     Views sends, recvs;
-    DT_RETURN_IF_ERROR(RegionViews(local, local_box, send_regions, sends));
-    DT_RETURN_IF_ERROR(RegionViews(out, out_box, recv_regions, recvs));
+    DT_RETURN_IF_ERROR(RegionViews(local, local_box, send_regions, send_slabs, sends));
+    DT_RETURN_IF_ERROR(RegionViews(out, out_box, recv_regions, recv_slabs, recvs));
     DT_RETURN_IF_ERROR(comm.AllToAllBlocks(sends, recvs, kind == TransferKind::kEvenBlocks));
     return out;
   }
@@ -271,6 +306,17 @@ StepGeometry ComputeGeometry(const RedistributeStep& step, IntSpan global_shape,
         }
         g.blocks = !ConsecutiveBlocks(befores[i], sends) || !ConsecutiveBlocks(afters[i], recvs);
       }
+      for (size_t j = 0; j < befores.size(); ++j) {
+        const std::optional<Slab> send = SlabOf(g.before, g.send_regions[j]);
+        const std::optional<Slab> recv = SlabOf(g.after, g.recv_regions[j]);
+        if (!send || !recv) {
+          g.send_slabs.clear();
+          g.recv_slabs.clear();
+          break;
+        }
+        g.send_slabs.push_back(*send);
+        g.recv_slabs.push_back(*recv);
+      }
       g.uniform = true;
       const int64_t n = Intersect(befores[0], afters[0]).numel();
       for (size_t i = 0; i < befores.size() && g.uniform; ++i) {
@@ -328,8 +374,8 @@ absl::StatusOr<Tensor> RunAllToAll(const StepGeometry& g, const Tensor& local, c
   DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(g.group));
   const TransferKind kind = g.blocks ? (g.uniform ? TransferKind::kEvenBlocks : TransferKind::kBlocks)
                                      : (g.uniform ? TransferKind::kAllToAll : TransferKind::kAllToAllV);
-  return TransferBoxes(*comm, local, g.before, g.send_regions, g.after, g.recv_regions, kind,
-                       CoreStateOf(mesh).counter);
+  return TransferBoxes(*comm, local, g.before, g.send_regions, g.after, g.recv_regions, kind, CoreStateOf(mesh).counter,
+                       g.send_slabs, g.recv_slabs);
 }
 
 }  // namespace

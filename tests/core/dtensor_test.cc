@@ -4,12 +4,14 @@
 // cache, and redistribution across meshes over the same world (4 <-> 2x2).
 #include "dtensor/core/dtensor.h"
 
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "dtensor/core/executor.h"
+#include "dtensor/ops/ops.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core/suite_util.h"
@@ -434,6 +436,68 @@ TEST(DTensorPlanCache, ViewsWithOneShapeKeepTheirOwnGeometry) {
     }
     EXPECT_EQ(PlannerOf(mesh).misses(), plans_before + 1) << "the two views should share one plan";
   });
+}
+
+// ---- Slabs: the regions of an all_to_all step as one Narrow each ----
+
+// SlabOf against RegionOf (a view from the region's offset in every dim): the same elements
+// where the region is a slab of the box, nullopt where it is not.
+TEST(DTensorSlabs, SlabOfMatchesRegionOf) {
+  const LocalBox box{Shape{2, 3}, Shape{4, 6}};  // rows 2..6, columns 3..9 of some global tensor
+  const Tensor t = suite::MakeTensor(suite::GlobalValues({4, 6}, DType::kFloat32, false, 3), {4, 6}, DType::kFloat32);
+  struct Case {
+    LocalBox region;
+    bool slab;
+    int64_t dim, start, length;  // the slab expected
+  };
+  const Case cases[] = {
+      {{{2, 3}, {4, 6}}, true, -1, 0, 0},  // the whole box
+      {{{2, 6}, {4, 3}}, true, 1, 3, 3},   // its last 3 columns
+      {{{3, 3}, {2, 6}}, true, 0, 1, 2},   // rows 1..3
+      {{{2, 3}, {4, 0}}, true, 0, 0, 0},   // empty
+      {{{9, 1}, {0, 2}}, true, 0, 0, 0},   // empty, outside the box
+      {{{3, 4}, {2, 2}}, false, 0, 0, 0},  // narrowed in two dims
+      {{{2, 8}, {4, 3}}, false, 0, 0, 0},  // past the box's end
+      {{{1, 3}, {2, 6}}, false, 0, 0, 0},  // before the box's start
+      {{{2}, {4}}, false, 0, 0, 0},        // fewer dims than the box
+  };
+  for (const Case& c : cases) {
+    const std::string where =
+        absl::StrCat("region at ", ShapeString(c.region.offset), " of shape ", ShapeString(c.region.shape));
+    const std::optional<internal::Slab> slab = internal::SlabOf(box, c.region);
+    ASSERT_EQ(slab.has_value(), c.slab) << where;
+    if (!slab) continue;
+    EXPECT_EQ(slab->dim, c.dim) << where;
+    EXPECT_EQ(slab->start, c.start) << where;
+    EXPECT_EQ(slab->length, c.length) << where;
+    const Tensor view = slab->dim < 0 ? t : Unwrap(t.Narrow(slab->dim, slab->start, slab->length));
+    EXPECT_EQ(view.numel(), c.region.numel()) << where;
+    if (c.region.numel() == 0) continue;
+    const Tensor want = Unwrap(Contiguous(Unwrap(internal::RegionOf(t, box, c.region))));
+    EXPECT_EQ(suite::CompareBits(view, want), "") << where;
+  }
+}
+
+// An S(0) -> S(1) step takes the slab path (its cached geometry holds the slabs), uneven and
+// with an empty piece too, and its result is the global tensor's columns.
+TEST(DTensorSlabs, AllToAllStepsUseSlabs) {
+  for (const Shape& shape : {Shape{6, 8}, Shape{7, 5}, Shape{5, 2}}) {
+    RunRanks(3, [&](int rank, Communicator& comm) {
+      DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {3}));
+      const std::vector<double> v = suite::GlobalValues(shape, DType::kFloat32, false, 7);
+      const Tensor full = suite::MakeTensor(v, shape, DType::kFloat32);
+      const DTensor x = Unwrap(DTensor::Distribute(full, mesh, Layout({Shard(0)}), {std::nullopt}));
+      const Tensor want = Unwrap(DTensor::Distribute(full, mesh, Layout({Shard(1)}), {std::nullopt})).ToLocal();
+      absl::StatusOr<DTensor> y = x.Redistribute(Layout({Shard(1)}));
+      ASSERT_TRUE(y.ok()) << "rank " << rank << " " << ShapeString(shape) << ": " << y.status();
+      EXPECT_EQ(suite::CompareBits(y->ToLocal(), want), "") << "rank " << rank << " " << ShapeString(shape);
+      auto plan = Unwrap(PlannerOf(mesh).Plan(shape, mesh.shape(), Layout({Shard(0)}), Layout({Shard(1)}), 4));
+      const auto geometry = internal::GeometryOf(plan, mesh);
+      ASSERT_EQ(geometry->steps.size(), 1u);
+      EXPECT_EQ(geometry->steps[0].send_slabs.size(), 3u) << "rank " << rank << " " << ShapeString(shape);
+      EXPECT_EQ(geometry->steps[0].recv_slabs.size(), 3u) << "rank " << rank << " " << ShapeString(shape);
+    });
+  }
 }
 
 // Shapes that keep changing (say, sequence lengths) do not grow the caches without end: past
