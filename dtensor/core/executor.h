@@ -3,6 +3,7 @@
 #ifndef DTENSOR_CORE_EXECUTOR_H_
 #define DTENSOR_CORE_EXECUTOR_H_
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -75,12 +76,14 @@ CommReduceOp ToCommReduceOp(PartialOp op);
 absl::StatusOr<Tensor> RegionOf(const Tensor& t, const LocalBox& t_box, const LocalBox& region);
 
 // A collective step in flight: wait for `work`, then Finish() gives the step's output:
-// `finish`'s result, or `done` (moved out) where there is nothing to finish (a step done at once
-// needs no closure: no allocation on the path of every redistribution).
+// `finish`'s result, or `done` (moved out) where there is nothing to finish (a step done at once,
+// or a collective straight into its output, needs no closure: no allocation on the path of every
+// redistribution). `keep` holds the buffers the collective reads until it is done.
 struct StartedStep {
   std::unique_ptr<Work> work;
   std::function<absl::StatusOr<Tensor>()> finish;
   Tensor done;
+  std::array<Tensor, 2> keep;
   absl::StatusOr<Tensor> Finish() { return finish ? finish() : std::move(done); }
 };
 

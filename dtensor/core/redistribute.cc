@@ -95,7 +95,7 @@ void Record(CommKind kind, int64_t bytes, const DeviceMesh& mesh) {
   if (CommCounter* c = CoreStateOf(mesh).counter) c->Record(kind, bytes);
 }
 
-StartedStep Done(Tensor t) { return StartedStep{nullptr, nullptr, std::move(t)}; }
+StartedStep Done(Tensor t) { return StartedStep{nullptr, nullptr, std::move(t), {}}; }
 
 }  // namespace
 
@@ -417,12 +417,7 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
       DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(before.shape, local.dtype(), local.device()));
       Record(CommKind::kAllReduce, before.numel() * esize, mesh);
       DT_ASSIGN_OR_RETURN(auto work, comm->AllReduceAsync(input, out, ToCommReduceOp(*step.before.partial_op())));
-      return StartedStep{std::move(work),
-                         [out, input]() -> absl::StatusOr<Tensor> {
-                           (void)input;  // kept alive until the collective is done
-                           return out;
-                         },
-                         Tensor()};
+      return StartedStep{std::move(work), nullptr, std::move(out), {input, Tensor()}};
     }
     case StepKind::kAllGather: {
       DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(after.shape, local.dtype(), local.device()));
@@ -431,12 +426,7 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
       if (g.consecutive) {
         DT_ASSIGN_OR_RETURN(auto work,
                             g.even ? comm->AllGatherAsync(input, out) : comm->AllGatherVAsync(input, out, counts));
-        return StartedStep{std::move(work),
-                           [out, input]() -> absl::StatusOr<Tensor> {
-                             (void)input;  // kept alive until the collective is done
-                             return out;
-                           },
-                           Tensor()};
+        return StartedStep{std::move(work), nullptr, std::move(out), {input, Tensor()}};
       }
       DT_ASSIGN_OR_RETURN(Tensor staging, Tensor::Empty({after.numel()}, local.dtype(), local.device()));
       DT_ASSIGN_OR_RETURN(
@@ -446,7 +436,7 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
         DT_RETURN_IF_ERROR(Unpack(staging, g.parts, out, g.after));
         return out;
       };
-      return StartedStep{std::move(work), std::move(finish), Tensor()};
+      return StartedStep{std::move(work), std::move(finish), Tensor(), {}};
     }
     case StepKind::kReduceScatter: {
       DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(after.shape, local.dtype(), local.device()));
@@ -460,14 +450,7 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
       const Counts counts(g.counts.begin(), g.counts.end());
       DT_ASSIGN_OR_RETURN(auto work, g.even ? comm->ReduceScatterAsync(send, out, op)
                                             : comm->ReduceScatterVAsync(send, out, counts, op));
-      // The buffers must live until the collective is done: the finisher holds them.
-      return StartedStep{std::move(work),
-                         [out, send, input]() -> absl::StatusOr<Tensor> {
-                           (void)send;
-                           (void)input;
-                           return out;
-                         },
-                         Tensor()};
+      return StartedStep{std::move(work), nullptr, std::move(out), {input, send}};
     }
     default:
       return absl::InternalError(absl::StrCat("[Redistribute] unknown step ", StepKindName(step.kind)));
