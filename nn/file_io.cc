@@ -87,13 +87,19 @@ absl::Status WriteFileAtomically(const char* op, const std::string& path, absl::
   const int rc = ::close(fd);
   fd = -1;
   if (rc != 0) return fail("cannot close", tmp, errno);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) return fail(("cannot rename '" + tmp + "' to").c_str(), path, errno);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int rename_err = errno;  // before the message is built
+    return fail(("cannot rename '" + tmp + "' to").c_str(), path, rename_err);
+  }
   // Make the rename itself durable. The file is in place and whole either way; a failure here
   // means a crash could still bring back the old one, so the caller hears of it. Filesystems
   // that cannot sync a directory (EINVAL, ENOTSUP) give no more than the rename.
   const std::string dir = DirectoryOf(path);
   const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0) return ErrnoError(op, absl::StrCat("wrote '", path, "' but cannot open its directory"), dir, errno);
+  if (dfd < 0) {
+    const int open_err = errno;  // before anything else can touch it
+    return ErrnoError(op, absl::StrCat("wrote '", path, "' but cannot open its directory"), dir, open_err);
+  }
   int sync_err = ::fsync(dfd) == 0 ? 0 : errno;
   ::close(dfd);
   if (sync_err == EINVAL || sync_err == ENOTSUP) sync_err = 0;

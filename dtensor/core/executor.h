@@ -21,8 +21,8 @@ namespace dtensor::internal {
 
 // A region of a box that narrows the box in at most one dim: elements [start, start + length)
 // of `dim` (relative to the box), or the whole box (dim -1). Its view is one Tensor::Narrow,
-// where a region in general takes a view per dim's offset (RegionOf). The regions of an
-// S(i) -> S(j) step are slabs; an empty region is the slab of length 0 at the start of dim 0.
+// cheaper than RegionOf, which checks the region against the box in every dim. The regions of
+// an S(i) -> S(j) step are slabs; an empty region is the slab of length 0 at the start of dim 0.
 struct Slab {
   int64_t dim = -1;
   int64_t start = 0;
