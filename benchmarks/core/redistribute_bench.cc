@@ -238,10 +238,9 @@ class RankRunner {
     }
   }
 
-  // Median seconds per call of a and b over the trials, batches alternating (order swapped on
-  // every other trial).
-  // Median seconds per call of a and of b, and the median over trials of a's time over b's in
-  // the same trial (adjacent batches: drift of the machine between trials cancels).
+  // Median seconds per call of a and of b over the trials, batches alternating (order swapped on
+  // every other trial), and the median over trials of a's time over b's in the same trial
+  // (adjacent batches: drift of the machine between trials cancels).
   struct Paired {
     double a, b, ratio;
   };
