@@ -122,7 +122,8 @@ class ShmGroup {
   // The ranks take turns on the CPUs (no CPU for each: RanksHaveOwnCpus over their affinity
   // masks), as all of them agreed (UcxCommunicator's Setup; true until then). It picks
   // algorithms, so it must be the same everywhere, and the waits: with a CPU each a waiter
-  // spins, then yields, then sleeps; else it gives the CPU up at once.
+  // spins, then yields, then sleeps; else it yields from the start (handing the CPU to the
+  // ranks sharing it), then sleeps.
   bool oversubscribed() const { return oversubscribed_; }
   void set_oversubscribed(bool v);
   void MarkRelaxed() { relaxed_ = true; }
@@ -248,7 +249,6 @@ class ShmGroup {
                         const UcxWaitContext& ctx) const;
   bool oversubscribed_ = true;  // see oversubscribed()
   int64_t spin_ns_ = 0;
-  int64_t yield_ns_ = 0;
   std::vector<int> members_;
   UcxWorld* world_ = nullptr;
   struct PeerMap {
