@@ -15,14 +15,14 @@
 //     collective) are shown for scale and marked "info".
 //   - The planner: PlanRedistribute (uncached) and RedistributePlanner::Plan (a cache hit) on
 //     1-d to 4-d meshes.
-// Threads backend: every rank is a thread of this process. Each timed batch starts after a
-// Barrier; its time is the slowest rank's; dtensor and raw batches alternate; medians of
-// --trials trials (the ratio: the median of each trial's dtensor/raw ratio). Every row also
-// checks Redistribute's output against the raw result. Both sides drop their last output
-// before every batch, so each batch starts from the same allocator state and both write the
-// same output blocks: otherwise each side keeps one block of its own, and which physical pages
-// each got biased the ratio by a few percent either way, differently in every process (an
-// S(0)->S(1) of 1 MiB beside itself read 0.99-1.05).
+// Threads backend: every rank is a thread of this process. In the tables the dtensor and raw
+// calls alternate one by one (SideBySideCalls), each timed alone after a Barrier; a trial's
+// time for a side is its calls' sum on the slowest rank; medians of --trials trials (the
+// ratio: the median of each trial's dtensor/raw ratio). Every row also checks Redistribute's
+// output against the raw result. Both sides drop their last output before every call, so
+// both write the same output blocks: otherwise each side keeps one block of its own, and which
+// physical pages each got biased the ratio by a few percent either way, differently in every
+// process (an S(0)->S(1) of 1 MiB beside itself read 0.99-1.05).
 //   redistribute_bench [--trials N] [--batch-ms M] [--with-2x2] [--only tables|breakdown|planner]
 //                      [--sizes BYTES,BYTES,...] [--ops RAW,RAW,...] [--quick]
 #include <algorithm>
@@ -203,8 +203,9 @@ class HostRows {
 // State shared by the rank threads of one group: per-rank slots written before a Barrier and
 // read after it (the Barrier orders them; no rank writes again before the next Barrier).
 struct Shared {
-  explicit Shared(int n) : seconds(static_cast<size_t>(n)), ok(static_cast<size_t>(n), 1) {}
-  std::vector<double> seconds;
+  explicit Shared(int n)
+      : seconds(static_cast<size_t>(n)), seconds_b(static_cast<size_t>(n)), ok(static_cast<size_t>(n), 1) {}
+  std::vector<double> seconds, seconds_b;
   std::vector<int> ok;
 };
 
@@ -261,6 +262,50 @@ class RankRunner {
     }
     std::vector<double> ratios;
     for (size_t t = 0; t < ta.size(); ++t) ratios.push_back(ta[t] / tb[t]);
+    return {Median(ta), Median(tb), Median(ratios)};
+  }
+
+  // As SideBySide, with the two sides interleaved call by call rather than batch by batch:
+  // a trial is `pairs` pairs of calls, a then b (b then a in every other pair), each call
+  // timed alone after before_call_ and a Barrier (both untimed); a trial's time for a side is
+  // the sum of its calls on the slowest rank. Drift of the host within a trial (this VM's
+  // neighbours, its timer ticks) then falls on both sides alike, where batches of 30 ms
+  // each could catch different phases: a 1 MiB P->R beside all_reduce read 0.98 to 1.05 over
+  // three runs of the same binary. The tables use this; the breakdown keeps batches, whose
+  // calls are too short to time one by one.
+  Paired SideBySideCalls(const std::function<void()>& a, const std::function<void()>& b) {
+    a();  // warm-up: the plan is cached, the allocator holds the blocks
+    b();
+    const int64_t pairs = std::max<int64_t>(2, std::min(Calibrate(a), Calibrate(b)) / 2);
+    auto timed = [&](const std::function<void()>& f) {
+      if (before_call_) before_call_();
+      Must(world_.Barrier(), "barrier");
+      const auto start = Clock::now();
+      f();
+      return Seconds(start);
+    };
+    std::vector<double> ta, tb, ratios;
+    for (int t = 0; t < options_.trials; ++t) {
+      double sa = 0, sb = 0;
+      for (int64_t p = 0; p < pairs; ++p) {
+        if ((p + t) % 2 == 0) {
+          sa += timed(a);
+          sb += timed(b);
+        } else {
+          sb += timed(b);
+          sa += timed(a);
+        }
+      }
+      shared_.seconds[static_cast<size_t>(rank_)] = sa;
+      shared_.seconds_b[static_cast<size_t>(rank_)] = sb;
+      Must(world_.Barrier(), "barrier");
+      sa = *std::max_element(shared_.seconds.begin(), shared_.seconds.end());
+      sb = *std::max_element(shared_.seconds_b.begin(), shared_.seconds_b.end());
+      Must(world_.Barrier(), "barrier");
+      ta.push_back(sa / static_cast<double>(pairs));
+      tb.push_back(sb / static_cast<double>(pairs));
+      ratios.push_back(sa / sb);
+    }
     return {Median(ta), Median(tb), Median(ratios)};
   }
 
@@ -378,8 +423,10 @@ class RankRunner {
           dt_out = Tensor();
           raw_out = Tensor();
         };
-        const auto [t_dt, t_raw, ratio] = SideBySide(run_dt, run_raw);
+        before_call_ = before_batch_;
+        const auto [t_dt, t_raw, ratio] = SideBySideCalls(run_dt, run_raw);
         before_batch_ = nullptr;
+        before_call_ = nullptr;
         // The results must agree (all_to_all without packing is a different layout).
         bool same = true;
         if (op.raw != Raw::kAllToAll) {
@@ -733,6 +780,7 @@ class RankRunner {
   Shared& shared_;
   const Options& options_;
   std::function<void()> before_batch_;  // run before every timed batch (RunMesh: drop the outputs)
+  std::function<void()> before_call_;   // run before every call SideBySideCalls times (likewise)
   int rank_;
 };
 

@@ -457,20 +457,63 @@ absl::StatusOr<StartedStep> StartStep(const RedistributeStep& step, const StepGe
   }
 }
 
+namespace {
+
+// One step, synchronously. The collectives that write straight into their output (every
+// P->R, and S->R / P->S whose pieces are consecutive) make the blocking call here: no
+// StartedStep, closure or extra Tensor copies. At 1 MiB the data evicts what Redistribute
+// touches from the caches, so every line touched is a miss: a P->R of 1 MiB on 2 thread ranks
+// added about 2.5 us to the raw all_reduce through StartStep, 0.7 us this way. The other
+// steps go through StartStep and wait.
+absl::StatusOr<Tensor> RunStep(const RedistributeStep& step, const StepGeometry& g, const Tensor& local,
+                               const DeviceMesh& mesh) {
+  if (step.kind == StepKind::kAllToAll) return RunAllToAll(g, local, mesh);
+  const bool direct = step.kind == StepKind::kAllReduce ||
+                      ((step.kind == StepKind::kAllGather || step.kind == StepKind::kReduceScatter) && g.consecutive);
+  if (!direct) {
+    DT_ASSIGN_OR_RETURN(StartedStep started, StartStep(step, g, local, mesh));
+    if (started.work != nullptr) DT_RETURN_IF_ERROR(started.work->Wait());
+    return started.Finish();
+  }
+  DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(g.group));
+  Tensor copy;  // only where `local` is not contiguous
+  if (!local.is_contiguous()) {
+    DT_ASSIGN_OR_RETURN(copy, Contiguous(local));
+  }
+  const Tensor& input = copy.defined() ? copy : local;
+  const int64_t esize = static_cast<int64_t>(ElementSize(local.dtype()));
+  const LocalBox& box = step.kind == StepKind::kAllReduce ? g.before : g.after;
+  DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(box.shape, local.dtype(), local.device()));
+  const absl::Span<const int64_t> counts = g.counts;
+  switch (step.kind) {
+    case StepKind::kAllReduce:
+      Record(CommKind::kAllReduce, g.before.numel() * esize, mesh);
+      DT_RETURN_IF_ERROR(comm->AllReduce(input, out, ToCommReduceOp(*step.before.partial_op())));
+      break;
+    case StepKind::kAllGather:
+      Record(CommKind::kAllGather, g.after.numel() * esize, mesh);
+      DT_RETURN_IF_ERROR(g.even ? comm->AllGather(input, out) : comm->AllGatherV(input, out, counts));
+      break;
+    default: {  // kReduceScatter
+      Record(CommKind::kReduceScatter, g.before.numel() * esize, mesh);
+      const CommReduceOp op = ToCommReduceOp(*step.before.partial_op());
+      DT_RETURN_IF_ERROR(g.even ? comm->ReduceScatter(input, out, op) : comm->ReduceScatterV(input, out, counts, op));
+      break;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
 absl::StatusOr<Tensor> ExecuteSteps(const std::shared_ptr<const RedistributePlan>& plan, size_t first,
                                     const Tensor& local, const DeviceMesh& mesh) {
   if (first >= plan->steps.size()) return local;
   const PlanGeometry& geometry = GeometryRef(plan, mesh);  // nothing below looks up another
-  Tensor out;                                              // the last step's output
+  if (first + 1 == plan->steps.size()) return RunStep(plan->steps[first], geometry.steps[first], local, mesh);
+  Tensor out;  // the last step's output
   for (size_t i = first; i < plan->steps.size(); ++i) {
-    const Tensor& in = i == first ? local : out;
-    if (plan->steps[i].kind == StepKind::kAllToAll) {  // synchronous: no StartedStep to build
-      DT_ASSIGN_OR_RETURN(out, RunAllToAll(geometry.steps[i], in, mesh));
-      continue;
-    }
-    DT_ASSIGN_OR_RETURN(StartedStep started, StartStep(plan->steps[i], geometry.steps[i], in, mesh));
-    if (started.work != nullptr) DT_RETURN_IF_ERROR(started.work->Wait());
-    DT_ASSIGN_OR_RETURN(out, started.Finish());
+    DT_ASSIGN_OR_RETURN(out, RunStep(plan->steps[i], geometry.steps[i], i == first ? local : out, mesh));
   }
   return out;
 }

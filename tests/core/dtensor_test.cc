@@ -500,6 +500,48 @@ TEST(DTensorSlabs, AllToAllStepsUseSlabs) {
   }
 }
 
+// A local tensor that is a non-contiguous view (the transpose of a transposed copy) takes
+// the same paths as a contiguous one: single-step collectives copy it first, all_to_all
+// reads it through its strides. Same result, bit for bit, as Distribute's contiguous pieces
+// redistributed, and as the target layout distributed from the full tensor.
+TEST(DTensorRedistribute, NonContiguousLocalsMatchContiguous) {
+  const std::vector<std::pair<Placement, Placement>> moves = {
+      {Partial(PartialOp::kSum), Replicate()},
+      {Partial(PartialOp::kSum), Shard(0)},
+      {Partial(PartialOp::kSum), Shard(1)},
+      {Partial(PartialOp::kMax), Replicate()},
+      {Shard(0), Replicate()},
+      {Shard(1), Replicate()},
+      {Shard(0), Shard(1)},
+      {Replicate(), Shard(1)},
+  };
+  for (const Shape& shape : {Shape{6, 4}, Shape{7, 5}}) {
+    RunRanks(3, [&](int rank, Communicator& comm) {
+      DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {3}));
+      const std::vector<double> v = suite::GlobalValues(shape, DType::kFloat32, true, 11);
+      const Tensor full = suite::MakeTensor(v, shape, DType::kFloat32);
+      for (const auto& [from, to] : moves) {
+        const std::string what =
+            absl::StrCat("rank ", rank, " ", ShapeString(shape), " ", from.ToString(), " -> ", to.ToString());
+        const DTensor x = Unwrap(DTensor::Distribute(full, mesh, Layout({from}), {std::nullopt}));
+        const Tensor strided = Unwrap(Unwrap(Contiguous(Unwrap(x.ToLocal().Transpose(0, 1)))).Transpose(0, 1));
+        if (strided.shape()[0] > 1 && strided.shape()[1] > 1) {
+          EXPECT_FALSE(strided.is_contiguous()) << what;
+        }
+        DTensor::FromLocalOptions options;
+        options.global_shape = shape;
+        const DTensor xs = Unwrap(DTensor::FromLocal(strided, mesh, Layout({from}), options));
+        absl::StatusOr<DTensor> y = x.Redistribute(Layout({to}));
+        absl::StatusOr<DTensor> ys = xs.Redistribute(Layout({to}));
+        ASSERT_TRUE(y.ok() && ys.ok()) << what << ": " << y.status() << " / " << ys.status();  // all ranks alike
+        const Tensor want = Unwrap(DTensor::Distribute(full, mesh, Layout({to}), {std::nullopt})).ToLocal();
+        EXPECT_EQ(suite::CompareBits(ys->ToLocal(), y->ToLocal()), "") << what;
+        EXPECT_EQ(suite::CompareBits(ys->ToLocal(), want), "") << what;
+      }
+    });
+  }
+}
+
 // Shapes that keep changing (say, sequence lengths) do not grow the caches without end: past
 // kMaxPlans the planner starts over, and so does the step-geometry cache; an async
 // redistribution started before keeps its plan and geometry and still finishes right.
