@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -77,7 +78,7 @@ double Median(std::vector<double> v) {
 }
 
 struct Options {
-  int trials = 9;
+  int trials = 21;
   double batch_s = 0.03;  // target time of one timed batch
   bool with_2x2 = false;
   bool quick = false;
@@ -273,7 +274,18 @@ class RankRunner {
   // each could catch different phases: a 1 MiB P->R beside all_reduce read 0.98 to 1.05 over
   // three runs of the same binary. The tables use this; the breakdown keeps batches, whose
   // calls are too short to time one by one.
-  Paired SideBySideCalls(const std::function<void()>& a, const std::function<void()>& b) {
+  //
+  // With max_trials above options_.trials it samples on past options_.trials trials until the
+  // 95% confidence interval of the median ratio (order statistics: no assumption on the
+  // distribution) is within +-0.01, or max_trials: the >= 1 MiB rows, judged against 1.03,
+  // whose trial ratios can spread by several percent when this VM's neighbours load memory.
+  // Every rank sees the same ratios, so all stop together.
+  struct Interleaved {
+    double a, b, ratio;
+    double ratio_lo, ratio_hi;  // the 95% confidence interval of the median ratio
+    int trials;
+  };
+  Interleaved SideBySideCalls(const std::function<void()>& a, const std::function<void()>& b, int max_trials) {
     a();  // warm-up: the plan is cached, the allocator holds the blocks
     b();
     const int64_t pairs = std::max<int64_t>(2, std::min(Calibrate(a), Calibrate(b)) / 2);
@@ -285,7 +297,8 @@ class RankRunner {
       return Seconds(start);
     };
     std::vector<double> ta, tb, ratios;
-    for (int t = 0; t < options_.trials; ++t) {
+    Interleaved out{};
+    for (int t = 0;; ++t) {
       double sa = 0, sb = 0;
       for (int64_t p = 0; p < pairs; ++p) {
         if ((p + t) % 2 == 0) {
@@ -305,8 +318,16 @@ class RankRunner {
       ta.push_back(sa / static_cast<double>(pairs));
       tb.push_back(sb / static_cast<double>(pairs));
       ratios.push_back(sa / sb);
+      const int n = t + 1;
+      if (n < options_.trials) continue;
+      std::vector<double> sorted = ratios;
+      std::sort(sorted.begin(), sorted.end());
+      const int k = std::max(0, static_cast<int>(std::floor(n / 2.0 - 0.98 * std::sqrt(static_cast<double>(n)))));
+      out = {Median(ta), Median(tb), Median(ratios), sorted[static_cast<size_t>(k)],
+             sorted[static_cast<size_t>(n - 1 - k)], n};
+      if (n >= max_trials || out.ratio_hi - out.ratio_lo <= 0.02) break;
     }
-    return {Median(ta), Median(tb), Median(ratios)};
+    return out;
   }
 
   // True on every rank iff `mine` is true on every rank.
@@ -330,8 +351,8 @@ class RankRunner {
                   mc.name, ShapeStr(mc.shape).c_str(), world_.size(), static_cast<long long>(g),
                   mc.active.size() > 1 ? "s" : "");
       for (int d : mc.active) std::printf(" %d", d);
-      std::printf(")\n%-12s %-15s %-14s %9s %11s %11s %9s %7s %s\n", "op", "raw", "global", "bytes", "dtensor us",
-                  "raw us", "added us", "ratio", "target");
+      std::printf(")\n%-12s %-15s %-14s %9s %11s %11s %9s %7s %-12s %6s %s\n", "op", "raw", "global", "bytes",
+                  "dtensor us", "raw us", "added us", "ratio", "ratio 95%", "trials", "target");
     }
     int wrong = 0;
     for (const OpCase& op : kOps) {
@@ -424,7 +445,8 @@ class RankRunner {
           raw_out = Tensor();
         };
         before_call_ = before_batch_;
-        const auto [t_dt, t_raw, ratio] = SideBySideCalls(run_dt, run_raw);
+        const Interleaved p = SideBySideCalls(run_dt, run_raw, bytes >= (1 << 20) ? 4 * options_.trials : options_.trials);
+        const double t_dt = p.a, t_raw = p.b, ratio = p.ratio;
         before_batch_ = nullptr;
         before_call_ = nullptr;
         // The results must agree (all_to_all without packing is a different layout).
@@ -445,9 +467,11 @@ class RankRunner {
           // Not the collective Redistribute issues, or the identical call: shown, not judged.
           if (op.raw == Raw::kAllToAll || op.raw == Raw::kPackAllToAll) verdict = "info";
           if (op.raw == Raw::kItself) verdict = "floor";
-          std::printf("%-12s %-15s %-14s %9s %11.2f %11.2f %9.2f %7.3f %s%s\n", op.name, op.raw_name,
-                      ShapeStr(global).c_str(), BytesStr(bytes).c_str(), t_dt * 1e6, t_raw * 1e6, added, ratio, verdict,
-                      all_same ? "" : "  WRONG OUTPUT");
+          char ci[32];
+          std::snprintf(ci, sizeof ci, "%.3f..%.3f", p.ratio_lo, p.ratio_hi);
+          std::printf("%-12s %-15s %-14s %9s %11.2f %11.2f %9.2f %7.3f %-12s %6d %s%s\n", op.name, op.raw_name,
+                      ShapeStr(global).c_str(), BytesStr(bytes).c_str(), t_dt * 1e6, t_raw * 1e6, added, ratio,
+                      ci, p.trials, verdict, all_same ? "" : "  WRONG OUTPUT");
           std::fflush(stdout);
         }
       }
@@ -896,7 +920,8 @@ int Main(int argc, char** argv) {
   }
   std::printf("redistribute_bench: threads backend; float32 global [n, k]; bytes = global tensor size.\n");
   std::printf("dtensor = DTensor::Redistribute (plan cached); raw = the collective on the same group and local\n");
-  std::printf("input; both allocate their output each call. Median of %d trials, each batch ~%.0f ms, slowest rank.\n",
+  std::printf("input; both allocate their output each call. The two alternate call by call, each call timed\n");
+  std::printf("alone; median of %d trials of ~%.0f ms per side (a side's time in a trial: the slowest rank's sum).\n",
               options.trials, options.batch_s * 1e3);
   std::printf("Targets: ratio <= 1.03 at >= 1 MiB; added <= 2 us for the smallest tensor. itself: Redistribute\n");
   std::printf("beside itself (the noise floor). S(0)->S(1) is judged against a2a_blocks (AllToAllBlocks of the\n");
