@@ -323,8 +323,12 @@ class RankRunner {
       std::vector<double> sorted = ratios;
       std::sort(sorted.begin(), sorted.end());
       const int k = std::max(0, static_cast<int>(std::floor(n / 2.0 - 0.98 * std::sqrt(static_cast<double>(n)))));
-      out = {Median(ta), Median(tb), Median(ratios), sorted[static_cast<size_t>(k)],
-             sorted[static_cast<size_t>(n - 1 - k)], n};
+      out = {Median(ta),
+             Median(tb),
+             Median(ratios),
+             sorted[static_cast<size_t>(k)],
+             sorted[static_cast<size_t>(n - 1 - k)],
+             n};
       if (n >= max_trials || out.ratio_hi - out.ratio_lo <= 0.02) break;
     }
     return out;
@@ -445,7 +449,8 @@ class RankRunner {
           raw_out = Tensor();
         };
         before_call_ = before_batch_;
-        const Interleaved p = SideBySideCalls(run_dt, run_raw, bytes >= (1 << 20) ? 4 * options_.trials : options_.trials);
+        const Interleaved p =
+            SideBySideCalls(run_dt, run_raw, bytes >= (1 << 20) ? 4 * options_.trials : options_.trials);
         const double t_dt = p.a, t_raw = p.b, ratio = p.ratio;
         before_batch_ = nullptr;
         before_call_ = nullptr;
@@ -470,8 +475,8 @@ class RankRunner {
           char ci[32];
           std::snprintf(ci, sizeof ci, "%.3f..%.3f", p.ratio_lo, p.ratio_hi);
           std::printf("%-12s %-15s %-14s %9s %11.2f %11.2f %9.2f %7.3f %-12s %6d %s%s\n", op.name, op.raw_name,
-                      ShapeStr(global).c_str(), BytesStr(bytes).c_str(), t_dt * 1e6, t_raw * 1e6, added, ratio,
-                      ci, p.trials, verdict, all_same ? "" : "  WRONG OUTPUT");
+                      ShapeStr(global).c_str(), BytesStr(bytes).c_str(), t_dt * 1e6, t_raw * 1e6, added, ratio, ci,
+                      p.trials, verdict, all_same ? "" : "  WRONG OUTPUT");
           std::fflush(stdout);
         }
       }
