@@ -271,7 +271,7 @@ class RankRunner {
   // timed alone after before_call_ and a Barrier (both untimed); a trial's time for a side is
   // the sum of its calls on the slowest rank. Drift of the host within a trial (this VM's
   // neighbours, its timer ticks) then falls on both sides alike, where batches of 30 ms
-  // each could catch different phases: a 1 MiB P->R beside all_reduce read 0.98 to 1.05 over
+  // each could catch different phases: a 1 MiB P->R beside all_reduce read 0.98 to 1.04 over
   // three runs of the same binary. The tables use this; the breakdown keeps batches, whose
   // calls are too short to time one by one.
   //
