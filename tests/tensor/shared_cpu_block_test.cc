@@ -141,10 +141,10 @@ TEST(SharedCpuBlockTest, AnImpossibleSizeStaysPrivate) {
   EnableSharedCpuBlocks();
   constexpr size_t kBytes = size_t{1} << 44;  // 16 TiB
   absl::StatusOr<Tensor> t = Tensor::Empty({static_cast<int64_t>(kBytes / 4)}, DType::kFloat32);
-  // Through a volatile pointer: clang drops a malloc whose result is only freed, and takes
+  void* probe = std::malloc(kBytes);
+  // The pointer escapes here: else clang drops a malloc whose result is only freed, and takes
   // it as successful.
-  void* (*volatile system_malloc)(size_t) = std::malloc;
-  void* probe = system_malloc(kBytes);
+  asm volatile("" : "+r"(probe) : : "memory");
   const bool host_overcommits = probe != nullptr;
   std::free(probe);
   if (!host_overcommits) {
