@@ -12,7 +12,13 @@
 # run.sh finds cuBLAS and NCCL (libcublasLt.so.13, libnccl.so.2) under /usr/local, /opt and
 # /usr/lib, links the paths the binaries were built with (golden tensors, the trainer, dtrun) to
 # the checkout, and runs every test that does something on a GPU (all of gpt_test: its CPU runs
-# must also hold where a GPU is visible), then the trainer on cuda:0.
+# must also hold where a GPU is visible), then the trainer on cuda:0, then NCCL across processes:
+# the MultiRank tests as 2 and 4 processes, the redistribution slice of dtensor_ucx_child
+# (every layout pair on 1-d and 2-d meshes, checked against the global tensor and the plan's
+# predicted collectives) on 2 and 4 processes, coll_bench's nccl-tests tables (1 and 2 ranks, every
+# element checked) and the trainer on 2 ranks beside the same run over UCX on the CPU. With fewer
+# GPUs than ranks the processes share cuda:0, each naming itself a host (NCCL_HOSTID) since NCCL
+# refuses two ranks of one host on one GPU; they then talk over sockets on loopback.
 set -euo pipefail
 
 [[ $# -eq 2 ]] || { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
@@ -24,7 +30,8 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/lib"
 
 bins=(tests/kernels_test tests/tensor_test tests/ops_test tests/collectives_test tests/autograd_test
-      tests/nn_test tests/gpt_test examples/gpt/gpt_train collectives/dtrun/dtrun)
+      tests/nn_test tests/gpt_test examples/gpt/gpt_train collectives/dtrun/dtrun benchmarks/coll_bench
+      tests/dtensor_ucx_child)
 for b in "${bins[@]}"; do
   [[ -x "$build/$b" ]] || { echo "gpu_bundle.sh: $build/$b is not built" >&2; exit 1; }
   strip -o "$stage/bin/$(basename "$b")" "$build/$b"
@@ -57,10 +64,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 rc=0
 t() {
   local name=\$1; shift
-  timeout 600 "\$@" > "\$logs/\$name.log" 2>&1; local r=\$?
+  timeout "\${DT_STEP_TIMEOUT:-600}" "\$@" > "\$logs/\$name.log" 2>&1; local r=\$?
   [[ \$r -eq 0 ]] || rc=1
-  echo "\$name: exit \$r, \$(grep -E '^\[  PASSED  \]' "\$logs/\$name.log" | head -1)"
-  grep -E '^\[  FAILED  \]' "\$logs/\$name.log" | head -20
+  echo "\$name: exit \$r, \$(grep -E '^(\[rank [0-9]+\] )?\[  PASSED  \]' "\$logs/\$name.log" | head -1)"
+  grep -E '^(\[rank [0-9]+\] )?\[  FAILED  \]' "\$logs/\$name.log" | head -20
 }
 t kernels "\$here/bin/kernels_test"
 t tensor "\$here/bin/tensor_test"
@@ -72,6 +79,34 @@ t gpt "\$here/bin/gpt_test"
 t trainer "\$here/bin/dtrun" --nproc-per-node 1 "\$here/bin/gpt_train" --text "\$repo/README.md" --device cuda \\
   --steps 30 --log-every 10 --sample-tokens 0
 tail -3 "\$logs/trainer.log"
+# NCCL across processes (see the top of gpu_bundle.sh); "share" runs its command as such a rank.
+gpus=\$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+share() { bash -c 'export NCCL_HOSTID=dtensor-rank-\$RANK NCCL_SOCKET_IFNAME=lo; exec "\$@"' share "\$@"; }
+export -f share
+procs() {  # procs N PROGRAM ARGS: N ranks under dtrun, sharing cuda:0 where GPUs are fewer
+  local n=\$1; shift
+  local run=(timeout "\${DT_STEP_TIMEOUT:-600}" "\$here/bin/dtrun" --nproc-per-node "\$n")
+  if [[ \$gpus -ge \$n ]]; then "\${run[@]}" "\$@"
+  else CUDA_VISIBLE_DEVICES=\${CUDA_VISIBLE_DEVICES:-0} "\${run[@]}" bash -c 'share "\$@"' procs "\$@"; fi
+}
+t nccl_procs2 "\$here/bin/dtrun" --nproc-per-node 2 "\$here/bin/collectives_test" --gtest_filter='NcclTest.MultiRank*'
+t nccl_procs4 "\$here/bin/dtrun" --nproc-per-node 4 "\$here/bin/collectives_test" --gtest_filter='NcclTest.MultiRank*'
+for n in 2 4; do
+  timeout "\${DT_STEP_TIMEOUT:-600}" "\$here/bin/dtrun" --nproc-per-node "\$n" "\$here/bin/dtensor_ucx_child" --backend nccl \
+    > "\$logs/redistribute_nccl\$n.log" 2>&1 || rc=1
+  echo "redistributions over nccl, \$n ranks: \$(grep -h 'cases on' "\$logs/redistribute_nccl\$n.log" | head -1)"
+  grep -h 'FAIL' "\$logs/redistribute_nccl\$n.log" | head -10
+done
+for n in 1 2; do
+  procs "\$n" "\$here/bin/coll_bench" --backend nccl --quick > "\$logs/coll_nccl\$n.log" 2>&1 || rc=1
+  echo "coll_bench nccl, \$n rank(s): \$(grep -h 'Out of bounds' "\$logs/coll_nccl\$n.log")"
+done
+for b in ucx nccl; do
+  dev=\$([[ \$b == ucx ]] && echo cpu || echo cuda)
+  procs 2 "\$here/bin/gpt_train" --text "\$repo/README.md" --device "\$dev" --steps 20 --log-every 5 --sample-tokens 0 \
+    > "\$logs/trainer2_\$b.log" 2>&1 || rc=1
+  echo "trainer, 2 ranks, \$b:"; grep -E 'step +[0-9]+' "\$logs/trainer2_\$b.log" | grep '^\[rank 0\]' | tail -4
+done
 exit \$rc
 EOF
 chmod +x "$stage/run.sh"

@@ -105,8 +105,13 @@ class Backend {
   virtual int size() const = 0;
   // (Re)allocates the buffers of the next collective: in [in_count], out [out_count].
   virtual void Allocate(int64_t in_count, int64_t out_count) = 0;
+  // Host views of the buffers, where inputs are filled and results checked.
   virtual float* in() = 0;
   virtual float* out() = 0;
+  // Where the collective runs on other memory (a GPU): Upload() copies both host views there
+  // after they were filled, Download() brings them back before they are checked.
+  virtual void Upload() {}
+  virtual void Download() {}
   // One call of `c` on the allocated buffers (sum for reductions, root 0 for broadcast).
   virtual void Run(Coll c) = 0;
   virtual void Barrier() = 0;
@@ -285,6 +290,7 @@ inline int64_t RunAll(Backend& b, const Options& o, const std::string& title) {
       if (n.total == 0) continue;
       b.Allocate(n.in, n.out);
       internal::FillInputs(c, b, n);
+      b.Upload();
       // Warm-up, then a probe of ~1/10 trial sizes the trials (every rank gets the same max).
       for (int i = 0; i < o.warmup; ++i) b.Run(c);
       const double trial_ns = o.trial_ms * 1e6;
@@ -298,7 +304,9 @@ inline int64_t RunAll(Backend& b, const Options& o, const std::string& title) {
       const double us = trials[trials.size() / 2] / 1e3;
       // Check one more call on freshly filled buffers.
       internal::FillInputs(c, b, n);
+      b.Upload();
       b.Run(c);
+      b.Download();
       const int64_t wrong = b.AllSum(internal::CountWrong(c, b, n));
       all_wrong += wrong;
       const int64_t size = n.total * 4;

@@ -4,6 +4,14 @@
 // Barrier, async lifetimes). With two or more GPUs: one thread per GPU forming one NCCL group
 // through an in-process TCP store, every collective against float64 / exact-integer
 // references computed here, sub-groups and a timeout that aborts the communicator.
+//
+// The MultiRank tests also run with one process per rank, which is how NCCL is used in
+// training and the only way to run them on a machine with one GPU:
+//   dtrun --nproc-per-node N collectives_test --gtest_filter='NcclTest.MultiRank*'
+// Each process is then rank RANK of WORLD_SIZE (joined through the launcher's store) on
+// cuda:LOCAL_RANK, or on cuda:0 when there are fewer GPUs than ranks: NCCL refuses two ranks of
+// one host on one GPU, so each such process names itself a host of its own (NCCL_HOSTID) and
+// the ranks meet over sockets on loopback, slowly but through every code path of the backend.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -15,12 +23,14 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "collectives/nccl/nccl_communicator.h"
 #include "collectives/store/rendezvous.h"
 #include "collectives/store/tcp_store.h"
 #include "dtensor/tensor/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/nccl_process_gpu.h"
 #include "tests/testing/test_util.h"
 
 namespace dtensor {
@@ -65,9 +75,45 @@ LaunchInfo World(int rank, int size) {
   return info;
 }
 
-// Runs fn(rank, comm) on one thread per rank, rank r on cuda:r, after forming the group.
+// Launched as one process per rank (dtrun, mpirun, srun with a world of two or more): this
+// process's rank, its GPU and the run's store, made on first use and kept to the end (rank 0's
+// store serves the others); null otherwise.
+struct ProcessRank {
+  LaunchInfo info;
+  int device = 0;
+  std::unique_ptr<StoreClient> store;
+};
+ProcessRank* Process() {
+  static ProcessRank* const process = []() -> ProcessRank* {
+    absl::StatusOr<LaunchInfo> info = LaunchInfoFromEnv();
+    if (!info.ok() || info->scheme == "none" || info->world_size < 2) return nullptr;
+    auto* p = new ProcessRank;  // never freed: used up to the process's exit
+    p->info = *info;
+    if (CudaDeviceCount() == 0) return p;  // the tests skip; no store needed
+    p->device = testing::NcclProcessGpu(*info);
+    p->store = Unwrap(ConnectStore(*info, absl::Seconds(120)), "ConnectStore");
+    return p;
+  }();
+  return process;
+}
+
+// The GPU of `rank`: cuda:rank for thread ranks; a process rank uses its own.
+Device RankDevice(int rank) { return Device::Cuda(Process() != nullptr ? Process()->device : rank); }
+
+// Runs fn(rank, comm) on one thread per rank, rank r on cuda:r, after forming the group; or,
+// launched as one process per rank, fn for this process's rank only.
 void RunRanks(int world, const std::function<void(int, Communicator&)>& fn,
               absl::Duration timeout = absl::Seconds(60)) {
+  if (ProcessRank* p = Process(); p != nullptr) {
+    ASSERT_EQ(world, p->info.world_size);
+    auto comm = MakeNcclCommunicator(p->info, *p->store, p->device, timeout);
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    EXPECT_EQ((*comm)->rank(), p->info.rank);
+    EXPECT_EQ((*comm)->size(), world);
+    EXPECT_EQ((*comm)->device(), RankDevice(p->info.rank));
+    fn(p->info.rank, **comm);
+    return;
+  }
   LocalStore store;
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
@@ -376,12 +422,23 @@ TEST(NcclTest, SingleRankAsyncSplitAndBarrier) {
   EXPECT_TRUE((*second)->Barrier().ok());
 }
 
-// ---- Several GPUs: one rank per GPU (threads of this process) ----
+// ---- Several GPUs: one rank per GPU (threads of this process), or one process per rank ----
 
-int MultiWorld() { return std::min(CudaDeviceCount(), 4); }
+// Thread ranks: up to 4 GPUs. Process ranks: the launcher's world, on one GPU or more.
+int MultiWorld() { return Process() != nullptr ? Process()->info.world_size : std::min(CudaDeviceCount(), 4); }
+
+#define SKIP_WITHOUT_MULTI_RANK()                                                                       \
+  do {                                                                                                  \
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: the nccl backend needs a GPU"; \
+    if (Process() == nullptr && CudaDeviceCount() < 2) {                                                \
+      GTEST_SKIP() << "needs 2 GPUs (" << CudaDeviceCount()                                             \
+                   << " visible), or one process per rank: dtrun --nproc-per-node 2 collectives_test "  \
+                      "--gtest_filter='NcclTest.MultiRank*'";                                           \
+    }                                                                                                   \
+  } while (false)
 
 TEST(NcclTest, MultiRankReductions) {
-  SKIP_WITHOUT_GPUS(2);
+  SKIP_WITHOUT_MULTI_RANK();
   const int world = MultiWorld();
   RunRanks(world, [&](int rank, Communicator& comm) {
     for (DType dtype : kAllTypes) {
@@ -389,9 +446,9 @@ TEST(NcclTest, MultiRankReductions) {
       const int64_t n = 127;
       std::vector<std::vector<double>> inputs;
       for (int r = 0; r < world; ++r) inputs.push_back(Values(Input({n * world}, dtype, r, 5)));
-      const Tensor x = OnGpu(Input({n * world}, dtype, rank, 5), rank);
-      const Tensor full = Unwrap(Tensor::Empty({n * world}, dtype, Device::Cuda(rank)));
-      const Tensor part = Unwrap(Tensor::Empty({n}, dtype, Device::Cuda(rank)));
+      const Tensor x = OnGpu(Input({n * world}, dtype, rank, 5), RankDevice(rank).index);
+      const Tensor full = Unwrap(Tensor::Empty({n * world}, dtype, RankDevice(rank)));
+      const Tensor part = Unwrap(Tensor::Empty({n}, dtype, RankDevice(rank)));
       for (CommReduceOp op :
            {CommReduceOp::kSum, CommReduceOp::kAvg, CommReduceOp::kMax, CommReduceOp::kMin, CommReduceOp::kProduct}) {
         std::vector<double> ref(static_cast<size_t>(n * world));
@@ -414,7 +471,7 @@ TEST(NcclTest, MultiRankReductions) {
       for (int r = 0; r < world; ++r) total += counts[static_cast<size_t>(r)];
       for (int r = 0; r < rank; ++r) offset += counts[static_cast<size_t>(r)];
       const Tensor xv = Unwrap(x.Narrow(0, 0, total));
-      const Tensor mine = Unwrap(Tensor::Empty({counts[static_cast<size_t>(rank)]}, dtype, Device::Cuda(rank)));
+      const Tensor mine = Unwrap(Tensor::Empty({counts[static_cast<size_t>(rank)]}, dtype, RankDevice(rank)));
       ASSERT_TRUE(comm.ReduceScatterV(xv, mine, counts, CommReduceOp::kSum).ok());
       std::vector<double> ref;
       for (int64_t i = offset; i < offset + counts[static_cast<size_t>(rank)]; ++i) {
@@ -428,15 +485,15 @@ TEST(NcclTest, MultiRankReductions) {
 }
 
 TEST(NcclTest, MultiRankDataMovement) {
-  SKIP_WITHOUT_GPUS(2);
+  SKIP_WITHOUT_MULTI_RANK();
   const int world = MultiWorld();
   RunRanks(world, [&](int rank, Communicator& comm) {
     const DType dtype = DType::kBFloat16;
     const int64_t n = 17;
     std::vector<std::vector<double>> inputs;
     for (int r = 0; r < world; ++r) inputs.push_back(Values(Input({n * world}, dtype, r, 6)));
-    const Tensor x = OnGpu(Input({n * world}, dtype, rank, 6), rank);
-    const Tensor out = Unwrap(Tensor::Empty({n * world}, dtype, Device::Cuda(rank)));
+    const Tensor x = OnGpu(Input({n * world}, dtype, rank, 6), RankDevice(rank).index);
+    const Tensor out = Unwrap(Tensor::Empty({n * world}, dtype, RankDevice(rank)));
     // AllGather of the first n elements.
     ASSERT_TRUE(comm.AllGather(Unwrap(x.Narrow(0, 0, n)), out).ok());
     std::vector<double> ref;
@@ -457,7 +514,7 @@ TEST(NcclTest, MultiRankDataMovement) {
     for (int r = 0; r < world; ++r) counts.push_back(r == 1 ? 0 : r + 2);
     int64_t total = 0;
     for (int64_t c : counts) total += c;
-    const Tensor gv = Unwrap(Tensor::Empty({total}, dtype, Device::Cuda(rank)));
+    const Tensor gv = Unwrap(Tensor::Empty({total}, dtype, RankDevice(rank)));
     ASSERT_TRUE(comm.AllGatherV(Unwrap(x.Narrow(0, 0, counts[static_cast<size_t>(rank)])), gv, counts).ok());
     ref.clear();
     for (int r = 0; r < world; ++r) {
@@ -473,7 +530,7 @@ TEST(NcclTest, MultiRankDataMovement) {
     }
     int64_t sends = 0, recvs = 0;
     for (int j = 0; j < world; ++j) sends += send[static_cast<size_t>(j)], recvs += recv[static_cast<size_t>(j)];
-    const Tensor av = Unwrap(Tensor::Empty({recvs}, dtype, Device::Cuda(rank)));
+    const Tensor av = Unwrap(Tensor::Empty({recvs}, dtype, RankDevice(rank)));
     ASSERT_TRUE(comm.AllToAllV(Unwrap(x.Narrow(0, 0, sends)), av, send, recv).ok());
     ref.clear();
     for (int r = 0; r < world; ++r) {  // from rank r: its block for me, at its prefix of sends
@@ -484,18 +541,18 @@ TEST(NcclTest, MultiRankDataMovement) {
     }
     EXPECT_EQ(Values(av), ref) << "AllToAllV";
     // Broadcast from the last rank.
-    const Tensor b = OnGpu(Input({n}, dtype, rank, 7), rank);
+    const Tensor b = OnGpu(Input({n}, dtype, rank, 7), RankDevice(rank).index);
     ASSERT_TRUE(comm.Broadcast(b, world - 1).ok());
     EXPECT_EQ(Values(b), Values(Input({n}, dtype, world - 1, 7))) << "Broadcast";
     // Ring shift in one batch, sends listed first (as separate SendAsync / RecvAsync calls
     // every rank's send would wait for a receive queued behind it: see nccl_communicator.h).
-    const Tensor mine = OnGpu(Input({n}, dtype, rank, 8), rank);
-    const Tensor got = Unwrap(Tensor::Empty({n}, dtype, Device::Cuda(rank)));
+    const Tensor mine = OnGpu(Input({n}, dtype, rank, 8), RankDevice(rank).index);
+    const Tensor got = Unwrap(Tensor::Empty({n}, dtype, RankDevice(rank)));
     ASSERT_OK(
         comm.BatchSendRecv({PeerOp::Send(mine, (rank + 1) % world), PeerOp::Recv(got, (rank + world - 1) % world)}));
     EXPECT_EQ(Values(got), Values(Input({n}, dtype, (rank + world - 1) % world, 8))) << "BatchSendRecv";
     // Then Send / Recv in an order that needs no group: even ranks send first, odd ones receive.
-    const Tensor back = Unwrap(Tensor::Empty({n}, dtype, Device::Cuda(rank)));
+    const Tensor back = Unwrap(Tensor::Empty({n}, dtype, RankDevice(rank)));
     const int next = (rank + 1) % world, prev = (rank + world - 1) % world;
     if (world % 2 == 0) {
       if (rank % 2 == 0) {
@@ -512,7 +569,7 @@ TEST(NcclTest, MultiRankDataMovement) {
 }
 
 TEST(NcclTest, MultiRankSplitByParity) {
-  SKIP_WITHOUT_GPUS(2);
+  SKIP_WITHOUT_MULTI_RANK();
   const int world = MultiWorld();
   RunRanks(world, [&](int rank, Communicator& comm) {
     // Even ranks in reverse order (key = -rank); odd ranks opt out.
@@ -526,7 +583,7 @@ TEST(NcclTest, MultiRankSplitByParity) {
     const int evens = (world + 1) / 2;
     EXPECT_EQ((*child)->size(), evens);
     EXPECT_EQ((*child)->rank(), evens - 1 - rank / 2);
-    const Tensor x = Unwrap(Full({5}, rank + 1.0, DType::kFloat32, Device::Cuda(rank)));
+    const Tensor x = Unwrap(Full({5}, rank + 1.0, DType::kFloat32, RankDevice(rank)));
     ASSERT_TRUE((*child)->AllReduce(x, x, CommReduceOp::kSum).ok());
     double sum = 0;
     for (int r = 0; r < world; r += 2) sum += r + 1.0;
@@ -534,14 +591,51 @@ TEST(NcclTest, MultiRankSplitByParity) {
   });
 }
 
+// Keeps ranks other than 0 (and their communicators, whose teardown a peer may notice) until
+// rank 0 is done: thread ranks wait on a notification, process ranks on a key of the store.
+class RankZeroDone {
+ public:
+  // Rank 0: on leaving the scope of the returned guard, the others go on.
+  auto Guard() {
+    struct Signal {
+      RankZeroDone* done;
+      ~Signal() { done->Signal(); }
+    };
+    return Signal{this};
+  }
+  void Await() {
+    if (Process() == nullptr) {
+      EXPECT_TRUE(notification_.WaitForNotificationWithTimeout(absl::Seconds(120)));
+    } else {
+      const absl::Status s = Process()->store->Wait({key_});
+      EXPECT_TRUE(s.ok()) << s;
+    }
+  }
+
+ private:
+  void Signal() {
+    if (Process() == nullptr) {
+      notification_.Notify();
+    } else {
+      const absl::Status s = Process()->store->Set(key_, "1");
+      EXPECT_TRUE(s.ok()) << s;
+    }
+  }
+  std::string key_ =
+      absl::StrCat("nccl_test/", ::testing::UnitTest::GetInstance()->current_test_info()->name(), "/rank0_done");
+  absl::Notification notification_;
+};
+
 TEST(NcclTest, MultiRankTimeoutAbortsAndNamesTheCall) {
-  SKIP_WITHOUT_GPUS(2);
+  SKIP_WITHOUT_MULTI_RANK();
   const int world = MultiWorld();
+  RankZeroDone done;
   RunRanks(world, [&](int rank, Communicator& comm) {
     ASSERT_TRUE(comm.Barrier().ok());
-    comm.SetTimeout(absl::Seconds(2));  // also bounds the other ranks' teardown
-    if (rank != 0) return;              // only rank 0 calls: it must time out, not hang
-    const Tensor x = Unwrap(Full({8}, 1.0, DType::kFloat32, Device::Cuda(0)));
+    comm.SetTimeout(absl::Seconds(2));   // also bounds the other ranks' teardown
+    if (rank != 0) return done.Await();  // only rank 0 calls: it must time out, not hang
+    auto guard = done.Guard();
+    const Tensor x = Unwrap(Full({8}, 1.0, DType::kFloat32, RankDevice(0)));
     const absl::Status s = comm.AllReduce(x, x, CommReduceOp::kSum);
     EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
     EXPECT_THAT(s.message(), HasSubstr("[AllReduce] rank 0"));
@@ -551,17 +645,45 @@ TEST(NcclTest, MultiRankTimeoutAbortsAndNamesTheCall) {
   });
 }
 
+// Peers that leave (destroy their communicators) while rank 0 waits in a collective: rank 0
+// gets an error naming the call, never a hang. Where the ranks talk over sockets (processes
+// sharing a GPU) NCCL sees the connections close and the error is Unavailable, long before the
+// timeout; through GPU peer-to-peer memory nothing tells, and the timeout ends the wait.
+TEST(NcclTest, MultiRankPeersThatLeaveFailTheCall) {
+  SKIP_WITHOUT_MULTI_RANK();
+  const int world = MultiWorld();
+  const bool sockets = Process() != nullptr && CudaDeviceCount() < world;
+  RunRanks(world, [&](int rank, Communicator& comm) {
+    ASSERT_TRUE(comm.Barrier().ok());
+    comm.SetTimeout(absl::Seconds(sockets ? 60 : 3));
+    if (rank != 0) return;  // its communicator goes
+    const Tensor x = Unwrap(Full({8}, 1.0, DType::kFloat32, RankDevice(0)));
+    const absl::Time start = absl::Now();
+    const absl::Status s = comm.AllReduce(x, x, CommReduceOp::kSum);
+    EXPECT_THAT(s.message(), HasSubstr("[AllReduce] rank 0"));
+    if (sockets) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+      EXPECT_LT(absl::Now() - start, absl::Seconds(30)) << s;
+    } else {
+      EXPECT_TRUE(s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kDeadlineExceeded) << s;
+    }
+    EXPECT_EQ(comm.Barrier().code(), absl::StatusCode::kFailedPrecondition);
+  });
+}
+
 // A BatchSendRecv whose peers never answer times out naming them: the one peer, or all of the
 // batch's (NCCL cannot tell which one is missing), not every rank of the group.
 TEST(NcclTest, MultiRankBatchTimeoutNamesTheBatchPeers) {
-  SKIP_WITHOUT_GPUS(2);
+  SKIP_WITHOUT_MULTI_RANK();
   const int world = MultiWorld();
+  RankZeroDone done;
   RunRanks(world, [&](int rank, Communicator& comm) {
     ASSERT_TRUE(comm.Barrier().ok());
     comm.SetTimeout(absl::Seconds(2));
-    if (rank != 0) return;
-    const Tensor a = Unwrap(Tensor::Empty({8}, DType::kFloat32, Device::Cuda(0)));
-    const Tensor b = Unwrap(Tensor::Empty({8}, DType::kFloat32, Device::Cuda(0)));
+    if (rank != 0) return done.Await();
+    auto guard = done.Guard();
+    const Tensor a = Unwrap(Tensor::Empty({8}, DType::kFloat32, RankDevice(0)));
+    const Tensor b = Unwrap(Tensor::Empty({8}, DType::kFloat32, RankDevice(0)));
     std::vector<PeerOp> ops = {PeerOp::Recv(a, 1), PeerOp::Send(a, 1)};
     if (world >= 3) ops.push_back(PeerOp::Recv(b, 2));
     const absl::Status s = comm.BatchSendRecv(ops);
@@ -592,17 +714,17 @@ TEST(NcclTest, DebugModeLetsMatchingCallsThrough) {
 }
 
 TEST(NcclTest, MultiRankDebugModeReportsMismatchedCallsOnEveryRank) {
-  SKIP_WITHOUT_GPUS(2);
+  SKIP_WITHOUT_MULTI_RANK();
   ScopedDebugEnv debug;
   const int world = MultiWorld();
   RunRanks(world, [&](int rank, Communicator& comm) {
     absl::Status s;
     if (rank == 1) {
-      const Tensor in = Unwrap(Full({3}, 1.0, DType::kFloat32, Device::Cuda(rank)));
-      const Tensor out = Unwrap(Tensor::Empty({3 * world}, DType::kFloat32, Device::Cuda(rank)));
+      const Tensor in = Unwrap(Full({3}, 1.0, DType::kFloat32, RankDevice(rank)));
+      const Tensor out = Unwrap(Tensor::Empty({3 * world}, DType::kFloat32, RankDevice(rank)));
       s = comm.AllGather(in, out);
     } else {
-      const Tensor x = Unwrap(Full({12}, 1.0, DType::kFloat32, Device::Cuda(rank)));
+      const Tensor x = Unwrap(Full({12}, 1.0, DType::kFloat32, RankDevice(rank)));
       s = comm.AllReduce(x, x, CommReduceOp::kSum);
     }
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
@@ -610,7 +732,7 @@ TEST(NcclTest, MultiRankDebugModeReportsMismatchedCallsOnEveryRank) {
     EXPECT_THAT(s.message(), HasSubstr("AllReduce(float32, 12 elements, sum)"));
     EXPECT_THAT(s.message(), HasSubstr("AllGather(float32, 3 elements)"));
     // Nothing moved: the communicator is still usable for a matching call.
-    const Tensor y = Unwrap(Full({4}, 1.0, DType::kFloat32, Device::Cuda(rank)));
+    const Tensor y = Unwrap(Full({4}, 1.0, DType::kFloat32, RankDevice(rank)));
     ASSERT_TRUE(comm.AllReduce(y, y, CommReduceOp::kSum).ok());
     EXPECT_EQ(Values(y), std::vector<double>(4, world));
   });

@@ -1,19 +1,27 @@
 // Rank program for tests/core/dtensor_ucx_test.cc, run under dtrun on the ucx backend: a
-// representative slice of the redistribution suite as real processes. For each mesh that fits
+// representative slice of the redistribution suite as real processes. With --backend nccl the
+// same on GPUs (scripts/gpu_bundle.sh runs it): each rank on cuda:LOCAL_RANK, or all on cuda:0
+// where GPUs are fewer than ranks (each process then names itself a host of its own, as NCCL
+// refuses two ranks of one host on one GPU, and the ranks meet over sockets on loopback). For each mesh that fits
 // the world size, every pair of layouts drawn from {R, S(0), S(1), P(sum), P(max)} per mesh dim,
 // on an even and an uneven shape, float32 and int64: Distribute the global tensor, Redistribute,
 // and check FullTensor() against the global tensor bit for bit and the collectives this rank
 // issued against the plan's prediction. Also a cross-mesh move (1-d -> 2-d). Prints each
 // failure; exits 1 if there was one.
 #include <cstdio>
+#include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "collectives/nccl/nccl_communicator.h"
+#include "collectives/store/rendezvous.h"
 #include "collectives/ucx/ucx_communicator.h"
 #include "dtensor/core/dtensor.h"
 #include "dtensor/ops/ops.h"
+#include "tests/testing/nccl_process_gpu.h"
 
 namespace dtensor {
 namespace {
@@ -27,12 +35,15 @@ void Fail(const std::string& what) {
 }
 
 // Multiples of 24: dividing by any group size up to 8 (R -> P(sum)) and summing back is exact.
-absl::StatusOr<Tensor> Global(IntSpan shape, DType dtype) {
+// On `device` (the mesh's).
+absl::StatusOr<Tensor> Global(IntSpan shape, DType dtype, Device device) {
   std::vector<int64_t> v(static_cast<size_t>(NumElements(shape)));
   for (size_t i = 0; i < v.size(); ++i) v[i] = 24 * (static_cast<int64_t>(i * 7 + 3) % 17 - 8);
   auto t = Tensor::FromVector<int64_t>(v, shape);
   if (!t.ok()) return t.status();
-  return Cast(*t, dtype);
+  auto cast = Cast(*t, dtype);
+  if (!cast.ok()) return cast.status();
+  return To(*cast, device);
 }
 
 std::vector<Layout> Layouts(int mesh_ndim) {
@@ -74,7 +85,7 @@ void RunMesh(Communicator& world, IntSpan mesh_shape) {
   const std::vector<Layout> layouts = Layouts(mesh->ndim());
   for (const Shape& shape : {Shape{8, 4, 6}, Shape{7, 5, 3}}) {
     for (DType dtype : {DType::kFloat32, DType::kInt64}) {
-      auto global = Global(shape, dtype);
+      auto global = Global(shape, dtype, world.device());
       if (!global.ok()) return Fail(global.status().ToString());
       const std::vector<double> want = *ToDoubleVector(*global);
       for (const Layout& src : layouts) {
@@ -110,7 +121,7 @@ void RunCrossMesh(Communicator& world) {
   auto flat = DeviceMesh::Create(world, {4}, {"w"});
   auto grid = DeviceMesh::Create(world, {2, 2}, {"dp", "tp"});
   if (!flat.ok() || !grid.ok()) return Fail("cross-mesh: mesh creation failed");
-  auto global = Global({9, 6}, DType::kFloat32);
+  auto global = Global({9, 6}, DType::kFloat32, world.device());
   const std::vector<double> want = *ToDoubleVector(*global);
   for (const Layout& src : {Layout{Shard(0)}, Layout{Shard(1)}, Layout{Partial()}, Layout{Replicate()}}) {
     for (const Layout& dst : {Layout{Shard(0), Shard(0)}, Layout{Shard(1), Shard(0)}, Layout{Replicate(), Partial()},
@@ -132,10 +143,23 @@ void RunCrossMesh(Communicator& world) {
   }
 }
 
-int Run() {
-  auto comm = MakeUcxCommunicatorFromEnv(absl::Seconds(60));
+// This process's rank of an NCCL group (see the top); `store` must outlive the communicator's
+// users on rank 0, which serves it.
+absl::StatusOr<std::unique_ptr<Communicator>> MakeNccl(std::unique_ptr<StoreClient>* store) {
+  absl::StatusOr<LaunchInfo> info = LaunchInfoFromEnv();
+  if (!info.ok()) return info.status();
+  const int device = testing::NcclProcessGpu(*info);
+  auto s = ConnectStore(*info, absl::Seconds(60));
+  if (!s.ok()) return s.status();
+  *store = *std::move(s);
+  return MakeNcclCommunicator(*info, **store, device, absl::Seconds(60));
+}
+
+int Run(bool nccl) {
+  std::unique_ptr<StoreClient> store;
+  auto comm = nccl ? MakeNccl(&store) : MakeUcxCommunicatorFromEnv(absl::Seconds(60));
   if (!comm.ok()) {
-    std::fprintf(stderr, "MakeUcxCommunicatorFromEnv: %s\n", comm.status().ToString().c_str());
+    std::fprintf(stderr, "making the %s communicator: %s\n", nccl ? "nccl" : "ucx", comm.status().ToString().c_str());
     return 2;
   }
   Communicator& world = **comm;
@@ -145,7 +169,8 @@ int Run() {
   if (p == 4) RunMesh(world, {2, 2});
   if (p == 2) RunMesh(world, {1, 2});
   RunCrossMesh(world);
-  std::printf("%d cases, %d failures, %.2f s\n", g_cases, g_failures, absl::ToDoubleSeconds(absl::Now() - start));
+  std::printf("%d cases on %s (%s), %d failures, %.2f s\n", g_cases, world.backend(), world.device().ToString().c_str(),
+              g_failures, absl::ToDoubleSeconds(absl::Now() - start));
   if (!world.Barrier().ok()) return 3;
   return g_failures == 0 ? 0 : 1;
 }
@@ -153,4 +178,11 @@ int Run() {
 }  // namespace
 }  // namespace dtensor
 
-int main() { return dtensor::Run(); }
+int main(int argc, char** argv) {
+  const bool nccl = argc == 3 && std::strcmp(argv[1], "--backend") == 0 && std::strcmp(argv[2], "nccl") == 0;
+  if (argc != 1 && !nccl) {
+    std::fprintf(stderr, "usage: dtensor_ucx_child [--backend nccl]\n");
+    return 2;
+  }
+  return dtensor::Run(nccl);
+}
