@@ -249,6 +249,8 @@ class ShmGroup {
                         const UcxWaitContext& ctx) const;
   bool oversubscribed_ = true;  // see oversubscribed()
   int64_t spin_ns_ = 0;
+  int first_spins_ = 0;  // pauses of WaitRank's first look (set_oversubscribed)
+  int round_spins_ = 0;  // pauses per round of WaitFor's loop
   std::vector<int> members_;
   UcxWorld* world_ = nullptr;
   struct PeerMap {
