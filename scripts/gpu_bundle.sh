@@ -29,7 +29,7 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/lib"
 
-bins=(tests/kernels_test tests/tensor_test tests/ops_test tests/collectives_test tests/autograd_test
+bins=(tests/kernels_test tests/tensor_test tests/ops_test tests/collectives_test tests/core_test tests/autograd_test
       tests/nn_test tests/gpt_test examples/gpt/gpt_train collectives/dtrun/dtrun benchmarks/coll_bench
       tests/dtensor_ucx_child)
 for b in "${bins[@]}"; do
@@ -56,10 +56,11 @@ mkdir -p "\$logs"
 find_dir() { dirname "\$(find /usr/local /opt /usr/lib -name "\$1" 2>/dev/null | head -1)"; }
 export LD_LIBRARY_PATH="\$here/lib:\$(find_dir 'libcublasLt.so.13*'):\$(find_dir 'libnccl.so.2*')\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 # The paths compiled into the tests: golden tensors and the trainer.
-mkdir -p "$src/tests" "$build/examples/gpt" "$build/collectives/dtrun"
+mkdir -p "$src/tests" "$build/examples/gpt" "$build/collectives/dtrun" "$build/tests"
 [[ -e "$src/tests/golden" ]] || ln -s "\$repo/tests/golden" "$src/tests/golden"
 [[ -e "$build/examples/gpt/gpt_train" ]] || ln -s "\$here/bin/gpt_train" "$build/examples/gpt/gpt_train"
 [[ -e "$build/collectives/dtrun/dtrun" ]] || ln -s "\$here/bin/dtrun" "$build/collectives/dtrun/dtrun"
+[[ -e "$build/tests/dtensor_ucx_child" ]] || ln -s "\$here/bin/dtensor_ucx_child" "$build/tests/dtensor_ucx_child"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 rc=0
 t() {
@@ -73,6 +74,7 @@ t kernels "\$here/bin/kernels_test"
 t tensor "\$here/bin/tensor_test"
 t ops "\$here/bin/ops_test"
 t nccl "\$here/bin/collectives_test" --gtest_filter='NcclTest.*:*Blocks*:-UcxZeroCopyTest.*'
+t core_nccl "\$here/bin/core_test" --gtest_filter='*Nccl*'
 t nn "\$here/bin/nn_test"
 t autograd "\$here/bin/autograd_test" --gtest_filter='Grad.*'
 t gpt "\$here/bin/gpt_test"

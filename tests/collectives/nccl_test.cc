@@ -12,6 +12,9 @@
 // cuda:LOCAL_RANK, or on cuda:0 when there are fewer GPUs than ranks: NCCL refuses two ranks of
 // one host on one GPU, so each such process names itself a host of its own (NCCL_HOSTID) and
 // the ranks meet over sockets on loopback, slowly but through every code path of the backend.
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -693,6 +696,33 @@ TEST(NcclTest, MultiRankBatchTimeoutNamesTheBatchPeers) {
                 HasSubstr(world >= 3 ? "waiting for ranks 1 and 2 (NCCL cannot tell" : "waiting for rank 1;"));
   });
 }
+
+#if defined(DTRUN_PATH)
+// The MultiRank tests above as 2 processes of this binary under dtrun (on a one-GPU machine
+// they share cuda:0, see the top), so that ctest covers NCCL across processes wherever a GPU is.
+TEST(NcclTest, ProcessRanksPassTheMultiRankTests) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: the nccl backend needs a GPU";
+  if (Process() != nullptr) GTEST_SKIP() << "already one process of a launched group";
+  char self[4096];
+  const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  ASSERT_GT(len, 0);
+  self[len] = '\0';
+  const std::string cmd = absl::StrCat("timeout -s KILL 300 ", DTRUN_PATH, " --nproc-per-node 2 ", self,
+                                       " --gtest_filter='NcclTest.MultiRank*' 2>&1");
+  std::string output;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) output.append(buf, n);
+  const int status = pclose(pipe);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_THAT(output, HasSubstr(absl::StrCat("[rank ", r, "] [  PASSED  ]"))) << output;
+  }
+  EXPECT_THAT(output, ::testing::Not(HasSubstr("SKIPPED"))) << output;
+}
+#endif
 
 // DTENSOR_DEBUG=1 while the communicators are made; restored afterwards.
 class ScopedDebugEnv {

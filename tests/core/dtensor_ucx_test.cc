@@ -1,10 +1,12 @@
 // A representative slice of the redistribution suite as processes on the ucx backend: runs
 // tests/core/dtensor_ucx_child.cc under dtrun on 2 and 4 ranks (each rank checks its own
-// results against the global tensor and the plan's predicted collectives).
+// results against the global tensor and the plan's predicted collectives). Where a GPU is
+// visible, the same on the nccl backend (ranks sharing cuda:0 where GPUs are fewer).
 #include <cstdio>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "dtensor/tensor/device.h"
 #include "gtest/gtest.h"
 
 #if defined(DTENSOR_UCX_CHILD_PATH) && defined(DTRUN_PATH)
@@ -17,9 +19,9 @@ struct ChildRun {
 };
 
 // dtrun with `ranks` processes, killed by coreutils' timeout after 240 s.
-ChildRun RunChild(int ranks, const std::string& env) {
+ChildRun RunChild(int ranks, const std::string& env, const std::string& args = "") {
   const std::string cmd = absl::StrCat(env, " timeout -s KILL 240 ", DTRUN_PATH, " --nproc-per-node ", ranks, " ",
-                                       DTENSOR_UCX_CHILD_PATH, " 2>&1");
+                                       DTENSOR_UCX_CHILD_PATH, " ", args, " 2>&1");
   ChildRun run;
   FILE* pipe = popen(cmd.c_str(), "r");
   if (pipe == nullptr) return run;
@@ -45,6 +47,23 @@ TEST_P(DTensorUcxTest, RedistributionsMatchTheGlobalTensorAndThePlan) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, DTensorUcxTest, testing::Values(2, 4),
+                         [](const testing::TestParamInfo<int>& info) { return absl::StrCat("P", info.param); });
+
+class DTensorNcclProcessesTest : public testing::TestWithParam<int> {};
+
+TEST_P(DTensorNcclProcessesTest, RedistributionsMatchTheGlobalTensorAndThePlan) {
+  if (dtensor::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible: the nccl backend needs a GPU";
+  const int ranks = GetParam();
+  ChildRun run = RunChild(ranks, "", "--backend nccl");
+  EXPECT_EQ(run.code, 0) << run.output;
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_NE(run.output.find(absl::StrCat("[rank ", r, "] ")), std::string::npos) << run.output;
+  }
+  EXPECT_NE(run.output.find(" cases on nccl"), std::string::npos) << run.output;
+  EXPECT_EQ(run.output.find("FAIL:"), std::string::npos) << run.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, DTensorNcclProcessesTest, testing::Values(2, 4),
                          [](const testing::TestParamInfo<int>& info) { return absl::StrCat("P", info.param); });
 
 }  // namespace
