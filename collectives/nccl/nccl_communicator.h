@@ -6,6 +6,10 @@
 //   DT_ASSIGN_OR_RETURN(auto comm, MakeNcclCommunicator(info, *store, info.local_rank));
 //   DT_RETURN_IF_ERROR(comm->AllReduce(grad, grad, CommReduceOp::kAvg));   // grad on cuda:local_rank
 //
+// One GPU per rank: NCCL refuses two ranks of one host on one GPU. (Tests and checks can still
+// run several ranks on one GPU as processes that each claim a host of their own through
+// NCCL_HOSTID, then meet over NCCL's sockets: tests/testing/nccl_process_gpu.h.)
+//
 // Every collective is one NCCL call (AllToAll / the *V variants / Send / Recv: ncclSend and
 // ncclRecv inside ncclGroupStart/End) with counts in elements. Dtypes: float32, bfloat16,
 // float16, int32, int64 for everything; bool, float8_e4m3 and float8_e5m2 move as bytes and
