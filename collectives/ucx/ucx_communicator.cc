@@ -1050,8 +1050,10 @@ class UcxCommunicator final : public Communicator {
       const int64_t m = std::min(per, n - at);
       const size_t lo = static_cast<size_t>(slice(m, rank_)) * es, hi = static_cast<size_t>(slice(m, rank_ + 1)) * es;
       const char* chunk = in + static_cast<size_t>(at) * es;
-      std::memcpy(slot, chunk, lo);
-      std::memcpy(slot + hi, chunk + hi, static_cast<size_t>(m) * es - hi);
+      shm_->StartCopyIn(static_cast<size_t>(m) * es - (hi - lo));
+      shm_->CopyIn(slot, chunk, lo);
+      shm_->CopyIn(slot + hi, chunk + hi, static_cast<size_t>(m) * es - hi);
+      shm_->FinishCopyIn();
     };
     // One Sync per chunk: after the Sync that publishes chunk k's slots, a rank reduces its
     // slice of k into this step's result and fills its next slot with chunk k + 1; the next
@@ -1116,12 +1118,17 @@ class UcxCommunicator final : public Communicator {
     if (write_back) shm_->Publish(reinterpret_cast<uintptr_t>(out));
     for (int64_t at = 0; at < longest; at += per) {
       char* mine = shm_->slot(rank_);
+      auto window = [&](int j) { return std::clamp<int64_t>(counts[static_cast<size_t>(j)] - at, 0, per); };
+      int64_t copied = 0;
+      for (int j = 0; j < p; ++j) copied += j == rank_ ? 0 : window(j);
+      shm_->StartCopyIn(static_cast<size_t>(copied) * es);
       for (int j = 0; j < p; ++j) {
         if (j == rank_) continue;
-        const int64_t m = std::clamp<int64_t>(counts[static_cast<size_t>(j)] - at, 0, per);
-        std::memcpy(mine + static_cast<size_t>(j * per) * es,
-                    in + b.off[static_cast<size_t>(j)] + static_cast<size_t>(at) * es, static_cast<size_t>(m) * es);
+        shm_->CopyIn(mine + static_cast<size_t>(j * per) * es,
+                     in + b.off[static_cast<size_t>(j)] + static_cast<size_t>(at) * es,
+                     static_cast<size_t>(window(j)) * es);
       }
+      shm_->FinishCopyIn();
       DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
       if (write_back && at == 0) {
         for (int j = 0; j < p; ++j) outs[static_cast<size_t>(j)] = shm_->Published(j);
@@ -1158,7 +1165,12 @@ class UcxCommunicator final : public Communicator {
     };
     if (b.max_len == 0) return absl::OkStatus();
     for (size_t at = 0; at < b.max_len; at += w) {
-      if (b.len[r] > at) std::memcpy(shm_->slot(rank_), in + at, std::min(w, b.len[r] - at));
+      if (b.len[r] > at) {
+        const size_t m = std::min(w, b.len[r] - at);
+        shm_->StartCopyIn(m);
+        shm_->CopyIn(shm_->slot(rank_), in + at, m);
+        shm_->FinishCopyIn();
+      }
       DT_RETURN_IF_ERROR(shm_->SyncEach(
           ctx_,
           [&] {
@@ -1192,7 +1204,9 @@ class UcxCommunicator final : public Communicator {
         char* place = shm_->RingSlot(root, e);
         if (rank_ == root) {
           DT_RETURN_IF_ERROR(shm_->BeginRingWrite(e, ctx_));
-          std::memcpy(place, data + at, m);
+          shm_->StartCopyIn(m);
+          shm_->CopyIn(place, data + at, m);
+          shm_->FinishCopyIn();
         } else {
           DT_RETURN_IF_ERROR(shm_->WaitRank(root, e, ctx_));
           std::memcpy(data + at, place, m);
@@ -1208,7 +1222,9 @@ class UcxCommunicator final : public Communicator {
       const size_t m = std::min(w, bytes - at);
       if (rank_ == root) {
         DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
-        std::memcpy(shm_->slot(root), data + at, m);
+        shm_->StartCopyIn(m);
+        shm_->CopyIn(shm_->slot(root), data + at, m);
+        shm_->FinishCopyIn();
       } else {
         DT_RETURN_IF_ERROR(shm_->WaitRank(root, shm_->epoch() + 1, ctx_));
         std::memcpy(data + at, shm_->slot(root), m);
@@ -1230,9 +1246,11 @@ class UcxCommunicator final : public Communicator {
     const size_t w = ShmGroup::kSlotBytes / p;
     for (size_t at = 0; at < len; at += w) {
       const size_t m = std::min(w, len - at);
+      shm_->StartCopyIn((p - 1) * m);
       for (size_t j = 0; j < p; ++j) {
-        if (j != r) std::memcpy(shm_->slot(rank_) + j * w, in + j * len + at, m);
+        if (j != r) shm_->CopyIn(shm_->slot(rank_) + j * w, in + j * len + at, m);
       }
+      shm_->FinishCopyIn();
       DT_RETURN_IF_ERROR(shm_->SyncEach(
           ctx_,
           [&] {  // this rank's own block, while the first step waits (in and out do not overlap)

@@ -10,12 +10,17 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <bit>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <thread>
@@ -123,6 +128,9 @@ absl::StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::Map(const std::string& name,
   g->swept_releases_.assign(p, 0);
   g->world_ = world;
   g->set_oversubscribed(true);  // until the ranks agree (UcxCommunicator's Setup)
+  if (const char* v = std::getenv("DTENSOR_UCX_STREAMING"); v != nullptr && (v[0] == '0' || v[0] == '1') && v[1] == 0) {
+    g->forced_streaming_ = v[0] - '0';
+  }
   return g;
 }
 
@@ -307,6 +315,70 @@ absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx)
     const int64_t nap = fenced ? kPeerCheckNs : kUnfencedSleepNs;
     FutexWait(word_of(j), static_cast<uint32_t>(seen), std::min(nap, std::max<int64_t>(deadline - now, 1)));
   }
+}
+
+void ShmGroup::StartCopyIn(size_t bytes) {
+  copy_start_ = -1;
+#if defined(__x86_64__)
+  if (forced_streaming_ >= 0) {
+    streaming_ = forced_streaming_ == 1;
+    return;
+  }
+  streaming_ = false;
+  if (bytes < kAdaptiveCopyMinBytes) return;
+  const double plain = copy_ns_per_kib_[0], streamed = copy_ns_per_kib_[1];
+  bool prefer = plain > 0 && streamed > 0 && plain > kStreamingRatio * streamed;
+  if (plain == 0 || streamed == 0) {
+    prefer = plain != 0;  // time each kind once, plain first
+  } else if (++copy_steps_ % kCopyProbeEvery == 0) {
+    prefer = !prefer;  // keep the other kind's time current
+  }
+  streaming_ = prefer;
+  copy_bytes_ = bytes;
+  copy_start_ = NowNs();
+#else
+  (void)bytes;
+  streaming_ = false;
+#endif
+}
+
+void ShmGroup::CopyIn(char* dst, const char* src, size_t n) const {
+#if defined(__x86_64__)
+  if (streaming_) {
+    // Plain stores up to 16-byte alignment and for the tail; 64 bytes of streaming stores per
+    // round in between.
+    const size_t head = std::min(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+    std::memcpy(dst, src, head);
+    size_t i = head;
+    for (; i + 64 <= n; i += 64) {
+      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+    }
+    std::memcpy(dst + i, src + i, n - i);
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
+void ShmGroup::FinishCopyIn() {
+#if defined(__x86_64__)
+  // Streaming stores are weakly ordered: this fence puts them before the step's arrival.
+  if (streaming_) _mm_sfence();
+  if (copy_start_ < 0) return;
+  // One slow sample (a rank preempted mid-copy) moves the estimate by at most 4x.
+  double& est = copy_ns_per_kib_[streaming_ ? 1 : 0];
+  double x = static_cast<double>(NowNs() - copy_start_) * 1024.0 / static_cast<double>(copy_bytes_);
+  if (est > 0) x = std::min(x, 4 * est);
+  est = est == 0 ? x : est + (x - est) / 4;
+  copy_start_ = -1;
+#endif
 }
 
 absl::Status ShmGroup::SetupCma(bool want, const UcxWaitContext& ctx) {

@@ -63,8 +63,9 @@ RunResult RunDtrun(const std::vector<std::string>& args, const std::vector<std::
   if (pid == 0) {
     setpgid(0, 0);
     if (!cpus.empty() && sched_setaffinity(0, sizeof(set), &set) != 0) _exit(125);
-    for (const char* name : {"DTENSOR_UCX_SHM", "DTENSOR_UCX_CMA", "DTENSOR_UCX_CMA_MIN", "DTENSOR_DEBUG",
-                             "DTENSOR_UCX_INFO", "DTENSOR_TIMEOUT_S", "DTENSOR_UCX_ZERO_COPY"}) {
+    for (const char* name :
+         {"DTENSOR_UCX_SHM", "DTENSOR_UCX_CMA", "DTENSOR_UCX_CMA_MIN", "DTENSOR_DEBUG", "DTENSOR_UCX_INFO",
+          "DTENSOR_TIMEOUT_S", "DTENSOR_UCX_ZERO_COPY", "DTENSOR_UCX_STREAMING"}) {
       unsetenv(name);
     }
     for (const std::string& e : env) putenv(const_cast<char*>(e.c_str()));
@@ -107,8 +108,9 @@ std::vector<int> FirstTwoCpus() {
 // (ranks, extra environment, name): the shared-memory channel (the default on one host), UCX
 // alone (DTENSOR_UCX_SHM=0, the path between hosts), the debug mode's call checks, and the
 // shared-memory channel with every block read from the peers' memory (DTENSOR_UCX_CMA_MIN=0)
-// or none (DTENSOR_UCX_CMA=0: every byte through the slots), and single copy through the
-// kernel only (DTENSOR_UCX_ZERO_COPY=0: no tensor in a shared block).
+// or none (DTENSOR_UCX_CMA=0: every byte through the slots), single copy through the
+// kernel only (DTENSOR_UCX_ZERO_COPY=0: no tensor in a shared block), and every byte through
+// the slots written with streaming stores (DTENSOR_UCX_STREAMING=1, see ShmGroup::CopyIn).
 struct BatteryCase {
   int ranks;
   std::vector<std::string> env;
@@ -130,26 +132,29 @@ TEST_P(UcxBatteryTest, EveryCollectiveMatchesItsReference) {
   EXPECT_FALSE(Contains(run.err, "FAIL")) << run.err;
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, UcxBatteryTest,
-                         testing::Values(BatteryCase{1, {}, "P1"}, BatteryCase{2, {}, "P2"}, BatteryCase{3, {}, "P3"},
-                                         BatteryCase{4, {}, "P4"}, BatteryCase{2, {"DTENSOR_UCX_SHM=0"}, "P2NoShm"},
-                                         BatteryCase{3, {"DTENSOR_UCX_SHM=0"}, "P3NoShm"},
-                                         BatteryCase{4, {"DTENSOR_UCX_SHM=0"}, "P4NoShm"},
-                                         BatteryCase{3, {"DTENSOR_DEBUG=1"}, "P3Debug"},
-                                         BatteryCase{2, {"DTENSOR_UCX_CMA_MIN=0"}, "P2AllSingleCopy"},
-                                         BatteryCase{3, {"DTENSOR_UCX_CMA_MIN=0"}, "P3AllSingleCopy"},
-                                         BatteryCase{2, {"DTENSOR_UCX_ZERO_COPY=0"}, "P2NoZeroCopy"},
-                                         BatteryCase{3, {"DTENSOR_UCX_ZERO_COPY=0"}, "P3NoZeroCopy"},
-                                         BatteryCase{2, {"DTENSOR_UCX_CMA=0"}, "P2SlotsOnly"},
-                                         BatteryCase{4, {"DTENSOR_UCX_CMA=0"}, "P4SlotsOnly"}),
-                         [](const testing::TestParamInfo<BatteryCase>& info) { return info.param.name; });
+INSTANTIATE_TEST_SUITE_P(
+    Ranks, UcxBatteryTest,
+    testing::Values(BatteryCase{1, {}, "P1"}, BatteryCase{2, {}, "P2"}, BatteryCase{3, {}, "P3"},
+                    BatteryCase{4, {}, "P4"}, BatteryCase{2, {"DTENSOR_UCX_SHM=0"}, "P2NoShm"},
+                    BatteryCase{3, {"DTENSOR_UCX_SHM=0"}, "P3NoShm"}, BatteryCase{4, {"DTENSOR_UCX_SHM=0"}, "P4NoShm"},
+                    BatteryCase{3, {"DTENSOR_DEBUG=1"}, "P3Debug"},
+                    BatteryCase{2, {"DTENSOR_UCX_CMA_MIN=0"}, "P2AllSingleCopy"},
+                    BatteryCase{3, {"DTENSOR_UCX_CMA_MIN=0"}, "P3AllSingleCopy"},
+                    BatteryCase{2, {"DTENSOR_UCX_ZERO_COPY=0"}, "P2NoZeroCopy"},
+                    BatteryCase{3, {"DTENSOR_UCX_ZERO_COPY=0"}, "P3NoZeroCopy"},
+                    BatteryCase{2, {"DTENSOR_UCX_CMA=0"}, "P2SlotsOnly"},
+                    BatteryCase{4, {"DTENSOR_UCX_CMA=0"}, "P4SlotsOnly"},
+                    BatteryCase{2, {"DTENSOR_UCX_CMA=0", "DTENSOR_UCX_STREAMING=1"}, "P2Streaming"},
+                    BatteryCase{4, {"DTENSOR_UCX_CMA=0", "DTENSOR_UCX_STREAMING=1"}, "P4Streaming"}),
+    [](const testing::TestParamInfo<BatteryCase>& info) { return info.param.name; });
 
 // A setting on odd ranks only (ranks, setting, environment of all ranks, name): every input to
 // a path choice is agreed at setup, so the battery passes however the ranks' own answers
 // differ: single copy refused (DTENSOR_UCX_CMA=0) or its threshold moved (DTENSOR_UCX_CMA_MIN)
 // on some ranks, the shared-memory channel refused on some (DTENSOR_UCX_SHM=0), tensors in
 // shared blocks on some ranks only (DTENSOR_UCX_ZERO_COPY=0 on the others), the debug
-// checks asked for by some (DTENSOR_DEBUG=1: then every rank makes them), or some ranks
+// checks asked for by some (DTENSOR_DEBUG=1: then every rank makes them), some ranks writing
+// the slots with streaming stores (a local choice: DTENSOR_UCX_STREAMING=1), or some ranks
 // moved onto rank 0's CPU (the ranks then share CPUs, which picks other all-reduce paths).
 struct MixedCase {
   int ranks;
@@ -184,6 +189,7 @@ INSTANTIATE_TEST_SUITE_P(
                     MixedCase{3, "DTENSOR_UCX_SHM=0", {}, "SharedMemoryRefused"},
                     MixedCase{3, "DTENSOR_DEBUG=1", {}, "DebugOnSome"},
                     MixedCase{3, "DTENSOR_UCX_ZERO_COPY=0", {}, "ZeroCopyOnSome"},
+                    MixedCase{3, "DTENSOR_UCX_STREAMING=1", {"DTENSOR_UCX_CMA=0"}, "StreamingOnSome"},
                     MixedCase{2, "one-cpu", {}, "SharingCores", true}),
     [](const testing::TestParamInfo<MixedCase>& info) { return info.param.name; });
 
