@@ -372,7 +372,8 @@ void ShmGroup::FinishCopyIn() {
   // Streaming stores are weakly ordered: this fence puts them before the step's arrival.
   if (streaming_) _mm_sfence();
   if (copy_start_ < 0) return;
-  // One slow sample (a rank preempted mid-copy) moves the estimate by at most 4x.
+  // A sample counts as at most 4x the estimate, so one slow copy (a rank preempted mid-copy)
+  // raises it by at most 1.75x.
   double& est = copy_ns_per_kib_[streaming_ ? 1 : 0];
   double x = static_cast<double>(NowNs() - copy_start_) * 1024.0 / static_cast<double>(copy_bytes_);
   if (est > 0) x = std::min(x, 4 * est);
