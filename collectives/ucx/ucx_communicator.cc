@@ -1166,10 +1166,7 @@ class UcxCommunicator final : public Communicator {
     if (b.max_len == 0) return absl::OkStatus();
     for (size_t at = 0; at < b.max_len; at += w) {
       if (b.len[r] > at) {
-        const size_t m = std::min(w, b.len[r] - at);
-        shm_->StartCopyIn(m);
-        shm_->CopyIn(shm_->slot(rank_), in + at, m);
-        shm_->FinishCopyIn();
+        shm_->CopyInStep(shm_->slot(rank_), in + at, std::min(w, b.len[r] - at));
       }
       DT_RETURN_IF_ERROR(shm_->SyncEach(
           ctx_,
@@ -1204,9 +1201,7 @@ class UcxCommunicator final : public Communicator {
         char* place = shm_->RingSlot(root, e);
         if (rank_ == root) {
           DT_RETURN_IF_ERROR(shm_->BeginRingWrite(e, ctx_));
-          shm_->StartCopyIn(m);
-          shm_->CopyIn(place, data + at, m);
-          shm_->FinishCopyIn();
+          shm_->CopyInStep(place, data + at, m);
         } else {
           DT_RETURN_IF_ERROR(shm_->WaitRank(root, e, ctx_));
           std::memcpy(data + at, place, m);
@@ -1222,9 +1217,7 @@ class UcxCommunicator final : public Communicator {
       const size_t m = std::min(w, bytes - at);
       if (rank_ == root) {
         DT_RETURN_IF_ERROR(shm_->BeginWrite(ctx_));
-        shm_->StartCopyIn(m);
-        shm_->CopyIn(shm_->slot(root), data + at, m);
-        shm_->FinishCopyIn();
+        shm_->CopyInStep(shm_->slot(root), data + at, m);
       } else {
         DT_RETURN_IF_ERROR(shm_->WaitRank(root, shm_->epoch() + 1, ctx_));
         std::memcpy(data + at, shm_->slot(root), m);

@@ -170,6 +170,12 @@ class ShmGroup {
   void StartCopyIn(size_t bytes);
   void CopyIn(char* dst, const char* src, size_t n) const;
   void FinishCopyIn();
+  // A step whose only copy is this one.
+  void CopyInStep(char* dst, const char* src, size_t n) {
+    StartCopyIn(n);
+    CopyIn(dst, src, n);
+    FinishCopyIn();
+  }
 
   // Tells the peers this rank gave up (they return Unavailable instead of waiting).
   void MarkFailed();
