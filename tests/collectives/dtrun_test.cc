@@ -1,10 +1,6 @@
 // dtrun end to end: runs the real launcher on the test rank program (dtrun_test_child) and checks
 // the environment, output prefixes, exit codes, that no rank outlives a failure or dtrun, and a
 // store rendezvous across 4 processes.
-#include <fcntl.h>
-#include <sched.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,9 +15,10 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
-#include "absl/time/clock.h"
 #include "collectives/store/cpus.h"
 #include "gtest/gtest.h"
+#include "tests/testing/run_process.h"
+#include "tests/testing/test_util.h"
 
 #if !defined(DTRUN_PATH) || !defined(DTRUN_TEST_CHILD_PATH)
 #error "tests/CMakeLists.txt defines DTRUN_PATH and DTRUN_TEST_CHILD_PATH"
@@ -29,11 +26,7 @@
 
 namespace {
 
-struct RunResult {
-  int code = -1;  // exit code, 128 + signal if killed, -1 if it had to be killed by the test
-  std::string out, err;
-  absl::Duration took;
-};
+using RunResult = dtensor::testing::ProcessRun;
 
 std::string ReadFile(const std::string& path) {
   std::ifstream f(path);
@@ -42,66 +35,15 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = "/tmp/dtrun_test_XXXXXX";
-    path_ = mkdtemp(tmpl.data()) ? tmpl : "";
-  }
-  ~TempDir() {
-    if (!path_.empty()) std::system(("rm -rf '" + path_ + "'").c_str());
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using TempDir = dtensor::testing::ScopedTempDir;
 
 // Runs dtrun with `args`; `during(pid)` runs once it started (e.g. to signal it); with `cpus`
 // dtrun may use only those CPUs. Bounded: after 60 s the test kills dtrun's process group.
 RunResult RunDtrun(const std::vector<std::string>& args, const std::function<void(pid_t)>& during = nullptr,
                    const std::vector<int>& cpus = {}) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  for (int c : cpus) CPU_SET(c, &set);
-  TempDir dir;
-  const std::string out_path = dir.path() + "/out", err_path = dir.path() + "/err";
-  std::vector<std::string> argv_s = {DTRUN_PATH};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : argv_s) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const absl::Time start = absl::Now();
-  const pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);
-    if (!cpus.empty() && sched_setaffinity(0, sizeof(set), &set) != 0) _exit(125);
-    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    dup2(out, 1);
-    dup2(err, 2);
-    execv(argv[0], argv.data());
-    _exit(126);
-  }
-  RunResult run;
-  if (pid < 0) return run;
-  if (during) during(pid);
-  int status = 0;
-  bool done = false;
-  for (int i = 0; i < 6000 && !done; ++i) {  // 60 s
-    done = waitpid(pid, &status, WNOHANG) == pid;
-    if (!done) usleep(10 * 1000);
-  }
-  if (!done) {
-    kill(-pid, SIGKILL);
-    waitpid(pid, &status, 0);
-  } else {
-    run.code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
-  }
-  run.took = absl::Now() - start;
-  run.out = ReadFile(out_path);
-  run.err = ReadFile(err_path);
-  return run;
+  std::vector<std::string> argv = {DTRUN_PATH};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return dtensor::testing::RunProcess(argv, {.cpus = cpus, .during = during});
 }
 
 std::vector<std::string> Lines(const std::string& s) {

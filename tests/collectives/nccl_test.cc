@@ -12,7 +12,6 @@
 // cuda:LOCAL_RANK, or on cuda:0 when there are fewer GPUs than ranks: NCCL refuses two ranks of
 // one host on one GPU, so each such process names itself a host of its own (NCCL_HOSTID) and
 // the ranks meet over sockets on loopback, slowly but through every code path of the backend.
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -34,6 +33,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/nccl_process_gpu.h"
+#include "tests/testing/run_process.h"
 #include "tests/testing/test_util.h"
 
 namespace dtensor {
@@ -707,16 +707,11 @@ TEST(NcclTest, ProcessRanksPassTheMultiRankTests) {
   const ssize_t len = readlink("/proc/self/exe", self, sizeof(self) - 1);
   ASSERT_GT(len, 0);
   self[len] = '\0';
-  const std::string cmd = absl::StrCat("timeout -s KILL 300 ", DTRUN_PATH, " --nproc-per-node 2 ", self,
-                                       " --gtest_filter='NcclTest.MultiRank*' 2>&1");
-  std::string output;
-  FILE* pipe = popen(cmd.c_str(), "r");
-  ASSERT_NE(pipe, nullptr);
-  char buf[4096];
-  size_t n;
-  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) output.append(buf, n);
-  const int status = pclose(pipe);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
+  const dtensor::testing::ProcessRun run =
+      dtensor::testing::RunProcess({DTRUN_PATH, "--nproc-per-node", "2", self, "--gtest_filter=NcclTest.MultiRank*"},
+                                   {.timeout = absl::Seconds(300), .merge_output = true});
+  const std::string& output = run.out;
+  EXPECT_EQ(run.code, 0) << output;
   for (int r = 0; r < 2; ++r) {
     EXPECT_THAT(output, HasSubstr(absl::StrCat("[rank ", r, "] [  PASSED  ]"))) << output;
   }

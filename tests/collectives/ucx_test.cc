@@ -1,24 +1,18 @@
 // The ucx backend end to end: runs collectives/ucx/ucx_test_child under the real launcher on 2, 3
 // and 4 processes (every collective, dtype and size class checked against references the child
 // computes itself), and checks that a dead peer and a stalled peer give errors, not hangs.
-#include <fcntl.h>
 #include <linux/membarrier.h>
-#include <sched.h>
 #include <sys/syscall.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <cstdlib>
-#include <fstream>
 #include <ostream>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "collectives/store/cpus.h"
 #include "gtest/gtest.h"
+#include "tests/testing/run_process.h"
 
 #if defined(UCX_TEST_CHILD_PATH) && defined(DTRUN_PATH)
 
@@ -29,72 +23,21 @@ using dtensor::CoreKeys;
 using dtensor::FormatCpuList;
 using dtensor::SplitCpus;
 
-struct RunResult {
-  int code = -1;  // exit code, 128 + signal, or -1 if the test had to kill it
-  std::string out, err;
-  absl::Duration took;
-};
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using dtensor::testing::ProcessRun;
+using RunResult = ProcessRun;
 
 // Runs dtrun with `args` and extra environment `env` ("NAME=value"; the settings that pick
 // paths start unset, whatever the test's own environment says); with `cpus` dtrun may use only
 // those CPUs. Killed after 60 s.
 RunResult RunDtrun(const std::vector<std::string>& args, const std::vector<std::string>& env = {},
                    const std::vector<int>& cpus = {}) {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  for (int c : cpus) CPU_SET(c, &set);
-  std::string dir_tmpl = "/tmp/ucx_test_XXXXXX";
-  const std::string dir = mkdtemp(dir_tmpl.data()) ? dir_tmpl : "/tmp";
-  const std::string out_path = dir + "/out", err_path = dir + "/err";
-  std::vector<std::string> argv_s = {DTRUN_PATH};
-  argv_s.insert(argv_s.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& a : argv_s) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  const absl::Time start = absl::Now();
-  const pid_t pid = fork();
-  if (pid == 0) {
-    setpgid(0, 0);
-    if (!cpus.empty() && sched_setaffinity(0, sizeof(set), &set) != 0) _exit(125);
-    for (const char* name :
-         {"DTENSOR_UCX_SHM", "DTENSOR_UCX_CMA", "DTENSOR_UCX_CMA_MIN", "DTENSOR_DEBUG", "DTENSOR_UCX_INFO",
-          "DTENSOR_TIMEOUT_S", "DTENSOR_UCX_ZERO_COPY", "DTENSOR_UCX_STREAMING"}) {
-      unsetenv(name);
-    }
-    for (const std::string& e : env) putenv(const_cast<char*>(e.c_str()));
-    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    dup2(out, 1);
-    dup2(err, 2);
-    execv(argv[0], argv.data());
-    _exit(126);
-  }
-  RunResult run;
-  if (pid < 0) return run;
-  int status = 0;
-  bool done = false;
-  for (int i = 0; i < 6000 && !done; ++i) {
-    done = waitpid(pid, &status, WNOHANG) == pid;
-    if (!done) usleep(10 * 1000);
-  }
-  if (!done) {
-    kill(-pid, SIGKILL);
-    waitpid(pid, &status, 0);
-  } else {
-    run.code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
-  }
-  run.took = absl::Now() - start;
-  run.out = ReadFile(out_path);
-  run.err = ReadFile(err_path);
-  std::system(("rm -rf '" + dir + "'").c_str());
-  return run;
+  std::vector<std::string> argv = {DTRUN_PATH};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return dtensor::testing::RunProcess(
+      argv, {.env = env,
+             .unset = {"DTENSOR_UCX_SHM", "DTENSOR_UCX_CMA", "DTENSOR_UCX_CMA_MIN", "DTENSOR_DEBUG", "DTENSOR_UCX_INFO",
+                       "DTENSOR_TIMEOUT_S", "DTENSOR_UCX_ZERO_COPY", "DTENSOR_UCX_STREAMING"},
+             .cpus = cpus});
 }
 
 bool Contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
