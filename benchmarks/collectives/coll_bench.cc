@@ -17,9 +17,11 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "benchmarks/collectives/coll_bench_common.h"
 #include "collectives/communicator.h"
+#include "collectives/nccl/local_gpu.h"
 #include "collectives/nccl/nccl_communicator.h"
 #include "collectives/store/rendezvous.h"
 #include "collectives/threads/threads_communicator.h"
@@ -153,16 +155,10 @@ int RunNccl(const Options& options, int gpu) {
   absl::StatusOr<LaunchInfo> info = LaunchInfoFromEnv();
   if (!info.ok()) Fatal(-1, info.status().ToString());
   if (gpu < 0) {
-    const int visible = CudaDeviceCount();
-    if (info->local_rank < visible || visible == 0) {  // none: the factory says so
-      gpu = info->local_rank;
-    } else if (visible == 1 && std::getenv("CUDA_VISIBLE_DEVICES") != nullptr) {
-      gpu = 0;
-    } else {
-      Fatal(info->rank, "local rank " + std::to_string(info->local_rank) + " but " + std::to_string(visible) +
-                            " CUDA device(s) visible: pass --gpu G or give each process one GPU with "
-                            "CUDA_VISIBLE_DEVICES");
-    }
+    absl::StatusOr<int> local = LocalGpu(info->local_rank, info->local_world_size, CudaDeviceCount(),
+                                         std::getenv("CUDA_VISIBLE_DEVICES") != nullptr);
+    if (!local.ok()) Fatal(info->rank, absl::StrCat(local.status().message(), "; or pass --gpu G"));
+    gpu = *local;
   }
   absl::StatusOr<std::unique_ptr<StoreClient>> store = ConnectStore(*info, kTimeout);
   if (!store.ok()) Fatal(info->rank, store.status().ToString());

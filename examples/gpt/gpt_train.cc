@@ -28,6 +28,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "autograd/ops.h"
+#include "collectives/nccl/local_gpu.h"
 #include "collectives/nccl/nccl_communicator.h"
 #include "collectives/store/cpus.h"
 #include "collectives/threads/threads_communicator.h"
@@ -37,7 +38,6 @@
 #include "dtensor/tensor/status.h"
 #include "examples/gpt/data.h"
 #include "examples/gpt/llmc.h"
-#include "examples/gpt/local_gpu.h"
 #include "nlohmann/json.hpp"
 #include "nn/gpt.h"
 #include "nn/optim.h"
@@ -401,9 +401,13 @@ int main(int argc, char** argv) {
     Device device = Device::Cpu();
     if (use_cuda) {
       auto info = LaunchInfoFromEnv();
-      absl::StatusOr<int> gpu = info.ok() ? gpt::LocalGpu(info->local_rank, info->local_world_size, CudaDeviceCount(),
-                                                          std::getenv("CUDA_VISIBLE_DEVICES") != nullptr)
+      absl::StatusOr<int> gpu = info.ok() ? LocalGpu(info->local_rank, info->local_world_size, CudaDeviceCount(),
+                                                     std::getenv("CUDA_VISIBLE_DEVICES") != nullptr)
                                           : absl::StatusOr<int>(info.status());
+      if (!gpu.ok() && absl::IsFailedPrecondition(gpu.status())) {
+        gpu = absl::FailedPreconditionError(
+            absl::StrCat(gpu.status().message(), "; --device cpu trains on CPU ranks over UCX instead"));
+      }
       auto s =
           gpu.ok() ? ConnectStore(*info, DefaultTimeout()) : absl::StatusOr<std::unique_ptr<StoreClient>>(gpu.status());
       if (s.ok()) {

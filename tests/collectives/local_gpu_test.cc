@@ -1,11 +1,11 @@
-// Which GPU a trainer process takes under a launcher (torchrun's convention, plus one GPU
+// Which GPU a process takes under a launcher (torchrun's convention, plus one GPU
 // handed to each process through CUDA_VISIBLE_DEVICES).
-#include "examples/gpt/local_gpu.h"
+#include "collectives/nccl/local_gpu.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
-namespace dtensor::gpt {
+namespace dtensor {
 namespace {
 
 using ::testing::HasSubstr;
@@ -37,4 +37,4 @@ TEST(LocalGpuTest, TooFewGpusToShareOutOrBadRanksFail) {
 }
 
 }  // namespace
-}  // namespace dtensor::gpt
+}  // namespace dtensor
