@@ -559,6 +559,8 @@ class UcxCommunicator final : public Communicator {
       if (g.ok()) {
         group = *std::move(g);
         std::memcpy(name, n.data(), std::min(n.size(), sizeof(name) - 1));
+      } else {
+        WarnNoShm(g.status());
       }
     }
     struct Offer {
@@ -580,7 +582,11 @@ class UcxCommunicator final : public Communicator {
           if (rank_ != 0 && eligible && name[0] != '\0') {
             absl::StatusOr<std::unique_ptr<ShmGroup>> g =
                 ShmGroup::Map(name, /*create=*/false, rank_, members_, world_.get());
-            if (g.ok()) group = *std::move(g);
+            if (g.ok()) {
+              group = *std::move(g);
+            } else {
+              WarnNoShm(g.status());
+            }
           }
           Offer mine{group != nullptr ? 1u : 0u,
                      DebugFromEnv() ? 1u : 0u,
@@ -647,6 +653,15 @@ class UcxCommunicator final : public Communicator {
   }
 
  private:
+  // Printed whatever DTENSOR_UCX_INFO says: the ranks of this host then move every byte
+  // through UCX, several times slower for small and large messages alike.
+  void WarnNoShm(const absl::Status& why) const {
+    std::fprintf(stderr,
+                 "dtensor ucx: warning: communicator %d, rank %d of %d: no shared-memory channel, collectives "
+                 "among the ranks of this host go over UCX only (%s)\n",
+                 static_cast<int>(id_), rank_, size(), std::string(why.message()).c_str());
+  }
+
   // ---- Per-call plumbing ----
 
   // Runs one collective: checks the sticky failure, numbers the call, and on an error cancels

@@ -104,19 +104,43 @@ absl::StatusOr<std::unique_ptr<ShmGroup>> ShmGroup::Map(const std::string& name,
   const size_t bytes = ctl + (2 * p + 2) * kSlotBytes;
   const int fd = shm_open(name.c_str(), create ? (O_CREAT | O_EXCL | O_RDWR) : O_RDWR, 0600);
   if (fd < 0) return absl::UnavailableError(absl::StrCat("shm_open ", name, ": ", std::strerror(errno)));
-  bool ok = true;
+  const char* step = "";
+  int err = 0;
   if (create) {
-    ok = ftruncate(fd, static_cast<off_t>(bytes)) == 0;
+    // Every page is allocated here: where /dev/shm cannot hold the segment (a container's
+    // default 64 MiB, shared with UCX's own segments) a store to a page that could not be
+    // allocated would be SIGBUS. posix_fallocate says ENOSPC instead.
+    if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      step = "sizing";
+      err = errno;
+    } else {
+      while ((err = posix_fallocate(fd, 0, static_cast<off_t>(bytes))) == EINTR) {
+      }
+      if (err != 0) step = "allocating";
+    }
   } else {
     struct stat st {};
-    ok = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == bytes;
+    step = "checking";
+    if (fstat(fd, &st) != 0) {
+      err = errno;
+    } else if (static_cast<size_t>(st.st_size) != bytes) {
+      err = EINVAL;
+    }
   }
-  void* base = ok ? mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
-  const int err = errno;
+  // Populated now, so that no collective takes the page faults (and the first timed copy into
+  // the slots, which picks plain or streaming stores, measures copying, not faulting).
+  void* base = MAP_FAILED;
+  if (err == 0) {
+    step = "mapping";
+    base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (base == MAP_FAILED) err = errno;
+  }
   close(fd);
   if (base == MAP_FAILED) {
     if (create) shm_unlink(name.c_str());
-    return absl::UnavailableError(absl::StrCat("mapping ", name, ": ", std::strerror(err)));
+    return absl::UnavailableError(
+        absl::StrCat(step, " the shared-memory segment /dev/shm", name, " (", bytes, " bytes): ", std::strerror(err),
+                     err == ENOSPC ? "; /dev/shm is full or too small (docker run --shm-size)" : ""));
   }
   std::unique_ptr<ShmGroup> g(new ShmGroup());
   g->base_ = static_cast<char*>(base);

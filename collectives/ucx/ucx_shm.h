@@ -47,7 +47,9 @@ class ShmGroup {
   // A fresh segment name for communicator `comm_id` of this process.
   static std::string NewName(uint16_t comm_id);
   // Creates (create = true: group rank 0; fails if the name exists) or opens the segment
-  // `name` for the group whose world ranks are `members`; this is group rank `rank`.
+  // `name` for the group whose world ranks are `members`; this is group rank `rank`. Every page
+  // is allocated and mapped here: a /dev/shm too small for it is Unavailable (ENOSPC), never a
+  // SIGBUS later.
   static absl::StatusOr<std::unique_ptr<ShmGroup>> Map(const std::string& name, bool create, int rank,
                                                        std::vector<int> members, UcxWorld* world);
   // Removes the name (the mappings stay valid).

@@ -251,6 +251,36 @@ TEST(UcxInfoTest, WithoutTheChannel) {
       << run.err;
 }
 
+// /dev/shm too small for the channel's segment (a container's default 64 MiB fills up the same
+// way): the ranks say so and run the battery over UCX (here its TCP transport, which does not
+// use /dev/shm), where stores into pages that could not be allocated would have been SIGBUS.
+TEST(UcxInfoTest, FullDevShmWarnsAndGoesOverUcx) {
+  const std::string small_shm =
+      "unshare -m /bin/sh -c 'mount -t tmpfs -o size=1m dtensor-test /dev/shm && exec \"$@\"' sh";
+  const RunResult probe = dtensor::testing::RunProcess({"/bin/sh", "-c", small_shm + " true"});
+  if (probe.code != 0) {
+    GTEST_SKIP() << "cannot mount a small /dev/shm in a mount namespace of its own (needs root): " << probe.err;
+  }
+  std::vector<std::string> argv = {"/bin/sh",          "-c", small_shm + " \"$@\"", "sh",     DTRUN_PATH,
+                                   "--nproc-per-node", "2",  UCX_TEST_CHILD_PATH,   "battery"};
+  const RunResult run = dtensor::testing::RunProcess(
+      argv, {.env = {"DTENSOR_UCX_INFO=1", "UCX_TLS=tcp,self"}, .unset = {"DTENSOR_UCX_SHM", "DTENSOR_UCX_CMA"}});
+  EXPECT_EQ(run.code, 0) << run.out << run.err;
+  EXPECT_TRUE(Contains(run.err,
+                       "[rank 0] dtensor ucx: warning: communicator 0, rank 0 of 2: no shared-memory "
+                       "channel, collectives among the ranks of this host go over UCX only (allocating "
+                       "the shared-memory segment /dev/shm/dtensor-ucx-"))
+      << run.err;
+  EXPECT_TRUE(Contains(run.err, "No space left on device; /dev/shm is full or too small")) << run.err;
+  EXPECT_EQ(InfoLine(run), kInfo + "2 ranks: over UCX only (not every rank mapped the shared-memory segment)")
+      << run.err;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(Contains(run.out, absl::StrCat("[rank ", r, "] ")) && Contains(run.out, " checks, 0 failures"))
+        << run.out << run.err;
+  }
+  EXPECT_FALSE(Contains(run.err, "FAIL")) << run.err;
+}
+
 // DTENSOR_DEBUG=1: rank 1 calls AllGather while the others call AllReduce; every rank gets
 // InvalidArgument naming both sides' calls, and the communicator stays usable.
 class UcxDebugTest : public testing::TestWithParam<std::string> {};
