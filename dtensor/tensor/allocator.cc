@@ -181,11 +181,11 @@ class CpuAllocator final : public Allocator {
     const size_t size = RoundSize(nbytes);
     // Once shared blocks are on, cached private blocks of a shareable size are given back
     // rather than handed out (EnableShared cannot reach other threads' caches).
-    const bool want_shared = size >= kSharedCpuMinBytes && CanShare();
+    const bool want_shared = CanShare(size);
     ThreadCache* tc = Local();
     for (int i = 0; tc != nullptr && i < tc->n; ++i) {
       const size_t block = tc->entries[i].first;
-      if (want_shared && block >= kSharedCpuMinBytes && HeaderOf(tc->entries[i].second)->shared_id == 0) {
+      if (want_shared && CanShare(block) && HeaderOf(tc->entries[i].second)->shared_id == 0) {
         bytes_cached_.fetch_sub(static_cast<int64_t>(block), std::memory_order_relaxed);
         SystemFree(tc->entries[i].second);
         tc->entries[i--] = tc->entries[--tc->n];
@@ -334,10 +334,12 @@ class CpuAllocator final : public Allocator {
     absl::MutexLock lock(&shared_mu_);
     return forgotten_.count(reinterpret_cast<uintptr_t>(p)) != 0;
   }
-  // A new block may be shared: enabled, under the cap, and the system has not refused one.
-  bool CanShare() const {
-    return shared_enabled() && !shared_refused_.load(std::memory_order_relaxed) &&
-           shared_count_.load(std::memory_order_relaxed) < MaxSharedCpuBlocks();
+  // A new block of `size` bytes may be shared: enabled, under the cap (half of it for blocks
+  // under kSharedCpuLargeBytes), and the system has not refused one.
+  bool CanShare(size_t size) const {
+    if (size < kSharedCpuMinBytes || !shared_enabled() || shared_refused_.load(std::memory_order_relaxed)) return false;
+    const int cap = size >= kSharedCpuLargeBytes ? MaxSharedCpuBlocks() : MaxSharedCpuBlocks() / 2;
+    return shared_count_.load(std::memory_order_relaxed) < cap;
   }
   std::optional<SharedCpuRange> FindShared(const void* p, size_t bytes) {
     if (bytes == 0 || !shared_enabled()) return std::nullopt;
@@ -394,7 +396,7 @@ class CpuAllocator final : public Allocator {
   }
   static Header* HeaderOf(void* p) { return reinterpret_cast<Header*>(static_cast<char*>(p) - kHeader); }
   void* SystemAlloc(size_t block) {
-    if (block >= kSharedCpuMinBytes && CanShare()) {
+    if (CanShare(block)) {
       if (void* p = SharedAlloc(block)) return p;
     }
     char* raw = static_cast<char*>(std::aligned_alloc(64, block + kHeader));
@@ -403,7 +405,7 @@ class CpuAllocator final : public Allocator {
     *HeaderOf(p) = Header{block, kTag, 0};
     return p;
   }
-  // nullptr where the system refuses (private memory then). The caller checked CanShare():
+  // nullptr where the system refuses (private memory then). The caller checked CanShare(block):
   // threads allocating at once may pass the cap by one block each.
   void* SharedAlloc(size_t block) {
     uint64_t id;

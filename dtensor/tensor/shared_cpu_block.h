@@ -11,19 +11,21 @@
 //   std::memcpy(dst, m->at(r->offset), t.nbytes());
 //
 // Once enabled, CPU blocks of at least kSharedCpuMinBytes (and at most half the host's memory)
-// come from their own memfd, as long as fewer than MaxSharedCpuBlocks() exist; beyond that,
-// for other sizes, and after the system refused a memfd, memory stays private and collectives
-// copy through the kernel. The mappings are not inherited by fork()ed children
-// (MADV_DONTFORK, as for memory registered for RDMA): a child's allocator forgets them (its
-// large blocks are private, it never hands out a cached shared one, freeing an inherited
-// tensor in one does nothing), but the data of tensors it inherited in shared blocks are not
-// there to read: a forked worker must not touch its parent's large CPU tensors. A peer opens the owner's memfd through
-// /proc/<pid>/fd/<fd> (same user; the same permission as reading the process's memory) and
-// checks the block's id, written in the mapping's first page, so a recycled descriptor
-// number can never map the wrong memory. When the owner gives the block back to the system it
-// marks that page released (PeerSharedCpuBlock::released()); peers drop their mappings at
-// their next sweep (the ucx backend sweeps every 16 single-copy steps), and until then the
-// memory stays allocated.
+// come from their own memfd, as long as fewer than MaxSharedCpuBlocks() exist (blocks under
+// kSharedCpuLargeBytes: fewer than half that many, so that they never crowd out the large
+// ones); beyond that, for other sizes, and after the system refused a memfd, memory stays
+// private and collectives copy through the kernel or the ucx backend's slots.
+// The mappings are not inherited by fork()ed children (MADV_DONTFORK, as for memory
+// registered for RDMA): a child's allocator forgets them (its large blocks are private, it
+// never hands out a cached shared one, freeing an inherited tensor in one does nothing), but
+// the data of tensors it inherited in shared blocks are not there to read: a forked worker
+// must not touch its parent's CPU tensors of kSharedCpuMinBytes or more.
+// A peer opens the owner's memfd through /proc/<pid>/fd/<fd> (same user; the same permission
+// as reading the process's memory) and checks the block's id, written in the mapping's first
+// page, so a recycled descriptor number can never map the wrong memory. When the owner gives
+// the block back to the system it marks that page released (PeerSharedCpuBlock::released());
+// peers drop their mappings at their next sweep (the ucx backend sweeps every 16 single-copy
+// steps), and until then the memory stays allocated.
 // Shared blocks get transparent huge pages only where /sys/kernel/mm/transparent_hugepage/
 // shmem_enabled allows them (MADV_HUGEPAGE is asked for), while private memory follows
 // `enabled`: on a host with THP for anonymous memory only, large tensors lose their huge pages.
@@ -41,7 +43,12 @@
 
 namespace dtensor {
 
-inline constexpr size_t kSharedCpuMinBytes = size_t{256} << 10;
+// From 32 KiB: the ucx backend reads blocks of 16 KiB or more straight from a peer's shared
+// buffer, which a 2-rank collective of 32 KiB has (2 ranks, 64 KiB all_gather 5.6 -> 1.7 us,
+// all_reduce 10.5 -> 2.1 us against the slots or the kernel's copy; 4 ranks on 2 cores, 64 KiB
+// all_reduce 22.7 -> 12.5 us). Each block costs a descriptor and a page of its own.
+inline constexpr size_t kSharedCpuMinBytes = size_t{32} << 10;
+inline constexpr size_t kSharedCpuLargeBytes = size_t{256} << 10;
 
 // Where a byte range of this process lies in a shared block: plain data, so that it can travel
 // through shared memory to a peer.

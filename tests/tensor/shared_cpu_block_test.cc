@@ -10,8 +10,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "dtensor/tensor/allocator.h"
 #include "dtensor/tensor/tensor.h"
 #include "gtest/gtest.h"
@@ -23,6 +25,29 @@ namespace {
 constexpr int64_t kLarge = 1 << 18;  // floats: 1 MiB
 
 Tensor Floats(int64_t n) { return testing::Unwrap(Tensor::Empty({n}, DType::kFloat32)); }
+
+// MaxSharedCpuBlocks() read (once per process) under a descriptor limit of 64: 16; or 0 and
+// why not.
+int SmallCap(std::string* why) {
+  rlimit before{};
+  if (getrlimit(RLIMIT_NOFILE, &before) != 0 || before.rlim_cur < 64) {
+    *why = "descriptor limit below 64";
+    return 0;
+  }
+  rlimit low = before;
+  low.rlim_cur = 64;
+  if (setrlimit(RLIMIT_NOFILE, &low) != 0) {
+    *why = "cannot lower the descriptor limit";
+    return 0;
+  }
+  const int cap = MaxSharedCpuBlocks();
+  setrlimit(RLIMIT_NOFILE, &before);
+  if (cap > 16) {
+    *why = absl::StrCat("the cap was computed earlier in this process (", cap, ")");
+    return 0;
+  }
+  return cap;
+}
 
 TEST(SharedCpuBlockTest, OffUntilEnabled) {
   if (SharedCpuBlocksEnabled()) GTEST_SKIP() << "enabled by an earlier test of this process";
@@ -159,15 +184,9 @@ TEST(SharedCpuBlockTest, AnImpossibleSizeStaysPrivate) {
 // Past MaxSharedCpuBlocks() blocks are private, and the cache still serves them (it must not
 // give cached private blocks back in the hope of a shared one it cannot make).
 TEST(SharedCpuBlockTest, PastTheCapBlocksArePrivateAndStillCached) {
-  rlimit before{};
-  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &before), 0);
-  if (before.rlim_cur < 64) GTEST_SKIP() << "descriptor limit below 64";
-  rlimit low = before;
-  low.rlim_cur = 64;
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
-  const int cap = MaxSharedCpuBlocks();  // read once per process: 16 unless read earlier
-  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &before), 0);
-  if (cap > 64) GTEST_SKIP() << "the cap was computed earlier in this process (" << cap << ")";
+  std::string why;
+  const int cap = SmallCap(&why);
+  if (cap == 0) GTEST_SKIP() << why;
   EnableSharedCpuBlocks();
   std::vector<Tensor> held;
   bool got_private = false;
@@ -185,6 +204,33 @@ TEST(SharedCpuBlockTest, PastTheCapBlocksArePrivateAndStillCached) {
   EXPECT_EQ(s1.num_cache_hits, s0.num_cache_hits + 1);
   EXPECT_EQ(s1.num_system_allocs, s0.num_system_allocs);
   EXPECT_FALSE(FindSharedCpuRange(again.raw_data(), again.nbytes()).has_value());
+}
+
+// Blocks from kSharedCpuMinBytes to kSharedCpuLargeBytes are shared up to half the cap; large
+// blocks still get the rest.
+TEST(SharedCpuBlockTest, SmallBlocksTakeAtMostHalfTheCap) {
+  std::string why;
+  const int cap = SmallCap(&why);
+  if (cap == 0) GTEST_SKIP() << why;
+  EnableSharedCpuBlocks();
+  const int64_t min_floats = static_cast<int64_t>(kSharedCpuMinBytes / sizeof(float));
+  Tensor below = Floats(min_floats - 1024);  // rounds to under kSharedCpuMinBytes
+  EXPECT_FALSE(FindSharedCpuRange(below.raw_data(), below.nbytes()).has_value());
+  std::vector<Tensor> held;
+  int shared = 0;
+  for (int i = 0; i < cap; ++i) {
+    Tensor t = Floats(min_floats);
+    shared += FindSharedCpuRange(t.raw_data(), t.nbytes()).has_value() ? 1 : 0;
+    held.push_back(std::move(t));
+  }
+  EXPECT_EQ(shared, cap / 2);
+  for (int i = 0; i < cap - cap / 2; ++i) {
+    Tensor t = Floats(static_cast<int64_t>(kSharedCpuLargeBytes / sizeof(float)));
+    EXPECT_TRUE(FindSharedCpuRange(t.raw_data(), t.nbytes()).has_value()) << "large block " << i;
+    held.push_back(std::move(t));
+  }
+  Tensor past = Floats(static_cast<int64_t>(kSharedCpuLargeBytes / sizeof(float)));
+  EXPECT_FALSE(FindSharedCpuRange(past.raw_data(), past.nbytes()).has_value());
 }
 
 // Another process (a fork()ed child: it does not inherit the block, MADV_DONTFORK) maps the
