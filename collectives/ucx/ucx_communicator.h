@@ -51,14 +51,15 @@
 // AllToAllBlocks always uses the slots (the kernel's per-range cost loses on strided rows).
 // DTENSOR_UCX_CMA=0 turns single copy off, DTENSOR_UCX_CMA_MIN=<bytes> moves the threshold.
 // Zero copy: once a communicator with single copy is made (and no rank sets
-// DTENSOR_UCX_ZERO_COPY=0), CPU tensors of 32 KiB or more are allocated in shared blocks
+// DTENSOR_UCX_ZERO_COPY=0), CPU tensors of 16 KiB or more are allocated in shared blocks
 // (dtensor/tensor/shared_cpu_block.h); a buffer in one is published with its block, and the
 // peers map the block (once, cached) and copy with memcpy instead of process_vm_readv /
 // writev, each rank per peer buffer (a private buffer, e.g. a tensor made before the
-// communicator, still moves through the kernel). Single copy then starts at 16 KiB blocks for
-// buffers of 32 KiB or more, also when ranks share CPUs, and AllReduce past 2 MiB blocks stays
-// single copy when every rank's input and output are shared (one extra barrier per call agrees
-// on it; else the slots as above), ReduceScatter likewise for inputs. A single-copy read or
+// communicator, still moves through the kernel). Single copy then starts at 8 KiB blocks for
+// buffers of 16 KiB or more, also when ranks share CPUs (and for AllReduces small enough that
+// every rank would otherwise reduce everything), and AllReduce past 2 MiB blocks stays single
+// copy when every rank's input and output are shared (one extra barrier per call agrees on
+// it; else the slots as above), ReduceScatter likewise for inputs. A single-copy read or
 // write past a peer's buffer (ranks whose calls disagree on sizes) is InvalidArgument.
 // Reductions take the slots in rank order, in float32 for bfloat16 / float16 (rounded once),
 // so every rank gets the same bits. Waits spin briefly (when every rank has a CPU), then

@@ -13,7 +13,7 @@
 // or other thread_locals, go to the shared cache too). CUDA blocks come from cudaMalloc.
 //
 // After EnableSharedCpuBlocks() (shared_cpu_block.h; the ucx backend calls it), CPU blocks
-// of kSharedCpuMinBytes (32 KiB) or more come from memfd-backed shared mappings that peer
+// of kSharedCpuMinBytes (16 KiB) or more come from memfd-backed shared mappings that peer
 // processes can map; a fork()ed child does not inherit those (MADV_DONTFORK): it allocates
 // and frees as usual (its new blocks are private) but must not read its parent's CPU tensors
 // of that size.

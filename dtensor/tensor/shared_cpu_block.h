@@ -43,11 +43,12 @@
 
 namespace dtensor {
 
-// From 32 KiB: the ucx backend reads blocks of 16 KiB or more straight from a peer's shared
-// buffer, which a 2-rank collective of 32 KiB has (2 ranks, 64 KiB all_gather 5.6 -> 1.7 us,
-// all_reduce 10.5 -> 2.1 us against the slots or the kernel's copy; 4 ranks on 2 cores, 64 KiB
-// all_reduce 22.7 -> 12.5 us). Each block costs a descriptor and a page of its own.
-inline constexpr size_t kSharedCpuMinBytes = size_t{32} << 10;
+// From 16 KiB: the ucx backend reads blocks of 8 KiB or more straight from a peer's shared
+// buffer, which a 2-rank collective of 16 KiB has (2 ranks against the slots or the kernel's
+// copy: 64 KiB all_gather 5.6 -> 1.7 us, all_reduce 10.5 -> 2.1 us, 16 KiB all_reduce 2.8 ->
+// 0.8 us, all_to_all 1.4 -> 0.6 us; 4 ranks on 2 cores, 64 KiB all_reduce 22.7 -> 12.5 us).
+// Each block costs a descriptor and a page of its own.
+inline constexpr size_t kSharedCpuMinBytes = size_t{16} << 10;
 inline constexpr size_t kSharedCpuLargeBytes = size_t{256} << 10;
 
 // Where a byte range of this process lies in a shared block: plain data, so that it can travel
