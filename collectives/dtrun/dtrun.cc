@@ -19,10 +19,11 @@
 // (SplitCpus: 2 ranks on 2 cores get a core each; on 8 cores with hyperthreads, 4 cores each),
 // as Open MPI binds ranks to cores. Unbound ranks that wake each other through futexes tend
 // to be placed on one core by the scheduler and run at half speed for a whole run; bound ones
-// cannot. With fewer CPUs than ranks, or --cpu-bind none, ranks keep dtrun's affinity. Two
-// dtrun jobs on one host each split all the CPUs they may use, so their ranks stack on the
-// same CPUs: give each job its own (taskset -c 0-7 dtrun ..., taskset -c 8-15 dtrun ...) or
-// pass --cpu-bind none.
+// cannot. With fewer CPUs than ranks, each rank is bound to one CPU, consecutive ranks
+// sharing one (StackCpus: 4 ranks on 2 CPUs, two per CPU) so that the scheduler cannot move
+// them; with --cpu-bind none ranks keep dtrun's affinity. Two dtrun jobs on one host each
+// split all the CPUs they may use, so their ranks stack on the same CPUs: give each job its
+// own (taskset -c 0-7 dtrun ..., taskset -c 8-15 dtrun ...) or pass --cpu-bind none.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -61,8 +62,9 @@ constexpr char kUsage[] =
     "  --master-port P     its port (default: a free port when M == 1, else 29500)\n"
     "  --grace-period-s S  seconds between SIGTERM and SIGKILL when stopping ranks (default 5)\n"
     "  --cpu-bind auto|none  auto (default): bind each rank to its own share of this node's CPUs\n"
-    "                      (whole cores) when there are at least as many CPUs as ranks; two jobs\n"
-    "                      on one host: give each its own CPUs (taskset) or pass none\n";
+    "                      (whole cores), or with more ranks than CPUs consecutive ranks to one\n"
+    "                      CPU each; two jobs on one host: give each its own CPUs (taskset) or\n"
+    "                      pass none\n";
 
 struct Options {
   int nproc = 0;
@@ -281,7 +283,9 @@ int main(int argc, char** argv) {
   size_t bind_bytes = 0;
   if (opt.cpu_bind) {
     const std::vector<int> cpus = dtensor::AllowedCpus();
-    const std::vector<std::vector<int>> shares = dtensor::SplitCpus(cpus, dtensor::CoreKeys(cpus), opt.nproc);
+    const std::vector<int64_t> keys = dtensor::CoreKeys(cpus);
+    std::vector<std::vector<int>> shares = dtensor::SplitCpus(cpus, keys, opt.nproc);
+    if (shares.empty()) shares = dtensor::StackCpus(cpus, keys, opt.nproc);
     if (!shares.empty()) {
       const int max_cpu = cpus.back() + 1;
       bind_bytes = CPU_ALLOC_SIZE(max_cpu);

@@ -118,6 +118,22 @@ std::vector<std::vector<int>> SplitCpus(absl::Span<const int> cpus, absl::Span<c
   return shares;
 }
 
+std::vector<std::vector<int>> StackCpus(absl::Span<const int> cpus, absl::Span<const int64_t> keys, int ranks) {
+  if (ranks < 1 || keys.size() != cpus.size()) return {};
+  std::vector<int> distinct(cpus.begin(), cpus.end());
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  const int n = static_cast<int>(distinct.size());
+  if (n == 0 || n >= ranks) return {};
+  const std::vector<std::vector<int>> one = SplitCpus(cpus, keys, n);  // a CPU each, in order
+  if (static_cast<int>(one.size()) != n) return {};
+  std::vector<std::vector<int>> shares(static_cast<size_t>(ranks));
+  for (int i = 0; i < ranks; ++i) {
+    shares[static_cast<size_t>(i)] = one[static_cast<size_t>(static_cast<int64_t>(i) * n / ranks)];
+  }
+  return shares;
+}
+
 bool RanksHaveOwnCpus(absl::Span<const std::vector<int>> cpus) {
   // Bipartite matching of ranks to CPUs by augmenting paths (Kuhn): a handful of ranks.
   std::map<int, size_t> owner;  // CPU -> the rank matched to it

@@ -107,6 +107,20 @@ TEST(CpusTest, SplitRefusesTooFewCpusAndBadInput) {
   EXPECT_TRUE(SplitCpus({}, {}, 1).empty());
 }
 
+TEST(CpusTest, StackGivesConsecutiveRanksOneCpu) {
+  EXPECT_EQ(StackCpus({0, 1}, {0, 1}, 4), (Shares{{0}, {0}, {1}, {1}}));
+  EXPECT_EQ(StackCpus({0, 1}, {0, 1}, 3), (Shares{{0}, {0}, {1}}));  // floor(2i/3): 0 0 1
+  EXPECT_EQ(StackCpus({5}, {5}, 3), (Shares{{5}, {5}, {5}}));
+  // Hyperthreads (CPU c and c + 2 share core c): one CPU each in SplitCpus order, then stacked.
+  EXPECT_EQ(StackCpus({0, 1, 2, 3}, {0, 1, 0, 1}, 8), (Shares{{0}, {0}, {1}, {1}, {2}, {2}, {3}, {3}}));
+  EXPECT_EQ(StackCpus({9, 3, 3}, {9, 3, 3}, 3), (Shares{{3}, {3}, {9}}));  // a CPU listed twice is one
+  // As many CPUs as ranks (SplitCpus' case) or bad input: none.
+  EXPECT_TRUE(StackCpus({0, 1}, {0, 1}, 2).empty());
+  EXPECT_TRUE(StackCpus({0, 1}, {0}, 3).empty());
+  EXPECT_TRUE(StackCpus({}, {}, 2).empty());
+  EXPECT_TRUE(StackCpus({0}, {0}, 0).empty());
+}
+
 TEST(CpusTest, SplitSharesAreDisjointAndCoverEverything) {
   // Random-ish topologies: every CPU in exactly one share, none empty, siblings together.
   for (int ncpu = 1; ncpu <= 24; ++ncpu) {

@@ -150,21 +150,33 @@ TEST(DtrunTest, BindsEachRankToItsOwnCpus) {
   EXPECT_EQ(*cpus.at(0).begin(), host.front()) << run.out;
 }
 
-TEST(DtrunTest, NoBindingWhenAskedOrWhenRanksOutnumberCpus) {
-  // dtrun confined to two CPUs: 2 ranks with --cpu-bind none, and 3 ranks, keep both CPUs.
+TEST(DtrunTest, NoBindingWhenAsked) {
+  // dtrun confined to two CPUs: 2 ranks with --cpu-bind none keep both CPUs.
   const std::vector<int> host = dtensor::AllowedCpus();
   if (host.size() < 2) GTEST_SKIP() << "one CPU";
   const std::vector<int> two = {host[0], host[1]};
-  for (const std::vector<std::string>& args : {std::vector<std::string>{"--cpu-bind", "none", "--nproc-per-node", "2"},
-                                               std::vector<std::string>{"--nproc-per-node", "3"}}) {
-    std::vector<std::string> full = args;
-    full.insert(full.end(), {DTRUN_TEST_CHILD_PATH, "cpus"});
-    RunResult run = RunDtrun(full, nullptr, two);
+  RunResult run =
+      RunDtrun({"--cpu-bind", "none", "--nproc-per-node", "2", DTRUN_TEST_CHILD_PATH, "cpus"}, nullptr, two);
+  ASSERT_EQ(run.code, 0) << run.err;
+  const std::map<int, std::set<int>> cpus = RankCpus(run.out);
+  ASSERT_EQ(cpus.size(), 2u) << run.out;
+  for (const auto& [rank, mine] : cpus) {
+    EXPECT_EQ(mine, std::set<int>(two.begin(), two.end())) << "rank " << rank << ":\n" << run.out;
+  }
+}
+
+TEST(DtrunTest, RanksOutnumberingCpusTakeOneCpuEachInBlocks) {
+  // dtrun confined to two CPUs: 3 ranks are bound 0, 0, 1 and 4 ranks 0, 0, 1, 1 (StackCpus).
+  const std::vector<int> host = dtensor::AllowedCpus();
+  if (host.size() < 2) GTEST_SKIP() << "one CPU";
+  const std::vector<int> two = {host[0], host[1]};
+  for (int n : {3, 4}) {
+    RunResult run = RunDtrun({"--nproc-per-node", std::to_string(n), DTRUN_TEST_CHILD_PATH, "cpus"}, nullptr, two);
     ASSERT_EQ(run.code, 0) << run.err;
     const std::map<int, std::set<int>> cpus = RankCpus(run.out);
-    ASSERT_EQ(cpus.size(), args.back() == "2" ? 2u : 3u) << run.out;
+    ASSERT_EQ(static_cast<int>(cpus.size()), n) << run.out;
     for (const auto& [rank, mine] : cpus) {
-      EXPECT_EQ(mine, std::set<int>(two.begin(), two.end())) << "rank " << rank << ":\n" << run.out;
+      EXPECT_EQ(mine, std::set<int>{two[static_cast<size_t>(rank * 2 / n)]}) << "rank " << rank << ":\n" << run.out;
     }
   }
 }
