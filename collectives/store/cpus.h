@@ -37,10 +37,10 @@ std::vector<std::vector<int>> SplitCpus(absl::Span<const int> cpus, absl::Span<c
 
 // For more local ranks than `cpus`: one CPU each, rank i taking CPU floor(i * N / ranks) of the
 // N CPUs in SplitCpus order (consecutive ranks share a CPU, every CPU gets ranks/N rounded
-// down or up). Ranks bound so take turns on their CPU without the scheduler moving them, which
-// leaves a rank that wakes its peer running alone on a CPU at times (4 ranks on 2 CPUs, 4 KiB
-// all_reduce: 4.3-4.7 us bound, 4.3 or 6.9-7.3 us per run unbound). Empty when there are
-// at least as many CPUs as ranks (SplitCpus then), or for bad input.
+// down or up). Ranks bound so take turns on their CPU; unbound, the scheduler moves them and
+// some runs are slower throughout (4 ranks on 2 CPUs, 4 KiB all_reduce: 4.3-5.4 us bound in
+// every run, unbound 4.3 us in some runs and 6.9-7.3 in others). Empty when there are at
+// least as many CPUs as ranks (SplitCpus then), or for bad input.
 std::vector<std::vector<int>> StackCpus(absl::Span<const int> cpus, absl::Span<const int64_t> keys, int ranks);
 
 // True when every rank can run on a CPU that no other rank needs: rank i may use cpus[i], and

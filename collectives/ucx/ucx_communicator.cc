@@ -1033,7 +1033,7 @@ class UcxCommunicator final : public Communicator {
     // single copy reads faster (2 ranks, 16 KiB: 2.76 -> 0.76 us).
     if (bytes <= (shm_->oversubscribed() ? kShmFullReduceOversubscribedBytes : kShmFullReduceBytes) &&
         !ZeroCopySized(longest, bytes)) {
-      std::memcpy(shm_->slot(rank_), in, static_cast<size_t>(n) * es);
+      std::memcpy(shm_->slot(rank_), in, bytes);
       DT_RETURN_IF_ERROR(shm_->Sync(ctx_));
       // Its own part from its input: the same bits as its slot, which the peers are reading
       // (2 ranks: 4 KiB 1.31 against 1.73-1.75 us, 16 KiB 3.84-3.92 against 5.07-5.27 us).
