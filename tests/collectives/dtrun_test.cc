@@ -6,11 +6,9 @@
 #include <algorithm>
 #include <csignal>
 #include <cstdlib>
-#include <fstream>
 #include <functional>
 #include <map>
 #include <set>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -27,13 +25,6 @@
 namespace {
 
 using RunResult = dtensor::testing::ProcessRun;
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 using TempDir = dtensor::testing::ScopedTempDir;
 
@@ -53,9 +44,7 @@ std::vector<std::string> Lines(const std::string& s) {
 
 // Alive = exists and is not a zombie (orphans may wait a while for their reaper).
 bool Alive(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/stat");
-  if (!f) return false;
-  std::string stat((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const std::string stat = dtensor::testing::ReadBytes("/proc/" + std::to_string(pid) + "/stat");
   const size_t paren = stat.rfind(')');
   if (paren == std::string::npos || paren + 2 >= stat.size()) return false;
   const char state = stat[paren + 2];
@@ -65,7 +54,7 @@ bool Alive(pid_t pid) {
 std::vector<pid_t> ReadPids(const std::string& dir, int n) {
   std::vector<pid_t> pids;
   for (int r = 0; r < n; ++r) {
-    const std::string s = ReadFile(dir + "/" + std::to_string(r) + ".pid");
+    const std::string s = dtensor::testing::ReadBytes(dir + "/" + std::to_string(r) + ".pid");
     if (!s.empty()) pids.push_back(std::atoi(s.c_str()));
   }
   return pids;

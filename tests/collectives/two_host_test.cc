@@ -14,9 +14,7 @@
 #include <csignal>
 #include <cstdint>
 #include <cstdlib>
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -26,6 +24,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "tests/testing/test_util.h"
 
 #if defined(UCX_TEST_CHILD_PATH) && defined(DTRUN_PATH) && defined(NETNS_TWO_HOSTS_SCRIPT)
 
@@ -33,13 +32,6 @@ namespace {
 
 constexpr char kMasterAddr[] = "10.231.7.1";  // node 0's veth address (see the script)
 constexpr char kMasterPort[] = "29517";       // the namespaces are fresh: nothing else listens there
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 bool Contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
@@ -99,8 +91,8 @@ class Process {
   bool exited() const { return exited_; }
   int code() const { return code_; }  // exit code or 128 + signal; -1 if it did not exit itself
   absl::Duration took() const { return took_; }
-  std::string out() const { return ReadFile(out_path_); }
-  std::string err() const { return ReadFile(err_path_); }
+  std::string out() const { return dtensor::testing::ReadBytes(out_path_); }
+  std::string err() const { return dtensor::testing::ReadBytes(err_path_); }
 
  private:
   std::string out_path_, err_path_;
@@ -129,8 +121,6 @@ class TwoHosts {
   TwoHosts() {
     static int serial = 0;
     tag_ = absl::StrCat(getpid() % 10000000, std::string(1, static_cast<char>('a' + serial++ % 26)));
-    std::string dir_tmpl = "/tmp/two_host_test_XXXXXX";
-    if (mkdtemp(dir_tmpl.data()) != nullptr) dir_ = dir_tmpl;
   }
   TwoHosts(const TwoHosts&) = delete;
   TwoHosts& operator=(const TwoHosts&) = delete;
@@ -140,7 +130,6 @@ class TwoHosts {
       auto [code, out] = RunCommand({"/bin/bash", NETNS_TWO_HOSTS_SCRIPT, "down", tag_}, dir_);
       EXPECT_EQ(code, 0) << "removing the namespaces: " << out;
     }
-    if (!dir_.empty()) std::system(("rm -rf '" + dir_ + "'").c_str());
   }
 
   // Makes the namespaces. Returns "" when done, else why they cannot be made here (then the test
@@ -181,7 +170,9 @@ class TwoHosts {
   }
 
  private:
-  std::string tag_, dir_;
+  std::string tag_;
+  dtensor::testing::ScopedTempDir temp_{"two_host_test"};  // removed after the destructor's body
+  const std::string& dir_ = temp_.path();
   bool up_ = false;
   std::vector<std::unique_ptr<Process>> procs_;
 };

@@ -7,8 +7,6 @@
 
 #include <csignal>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "absl/time/clock.h"
 #include "tests/testing/test_util.h"
@@ -17,13 +15,6 @@ extern char** environ;
 
 namespace dtensor::testing {
 namespace {
-
-std::string ReadAll(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
 
 std::string NameOf(const std::string& entry) { return entry.substr(0, entry.find('=')); }
 
@@ -98,8 +89,8 @@ ProcessRun RunProcess(const std::vector<std::string>& argv, const ProcessOptions
     run.code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
   }
   run.took = absl::Now() - start;
-  run.out = ReadAll(out_path);
-  if (!merge) run.err = ReadAll(err_path);
+  run.out = ReadBytes(out_path);
+  if (!merge) run.err = ReadBytes(err_path);
   return run;
 }
 

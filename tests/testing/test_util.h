@@ -73,6 +73,9 @@ class ScopedTempDir {
 // Writes `bytes` to `path` (ADD_FAILURE on error).
 void WriteBytes(const std::string& path, const std::string& bytes);
 
+// The contents of `path`; empty when it cannot be read (callers check what they expect in it).
+std::string ReadBytes(const std::string& path);
+
 }  // namespace dtensor::testing
 
 #endif  // DTENSOR_TESTS_TESTING_TEST_UTIL_H_
