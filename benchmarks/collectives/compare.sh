@@ -12,14 +12,16 @@
 #                   --mca pml_ucx_devices any BUILD/benchmarks/mpi_coll_bench
 # keeps their nccl-tests tables under --out (default: a fresh temporary folder), and prints one
 # merged table per (collective, N): busbw of each (GB/s), ucx/ompi, the per-call times of
-# ucx and ompi, and the target with an ok / BELOW flag. With --rounds K (default 1) the three
-# runs repeat K times, interleaved (threads, ucx, ompi, threads, ucx, ...), and every cell is the
-# median over the rounds; the "rounds" column gives the lowest and highest per-round ucx/ompi,
-# and "paired" their median, which the flag judges. (This 2-core VM switches between phases in
-# which small-message times of either program differ by 2-3x, and a phase lasts a few runs: the
-# ucx and ompi runs of one round mostly share it, but the median busbw of each program over the
-# rounds can fall in different phases when about half the rounds are slow. The median of the
-# per-round ratios compares like with like.)
+# ucx and ompi, and the target with an ok / BELOW flag. Each collective runs on its own: per
+# collective, threads, then ucx and ompi back to back (ompi first in even rounds), so the ucx
+# and ompi rows of one size are measured about a second apart. With --rounds K (default 1) this
+# repeats K times and every cell is the median over the rounds; the "rounds" column gives the
+# lowest and highest per-round ucx/ompi, and "paired" their median, which the flag judges. (This
+# 2-core VM switches between phases in which small-message times of either program differ by
+# 2-3x, for a few seconds at a time: a phase that starts in one program's run and ends before
+# the other's flips that round's ratio, the closer in time the pair, the rarer; the median of
+# the per-round ratios compares like with like where the median of each program's busbw would
+# not.)
 #   ucx busbw >= ompi busbw at every size; >= 2x ompi for all_reduce and reduce_scatter at
 #   >= 4 MiB; the 4 KiB all_reduce under 1.5 us (checked where every rank has a core).
 # Exit status: 1 if a run failed or reported wrong elements (or, with --strict, if a row is
@@ -27,7 +29,7 @@
 set -u -o pipefail
 
 usage() {
-  sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
+  awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
   exit 2
 }
 
@@ -75,21 +77,35 @@ mkdir -p "$out"
 failed=0
 [[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "compare.sh: --rounds wants a positive integer, not '$rounds'" >&2; exit 2; }
 
-# run NAME N ROUND COMMAND...: the table (dtrun's "[rank 0] " prefix removed) goes to
-# $out/NAME.N.ROUND.txt.
+# The collectives to run: --ops from the benchmark flags (taken out of them, each collective
+# is passed on its own), else all five.
+ops="all_reduce all_gather reduce_scatter all_to_all broadcast"
+flags=()
+for ((i = 0; i < ${#extra[@]}; ++i)); do
+  if [[ "${extra[i]}" == --ops && $((i + 1)) -lt ${#extra[@]} ]]; then
+    ops=${extra[i + 1]//,/ }
+    ((++i))
+  else
+    flags+=("${extra[i]}")
+  fi
+done
+
+# run NAME N ROUND OP COMMAND...: COMMAND --ops OP; its table (dtrun's "[rank 0] " prefix
+# removed) is appended to $out/NAME.N.ROUND.txt, its time to secs[NAME].
+declare -A secs
 run() {
-  local name=$1 n=$2 round=$3
-  shift 3
+  local name=$1 n=$2 round=$3 op=$4
+  shift 4
   local file="$out/$name.$n.$round.txt"
   local start=$SECONDS
-  "$@" >"$file.raw" 2>"$out/$name.$n.err"
+  "$@" --ops "$op" >"$file.raw" 2>"$out/$name.$n.err"
   local rc=$?
-  sed -n 's/^\[rank 0\] //; /^[ #]/p' "$file.raw" >"$file"
+  sed -n 's/^\[rank 0\] //; /^[ #]/p' "$file.raw" >>"$file"
   rm -f "$file.raw"
-  echo "  $name, $n ranks, round $round: exit $rc, $((SECONDS - start)) s" >&2
+  secs[$name]=$((${secs[$name]:-0} + SECONDS - start))
   if [[ $rc -ne 0 ]]; then
     failed=1
-    echo "  $name, $n ranks FAILED; its stderr ($out/$name.$n.err) ends:" >&2
+    echo "  $name, $n ranks, $op FAILED (exit $rc); its stderr ($out/$name.$n.err) ends:" >&2
     tail -5 "$out/$name.$n.err" | sed 's/^/    /' >&2
   fi
 }
@@ -98,12 +114,22 @@ echo "compare.sh: tables under $out" >&2
 echo "# compare.sh $(date -u '+%F %T UTC'), $(nproc) cores, load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for n in $ranks; do
   for ((k = 1; k <= rounds; ++k)); do
-    run threads "$n" "$k" "$bench" --backend threads --ranks "$n" "${quick[@]}" "${extra[@]}"
-    run ucx "$n" "$k" "$dtrun" --nproc-per-node "$n" "$bench" --backend ucx "${quick[@]}" "${extra[@]}"
-    if [[ $have_mpi -eq 1 ]]; then
-      run ompi "$n" "$k" mpirun --allow-run-as-root --oversubscribe -np "$n" --mca pml ucx --mca pml_ucx_tls any \
-        --mca pml_ucx_devices any "$mpi_bench" "${quick[@]}" "${extra[@]}"
-    fi
+    secs=()
+    rm -f "$out"/{threads,ucx,ompi}."$n.$k".txt
+    for op in $ops; do
+      run threads "$n" "$k" "$op" "$bench" --backend threads --ranks "$n" "${quick[@]}" "${flags[@]}"
+      pair=(ucx ompi)
+      ((k % 2 == 0)) && pair=(ompi ucx)
+      for name in "${pair[@]}"; do
+        if [[ $name == ucx ]]; then
+          run ucx "$n" "$k" "$op" "$dtrun" --nproc-per-node "$n" "$bench" --backend ucx "${quick[@]}" "${flags[@]}"
+        elif [[ $have_mpi -eq 1 ]]; then
+          run ompi "$n" "$k" "$op" mpirun --allow-run-as-root --oversubscribe -np "$n" --mca pml ucx \
+            --mca pml_ucx_tls any --mca pml_ucx_devices any "$mpi_bench" "${quick[@]}" "${flags[@]}"
+        fi
+      done
+    done
+    echo "  $n ranks, round $k: threads ${secs[threads]:-0} s, ucx ${secs[ucx]:-0} s, ompi ${secs[ompi]:-0} s" >&2
   done
 done
 
