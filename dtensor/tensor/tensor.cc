@@ -55,6 +55,24 @@ Storage::~Storage() {
   if (allocator_ != nullptr) allocator_->Free(data_);
 }
 
+absl::Status Storage::Release() {
+  if (allocator_ == nullptr) {
+    return absl::FailedPreconditionError("[Storage::Release] borrowed memory (FromBlob) cannot be released");
+  }
+  allocator_->Free(data_);
+  data_ = nullptr;
+  return absl::OkStatus();
+}
+
+absl::Status Storage::Reallocate() {
+  if (allocator_ == nullptr) {
+    return absl::FailedPreconditionError("[Storage::Reallocate] borrowed memory (FromBlob) cannot be reallocated");
+  }
+  if (data_ != nullptr || nbytes_ == 0) return absl::OkStatus();
+  DT_ASSIGN_OR_RETURN(data_, allocator_->Allocate(nbytes_));
+  return absl::OkStatus();
+}
+
 Tensor::Tensor(std::shared_ptr<Storage> storage, Shape shape, Shape strides, int64_t offset, DType dtype)
     : storage_(std::move(storage)),
       shape_(std::move(shape)),

@@ -65,6 +65,16 @@ class Storage {
   size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
 
+  // PyTorch's storage resize_(0) / resize_(n), which FSDP uses to free unsharded parameters
+  // between forward and backward while the autograd graph keeps views of them: Release()
+  // returns the memory to the allocator (every view keeps this Storage; data() is null until
+  // Reallocate()), Reallocate() takes a fresh block of the same size (contents undefined).
+  // Only for memory from an allocator: FailedPrecondition for borrowed memory (FromBlob).
+  // Reading a view while released is a contract violation.
+  absl::Status Release();
+  absl::Status Reallocate();
+  bool released() const { return data_ == nullptr && nbytes_ > 0; }
+
  private:
   void* data_;
   size_t nbytes_;

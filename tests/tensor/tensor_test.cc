@@ -203,5 +203,29 @@ TEST(TensorTest, BroadcastShapes) {
   EXPECT_NE(bad.status().message().find("[Add]"), std::string::npos);
 }
 
+// Release / Reallocate (FSDP's resize_(0) / resize_(n)): the memory goes back to the
+// allocator while views keep their Storage, and comes back shared by every view.
+TEST(StorageTest, ReleaseAndReallocateKeepViews) {
+  Allocator& alloc = DefaultAllocator(Device::Cpu());
+  Tensor t = testing::Unwrap(Tensor::Empty({256, 16}, DType::kFloat32));
+  Tensor row = testing::Unwrap(t.Select(0, 3));
+  const int64_t in_use = alloc.Stats().bytes_in_use;
+  ASSERT_TRUE(t.storage()->Release().ok());
+  EXPECT_TRUE(row.storage()->released());
+  EXPECT_EQ(row.storage()->data(), nullptr);
+  EXPECT_EQ(alloc.Stats().bytes_in_use, in_use - 256 * 16 * 4);
+  ASSERT_TRUE(t.storage()->Reallocate().ok());
+  EXPECT_FALSE(t.storage()->released());
+  EXPECT_EQ(alloc.Stats().bytes_in_use, in_use);
+  ASSERT_TRUE(Fill_(t, 2.5).ok());
+  EXPECT_EQ(testing::Values(row), std::vector<double>(16, 2.5));
+  EXPECT_EQ(static_cast<char*>(row.raw_data()) - static_cast<char*>(t.raw_data()), 3 * 16 * 4);
+
+  float borrowed[4] = {};
+  Tensor b = testing::Unwrap(Tensor::FromBlob(borrowed, {4}, DType::kFloat32, Device::Cpu()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(b.storage()->Release()));
+  EXPECT_TRUE(absl::IsFailedPrecondition(b.storage()->Reallocate()));
+}
+
 }  // namespace
 }  // namespace dtensor
