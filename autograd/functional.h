@@ -34,6 +34,8 @@ inline absl::StatusOr<Value> AddScalar(const Value& a, double s) { return Binary
 absl::StatusOr<Value> Unary(UnaryOp op, const Value& x);
 // dy * f'(x) for op in {kGelu, kRelu, kTanh, kExp, kLog, kSqrt}.
 absl::StatusOr<Value> UnaryBackward(UnaryOp op, const Value& dy, const Value& x);
+// x in another dtype (x itself when already of it); a DTensor keeps its layout.
+absl::StatusOr<Value> Cast(const Value& x, DType dtype);
 // Ones of x's shape and dtype; a DTensor keeps x's layout with Partial replaced by Replicate.
 absl::StatusOr<Value> OnesLike(const Value& x);
 absl::StatusOr<Value> ZerosLike(const Value& x);

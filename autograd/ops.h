@@ -27,6 +27,8 @@ absl::StatusOr<Variable> Mul(const Variable& a, const Variable& b);
 absl::StatusOr<Variable> Div(const Variable& a, const Variable& b);
 absl::StatusOr<Variable> Scale(const Variable& a, double s);
 absl::StatusOr<Variable> AddScalar(const Variable& a, double s);
+// x in `dtype` (the gradient is cast back to x's dtype); x itself when already of it.
+absl::StatusOr<Variable> Cast(const Variable& x, DType dtype);
 absl::StatusOr<Variable> Unary(UnaryOp op, const Variable& x);  // neg, exp, log, sqrt, relu, gelu, tanh
 inline absl::StatusOr<Variable> Gelu(const Variable& x) { return Unary(UnaryOp::kGelu, x); }
 

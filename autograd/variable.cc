@@ -27,8 +27,41 @@ struct VariableImpl {
 
 namespace {
 
-std::atomic<uint64_t> g_next_sequence_nr{0};  // orders nodes; not state anyone configures
+std::atomic<uint64_t> g_next_sequence_nr{1};  // orders nodes; not state anyone configures
 thread_local bool t_grad_enabled = true;
+
+// Callbacks queued during the backward pass running on this thread (QueueBackwardCallback).
+struct PassCallbacks {
+  struct Entry {
+    uint64_t sequence_nr;
+    uint64_t order;
+    std::function<absl::Status()> fn;
+  };
+  std::vector<Entry> pending;
+  uint64_t queued = 0;
+
+  // Runs (and removes) the due callbacks — those whose point is newer than `node_nr` (the
+  // node about to run), or all at the end of the pass — newest point first, then in queued
+  // order. Callbacks queued meanwhile run too when due.
+  absl::Status RunDue(uint64_t node_nr, bool at_end) {
+    while (true) {
+      size_t best = pending.size();
+      for (size_t i = 0; i < pending.size(); ++i) {
+        const Entry& e = pending[i];
+        if (!at_end && e.sequence_nr <= node_nr) continue;
+        if (best == pending.size() || e.sequence_nr > pending[best].sequence_nr ||
+            (e.sequence_nr == pending[best].sequence_nr && e.order < pending[best].order)) {
+          best = i;
+        }
+      }
+      if (best == pending.size()) return absl::OkStatus();
+      std::function<absl::Status()> fn = std::move(pending[best].fn);
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(best));
+      DT_RETURN_IF_ERROR(fn());
+    }
+  }
+};
+thread_local PassCallbacks* t_pass = nullptr;
 
 const Value& EmptyValue() {
   static const Value* empty = new Value();
@@ -189,6 +222,18 @@ std::vector<Variable> Record(const char* name, absl::Span<const Variable> inputs
   return result;
 }
 
+uint64_t NextSequenceNr() { return g_next_sequence_nr.load(); }
+
+absl::Status QueueBackwardCallback(uint64_t sequence_nr, std::function<absl::Status()> fn) {
+  if (t_pass == nullptr) {
+    return absl::FailedPreconditionError("[QueueBackwardCallback] called outside a backward pass");
+  }
+  t_pass->pending.push_back({sequence_nr, t_pass->queued++, std::move(fn)});
+  return absl::OkStatus();
+}
+
+bool InBackward() { return t_pass != nullptr; }
+
 absl::StatusOr<Value> AddGrads(const Value& a, const Value& b) {
   if (!a.defined()) return b;
   if (!b.defined()) return a;
@@ -214,6 +259,13 @@ absl::Status RunBackward(absl::Span<const Variable> roots, absl::Span<const Valu
                        " but the root is ", DTypeName(v.dtype()), " ", ShapeString(v.shape())));
     }
   }
+  // Callbacks queued by this pass's hooks (QueueBackwardCallback); a nested pass has its own.
+  PassCallbacks pass;
+  struct Install {
+    PassCallbacks* prev;
+    explicit Install(PassCallbacks* p) : prev(t_pass) { t_pass = p; }
+    ~Install() { t_pass = prev; }
+  } install(&pass);
   // Dependencies: how many edges lead into each reachable node.
   absl::flat_hash_map<Node*, int> deps;
   std::vector<Node*> stack;
@@ -270,6 +322,7 @@ absl::Status RunBackward(absl::Span<const Variable> roots, absl::Span<const Valu
   while (!ready.empty()) {
     Node* n = ready.top();
     ready.pop();
+    if (!pass.pending.empty()) DT_RETURN_IF_ERROR(pass.RunDue(n->sequence_nr(), /*at_end=*/false));
     // (The roots hold the graph, so every node stays alive during the pass.)
     std::vector<Value> in_grads;
     auto buf = buffers.find(n);
@@ -300,7 +353,7 @@ absl::Status RunBackward(absl::Span<const Variable> roots, absl::Span<const Valu
       }
     }
   }
-  return absl::OkStatus();
+  return pass.RunDue(0, /*at_end=*/true);
 }
 
 absl::Status Backward(const Variable& root, bool retain_graph) {

@@ -156,6 +156,21 @@ std::vector<Variable> Record(const char* name, absl::Span<const Variable> inputs
 absl::Status Backward(const Variable& root, bool retain_graph = false);
 absl::Status Backward(absl::Span<const Variable> roots, absl::Span<const Value> grad_roots, bool retain_graph = false);
 
+// The sequence number the next recorded node will get: every node recorded from now on has a
+// sequence number >= it (FSDP notes where a module's forward starts).
+uint64_t NextSequenceNr();
+
+// Only within a backward pass, from one of its hooks or nodes (on the pass's thread): runs
+// `fn` once the pass has run every node it will run that was recorded at or after
+// `sequence_nr` — just before the first older node, or when the pass ends (sequence_nr 0:
+// when the pass ends, as PyTorch's queue_callback). Nodes run from the newest, so those are
+// exactly the nodes of a forward that began at `sequence_nr` (FSDP's post-backward of a
+// module). Due callbacks run newest point first, then in the order queued; a callback may
+// queue more; an error stops the pass. FailedPrecondition outside a backward pass.
+absl::Status QueueBackwardCallback(uint64_t sequence_nr, std::function<absl::Status()> fn);
+// Whether this thread is inside a backward pass.
+bool InBackward();
+
 // Sum of two gradients (undefined + g = g). DTensor gradients with different layouts are
 // combined by the dispatcher's Add.
 absl::StatusOr<Value> AddGrads(const Value& a, const Value& b);

@@ -154,6 +154,14 @@ absl::StatusOr<Value> Binary(BinaryOp op, const Value& a, const Value& b) {
   return op_util::First(Dispatch(kBinary, {a, b}, args));
 }
 
+absl::StatusOr<Value> Cast(const Value& x, DType dtype) {
+  if (x.dtype() == dtype) return x;
+  DT_ASSIGN_OR_RETURN(Tensor local, dtensor::Cast(x.local(), dtype));
+  if (!x.is_dtensor()) return Value(std::move(local));
+  const DTensor& d = x.dtensor();
+  return Value(DTensor::WrapTrusted(std::move(local), d.mesh(), d.layout(), Shape(d.shape().begin(), d.shape().end())));
+}
+
 absl::StatusOr<Value> BinaryScalar(BinaryOp op, const Value& a, double s, bool scalar_first) {
   OpArgs args;
   args.ints = {static_cast<int64_t>(op), scalar_first ? 1 : 0};
@@ -282,6 +290,17 @@ absl::StatusOr<Variable> Scale(const Variable& a, double s) {
     DT_ASSIGN_OR_RETURN(Value r, fn::Scale(g, s));
     return std::vector<Value>{r};
   });
+}
+
+absl::StatusOr<Variable> Cast(const Variable& x, DType dtype) {
+  if (x.value().dtype() == dtype) return x;
+  DT_ASSIGN_OR_RETURN(Value y, fn::Cast(x.value(), dtype));
+  if (!AnyRequiresGrad({x})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
+  return op_util::Result1("Cast", {x}, std::move(y),
+                          [from = x.value().dtype()](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+                            DT_ASSIGN_OR_RETURN(Value r, fn::Cast(g, from));
+                            return std::vector<Value>{r};
+                          });
 }
 
 absl::StatusOr<Variable> AddScalar(const Variable& a, double s) {

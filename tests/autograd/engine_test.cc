@@ -504,5 +504,46 @@ TEST(Engine, FromLocalAndToLocal) {
   }
 }
 
+// QueueBackwardCallback: a callback at a sequence mark runs once every node recorded after
+// the mark has run (before the first older node: FSDP's post-backward of a module whose
+// forward began at the mark), one at 0 when the pass ends; a cast's gradient comes back in
+// the input's dtype.
+TEST(Engine, BackwardCallbacksRunWhenTheirPartOfTheGraphIsDone) {
+  Variable w = Variable::Leaf(Rand({2, 3}, 7), true, "w");
+  Variable a = Unwrap(Scale(w, 2.0));  // older than the mark
+  const uint64_t mark = NextSequenceNr();
+  Variable b = Unwrap(Scale(a, 3.0));  // the "module": b, c
+  Variable c = Unwrap(Cast(b, DType::kBFloat16));
+  Variable loss = Unwrap(Sum(Unwrap(Cast(c, DType::kFloat32))));
+  std::vector<std::string> log;
+  EXPECT_FALSE(InBackward());
+  EXPECT_TRUE(absl::IsFailedPrecondition(QueueBackwardCallback(0, [] { return absl::OkStatus(); })));
+  c.RegisterHook([&](Value&) -> absl::Status {
+    log.push_back("c");
+    EXPECT_TRUE(InBackward());
+    DT_RETURN_IF_ERROR(QueueBackwardCallback(0, [&] { return log.push_back("end"), absl::OkStatus(); }));
+    return QueueBackwardCallback(mark, [&] {
+      log.push_back(absl::StrCat("mark, w.grad ", w.grad().defined() ? "set" : "unset"));
+      return absl::OkStatus();
+    });
+  });
+  a.RegisterHook([&](Value&) { return log.push_back("a"), absl::OkStatus(); });
+  ASSERT_TRUE(Backward(loss).ok());
+  EXPECT_EQ(log, (std::vector<std::string>{"c", "mark, w.grad unset", "a", "end"}));
+  EXPECT_EQ(w.grad().dtype(), DType::kFloat32);
+  ExpectValues(w.grad(), Affine(Rand({2, 3}, 7), 0, 6), "d/dw sum(6w)");
+  EXPECT_FALSE(InBackward());
+}
+
+TEST(Engine, AFailingBackwardCallbackStopsThePass) {
+  Variable w = Variable::Leaf(Rand({2}, 8), true, "w");
+  Variable y = Unwrap(Scale(w, 2.0));
+  y.RegisterHook(
+      [](Value&) { return QueueBackwardCallback(0, [] { return absl::FailedPreconditionError("callback failed"); }); });
+  const absl::Status s = Backward(Unwrap(Sum(y)));
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_EQ(s.message(), "callback failed");
+}
+
 }  // namespace
 }  // namespace dtensor
