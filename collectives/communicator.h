@@ -52,6 +52,11 @@ class Work {
   virtual absl::Status Wait() = 0;
   // Non-blocking: true once Wait() would return at once.
   virtual bool IsCompleted() = 0;
+  // Orders the calling thread's later device work after the collective without blocking the
+  // host where the transport can: on NCCL the thread's compute stream waits for the
+  // collective's event (kernels queued afterwards see the outputs; failures show in a later
+  // Wait()). CPU transports have no stream: this is Wait().
+  virtual absl::Status WaitStream() { return Wait(); }
 };
 
 // One send or receive of a batch (Communicator::BatchSendRecvAsync).
@@ -134,19 +139,21 @@ class Communicator {
   virtual absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) = 0;
 
   // ---- Synchronous forms ----
-  absl::Status AllReduce(const Tensor& input, const Tensor& output, CommReduceOp op);
-  absl::Status AllGather(const Tensor& input, const Tensor& output);
-  absl::Status ReduceScatter(const Tensor& input, const Tensor& output, CommReduceOp op);
-  absl::Status AllToAll(const Tensor& input, const Tensor& output);
-  absl::Status Broadcast(const Tensor& tensor, int root);
+  // The *Async call and its Wait(); a transport whose *Async forms hand the work to a thread
+  // (ucx) runs the collectives here on the calling thread instead.
+  virtual absl::Status AllReduce(const Tensor& input, const Tensor& output, CommReduceOp op);
+  virtual absl::Status AllGather(const Tensor& input, const Tensor& output);
+  virtual absl::Status ReduceScatter(const Tensor& input, const Tensor& output, CommReduceOp op);
+  virtual absl::Status AllToAll(const Tensor& input, const Tensor& output);
+  virtual absl::Status Broadcast(const Tensor& tensor, int root);
   absl::Status Send(const Tensor& tensor, int peer);
   absl::Status Recv(const Tensor& tensor, int peer);
   absl::Status BatchSendRecv(absl::Span<const PeerOp> ops);
-  absl::Status AllGatherV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> counts);
-  absl::Status ReduceScatterV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> counts,
-                              CommReduceOp op);
-  absl::Status AllToAllV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> send_counts,
-                         absl::Span<const int64_t> recv_counts);
+  virtual absl::Status AllGatherV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> counts);
+  virtual absl::Status ReduceScatterV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> counts,
+                                      CommReduceOp op);
+  virtual absl::Status AllToAllV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> send_counts,
+                                 absl::Span<const int64_t> recv_counts);
 };
 
 // The timeout a new communicator starts with: DTENSOR_TIMEOUT_S seconds if set and valid,

@@ -375,6 +375,16 @@ class NcclWork final : public Work {
     return status_;
   }
 
+  // The compute stream waits for the event (no host wait); buffers stay referenced until
+  // Wait() or the destructor, which then finds the event done or waits for it as above.
+  absl::Status WaitStream() override {
+    if (finished_) return status_;
+    DT_RETURN_IF_ERROR(state_->CheckAlive(op_));
+    DeviceGuard guard(state_->device());
+    if (!guard.ok()) return ToStatus(guard.error(), op_, state_->device());
+    return ToStatus(cudaStreamWaitEvent(cudaStreamPerThread, done_event_.get(), 0), op_, state_->device());
+  }
+
   bool IsCompleted() override {
     if (finished_) return true;
     DeviceGuard guard(state_->device());

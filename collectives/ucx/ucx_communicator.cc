@@ -217,11 +217,6 @@ std::optional<uint64_t> CmaMinFromEnv() {
   return static_cast<uint64_t>(n);
 }
 
-absl::StatusOr<std::unique_ptr<Work>> Done(absl::Status status) {
-  if (!status.ok()) return status;
-  return MakeCompletedWork(std::move(status));
-}
-
 // A posted Send / Recv; Wait() progresses the worker until it completes.
 class P2PWork final : public Work {
  public:
@@ -233,10 +228,13 @@ class P2PWork final : public Work {
         op_(op),
         rank_(rank),
         timeout_(timeout) {}
+  // The comm thread may be running collectives on the same worker: each call waits for it.
   ~P2PWork() override {
+    world_->comm_thread().Drain();
     if (!req_.done) world_->Orphan(std::move(req_), keep_.storage());
   }
   absl::Status Wait() override {
+    world_->comm_thread().Drain();
     if (!waited_) {
       UcxWaitContext ctx{op_, rank_, timeout_};
       result_ = world_->Wait(req_, ctx);
@@ -245,7 +243,11 @@ class P2PWork final : public Work {
     }
     return result_;
   }
-  bool IsCompleted() override { return waited_ || world_->Test(req_); }
+  bool IsCompleted() override {
+    if (waited_) return true;
+    world_->comm_thread().Drain();
+    return world_->Test(req_);
+  }
 
  private:
   std::shared_ptr<UcxWorld> world_;
@@ -312,6 +314,9 @@ class UcxCommunicator final : public Communicator {
         send_seq_(members_.size(), 0),
         recv_seq_(members_.size(), 0) {}
 
+  // Jobs on the comm thread use this communicator: they finish before it goes.
+  ~UcxCommunicator() override { world_->comm_thread().Drain(); }
+
   void AdoptStore(std::unique_ptr<StoreClient> store) { store_ = std::move(store); }
 
   int rank() const override { return rank_; }
@@ -321,78 +326,150 @@ class UcxCommunicator final : public Communicator {
   void SetTimeout(absl::Duration timeout) override { timeout_ = timeout; }
   absl::Duration timeout() const override { return timeout_; }
 
-  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const Tensor& input, const Tensor& output,
-                                                       CommReduceOp op) override {
+  // Each collective: its checks, then either RunNow (the blocking form: on this thread) or
+  // Submit (the *Async form: on the comm thread, with copies of what it uses).
+  absl::Status CheckAllReduce(const Tensor& input, const Tensor& output, CommReduceOp op) const {
     constexpr const char* kOp = "AllReduce";
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input"));
-    DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
-    const auto d = [&] { return Describe(kOp, &input, input.numel(), static_cast<int>(op)); };
-    return Done(Run(kOp, d, [&] { return DoAllReduce(input, output, op); }));
+    return CheckReducible(kOp, rank_, input.dtype(), op);
+  }
+  absl::Status AllReduce(const Tensor& input, const Tensor& output, CommReduceOp op) override {
+    DT_RETURN_IF_ERROR(CheckAllReduce(input, output, op));
+    return RunNow(
+        "AllReduce", [&] { return Describe("AllReduce", &input, input.numel(), static_cast<int>(op)); },
+        [&] { return DoAllReduce(input, output, op); });
+  }
+  absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const Tensor& input, const Tensor& output,
+                                                       CommReduceOp op) override {
+    DT_RETURN_IF_ERROR(CheckAllReduce(input, output, op));
+    return Submit(
+        "AllReduce", [input, op] { return Describe("AllReduce", &input, input.numel(), static_cast<int>(op)); },
+        [this, input, output, op] { return DoAllReduce(input, output, op); });
   }
 
-  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const Tensor& input, const Tensor& output) override {
-    constexpr const char* kOp = "AllGather";
-    DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
-    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, size() * input.numel(), "size * input elements"));
+  absl::Status CheckAllGather(const Tensor& input, const Tensor& output) const {
+    DT_RETURN_IF_ERROR(CheckPair("AllGather", rank_, input, output));
+    return CheckNumel("AllGather", rank_, "output", output, size() * input.numel(), "size * input elements");
+  }
+  absl::Status AllGather(const Tensor& input, const Tensor& output) override {
+    DT_RETURN_IF_ERROR(CheckAllGather(input, output));
     const Counts counts(members_.size(), input.numel());
-    return Done(Run(
-        kOp, [&] { return Describe(kOp, &input, input.numel()); },
-        [&] { return DoAllGatherV(input, output, counts); }));
+    return RunNow(
+        "AllGather", [&] { return Describe("AllGather", &input, input.numel()); },
+        [&] { return DoAllGatherV(input, output, counts); });
+  }
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherAsync(const Tensor& input, const Tensor& output) override {
+    DT_RETURN_IF_ERROR(CheckAllGather(input, output));
+    return Submit(
+        "AllGather", [input] { return Describe("AllGather", &input, input.numel()); },
+        [this, input, output, counts = Counts(members_.size(), input.numel())] {
+          return DoAllGatherV(input, output, counts);
+        });
   }
 
-  absl::StatusOr<std::unique_ptr<Work>> AllGatherVAsync(const Tensor& input, const Tensor& output,
-                                                        absl::Span<const int64_t> counts) override {
+  absl::StatusOr<int64_t> CheckAllGatherV(const Tensor& input, const Tensor& output,
+                                          absl::Span<const int64_t> counts) const {
     constexpr const char* kOp = "AllGatherV";
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_ASSIGN_OR_RETURN(const int64_t total, CheckCounts(kOp, rank_, "counts", counts, size()));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, counts[static_cast<size_t>(rank_)], "counts[rank]"));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, total, "sum of counts"));
-    const auto d = [&] { return Describe(kOp, &input, total, -1, -1, counts); };
-    return Done(Run(kOp, d, [&] { return DoAllGatherV(input, output, counts); }));
+    return total;
+  }
+  absl::Status AllGatherV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> counts) override {
+    DT_ASSIGN_OR_RETURN(const int64_t total, CheckAllGatherV(input, output, counts));
+    return RunNow(
+        "AllGatherV", [&] { return Describe("AllGatherV", &input, total, -1, -1, counts); },
+        [&] { return DoAllGatherV(input, output, counts); });
+  }
+  absl::StatusOr<std::unique_ptr<Work>> AllGatherVAsync(const Tensor& input, const Tensor& output,
+                                                        absl::Span<const int64_t> counts) override {
+    DT_ASSIGN_OR_RETURN(const int64_t total, CheckAllGatherV(input, output, counts));
+    Counts c(counts.begin(), counts.end());
+    return Submit(
+        "AllGatherV", [input, total, c] { return Describe("AllGatherV", &input, total, -1, -1, c); },
+        [this, input, output, c] { return DoAllGatherV(input, output, c); });
   }
 
-  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const Tensor& input, const Tensor& output,
-                                                           CommReduceOp op) override {
+  absl::Status CheckReduceScatter(const Tensor& input, const Tensor& output, CommReduceOp op) const {
     constexpr const char* kOp = "ReduceScatter";
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, size() * output.numel(), "size * output elements"));
-    DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
+    return CheckReducible(kOp, rank_, input.dtype(), op);
+  }
+  absl::Status ReduceScatter(const Tensor& input, const Tensor& output, CommReduceOp op) override {
+    DT_RETURN_IF_ERROR(CheckReduceScatter(input, output, op));
     const Counts counts(members_.size(), output.numel());
-    const auto d = [&] { return Describe(kOp, &input, input.numel(), static_cast<int>(op)); };
-    return Done(Run(kOp, d, [&] { return DoReduceScatterV(input, output, counts, op); }));
+    return RunNow(
+        "ReduceScatter", [&] { return Describe("ReduceScatter", &input, input.numel(), static_cast<int>(op)); },
+        [&] { return DoReduceScatterV(input, output, counts, op); });
+  }
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const Tensor& input, const Tensor& output,
+                                                           CommReduceOp op) override {
+    DT_RETURN_IF_ERROR(CheckReduceScatter(input, output, op));
+    return Submit(
+        "ReduceScatter", [input, op] { return Describe("ReduceScatter", &input, input.numel(), static_cast<int>(op)); },
+        [this, input, output, op, counts = Counts(members_.size(), output.numel())] {
+          return DoReduceScatterV(input, output, counts, op);
+        });
   }
 
-  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterVAsync(const Tensor& input, const Tensor& output,
-                                                            absl::Span<const int64_t> counts,
-                                                            CommReduceOp op) override {
+  absl::StatusOr<int64_t> CheckReduceScatterV(const Tensor& input, const Tensor& output,
+                                              absl::Span<const int64_t> counts, CommReduceOp op) const {
     constexpr const char* kOp = "ReduceScatterV";
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_ASSIGN_OR_RETURN(const int64_t total, CheckCounts(kOp, rank_, "counts", counts, size()));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "input", input, total, "sum of counts"));
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, counts[static_cast<size_t>(rank_)], "counts[rank]"));
     DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
-    const auto d = [&] { return Describe(kOp, &input, total, static_cast<int>(op), -1, counts); };
-    return Done(Run(kOp, d, [&] { return DoReduceScatterV(input, output, counts, op); }));
+    return total;
+  }
+  absl::Status ReduceScatterV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> counts,
+                              CommReduceOp op) override {
+    DT_ASSIGN_OR_RETURN(const int64_t total, CheckReduceScatterV(input, output, counts, op));
+    return RunNow(
+        "ReduceScatterV", [&] { return Describe("ReduceScatterV", &input, total, static_cast<int>(op), -1, counts); },
+        [&] { return DoReduceScatterV(input, output, counts, op); });
+  }
+  absl::StatusOr<std::unique_ptr<Work>> ReduceScatterVAsync(const Tensor& input, const Tensor& output,
+                                                            absl::Span<const int64_t> counts,
+                                                            CommReduceOp op) override {
+    DT_ASSIGN_OR_RETURN(const int64_t total, CheckReduceScatterV(input, output, counts, op));
+    Counts c(counts.begin(), counts.end());
+    return Submit(
+        "ReduceScatterV",
+        [input, total, op, c] { return Describe("ReduceScatterV", &input, total, static_cast<int>(op), -1, c); },
+        [this, input, output, c, op] { return DoReduceScatterV(input, output, c, op); });
   }
 
-  absl::StatusOr<std::unique_ptr<Work>> AllToAllAsync(const Tensor& input, const Tensor& output) override {
+  absl::Status CheckAllToAll(const Tensor& input, const Tensor& output) const {
     constexpr const char* kOp = "AllToAll";
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     if (input.numel() % size() != 0) {
       return InvalidArg(kOp, "rank ", rank_, ": input has ", input.numel(),
                         " elements, not divisible by the group size ", size());
     }
-    DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input"));
+    return CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input");
+  }
+  absl::Status AllToAll(const Tensor& input, const Tensor& output) override {
+    DT_RETURN_IF_ERROR(CheckAllToAll(input, output));
     const Counts counts(members_.size(), input.numel() / size());
-    return Done(Run(
-        kOp, [&] { return Describe(kOp, &input, input.numel()); },
-        [&] { return DoAllToAllV(input, output, counts, counts, /*uniform=*/true); }));
+    return RunNow(
+        "AllToAll", [&] { return Describe("AllToAll", &input, input.numel()); },
+        [&] { return DoAllToAllV(input, output, counts, counts, /*uniform=*/true); });
+  }
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllAsync(const Tensor& input, const Tensor& output) override {
+    DT_RETURN_IF_ERROR(CheckAllToAll(input, output));
+    return Submit(
+        "AllToAll", [input] { return Describe("AllToAll", &input, input.numel()); },
+        [this, input, output, counts = Counts(members_.size(), input.numel() / size())] {
+          return DoAllToAllV(input, output, counts, counts, /*uniform=*/true);
+        });
   }
 
-  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(const Tensor& input, const Tensor& output,
-                                                       absl::Span<const int64_t> send_counts,
-                                                       absl::Span<const int64_t> recv_counts) override {
+  absl::Status CheckAllToAllV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> send_counts,
+                              absl::Span<const int64_t> recv_counts) const {
     constexpr const char* kOp = "AllToAllV";
     DT_RETURN_IF_ERROR(CheckPair(kOp, rank_, input, output));
     DT_ASSIGN_OR_RETURN(const int64_t sent, CheckCounts(kOp, rank_, "send_counts", send_counts, size()));
@@ -404,9 +481,38 @@ class UcxCommunicator final : public Communicator {
       return InvalidArg(kOp, "rank ", rank_, ": send_counts[", rank_, "] is ", send_counts[r], " but recv_counts[",
                         rank_, "] is ", recv_counts[r], " (what a rank sends itself)");
     }
-    return Done(Run(
-        kOp, [&] { return Describe(kOp, &input); },
-        [&] { return DoAllToAllV(input, output, send_counts, recv_counts); }));
+    return absl::OkStatus();
+  }
+  absl::Status AllToAllV(const Tensor& input, const Tensor& output, absl::Span<const int64_t> send_counts,
+                         absl::Span<const int64_t> recv_counts) override {
+    DT_RETURN_IF_ERROR(CheckAllToAllV(input, output, send_counts, recv_counts));
+    return RunNow(
+        "AllToAllV", [&] { return Describe("AllToAllV", &input); },
+        [&] { return DoAllToAllV(input, output, send_counts, recv_counts); });
+  }
+  absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(const Tensor& input, const Tensor& output,
+                                                       absl::Span<const int64_t> send_counts,
+                                                       absl::Span<const int64_t> recv_counts) override {
+    DT_RETURN_IF_ERROR(CheckAllToAllV(input, output, send_counts, recv_counts));
+    return Submit(
+        "AllToAllV", [input] { return Describe("AllToAllV", &input); },
+        [this, input, output, sc = Counts(send_counts.begin(), send_counts.end()),
+         rc = Counts(recv_counts.begin(), recv_counts.end())] { return DoAllToAllV(input, output, sc, rc); });
+  }
+
+  // A collective on this thread, once the comm thread is idle (the two never use the worker at
+  // once, and calls keep their order).
+  template <typename D, typename F>
+  absl::Status RunNow(const char* op, D&& describe, F&& body) {
+    world_->comm_thread().Drain();
+    return Run(op, describe, body);
+  }
+  // A job for the comm thread; `describe` and `body` own what they use (capture by value).
+  template <typename D, typename F>
+  std::unique_ptr<Work> Submit(const char* op, D describe, F body) {
+    return world_->comm_thread().Submit([this, op, describe = std::move(describe), body = std::move(body)]() mutable {
+      return Run(op, describe, body);
+    });
   }
 
   // Without `uniform` the ranks first exchange their block counts (one small all-gather):
@@ -417,6 +523,7 @@ class UcxCommunicator final : public Communicator {
   // receive views (nothing packed or unpacked); between hosts: the default (pack, AllToAll(V),
   // unpack).
   absl::Status AllToAllBlocks(absl::Span<const Tensor> sends, absl::Span<const Tensor> recvs, bool uniform) override {
+    world_->comm_thread().Drain();
     constexpr const char* kOp = "AllToAllBlocks";
     DT_ASSIGN_OR_RETURN(const DType dtype, CheckBlocks(kOp, rank_, sends, recvs, size()));
     if (uniform) DT_RETURN_IF_ERROR(CheckUniformBlocks(kOp, rank_, sends, recvs));
@@ -480,12 +587,21 @@ class UcxCommunicator final : public Communicator {
     return longest;
   }
 
+  absl::Status CheckBroadcast(const Tensor& tensor, int root) const {
+    DT_RETURN_IF_ERROR(CheckTensor("Broadcast", rank_, "tensor", tensor));
+    return CheckPeer("Broadcast", rank_, "root", root, size());
+  }
+  absl::Status Broadcast(const Tensor& tensor, int root) override {
+    DT_RETURN_IF_ERROR(CheckBroadcast(tensor, root));
+    return RunNow(
+        "Broadcast", [&] { return Describe("Broadcast", &tensor, tensor.numel(), -1, root); },
+        [&] { return DoBroadcast(Bytes(tensor), tensor.nbytes(), root); });
+  }
   absl::StatusOr<std::unique_ptr<Work>> BroadcastAsync(const Tensor& tensor, int root) override {
-    constexpr const char* kOp = "Broadcast";
-    DT_RETURN_IF_ERROR(CheckTensor(kOp, rank_, "tensor", tensor));
-    DT_RETURN_IF_ERROR(CheckPeer(kOp, rank_, "root", root, size()));
-    const auto d = [&] { return Describe(kOp, &tensor, tensor.numel(), -1, root); };
-    return Done(Run(kOp, d, [&] { return DoBroadcast(Bytes(tensor), tensor.nbytes(), root); }));
+    DT_RETURN_IF_ERROR(CheckBroadcast(tensor, root));
+    return Submit(
+        "Broadcast", [tensor, root] { return Describe("Broadcast", &tensor, tensor.numel(), -1, root); },
+        [this, tensor, root] { return DoBroadcast(Bytes(tensor), tensor.nbytes(), root); });
   }
 
   absl::StatusOr<std::unique_ptr<Work>> SendAsync(const Tensor& tensor, int peer) override {
@@ -496,11 +612,13 @@ class UcxCommunicator final : public Communicator {
   }
 
   absl::Status Barrier() override {
+    world_->comm_thread().Drain();
     return Run(
         "Barrier", [&] { return Describe("Barrier"); }, [&] { return DoBarrier(); });
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
+    world_->comm_thread().Drain();
     std::vector<int64_t> all(3 * members_.size());
     absl::Status s = Run(
         "Split", [&] { return Describe("Split"); },
@@ -1538,6 +1656,7 @@ class UcxCommunicator final : public Communicator {
   }
 
   absl::StatusOr<std::unique_ptr<Work>> PostP2P(const char* op, const Tensor& tensor, int peer, bool is_send) {
+    world_->comm_thread().Drain();
     DT_RETURN_IF_ERROR(CheckTensor(op, rank_, "tensor", tensor));
     DT_RETURN_IF_ERROR(CheckPeer(op, rank_, "peer", peer, size()));
     if (peer == rank_) return InvalidArg(op, "rank ", rank_, ": peer is this rank (", peer, ")");

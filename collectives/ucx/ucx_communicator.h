@@ -89,7 +89,14 @@
 // output == its own input block) work; other overlaps of input and output are staged
 // through a private copy. Scratch buffers belong to the communicator and are reused.
 //
-// Async forms: collectives run eagerly inside the *Async call and return a completed Work.
+// Async forms: the collective is checked on the calling thread (bad arguments come back from
+// the *Async call) and then runs on a comm thread of the process (collectives/comm_thread.h,
+// one per world, started by the first *Async call), in issue order, while the caller goes on:
+// FSDP's prefetched all_gathers and reduce_scatters progress during compute. The blocking
+// forms and every other call (Barrier, Split, AllToAllBlocks, Send / Recv and their Works)
+// run on the calling thread once the comm thread is idle, so the calls of one process keep
+// their order and the worker is used by one thread at a time. (Ranks bound to one CPU each
+// share it with their comm thread: waits spin briefly, then yield, as described below.)
 // SendAsync / RecvAsync post the message and return; Wait() progresses it (so two ranks may
 // both SendAsync before they Recv). Messages between one pair of ranks match in posting order.
 // Dropping an unfinished Send / Recv Work is for error paths: its receive is cancelled (it
@@ -116,7 +123,7 @@
 // Split() reuses the parent's worker and endpoints with a new communicator id (agreed through
 // an all-gather over the parent, unique among the communicators of each process); children
 // keep the worker alive. A communicator and all communicators split from it must be used by
-// one thread at a time (the worker is single-threaded). Ids are 15 bits: a process may make
+// one thread at a time (besides the comm thread, which they drain). Ids are 15 bits: a process may make
 // up to 32767 communicators per world.
 #ifndef DTENSOR_COLLECTIVES_UCX_UCX_COMMUNICATOR_H_
 #define DTENSOR_COLLECTIVES_UCX_UCX_COMMUNICATOR_H_

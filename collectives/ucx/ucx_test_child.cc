@@ -475,6 +475,55 @@ void SplitAndMisc(Communicator& comm) {
       ExpectData(y, RefReduced<float>(CommReduceOp::kSum, p, 0, 33, 3, false, -1, -1), "AllReduceAsync");
     }
   }
+  // Async collectives run on the comm thread in issue order: several in flight, then a
+  // blocking one (which runs after them) and a barrier, then the waits; all right.
+  {
+    const int64_t n = 70000;  // past the one-hop sizes: rings / single copy
+    Tensor a = Fill<float>(r, n, 5, false), ag = Make<float>(n * p);
+    Tensor b = Fill<float>(r, n * p, 6, false), rs = Make<float>(n);
+    Tensor c = Fill<float>(r, 40, 7, false), ar = Make<float>(40);
+    auto w1 = comm.AllGatherAsync(a, ag);
+    auto w2 = comm.ReduceScatterAsync(b, rs, CommReduceOp::kSum);
+    ExpectOk(w1.status(), "AllGatherAsync");
+    ExpectOk(w2.status(), "ReduceScatterAsync");
+    ExpectOk(comm.AllReduce(c, ar, CommReduceOp::kSum), "AllReduce behind two async ones");
+    ExpectOk(comm.Barrier(), "Barrier behind async ones");
+    if (w1.ok() && w2.ok()) {
+      ExpectOk((*w2)->Wait(), "ReduceScatterAsync Wait");
+      ExpectOk((*w1)->Wait(), "AllGatherAsync Wait");
+      std::vector<float> want;
+      for (int j = 0; j < p; ++j) {
+        for (int64_t i = 0; i < n; ++i) want.push_back(Gen<float>(j, i, 5, false));
+      }
+      ExpectData(ag, want, "AllGatherAsync");
+      ExpectData(rs, RefReduced<float>(CommReduceOp::kSum, p, r * n, n, 6, false, -1, -1), "ReduceScatterAsync");
+    }
+    ExpectData(ar, RefReduced<float>(CommReduceOp::kSum, p, 0, 40, 7, false, -1, -1), "AllReduce behind async");
+    // Progress off the caller's thread: the last rank arrives 150 ms late; the others' *Async
+    // call returns at once and the collective completes while they do something else.
+    Tensor x = Fill<float>(r, 1000, 8, false), y = Make<float>(1000 * p);
+    if (r == p - 1) absl::SleepFor(absl::Milliseconds(150));
+    const absl::Time t0 = absl::Now();
+    auto w = comm.AllGatherAsync(x, y);
+    const absl::Duration issue = absl::Now() - t0;
+    ExpectOk(w.status(), "AllGatherAsync (late rank)");
+    if (w.ok()) {
+      if (r != p - 1) {
+        ++g_checks;
+        if (issue > absl::Milliseconds(50))
+          Fail(absl::StrCat("AllGatherAsync blocked for ", absl::FormatDuration(issue)));
+        absl::SleepFor(absl::Milliseconds(300));  // "compute"; the late rank joins meanwhile
+        ++g_checks;
+        if (!(*w)->IsCompleted()) Fail("AllGatherAsync did not progress while the caller computed");
+      }
+      ExpectOk((*w)->Wait(), "AllGatherAsync (late rank) Wait");
+      std::vector<float> want;
+      for (int j = 0; j < p; ++j) {
+        for (int64_t i = 0; i < 1000; ++i) want.push_back(Gen<float>(j, i, 8, false));
+      }
+      ExpectData(y, want, "AllGatherAsync (late rank)");
+    }
+  }
   // Split: odd / even ranks, ordered by descending rank; rank 0 (when p > 2) joins no group.
   const int color = (p > 2 && r == 0) ? -1 : r % 2;
   auto sub = comm.Split(color, -r);

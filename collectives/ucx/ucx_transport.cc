@@ -90,7 +90,7 @@ absl::Status UcxWorld::Setup(const LaunchInfo& info, StoreClient& store, absl::D
 
   ucp_worker_params_t wparams{};
   wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+  wparams.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // the caller and the comm thread, never at once
   st = ucp_worker_create(context_, &wparams, &worker_);
   if (st != UCS_OK) return UcsError(absl::StrCat(kOp, " ucp_worker_create"), st);
   st = ucp_worker_get_efd(worker_, &efd_);

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "collectives/comm_thread.h"
 #include "collectives/communicator.h"
 #include "collectives/store/rendezvous.h"
 #include "collectives/store/tcp_store.h"
@@ -54,7 +55,7 @@ struct UcxWaitContext {
 };
 
 // A process's UCX state for one world, shared by the world communicator, its splits and their
-// pending point-to-point Works. Single-threaded.
+// pending point-to-point Works. Used by one thread at a time (the caller or its comm thread).
 class UcxWorld {
  public:
   static absl::StatusOr<std::shared_ptr<UcxWorld>> Create(const LaunchInfo& info, StoreClient& store,
@@ -96,6 +97,11 @@ class UcxWorld {
   // Called from UCX's endpoint error handler.
   void MarkPeerGone(int world_rank, const std::string& why);
 
+  // Runs the *Async collectives of every communicator on this worker, in order; every other
+  // use of the worker drains it first (so the worker, single-threaded, is never used by two
+  // threads at once).
+  CommThread& comm_thread() { return comm_thread_; }
+
   // For the shared-memory channel (ucx_shm.h): one round of UCX progress; a look at the peers'
   // pidfds; why a peer is gone (empty while alive); whether a peer is a process of this host
   // watched through its pidfd.
@@ -131,6 +137,7 @@ class UcxWorld {
   absl::Status failure_;
   uint16_t next_comm_id_ = 1;
   std::vector<std::pair<UcxRequest, std::shared_ptr<const void>>> orphans_;
+  CommThread comm_thread_;  // idle by the time the world goes (communicators drain it)
 };
 
 // out[i] = srcs[0][i] (op) srcs[1][i] (op) ..., combined in source order, in float32 for
