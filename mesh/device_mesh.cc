@@ -207,6 +207,24 @@ bool DeviceMesh::SameAs(const DeviceMesh& other) const {
   return v_->root->world == other.v_->root->world && v_->shape == other.v_->shape && ranks() == other.ranks();
 }
 
+absl::StatusOr<std::vector<int>> DeviceMesh::DimsOf(const DeviceMesh& part) const {
+  if (v_ == nullptr || part.v_ == nullptr || v_->root != part.v_->root) {
+    return InvalidArg("DeviceMesh", part.ToString(), " is not a view of the same mesh as ", ToString());
+  }
+  std::vector<int> out;
+  for (size_t i = 0; i < part.v_->dims.size(); ++i) {
+    int found = -1;
+    for (size_t j = 0; j < v_->dims.size(); ++j) {
+      if (v_->dims[j] == part.v_->dims[i]) found = static_cast<int>(j);
+    }
+    if (found < 0) {
+      return InvalidArg("DeviceMesh", "dim ", part.v_->names[i], " of ", part.ToString(), " is no dim of ", ToString());
+    }
+    out.push_back(found);
+  }
+  return out;
+}
+
 std::string DeviceMesh::ToString() const {
   if (v_ == nullptr) return "DeviceMesh()";
   std::vector<std::string> parts;

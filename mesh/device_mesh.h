@@ -106,6 +106,11 @@ class DeviceMesh {
 
   // Same ranks in the same arrangement over the same groups (names are not compared).
   bool SameAs(const DeviceMesh& other) const;
+  // The dims of this mesh that `part`'s dims are, in `part`'s order: `part` must be a view of
+  // the same created mesh holding this rank, each of its dims exactly one dim of this mesh
+  // (mesh["dp"] of a [dp, tp] mesh gives {0}; the mesh itself gives {0, ..., ndim-1}).
+  // InvalidArgument naming both meshes otherwise.
+  absl::StatusOr<std::vector<int>> DimsOf(const DeviceMesh& part) const;
   // "DeviceMesh(dp=2, tp=2)"
   std::string ToString() const;
 

@@ -82,6 +82,7 @@ absl::StatusOr<GPT::Output> GPT::Forward(const Variable& ids, const Variable& ta
                                                    config_.block_size, "; got ", ShapeString(s)));
   }
   const int64_t t = s[1];
+  DT_RETURN_IF_ERROR(RunForwardPreHooks());
   DT_ASSIGN_OR_RETURN(Tensor pos, Arange(t, DType::kInt64, ids.value().device()));
   DT_ASSIGN_OR_RETURN(Variable tok_emb, wte_->Forward(ids));                      // [B, T, C]
   DT_ASSIGN_OR_RETURN(Variable pos_emb, wpe_->Forward(Variable::Constant(pos)));  // [T, C]
@@ -92,6 +93,9 @@ absl::StatusOr<GPT::Output> GPT::Forward(const Variable& ids, const Variable& ta
   DT_ASSIGN_OR_RETURN(x, ln_f_->Forward(x));
   Output out;
   DT_ASSIGN_OR_RETURN(out.logits, dtensor::Linear(x, *wte_->weight()));  // tied LM head: [B, T, V]
+  // The model's hooks see the logits as its output (FSDP's root casts them, e.g.).
+  DT_RETURN_IF_ERROR(RunForwardHooks(out.logits));
+  AttachBackwardPreHooks(out.logits);
   if (targets.defined()) {
     DT_ASSIGN_OR_RETURN(out.loss, dtensor::CrossEntropy(out.logits, targets));
   }

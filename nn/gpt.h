@@ -52,6 +52,8 @@ class GPT : public Module {
   explicit GPT(const GPTConfig& config);
 
   const GPTConfig& config() const { return config_; }
+  // Transformer block i (transformer.h.<i>), 0 <= i < n_layer: what FSDP and TP wrap.
+  Block* block(int64_t i) { return static_cast<Block*>((*h_)[i]); }
   int64_t NumParameters();
 
   // GPT-2's initialisation from `seed`: Linear and Embedding weights N(0, 0.02), residual

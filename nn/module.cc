@@ -127,21 +127,52 @@ Value* Module::RegisterBuffer(const std::string& name, Value value) {
 
 Module::~Module() { *alive_ = false; }
 
-absl::StatusOr<Variable> Module::WithHooks(const std::function<absl::StatusOr<Variable>()>& body) {
+absl::Status Module::RunForwardPreHooks() {
   for (Hook& h : pre_hooks_) DT_RETURN_IF_ERROR(h(*this));
-  DT_ASSIGN_OR_RETURN(Variable out, body());
+  return absl::OkStatus();
+}
+
+absl::Status Module::RunForwardHooks(Variable& output) {
   for (Hook& h : post_hooks_) DT_RETURN_IF_ERROR(h(*this));
-  if (!backward_pre_hooks_.empty() && out.requires_grad()) {
-    out.RegisterHook([this, alive = alive_](Value&) -> absl::Status {
-      if (!*alive) {
-        return absl::FailedPreconditionError(
-            "[Module] backward reached a module's backward pre-hooks after the module was destroyed");
-      }
-      for (Hook& h : backward_pre_hooks_) DT_RETURN_IF_ERROR(h(*this));
-      return absl::OkStatus();
-    });
-  }
+  for (OutputHook& h : output_hooks_) DT_RETURN_IF_ERROR(h(*this, output));
+  return absl::OkStatus();
+}
+
+void Module::AttachBackwardPreHooks(Variable& out) {
+  if (backward_pre_hooks_.empty() || !out.requires_grad()) return;
+  out.RegisterHook([this, alive = alive_](Value&) -> absl::Status {
+    if (!*alive) {
+      return absl::FailedPreconditionError(
+          "[Module] backward reached a module's backward pre-hooks after the module was destroyed");
+    }
+    for (Hook& h : backward_pre_hooks_) DT_RETURN_IF_ERROR(h(*this));
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<Variable> Module::WithHooks(const std::function<absl::StatusOr<Variable>()>& body) {
+  DT_RETURN_IF_ERROR(RunForwardPreHooks());
+  DT_ASSIGN_OR_RETURN(Variable out, body());
+  DT_RETURN_IF_ERROR(RunForwardHooks(out));
+  AttachBackwardPreHooks(out);
   return out;
+}
+
+void Module::SetAttachment(const std::string& key, std::shared_ptr<void> value) {
+  for (auto& [k, v] : attachments_) {
+    if (k == key) {
+      v = std::move(value);
+      return;
+    }
+  }
+  attachments_.emplace_back(key, std::move(value));
+}
+
+std::shared_ptr<void> Module::GetAttachment(const std::string& key) const {
+  for (const auto& [k, v] : attachments_) {
+    if (k == key) return v;
+  }
+  return nullptr;
 }
 
 absl::Status Module::To(Device device) {

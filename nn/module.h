@@ -11,11 +11,10 @@
 //   DT_RETURN_IF_ERROR(model.LoadStateDict(tensors));      // dotted names as in PyTorch
 //
 // Parameters are Variables (requires_grad) whose value is a Tensor or a DTensor; placement
-// transforms (DistributeModule here, FSDP and TP later) replace the values in place, so a
-// module and its optimizer keep pointing at the same Variables. Hooks: forward pre/post hooks
-// run around Forward (modules call RunForward*Hooks), and backward pre-hooks run when the
-// gradient of the module's output arrives (modules route their output through
-// AttachBackwardHooks).
+// transforms (DistributeModule here, FullyShard in nn/parallel/) replace the values in place, so
+// a module and its optimizer keep pointing at the same Variables. Hooks: forward pre/post hooks
+// run around Forward (modules run their body through WithHooks), and backward pre-hooks run
+// when the gradient of the module's output arrives.
 #ifndef DTENSOR_NN_MODULE_H_
 #define DTENSOR_NN_MODULE_H_
 
@@ -67,6 +66,15 @@ class Module {
   void RegisterForwardPreHook(Hook h) { pre_hooks_.push_back(std::move(h)); }
   void RegisterForwardHook(Hook h) { post_hooks_.push_back(std::move(h)); }
   void RegisterBackwardPreHook(Hook h) { backward_pre_hooks_.push_back(std::move(h)); }
+  // A forward hook that sees the module's output and may replace it (PyTorch's forward hook
+  // returning a value; FSDP's output_dtype cast). Runs after the plain forward hooks.
+  using OutputHook = std::function<absl::Status(Module&, Variable& output)>;
+  void RegisterForwardOutputHook(OutputHook h) { output_hooks_.push_back(std::move(h)); }
+
+  // State that a transform attaches to this module (FSDP's group), kept as long as the module;
+  // one per key. Null when none.
+  void SetAttachment(const std::string& key, std::shared_ptr<void> value);
+  std::shared_ptr<void> GetAttachment(const std::string& key) const;
 
  protected:
   Variable* RegisterParameter(const std::string& name, Value value);
@@ -82,6 +90,11 @@ class Module {
   // Runs `body` (the module's computation) between the forward pre- and post-hooks, and
   // routes its output through the backward pre-hooks.
   absl::StatusOr<Variable> WithHooks(const std::function<absl::StatusOr<Variable>()>& body);
+  // The same in parts, for modules whose output is not one Variable (GPT): the pre-hooks;
+  // the forward and output hooks on `output`; the backward pre-hooks on `output`'s gradient.
+  absl::Status RunForwardPreHooks();
+  absl::Status RunForwardHooks(Variable& output);
+  void AttachBackwardPreHooks(Variable& output);
 
  private:
   void Collect(const std::string& prefix, std::vector<std::pair<std::string, Variable*>>* out,
@@ -91,6 +104,8 @@ class Module {
   std::vector<std::pair<std::string, std::unique_ptr<Value>>> buffers_;
   std::vector<std::pair<std::string, std::unique_ptr<Module>>> children_;
   std::vector<Hook> pre_hooks_, post_hooks_, backward_pre_hooks_;
+  std::vector<OutputHook> output_hooks_;
+  std::vector<std::pair<std::string, std::shared_ptr<void>>> attachments_;
   bool training_ = true;
   // False once the module is destroyed: a backward pass that outlives it skips to an error
   // instead of running its backward pre-hooks on freed memory.

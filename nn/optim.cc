@@ -220,6 +220,13 @@ absl::Status AdamW::Step() {
   return absl::OkStatus();
 }
 
+int64_t AdamW::StateBytes() const {
+  int64_t n = 0;
+  for (const Tensor& t : m_) n += static_cast<int64_t>(t.nbytes());
+  for (const Tensor& t : v_) n += static_cast<int64_t>(t.nbytes());
+  return n;
+}
+
 void AdamW::ZeroGrad() {
   for (Variable* p : params_) p->reset_grad();
 }

@@ -51,6 +51,8 @@ class AdamW {
   void set_lr(double lr) { options_.lr = lr; }
   double lr() const { return options_.lr; }
   int64_t step_count() const { return step_; }
+  // Bytes of this rank's optimizer state (m and v; 0 before the first step).
+  int64_t StateBytes() const;
 
  private:
   std::vector<Variable*> params_;
