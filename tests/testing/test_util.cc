@@ -79,6 +79,24 @@ void ExpectNear(const std::vector<double>& actual, const std::vector<double>& ex
   if (bad > 5) ADD_FAILURE() << what << ": " << bad << " of " << actual.size() << " elements differ";
 }
 
+void ExpectNormNear(const std::vector<double>& actual, const std::vector<double>& expected, double rtol,
+                    const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what << ": sizes differ";
+  double diff = 0, norm = 0, worst = -1;
+  size_t at = 0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    const double d = actual[i] - expected[i];
+    diff += d * d;
+    norm += expected[i] * expected[i];
+    if (std::fabs(d) > worst) worst = std::fabs(d), at = i;
+  }
+  diff = std::sqrt(diff);
+  norm = std::sqrt(norm);
+  EXPECT_LE(diff, rtol * norm) << what << ": relative error " << (norm > 0 ? diff / norm : diff) << " (rtol " << rtol
+                               << "); worst element " << at << ": " << (at < actual.size() ? actual[at] : 0.0)
+                               << ", expected " << (at < expected.size() ? expected[at] : 0.0);
+}
+
 std::vector<double> FiniteDifference(const std::function<double(const std::vector<double>&)>& f, std::vector<double> x,
                                      double h) {
   std::vector<double> g(x.size());

@@ -48,6 +48,12 @@ Tolerance Tol(DType dtype);
 void ExpectNear(const std::vector<double>& actual, const std::vector<double>& expected, Tolerance tol,
                 const std::string& what);
 
+// EXPECTs the relative error of the whole tensor, ||a - b||_2 <= rtol * ||b||_2, reporting it
+// and the worst element. For results of long computations that an optimizer that normalises
+// each element's step (AdamW) amplifies element-wise rounding in (elements whose gradient is
+// near zero move by O(lr) either way), where the tensor as a whole still agrees closely.
+void ExpectNormNear(const std::vector<double>& actual, const std::vector<double>& expected, double rtol,
+                    const std::string& what);
 // Central finite differences of a scalar function f at x: g[i] = (f(x+h e_i) - f(x-h e_i)) / 2h.
 std::vector<double> FiniteDifference(const std::function<double(const std::vector<double>&)>& f, std::vector<double> x,
                                      double h = 1e-4);

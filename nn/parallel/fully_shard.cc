@@ -1,0 +1,197 @@
+#include "nn/parallel/fully_shard.h"
+
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "autograd/ops.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor::nn {
+namespace {
+constexpr const char* kAttachment = "fsdp";
+}  // namespace
+
+// The groups under one root: the forward order recorded on the first step (prefetching
+// follows it), the reduce-scatter in flight, and whether this backward pass has queued its
+// end.
+class FsdpTree {
+ public:
+  std::vector<FsdpGroup*> groups;  // every group of the tree, the root last
+  std::vector<FsdpGroup*> order;   // forward order
+  bool recorded = false;
+  bool recording = false;
+  bool end_queued = false;
+  FsdpGroup* reducing = nullptr;  // whose reduce-scatter is in flight
+
+  FsdpGroup* Next(const FsdpGroup& g, int delta) const {
+    const int i = g.order_index_ + delta;
+    if (!recorded || g.order_index_ < 0 || i < 0 || i >= static_cast<int>(order.size())) return nullptr;
+    return order[static_cast<size_t>(i)];
+  }
+};
+
+// The hooks FullyShard installs; each runs on the rank's own thread.
+struct FsdpHooks {
+  static absl::Status PreForward(FsdpGroup& g) {
+    FsdpTree& t = *g.tree_;
+    if (g.is_root_) {
+      // A step begins: settle what a previous forward left (a pass that failed, or a forward
+      // without backward).
+      for (FsdpGroup* x : t.groups) {
+        if (x->reduce_pending()) DT_RETURN_IF_ERROR(x->FinishReduce());
+        if (x != &g) DT_RETURN_IF_ERROR(x->Reshard());
+        x->forwarded_ = false;
+        x->backward_queued_ = false;
+      }
+      t.reducing = nullptr;
+      t.end_queued = false;
+      t.recording = !t.recorded;
+      if (t.recording) t.order.clear();
+    }
+    if (t.recording) {
+      g.order_index_ = static_cast<int>(t.order.size());
+      t.order.push_back(&g);
+    }
+    DT_RETURN_IF_ERROR(g.StartUnshard());
+    if (g.options_.prefetch) {
+      if (FsdpGroup* next = t.Next(g, +1)) DT_RETURN_IF_ERROR(next->StartUnshard());
+    }
+    DT_RETURN_IF_ERROR(g.Unshard());
+    g.forward_seq_ = NextSequenceNr();
+    g.forwarded_ = GradEnabled();
+    g.backward_queued_ = false;
+    return absl::OkStatus();
+  }
+
+  static absl::Status PostForward(FsdpGroup& g) {
+    FsdpTree& t = *g.tree_;
+    if (!GradEnabled()) {
+      DT_RETURN_IF_ERROR(g.Reshard());  // no backward will follow
+    } else if (g.options_.reshard_after_forward && !g.is_root_) {
+      DT_RETURN_IF_ERROR(g.Reshard());
+    }
+    if (g.is_root_ && t.recording) {
+      t.recording = false;
+      t.recorded = true;
+    }
+    return absl::OkStatus();
+  }
+
+  static absl::Status CastOutput(FsdpGroup& g, Variable& out) {
+    const auto& dtype = g.options_.mp_policy.output_dtype;
+    if (!dtype.has_value() || !out.defined() || !IsComputeFloat(out.value().dtype())) return absl::OkStatus();
+    DT_ASSIGN_OR_RETURN(out, Cast(out, *dtype));
+    return absl::OkStatus();
+  }
+
+  static absl::Status PreBackward(FsdpGroup& g) {
+    FsdpTree& t = *g.tree_;
+    if (!g.forwarded_) return absl::OkStatus();  // a graph from before this step
+    if (!t.end_queued) {
+      t.end_queued = true;
+      DT_RETURN_IF_ERROR(QueueBackwardCallback(0, [&t] { return EndBackward(t); }));
+    }
+    DT_RETURN_IF_ERROR(g.StartUnshard());
+    if (g.options_.prefetch) {
+      FsdpGroup* prev = t.Next(g, -1);
+      if (prev != nullptr && prev->forwarded_ && !prev->is_root_) DT_RETURN_IF_ERROR(prev->StartUnshard());
+    }
+    DT_RETURN_IF_ERROR(g.Unshard());
+    if (!g.backward_queued_) {
+      g.backward_queued_ = true;
+      DT_RETURN_IF_ERROR(QueueBackwardCallback(g.forward_seq_, [&g] { return PostBackward(g); }));
+    }
+    return absl::OkStatus();
+  }
+
+  static absl::Status PostBackward(FsdpGroup& g) {
+    if (!g.forwarded_) return absl::OkStatus();
+    g.forwarded_ = false;
+    FsdpTree& t = *g.tree_;
+    if (g.unsharded()) DT_RETURN_IF_ERROR(g.StartReduce());
+    DT_RETURN_IF_ERROR(g.Reshard());
+    // At most one reduce-scatter in flight: the one before this group's is awaited now (on a
+    // GPU by the compute stream; the end of the pass waits on the host, so a failed peer is
+    // an error within the timeout).
+    FsdpGroup* prev = t.reducing;
+    t.reducing = g.reduce_pending() ? &g : nullptr;
+    if (prev != nullptr && prev != &g) DT_RETURN_IF_ERROR(prev->FinishReduce(/*host_wait=*/false));
+    return absl::OkStatus();
+  }
+
+  // The end of the backward pass: groups whose post-backward did not run (their output had
+  // no gradient), then the last reduce-scatter.
+  static absl::Status EndBackward(FsdpTree& t) {
+    t.end_queued = false;
+    for (auto it = t.groups.rbegin(); it != t.groups.rend(); ++it) DT_RETURN_IF_ERROR(PostBackward(**it));
+    for (FsdpGroup* g : t.groups) {
+      if (g->reduce_pending()) DT_RETURN_IF_ERROR(g->FinishReduce());
+    }
+    t.reducing = nullptr;
+    return absl::OkStatus();
+  }
+
+  static void Adopt(FsdpGroup& root, std::vector<FsdpGroup*> below) {
+    auto tree = std::make_shared<FsdpTree>();
+    for (FsdpGroup* g : below) {
+      g->tree_ = tree;
+      g->is_root_ = false;
+      tree->groups.push_back(g);
+    }
+    root.tree_ = tree;
+    root.is_root_ = true;
+    tree->groups.push_back(&root);
+  }
+};
+
+FsdpGroup* FsdpGroupOf(const Module& module) {
+  return static_cast<FsdpGroup*>(module.GetAttachment(kAttachment).get());
+}
+
+absl::StatusOr<FsdpGroup*> FullyShard(Module& module, const DeviceMesh& mesh, const FsdpOptions& options) {
+  std::vector<std::pair<std::string, Variable*>> named = module.NamedParameters();
+  if (FsdpGroupOf(module) != nullptr) {
+    std::vector<std::string> names;
+    for (size_t i = 0; i < named.size() && i < 4; ++i) names.push_back(named[i].first);
+    return InvalidArg("FullyShard", "the module holding [", absl::StrJoin(names, ", "), named.size() > 4 ? ", ..." : "",
+                      "] is sharded already");
+  }
+  // Parameters that groups below already own stay theirs.
+  absl::flat_hash_set<const VariableImpl*> owned;
+  std::vector<FsdpGroup*> below;
+  for (auto& [name, m] : module.NamedModules()) {
+    if (m == &module) continue;
+    if (FsdpGroup* g = FsdpGroupOf(*m)) {
+      below.push_back(g);
+      for (const std::string& p : g->param_names()) {
+        // Names in g are relative to m; find the Variable through m.
+        if (Variable* v = m->FindParameter(p)) owned.insert(v->id());
+      }
+    }
+  }
+  std::vector<std::pair<std::string, Variable*>> mine;
+  for (auto& [name, v] : named) {
+    if (!owned.contains(v->id())) mine.emplace_back(name, v);
+  }
+  DT_ASSIGN_OR_RETURN(std::shared_ptr<FsdpGroup> group, FsdpGroup::Create(std::move(mine), mesh, options));
+  FsdpGroup* g = group.get();
+  FsdpHooks::Adopt(*g, below);
+  module.SetAttachment(kAttachment, std::move(group));
+  module.RegisterForwardPreHook([g](Module&) { return FsdpHooks::PreForward(*g); });
+  module.RegisterForwardHook([g](Module&) { return FsdpHooks::PostForward(*g); });
+  module.RegisterForwardOutputHook([g](Module&, Variable& out) { return FsdpHooks::CastOutput(*g, out); });
+  module.RegisterBackwardPreHook([g](Module&) { return FsdpHooks::PreBackward(*g); });
+  return g;
+}
+
+void SetRequiresGradientSync(Module& module, bool sync) {
+  for (auto& [name, m] : module.NamedModules()) {
+    if (FsdpGroup* g = FsdpGroupOf(*m)) g->set_requires_gradient_sync(sync);
+  }
+}
+
+}  // namespace dtensor::nn

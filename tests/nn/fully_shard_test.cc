@@ -1,0 +1,390 @@
+// FullyShard (FSDP2) against the single-rank model: a small GPT whose dims do not divide by 3
+// (and whose wpe leaves rank 3 of 4 an empty shard) trains to the same losses and parameters
+// on 2, 3 and 4 thread ranks, with and without resharding after forward, as HSDP on 2x2, with
+// gradient accumulation, and in bfloat16; each step issues exactly the collectives FSDP
+// promises, of exactly the analytical sizes; parameters, gradients and optimizer state are
+// 1/N per rank.
+#include "nn/parallel/fully_shard.h"
+
+#include <cmath>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "autograd/ops.h"
+#include "collectives/threads/threads_communicator.h"
+#include "dtensor/ops/ops.h"
+#include "gtest/gtest.h"
+#include "nn/gpt.h"
+#include "nn/optim.h"
+#include "tests/testing/test_util.h"
+
+namespace dtensor {
+namespace {
+
+using testing::Unwrap;
+
+// C = 20 and 4C = 80 over 3 ranks, V = 61 over 2, 3, 4; wpe has 6 rows: 2, 2, 2, 0 over 4.
+nn::GPTConfig Config() { return {.vocab_size = 61, .block_size = 6, .n_layer = 2, .n_head = 2, .n_embd = 20}; }
+constexpr int64_t kBatch = 6, kSeq = 6;
+
+// The global batch of step `step` (the same on every rank; steps 0 and 2 see the same one).
+std::pair<Tensor, Tensor> Batch(int step) {
+  step %= 2;
+  std::vector<int32_t> x, y;
+  for (int64_t i = 0; i < kBatch * kSeq; ++i) {
+    x.push_back(static_cast<int32_t>((i * 7 + step * 13 + i / 5) % 61));
+    y.push_back(static_cast<int32_t>((i * 11 + step * 3 + 1) % 61));
+  }
+  return {Unwrap(Tensor::FromVector<int32_t>(x, {kBatch, kSeq})),
+          Unwrap(Tensor::FromVector<int32_t>(y, {kBatch, kSeq}))};
+}
+
+struct TrainRun {
+  std::vector<double> losses;                                       // per step
+  std::vector<std::pair<std::string, std::vector<double>>> grads;   // full gradients of the first step
+  std::vector<std::pair<std::string, std::vector<double>>> params;  // full values after the last step
+};
+
+struct Spec {
+  int world = 1;
+  std::vector<int64_t> mesh_shape = {};  // empty: plain tensors, no FSDP
+  nn::FsdpOptions options = {};
+  int grad_accum = 1;
+  bool sync_last_only = false;  // with grad_accum: reduce on the last micro-batch only
+  int steps = 4;
+  // Per rank and step, after the step (mesh, model, optimizer, counter of that step).
+  std::function<void(int rank, int step, const DeviceMesh&, nn::GPT&, const nn::AdamW&, const CommCounter&)> check =
+      nullptr;
+};
+
+// Trains Config() for s.steps AdamW steps; rank 0's losses and final parameters.
+TrainRun Train(const Spec& s) {
+  TrainRun out;
+  auto comms = Unwrap(MakeThreadGroup(s.world, absl::Seconds(60)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < s.world; ++r) {
+    threads.emplace_back([&, r] {
+      DeviceMesh mesh;
+      if (!s.mesh_shape.empty()) mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], s.mesh_shape));
+      auto model = Unwrap(nn::GPT::Create(Config()));
+      ASSERT_TRUE(model->InitWeights(5).ok());
+      if (mesh.defined()) {
+        for (int64_t i = 0; i < Config().n_layer; ++i) {
+          ASSERT_TRUE(nn::FullyShard(*model->block(i), mesh, s.options).ok());
+        }
+        ASSERT_TRUE(nn::FullyShard(*model, mesh, s.options).ok());
+      }
+      // eps 1e-5, not 1e-8: AdamW divides each element's gradient by its own magnitude, so an
+      // element whose gradient is ~0 — the key bias's is exactly 0 (softmax ignores a shift
+      // common to a row's scores), a few others nearly cancel — would move by O(lr) in a
+      // direction set by rounding, different for every summation order.
+      nn::AdamW opt(model->Parameters(), {.lr = 3e-3, .eps = 1e-5, .weight_decay = 0.1});
+      const Layout batch_layout(Placements(s.mesh_shape.size(), Shard(0)));
+      for (int step = 0; step < s.steps; ++step) {
+        CommCounter counter;
+        if (mesh.defined()) SetCommCounter(mesh, &counter);
+        auto [inputs, targets] = Batch(step);
+        const int64_t micro = kBatch / s.grad_accum;
+        std::vector<Value> losses;
+        for (int k = 0; k < s.grad_accum; ++k) {
+          Value x = Unwrap(inputs.Narrow(0, k * micro, micro)), y = Unwrap(targets.Narrow(0, k * micro, micro));
+          if (mesh.defined()) {
+            x = Unwrap(DTensor::Distribute(x.local(), mesh, batch_layout, {.src_rank = std::nullopt}));
+            y = Unwrap(DTensor::Distribute(y.local(), mesh, batch_layout, {.src_rank = std::nullopt}));
+            if (s.sync_last_only) nn::SetRequiresGradientSync(*model, k + 1 == s.grad_accum);
+          }
+          nn::GPT::Output o = Unwrap(model->Forward(Variable::Constant(x), Variable::Constant(y)));
+          Variable loss = s.grad_accum == 1 ? o.loss : Unwrap(Scale(o.loss, 1.0 / s.grad_accum));
+          absl::Status b = Backward(loss);
+          ASSERT_TRUE(b.ok()) << b;
+          losses.push_back(o.loss.value());
+        }
+        if (mesh.defined()) SetCommCounter(mesh, nullptr);
+        if (step == 0) {
+          for (auto& [name, p] : model->NamedParameters()) {
+            const Value& g = p->grad();
+            ASSERT_TRUE(g.defined()) << name;
+            const Tensor full = g.is_dtensor() ? Unwrap(g.dtensor().FullTensor()) : g.local();
+            if (r == 0) out.grads.emplace_back(name, testing::Values(full));
+          }
+        }
+        double loss_sum = 0;
+        for (Value l : losses) {  // Partial(sum) over the batch shards
+          if (l.is_dtensor()) {
+            l = Unwrap(l.dtensor().Redistribute(Layout(Placements(s.mesh_shape.size(), Replicate()))));
+          }
+          loss_sum += testing::Values(l.local())[0];
+        }
+        ASSERT_TRUE(opt.Step().ok());
+        if (s.check) s.check(r, step, mesh, *model, opt, counter);
+        opt.ZeroGrad();
+        if (r == 0) out.losses.push_back(loss_sum / s.grad_accum);
+      }
+      auto state = Unwrap(model->StateDict());  // full tensors (collective)
+      if (r == 0) {
+        for (auto& [name, t] : state) out.params.emplace_back(name, testing::Values(t));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+void ExpectSameTraining(const TrainRun& got, const TrainRun& want, double rtol, const std::string& what) {
+  ASSERT_EQ(got.losses.size(), want.losses.size()) << what;
+  for (size_t i = 0; i < want.losses.size(); ++i) {
+    EXPECT_NEAR(got.losses[i], want.losses[i], rtol * std::abs(want.losses[i])) << what << ", step " << i;
+  }
+  // The first step's gradients and the trained parameters, each as a tensor (a bias's gradient
+  // sums B*T terms that nearly cancel in some elements, and AdamW normalises each element's
+  // step: see ExpectNormNear).
+  ASSERT_EQ(got.grads.size(), want.grads.size()) << what;
+  for (size_t i = 0; i < want.grads.size(); ++i) {
+    EXPECT_EQ(got.grads[i].first, want.grads[i].first);
+    testing::ExpectNormNear(got.grads[i].second, want.grads[i].second, rtol, what + " grad " + want.grads[i].first);
+  }
+  ASSERT_EQ(got.params.size(), want.params.size()) << what;
+  for (size_t i = 0; i < want.params.size(); ++i) {
+    EXPECT_EQ(got.params[i].first, want.params[i].first);
+    testing::ExpectNormNear(got.params[i].second, want.params[i].second, rtol, what + " " + want.params[i].first);
+  }
+}
+
+const TrainRun& Reference() {
+  static const TrainRun* ref = new TrainRun(Train({}));
+  return *ref;
+}
+
+TEST(FullyShardTest, MatchesSingleRankOn2And3And4Ranks) {
+  ASSERT_EQ(Reference().losses.size(), 4u);
+  EXPECT_LT(Reference().losses[2], Reference().losses[0] - 0.01) << "the reference does not learn";
+  for (int n : {2, 3, 4}) {
+    for (bool reshard : {true, false}) {
+      Spec s{.world = n, .mesh_shape = {n}};
+      s.options.reshard_after_forward = reshard;
+      ExpectSameTraining(Train(s), Reference(), 1e-5,
+                         absl::StrCat("FSDP on ", n, " ranks, reshard_after_forward ", reshard));
+    }
+  }
+}
+
+TEST(FullyShardTest, HsdpOn2x2MatchesSingleRank) {
+  ExpectSameTraining(Train({.world = 4, .mesh_shape = {2, 2}}), Reference(), 1e-5, "HSDP 2x2");
+}
+
+TEST(FullyShardTest, PrefetchOffMatchesSingleRank) {
+  Spec s{.world = 2, .mesh_shape = {2}};
+  s.options.prefetch = false;
+  ExpectSameTraining(Train(s), Reference(), 1e-5, "FSDP without prefetch");
+}
+
+TEST(FullyShardTest, GradientAccumulationMatchesOneBatch) {
+  ExpectSameTraining(Train({.grad_accum = 2}), Reference(), 1e-5, "1 rank, 2 micro-batches");
+  ExpectSameTraining(Train({.world = 2, .mesh_shape = {2}, .grad_accum = 2}), Reference(), 1e-5,
+                     "FSDP 2 ranks, 2 micro-batches");
+  ExpectSameTraining(Train({.world = 3, .mesh_shape = {3}, .grad_accum = 2}), Reference(), 1e-5,
+                     "FSDP 3 ranks, 2 micro-batches of 3 rows (1, 1, 1)");
+  ExpectSameTraining(Train({.world = 2, .mesh_shape = {2}, .grad_accum = 2, .sync_last_only = true}), Reference(), 1e-5,
+                     "FSDP 2 ranks, 2 micro-batches, reduce-scatter on the last only");
+}
+
+// The analytical collectives of one step: per group, one all_gather in forward, one more in
+// backward when it reshards after forward (never the root), one reduce_scatter; bytes from
+// the parameters' shapes: N blocks of sum over parameters of ceil(rows / N) * rest elements.
+TEST(FullyShardTest, EachStepIssuesExactlyTheAnalyticalCollectives) {
+  for (int n : {2, 3, 4}) {
+    for (bool reshard : {true, false}) {
+      const nn::GPTConfig c = Config();
+      auto padded = [n](int64_t rows, int64_t rest) { return (rows + n - 1) / n * rest; };
+      const int64_t C = c.n_embd;
+      // A block: ln_1 (w, b), c_attn (w [3C, C], b), c_proj (w [C, C], b), ln_2, c_fc (w [4C, C], b),
+      // mlp c_proj (w [C, 4C], b).
+      const int64_t block = 4 * padded(C, 1) + padded(3 * C, C) + padded(3 * C, 1) + padded(C, C) + padded(C, 1) +
+                            padded(4 * C, C) + padded(4 * C, 1) + padded(C, 4 * C) + padded(C, 1);
+      const int64_t root = padded(c.vocab_size, C) + padded(c.block_size, C) + 2 * padded(C, 1);
+      const int64_t groups = c.n_layer + 1;
+      const int64_t gathers = groups + (reshard ? c.n_layer : 0);
+      const int64_t gather_bytes = 4 * n * ((reshard ? 2 : 1) * c.n_layer * block + root);
+      const int64_t scatter_bytes = 4 * n * (c.n_layer * block + root);
+      Spec s{.world = n, .mesh_shape = {n}, .steps = 2};
+      s.options.reshard_after_forward = reshard;
+      s.check = [&](int rank, int step, const DeviceMesh&, nn::GPT& model, const nn::AdamW&,
+                    const CommCounter& counter) {
+        const std::string where = absl::StrCat(n, " ranks, reshard ", reshard, ", rank ", rank, ", step ", step);
+        // Nothing else moves but cross-entropy's count of targets (one 4-byte all_reduce): the
+        // batch is distributed locally, the loss read after the counter stopped.
+        EXPECT_EQ(counter.calls(CommKind::kAllGather), gathers) << where << ": " << counter.ToString();
+        EXPECT_EQ(counter.bytes(CommKind::kAllGather), gather_bytes) << where;
+        EXPECT_EQ(counter.calls(CommKind::kReduceScatter), groups) << where;
+        EXPECT_EQ(counter.bytes(CommKind::kReduceScatter), scatter_bytes) << where;
+        EXPECT_EQ(counter.calls(CommKind::kAllReduce), 1) << where;
+        EXPECT_EQ(counter.bytes(CommKind::kAllReduce), 4) << where;
+        EXPECT_EQ(counter.calls(CommKind::kAllToAll), 0) << where;
+        EXPECT_EQ(nn::FsdpGroupOf(*model.block(0))->all_gather_bytes(), 4 * n * block);
+        EXPECT_EQ(nn::FsdpGroupOf(model)->reduce_scatter_bytes(), 4 * n * root);
+      };
+      Train(s);
+    }
+  }
+}
+
+TEST(FullyShardTest, HsdpReducesOverTheReplicasOncePerGroup) {
+  const int64_t groups = Config().n_layer + 1;
+  Spec s{.world = 4, .mesh_shape = {2, 2}, .steps = 1};
+  s.check = [&](int, int, const DeviceMesh&, nn::GPT&, const nn::AdamW&, const CommCounter& counter) {
+    EXPECT_EQ(counter.calls(CommKind::kReduceScatter), groups) << counter.ToString();
+    EXPECT_EQ(counter.calls(CommKind::kAllReduce), groups + 1) << counter.ToString();  // + the loss's count
+    EXPECT_EQ(counter.calls(CommKind::kAllGather), groups + Config().n_layer) << counter.ToString();
+  };
+  Train(s);
+}
+
+// Parameters, gradients and AdamW's two moments at rest: each rank holds its torch.chunk rows
+// of every parameter, so the sum over ranks is the single-rank size and each rank at most
+// 1/N of it plus one row per parameter.
+TEST(FullyShardTest, ParametersGradientsAndOptimizerStateAreOneNthPerRank) {
+  int64_t single = 0, rows = 0;
+  {
+    auto model = Unwrap(nn::GPT::Create(Config()));
+    for (Variable* p : model->Parameters()) {
+      single += 4 * p->value().numel();
+      rows += 4 * p->value().numel() / p->value().shape()[0];
+    }
+  }
+  for (int n : {2, 4}) {
+    std::vector<int64_t> total(3, 0);
+    std::mutex mu;
+    Spec s{.world = n, .mesh_shape = {n}, .steps = 1};
+    s.check = [&](int rank, int, const DeviceMesh&, nn::GPT& model, const nn::AdamW& opt, const CommCounter&) {
+      int64_t params = 0, grads = 0;
+      for (Variable* p : model.Parameters()) {
+        ASSERT_TRUE(p->value().is_dtensor());
+        EXPECT_TRUE(p->value().dtensor().placements()[0].is_shard()) << p->name();
+        params += static_cast<int64_t>(p->value().local().nbytes());
+        ASSERT_TRUE(p->grad().defined()) << p->name();
+        EXPECT_EQ(p->grad().dtensor().layout(), p->value().dtensor().layout()) << p->name();
+        grads += static_cast<int64_t>(p->grad().local().nbytes());
+      }
+      const int64_t bound = single / n + rows;
+      EXPECT_LE(params, bound) << "rank " << rank;
+      EXPECT_LE(grads, bound) << "rank " << rank;
+      EXPECT_LE(opt.StateBytes(), 2 * bound) << "rank " << rank;
+      std::lock_guard<std::mutex> lock(mu);
+      total[0] += params;
+      total[1] += grads;
+      total[2] += opt.StateBytes();
+    };
+    Train(s);
+    EXPECT_EQ(total[0], single) << n << " ranks";
+    EXPECT_EQ(total[1], single) << n << " ranks";
+    EXPECT_EQ(total[2], 2 * single) << n << " ranks";
+  }
+}
+
+// bfloat16 gathers and compute, float32 master parameters and reduction: the all_gather moves
+// half the bytes; 2 ranks train to the 1-rank run of the same policy (1e-3) and stay near
+// float32 (2e-2).
+TEST(FullyShardTest, Bfloat16PolicyHalvesTheGatherAndTracksFloat32) {
+  nn::FsdpOptions bf16;
+  bf16.mp_policy.param_dtype = DType::kBFloat16;
+  Spec one{.world = 1, .mesh_shape = {1}, .options = bf16};
+  const TrainRun ref_bf16 = Train(one);
+  int64_t fp32_bytes = 0, bf16_bytes = 0;
+  Spec two{.world = 2, .mesh_shape = {2}, .options = bf16};
+  two.check = [&](int rank, int step, const DeviceMesh&, nn::GPT& model, const nn::AdamW&, const CommCounter& c) {
+    if (rank == 0 && step == 0) bf16_bytes = c.bytes(CommKind::kAllGather);
+    EXPECT_EQ(model.Parameters()[0]->value().dtype(), DType::kFloat32) << "master parameters stay float32";
+  };
+  const TrainRun got = Train(two);
+  Spec fp32{.world = 2, .mesh_shape = {2}, .steps = 1};
+  fp32.check = [&](int rank, int, const DeviceMesh&, nn::GPT&, const nn::AdamW&, const CommCounter& c) {
+    if (rank == 0) fp32_bytes = c.bytes(CommKind::kAllGather);
+  };
+  Train(fp32);
+  EXPECT_EQ(2 * bf16_bytes, fp32_bytes);
+  ASSERT_EQ(got.losses.size(), ref_bf16.losses.size());
+  for (size_t i = 0; i < got.losses.size(); ++i) {
+    EXPECT_NEAR(got.losses[i], ref_bf16.losses[i], 1e-3 * ref_bf16.losses[i]) << "step " << i;
+    EXPECT_NEAR(got.losses[i], Reference().losses[i], 2e-2 * Reference().losses[i]) << "step " << i;
+  }
+}
+
+TEST(FullyShardTest, BadUseIsAnError) {
+  auto comms = Unwrap(MakeThreadGroup(1));
+  DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[0], {1}, {"dp"}));
+  auto model = Unwrap(nn::GPT::Create(Config()));
+  ASSERT_TRUE(nn::FullyShard(*model->block(0), mesh).ok());
+  absl::StatusOr<nn::FsdpGroup*> twice = nn::FullyShard(*model->block(0), mesh);
+  EXPECT_TRUE(absl::IsInvalidArgument(twice.status())) << twice.status();
+  EXPECT_NE(twice.status().message().find("ln_1.weight"), std::string::npos) << twice.status();
+  EXPECT_NE(twice.status().message().find("sharded already"), std::string::npos) << twice.status();
+
+  nn::FsdpOptions bad_dim{.shard_dim = "dp_shard"};
+  absl::StatusOr<nn::FsdpGroup*> dim = nn::FullyShard(*model->block(1), mesh, bad_dim);
+  EXPECT_TRUE(absl::IsInvalidArgument(dim.status())) << dim.status();
+  EXPECT_NE(dim.status().message().find("dp_shard"), std::string::npos) << dim.status();
+
+  auto comms8 = Unwrap(MakeThreadGroup(1));
+  DeviceMesh mesh3 = Unwrap(DeviceMesh::Create(*comms8[0], {1, 1, 1}, {"a", "b", "c"}));
+  absl::StatusOr<nn::FsdpGroup*> three = nn::FullyShard(*model->block(1), mesh3);
+  EXPECT_TRUE(absl::IsInvalidArgument(three.status())) << three.status();
+  EXPECT_NE(three.status().message().find("shard_dim"), std::string::npos) << three.status();
+
+  class Scalar : public nn::Module {
+   public:
+    Scalar() { RegisterParameter("s", Unwrap(Zeros({}, DType::kFloat32))); }
+  } scalar;
+  absl::StatusOr<nn::FsdpGroup*> zero_d = nn::FullyShard(scalar, mesh);
+  EXPECT_TRUE(absl::IsInvalidArgument(zero_d.status())) << zero_d.status();
+  EXPECT_NE(zero_d.status().message().find("0-d"), std::string::npos) << zero_d.status();
+}
+
+// A parameter on a GPU with a CPU mesh is refused, naming both devices.
+TEST(FullyShardTest, ParameterOnAnotherDeviceIsAnError) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device visible";
+  auto comms = Unwrap(MakeThreadGroup(1));
+  DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[0], {1}));
+  nn::Linear lin(4, 3);
+  ASSERT_TRUE(lin.To(Device::Cuda(0)).ok());
+  absl::StatusOr<nn::FsdpGroup*> g = nn::FullyShard(lin, mesh);
+  EXPECT_TRUE(absl::IsInvalidArgument(g.status())) << g.status();
+  EXPECT_NE(g.status().message().find("cuda:0"), std::string::npos) << g.status();
+}
+
+// Unshard / Reshard by hand: the gathered values are the full parameters; resharding releases
+// the gathered buffer's memory, and gathering again fills it with the same values.
+TEST(FullyShardTest, UnshardGathersAndReshardReleases) {
+  auto comms = Unwrap(MakeThreadGroup(3, absl::Seconds(30)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {3}));
+      nn::Linear lin(5, 7);  // weight [7, 5]: rows 3, 3, 1
+      ASSERT_TRUE(FillRandom_(lin.weight()->value().local(), {.kind = RandomSpec::Kind::kNormal, .seed = 3},
+                              lin.weight()->value().shape(), {0, 0})
+                      .ok());
+      const std::vector<double> full = testing::Values(lin.weight()->value().local());
+      nn::FsdpGroup* g = Unwrap(nn::FullyShard(lin, mesh));
+      EXPECT_EQ(lin.weight()->value().local().shape()[0], r < 2 ? 3 : 1);
+      EXPECT_EQ(testing::Values(Unwrap(lin.weight()->value().dtensor().FullTensor())), full);
+      for (int round = 0; round < 2; ++round) {
+        ASSERT_TRUE(g->Unshard().ok());
+        const Tensor gathered = lin.weight()->value().local();
+        EXPECT_EQ(lin.weight()->value().dtensor().layout(), Layout({Replicate()}));
+        EXPECT_EQ(testing::Values(gathered), full) << "round " << round;
+        ASSERT_TRUE(g->Reshard().ok());
+        EXPECT_TRUE(gathered.storage()->released());
+        EXPECT_EQ(lin.weight()->value().local().shape()[0], r < 2 ? 3 : 1);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+}  // namespace
+}  // namespace dtensor
