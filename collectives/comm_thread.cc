@@ -5,6 +5,8 @@
 namespace dtensor {
 namespace {
 
+thread_local bool t_on_comm_thread = false;
+
 // The outcome of one job, shared by the job and its Work.
 struct JobState {
   std::mutex mu;
@@ -73,7 +75,10 @@ bool CommThread::idle() const {
   return jobs_.empty() && !running_;
 }
 
+bool CommThread::OnCommThread() { return t_on_comm_thread; }
+
 void CommThread::Loop() {
+  t_on_comm_thread = true;
   std::unique_lock<std::mutex> lock(mu_);
   while (true) {
     cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });

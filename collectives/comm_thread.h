@@ -44,6 +44,9 @@ class CommThread {
   void Drain();
   // True when no job is queued or running (then Drain() returns at once).
   bool idle() const;
+  // Whether the calling thread is some CommThread's (its waits share the CPUs with the
+  // caller's compute, so they should not spin).
+  static bool OnCommThread();
 
  private:
   void Loop();

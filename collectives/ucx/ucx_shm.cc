@@ -292,6 +292,9 @@ absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx)
   const int64_t start = NowNs();
   const int64_t deadline = ctx.DeadlineNs(start);
   int64_t last_check = start;
+  // A collective on the comm thread (an *Async call's) waits beside the caller's compute on
+  // the rank's CPUs: it yields from the start, as ranks sharing CPUs do, instead of spinning.
+  const int64_t spin_ns = CommThread::OnCommThread() ? 0 : spin_ns_;
   for (;;) {
     for (int i = 0; i < round_spins_; ++i) {
       if (reached()) return absl::OkStatus();
@@ -299,7 +302,7 @@ absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx)
     }
     const int64_t now = NowNs();
     const int64_t waited = now - start;
-    if (waited >= spin_ns_) world_->Progress();  // pending point-to-point messages keep moving
+    if (waited >= spin_ns) world_->Progress();  // pending point-to-point messages keep moving
     if (now - last_check >= kPeerCheckNs || now >= deadline) {
       last_check = now;
       world_->PollPeers();
@@ -321,7 +324,7 @@ absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx)
                                                         absl::FormatDuration(ctx.timeout), " waiting for rank ", j));
       }
     }
-    if (waited < spin_ns_) continue;
+    if (waited < spin_ns) continue;
     if (waited < kYieldNs) {
       sched_yield();
       continue;
