@@ -8,6 +8,7 @@
 #   bash scripts/gpu_bundle.sh BUILD_DIR OUT.tar.xz
 #   # on the GPU machine, in a checkout of the same commit (the tests read tests/golden):
 #   mkdir -p /tmp/gpu && tar xJf OUT.tar.xz -C /tmp/gpu && bash /tmp/gpu/run.sh "$PWD" [LOGDIR]
+#   DT_STAGES="fsdp trainer2" bash /tmp/gpu/run.sh "$PWD"    # only those stages (names below)
 #
 # run.sh finds cuBLAS and NCCL (libcublasLt.so.13, libnccl.so.2) under /usr/local, /opt and
 # /usr/lib, links the paths the binaries were built with (golden tensors, the trainer, dtrun) to
@@ -16,7 +17,9 @@
 # the MultiRank tests as 2 and 4 processes, the redistribution slice of dtensor_ucx_child
 # (every layout pair on 1-d and 2-d meshes, checked against the global tensor and the plan's
 # predicted collectives) on 2 and 4 processes, coll_bench's nccl-tests tables (1 and 2 ranks, every
-# element checked) and the trainer on 2 ranks beside the same run over UCX on the CPU. With fewer
+# element checked) and the trainer on 2 ranks beside the same run over UCX on the CPU; then FSDP
+# over NCCL: the trainer's losses on 1 GPU against 2 and 4 processes (FSDP, HSDP) and with a
+# bfloat16 policy, and compute-sanitizer's memcheck over a 2-process FSDP run. With fewer
 # GPUs than ranks the processes share cuda:0, each naming itself a host (NCCL_HOSTID) since NCCL
 # refuses two ranks of one host on one GPU; they then talk over sockets on loopback.
 set -euo pipefail
@@ -63,8 +66,10 @@ mkdir -p "$src/tests" "$build/examples/gpt" "$build/collectives/dtrun" "$build/t
 [[ -e "$build/tests/dtensor_ucx_child" ]] || ln -s "\$here/bin/dtensor_ucx_child" "$build/tests/dtensor_ucx_child"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 rc=0
+want() { [[ -z "\${DT_STAGES:-}" || " \$DT_STAGES " == *" \$1 "* ]]; }
 t() {
   local name=\$1; shift
+  want "\$name" || return 0
   timeout "\${DT_STEP_TIMEOUT:-600}" "\$@" > "\$logs/\$name.log" 2>&1; local r=\$?
   [[ \$r -eq 0 ]] || rc=1
   echo "\$name: exit \$r, \$(grep -E '^(\[rank [0-9]+\] )?\[  PASSED  \]' "\$logs/\$name.log" | head -1)"
@@ -73,14 +78,14 @@ t() {
 t kernels "\$here/bin/kernels_test"
 t tensor "\$here/bin/tensor_test"
 t ops "\$here/bin/ops_test"
-t nccl "\$here/bin/collectives_test" --gtest_filter='NcclTest.*:*Blocks*:-UcxZeroCopyTest.*'
+t nccl "\$here/bin/collectives_test" --gtest_filter='NcclTest.*:*Blocks*:-UcxZeroCopyTest.*:DtrunTest.*'
 t core_nccl "\$here/bin/core_test" --gtest_filter='*Nccl*'
 t nn "\$here/bin/nn_test"
 t autograd "\$here/bin/autograd_test" --gtest_filter='Grad.*'
 t gpt "\$here/bin/gpt_test"
 t trainer "\$here/bin/dtrun" --nproc-per-node 1 "\$here/bin/gpt_train" --text "\$repo/README.md" --device cuda \\
   --steps 30 --log-every 10 --sample-tokens 0
-tail -3 "\$logs/trainer.log"
+want trainer && tail -3 "\$logs/trainer.log"
 # NCCL across processes (see the top of gpu_bundle.sh); "share" runs its command as such a rank.
 gpus=\$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 share() { bash -c 'export NCCL_HOSTID=dtensor-rank-\$RANK NCCL_SOCKET_IFNAME=lo; exec "\$@"' share "\$@"; }
@@ -93,22 +98,68 @@ procs() {  # procs N PROGRAM ARGS: N ranks under dtrun, sharing cuda:0 where GPU
 }
 t nccl_procs2 "\$here/bin/dtrun" --nproc-per-node 2 "\$here/bin/collectives_test" --gtest_filter='NcclTest.MultiRank*'
 t nccl_procs4 "\$here/bin/dtrun" --nproc-per-node 4 "\$here/bin/collectives_test" --gtest_filter='NcclTest.MultiRank*'
-for n in 2 4; do
+want redistribute && for n in 2 4; do
   timeout "\${DT_STEP_TIMEOUT:-600}" "\$here/bin/dtrun" --nproc-per-node "\$n" "\$here/bin/dtensor_ucx_child" --backend nccl \
     > "\$logs/redistribute_nccl\$n.log" 2>&1 || rc=1
   echo "redistributions over nccl, \$n ranks: \$(grep -h 'cases on' "\$logs/redistribute_nccl\$n.log" | head -1)"
   grep -h 'FAIL' "\$logs/redistribute_nccl\$n.log" | head -10
 done
-for n in 1 2; do
+want coll && for n in 1 2; do
   procs "\$n" "\$here/bin/coll_bench" --backend nccl --quick > "\$logs/coll_nccl\$n.log" 2>&1 || rc=1
   echo "coll_bench nccl, \$n rank(s): \$(grep -h 'Out of bounds' "\$logs/coll_nccl\$n.log")"
 done
-for b in ucx nccl; do
+want trainer2 && for b in ucx nccl; do
   dev=\$([[ \$b == ucx ]] && echo cpu || echo cuda)
   procs 2 "\$here/bin/gpt_train" --text "\$repo/README.md" --device "\$dev" --steps 20 --log-every 5 --sample-tokens 0 \
     > "\$logs/trainer2_\$b.log" 2>&1 || rc=1
   echo "trainer, 2 ranks, \$b:"; grep -E 'step +[0-9]+' "\$logs/trainer2_\$b.log" | grep '^\[rank 0\]' | tail -4
 done
+# FSDP over NCCL: 20 steps of the trainer's losses on 1 GPU against 2 processes (FSDP) and 4
+# (HSDP 2x2) sharing it (1e-4: GPU reductions run in another order), and with a bfloat16
+# policy on 1 and 2 processes (1e-3 of each other, 2e-2 of float32).
+fsdp_run() {  # fsdp_run TAG NPROC FLAGS...
+  local tag=\$1 n=\$2; shift 2
+  procs "\$n" "\$here/bin/gpt_train" --text "\$repo/README.md" --device cuda --steps 20 --log-every 5 --sample-tokens 0 \
+    --n-layer 2 --n-head 2 --n-embd 64 --seq 32 --batch 8 --eps 1e-5 --metrics "\$logs/fsdp_\$tag.jsonl" "\$@" \
+    > "\$logs/fsdp_\$tag.log" 2>&1 || { rc=1; echo "fsdp \$tag: FAILED"; tail -5 "\$logs/fsdp_\$tag.log"; }
+}
+compare() {  # compare A B RTOL
+  python3 - "\$logs/fsdp_\$1.jsonl" "\$logs/fsdp_\$2.jsonl" "\$3" <<'PY' || rc=1
+import json, sys
+a, b = ([json.loads(l)["loss"] for l in open(p)] for p in sys.argv[1:3])
+tol = float(sys.argv[3])
+worst = max((abs(x - y) / abs(y) for x, y in zip(a, b)), default=1.0)
+ok = len(a) == len(b) == 20 and worst <= tol
+print(f"fsdp {sys.argv[1].split('fsdp_')[1][:-6]} vs {sys.argv[2].split('fsdp_')[1][:-6]}: {len(a)} steps, worst relative "
+      f"difference {worst:.2e} (<= {tol}): {'ok' if ok else 'FAIL'}; losses {a[0]:.5f} -> {a[-1]:.5f}")
+sys.exit(0 if ok else 1)
+PY
+}
+if want fsdp; then
+  fsdp_run one 1
+  fsdp_run two 2
+  fsdp_run two_noreshard 2 --reshard-after-forward false
+  fsdp_run hsdp 4 --dp-replicate 2
+  fsdp_run two_accum 2 --grad-accum 2
+  fsdp_run bf16_one 1 --param-dtype bf16
+  fsdp_run bf16_two 2 --param-dtype bf16
+  compare two one 1e-4; compare two_noreshard one 1e-4; compare hsdp one 1e-4; compare two_accum one 1e-4
+  compare bf16_two bf16_one 1e-3; compare bf16_two one 2e-2
+  grep -h 'gpt_train:' "\$logs"/fsdp_two.log | head -1
+fi
+if want sanitizer; then
+  if command -v compute-sanitizer > /dev/null; then
+    # (--report-api-errors no: NCCL's init probes kernels of other architectures and handles
+    # the errors itself; memcheck's memory errors are what this looks for.)
+    procs 2 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 7 "\$here/bin/gpt_train" \
+      --text "\$repo/README.md" --device cuda --steps 3 --sample-tokens 4 --n-layer 2 --n-head 2 --n-embd 64 --seq 32 --batch 8 --param-dtype bf16 \
+      > "\$logs/sanitizer.log" 2>&1; s=\$?
+    [[ \$s -eq 0 ]] || rc=1
+    echo "compute-sanitizer memcheck, FSDP bf16 on 2 processes: exit \$s, \$(grep -h 'ERROR SUMMARY' "\$logs/sanitizer.log" | sort | uniq -c | tr '\n' ' ')"
+  else
+    echo "compute-sanitizer: not installed"
+  fi
+fi
 exit \$rc
 EOF
 chmod +x "$stage/run.sh"

@@ -1,17 +1,22 @@
-// gpt_train: trains a GPT-2-style model on real text, data-parallel over N ranks.
+// gpt_train: trains a GPT-2-style model on real text, data-parallel over N ranks: FSDP (the
+// default, as TorchTitan's), DDP, or both (HSDP).
 //
 //   gpt_train --text corpus.txt --steps 200                 # 1 rank
-//   gpt_train --text corpus.txt --ranks 2                   # 2 ranks as threads of this process
+//   gpt_train --text corpus.txt --ranks 2                   # 2 ranks as threads: FSDP over both
+//   gpt_train --text corpus.txt --ranks 4 --dp-replicate 2  # HSDP: 2 replicas of 2-way FSDP
 //   dtrun --nproc-per-node 2 gpt_train --text corpus.txt    # 2 processes over UCX
 //
-// Reads top to bottom like llm.c's train_gpt2.c: build the mesh, build the GPT, distribute it,
+// Reads top to bottom like llm.c's train_gpt2.c: build the mesh, build the GPT, shard it,
 // then per step: read the global batch, shard it, forward, backward, reduce the gradients,
-// clip, step. Data parallelism is nothing but layouts: the batch is Shard(0) over the "dp"
-// mesh dim, parameters are Replicate, so each parameter's gradient comes out Partial(sum)
-// from DTensor's own autograd and ReduceGradients turns it Replicate in a few bucketed
-// all_reduces. Every rank reads the same global batches, so losses do not depend on the
-// number of ranks (one rank runs the same code on plain Tensors, without a mesh). GPUs: one
-// process per GPU under dtrun, over NCCL. Legend: B batch (global), T sequence length, C channels, V vocabulary.
+// clip, step. Parallelism is nothing but layouts: the batch is Shard(0) over the data-parallel
+// mesh dims; with FSDP (FullyShard, nn/parallel/) each parameter is Shard(0) over "dp_shard"
+// and gathered per block for its forward and backward, its gradient reduce-scattered back to
+// Shard(0); with DDP (--dp-shard 1) parameters are Replicate, so each gradient comes out
+// Partial(sum) from DTensor's own autograd and ReduceGradients turns it Replicate in a few
+// bucketed all_reduces. Every rank reads the same global batches, so losses do not depend on
+// the parallelism (one rank runs the same code on plain Tensors, without a mesh). GPUs: one
+// process per GPU under dtrun, over NCCL. Legend: B batch (global), T sequence length, C
+// channels, V vocabulary.
 #include <omp.h>
 
 #include <algorithm>
@@ -41,12 +46,14 @@
 #include "nlohmann/json.hpp"
 #include "nn/gpt.h"
 #include "nn/optim.h"
+#include "nn/parallel/fully_shard.h"
+#include "nn/safetensors.h"
 
 namespace dtensor {
 namespace {
 
 struct Flags {
-  std::string text, train_bin, init_llmc, metrics, fortunes;
+  std::string text, train_bin, init_llmc, metrics, fortunes, save_final;
   int64_t n_layer = 4, n_head = 4, n_embd = 128, vocab = 256, seq = 64, batch = 8, steps = 50;
   double lr = 1e-3, weight_decay = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, grad_clip = 0.0, dropout = 0.0;
   std::string device = "auto";           // auto: a GPU per process when CUDA devices are visible, else cpu
@@ -56,6 +63,11 @@ struct Flags {
   uint64_t seed = 1337;
   int ranks = 1;
   int64_t sample_tokens = 200, log_every = 1;
+  // Data parallelism, with TorchTitan's meaning: dp_replicate x dp_shard = world size.
+  int64_t dp_shard = -1, dp_replicate = 1, grad_accum = 1;
+  bool reshard_after_forward = true, prefetch = true;
+  std::string param_dtype = "fp32", reduce_dtype = "fp32";
+  std::string grad_sync = "every";  // FSDP under --grad-accum: reduce every micro-batch, or the last only
 };
 
 const char* kUsage =
@@ -64,8 +76,12 @@ const char* kUsage =
     "  model:  --n-layer 4 --n-head 4 --n-embd 128 --vocab 256 --seq 64 --dropout 0\n"
     "  train:  --batch 8 (global) --steps 50 --lr 1e-3 --lr-schedule constant|cosine --warmup 0\n"
     "          --min-lr 0 --weight-decay 0 --beta1 0.9 --beta2 0.999 --eps 1e-8 --grad-clip 0 --seed 1337\n"
+    "  parallel: --dp-shard -1 (FSDP degree; -1: the ranks left) --dp-replicate 1 (DDP / HSDP degree)\n"
+    "          --reshard-after-forward true --prefetch true --param-dtype fp32|bf16 --reduce-dtype fp32|bf16\n"
+    "          --grad-accum 1 (micro-batches per step) --grad-sync every|last\n"
     "  device: --device auto|cpu|cuda (auto: one GPU per process over NCCL when GPUs are visible)\n"
-    "  output: --metrics PATH (one JSON object per step) --sample-tokens 200 --log-every 1\n";
+    "  output: --metrics PATH (one JSON object per step) --sample-tokens 200 --log-every 1\n"
+    "          --save-final PATH (the trained parameters, whole, as safetensors)\n";
 
 bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
   for (int i = 1; i < argc; ++i) {
@@ -87,6 +103,11 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
       return true;
     };
     bool ok = true;
+    auto boolean = [&](bool* out) {
+      if (v != "true" && v != "false") return false;
+      *out = v == "true";
+      return true;
+    };
     if (name == "--text")
       f->text = v;
     else if (name == "--fortunes")
@@ -97,10 +118,28 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
       f->init_llmc = v;
     else if (name == "--metrics")
       f->metrics = v;
+    else if (name == "--save-final")
+      f->save_final = v;
     else if (name == "--lr-schedule")
       f->lr_schedule = v;
     else if (name == "--device")
       f->device = v;
+    else if (name == "--param-dtype")
+      f->param_dtype = v;
+    else if (name == "--reduce-dtype")
+      f->reduce_dtype = v;
+    else if (name == "--grad-sync")
+      f->grad_sync = v;
+    else if (name == "--dp-shard")
+      ok = num(&f->dp_shard);
+    else if (name == "--dp-replicate")
+      ok = num(&f->dp_replicate);
+    else if (name == "--grad-accum")
+      ok = num(&f->grad_accum);
+    else if (name == "--reshard-after-forward")
+      ok = boolean(&f->reshard_after_forward);
+    else if (name == "--prefetch")
+      ok = boolean(&f->prefetch);
     else if (name == "--n-layer")
       ok = num(&f->n_layer);
     else if (name == "--n-head")
@@ -146,7 +185,9 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
       return false;
     }
     if (!ok) {
-      *error = absl::StrCat("flag ", name, " needs a number, got '", v, "'");
+      *error = absl::StrCat("flag ", name, " needs a ",
+                            name == "--reshard-after-forward" || name == "--prefetch" ? "true|false" : "number",
+                            ", got '", v, "'");
       return false;
     }
   }
@@ -155,12 +196,18 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
     *error = "give exactly one of --text (or --fortunes) and --train-bin";
     return false;
   }
-  if (f->ranks < 1 || f->batch < 1 || f->seq < 1 || f->steps < 0 || f->log_every < 1 ||
+  auto is_dtype = [](const std::string& d) { return d == "fp32" || d == "bf16"; };
+  if (f->ranks < 1 || f->batch < 1 || f->seq < 1 || f->steps < 0 || f->log_every < 1 || f->grad_accum < 1 ||
       (f->lr_schedule != "constant" && f->lr_schedule != "cosine") ||
-      (f->device != "auto" && f->device != "cpu" && f->device != "cuda")) {
+      (f->device != "auto" && f->device != "cpu" && f->device != "cuda") || !is_dtype(f->param_dtype) ||
+      !is_dtype(f->reduce_dtype) || (f->grad_sync != "every" && f->grad_sync != "last")) {
     *error =
-        "bad value: --ranks, --batch, --seq, --log-every must be >= 1, --steps >= 0, --lr-schedule constant|cosine, "
-        "--device auto|cpu|cuda";
+        "bad value: --ranks, --batch, --seq, --log-every, --grad-accum must be >= 1, --steps >= 0, --lr-schedule "
+        "constant|cosine, --device auto|cpu|cuda, --param-dtype and --reduce-dtype fp32|bf16, --grad-sync every|last";
+    return false;
+  }
+  if (f->batch % f->grad_accum != 0) {
+    *error = absl::StrCat("--batch ", f->batch, " must be a multiple of --grad-accum ", f->grad_accum);
     return false;
   }
   return true;
@@ -185,11 +232,36 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     if (lead) std::printf(fmt, args...), std::fflush(stdout);
   };
 
-  // ---- The mesh: one "dp" dim over all ranks (one rank needs none: plain Tensors) ----
-  DeviceMesh mesh;
-  if (world.size() > 1) {
-    DT_ASSIGN_OR_RETURN(mesh, DeviceMesh::Create(world, {world.size()}, {"dp"}));
+  // ---- The mesh (TorchTitan's parallel dims): dp_replicate x dp_shard = world ----
+  // FSDP shards over "dp_shard" (also over one rank, when a mixed-precision policy asks for
+  // its casts); DDP replicates over "dp_replicate"; both: HSDP. One rank without a mixed-
+  // precision policy needs no mesh: plain Tensors.
+  const int64_t dp_replicate = f.dp_replicate;
+  const int64_t dp_shard = f.dp_shard == -1 && dp_replicate >= 1 && world.size() % dp_replicate == 0
+                               ? world.size() / dp_replicate
+                               : f.dp_shard;
+  if (dp_replicate < 1 || dp_shard < 1 || dp_replicate * dp_shard != world.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("[gpt_train] --dp-replicate ", f.dp_replicate, " x --dp-shard ",
+                                                   f.dp_shard, " does not make the world size ", world.size()));
   }
+  const bool mixed = f.param_dtype != "fp32" || f.reduce_dtype != "fp32";
+  const bool fsdp = dp_shard > 1 || mixed;
+  std::vector<int64_t> mesh_shape;
+  std::vector<std::string> mesh_names;
+  if (dp_replicate > 1 || (!fsdp && world.size() > 1)) {
+    mesh_shape.push_back(dp_replicate);
+    mesh_names.push_back("dp_replicate");
+  }
+  if (fsdp) {
+    mesh_shape.push_back(dp_shard);
+    mesh_names.push_back("dp_shard");
+  }
+  DeviceMesh mesh;
+  if (!mesh_shape.empty()) {
+    DT_ASSIGN_OR_RETURN(mesh, DeviceMesh::Create(world, mesh_shape, mesh_names));
+  }
+  // The batch: Shard(0) over every data-parallel dim.
+  const Layout batch_layout(Placements(mesh_shape.size(), Shard(0)));
 
   // ---- Data: a token stream read sequentially in global batches of B*T+1 tokens ----
   std::vector<uint16_t> tokens;
@@ -229,13 +301,34 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     DT_RETURN_IF_ERROR(model->LoadStateDict(ckpt.params));
   }
   DT_RETURN_IF_ERROR(model->To(device));  // this rank's device (a no-op on the CPU)
-  // Parameters Replicate over "dp" (each rank keeps its copy; no communication).
-  if (mesh.defined()) DT_RETURN_IF_ERROR(nn::DistributeModule(*model, mesh));
+  if (mixed && device != world.device()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "[gpt_train] a mixed-precision policy runs through FSDP, whose mesh must be on ", device.ToString(),
+        "; thread ranks communicate on the CPU: on a GPU start the trainer under dtrun (--nproc-per-node 1 for one)"));
+  }
+  if (fsdp) {
+    // FSDP: each block one group, then the root (wte, wpe, ln_f), as TorchTitan; the last
+    // block keeps its parameters after forward (its backward comes first).
+    nn::FsdpOptions o{.prefetch = f.prefetch, .shard_dim = "dp_shard"};
+    if (dp_replicate > 1) o.replicate_dim = "dp_replicate";
+    if (f.param_dtype == "bf16") o.mp_policy.param_dtype = DType::kBFloat16;
+    if (f.reduce_dtype == "bf16") o.mp_policy.reduce_dtype = DType::kBFloat16;
+    for (int64_t i = 0; i < cfg.n_layer; ++i) {
+      o.reshard_after_forward = f.reshard_after_forward && i + 1 < cfg.n_layer;
+      DT_RETURN_IF_ERROR(nn::FullyShard(*model->block(i), mesh, o).status());
+    }
+    DT_RETURN_IF_ERROR(nn::FullyShard(*model, mesh, o).status());
+  } else if (mesh.defined()) {
+    // DDP: parameters Replicate (each rank keeps its copy; no communication).
+    DT_RETURN_IF_ERROR(nn::DistributeModule(*model, mesh));
+  }
   const std::string blas = device.is_cpu() ? ", OpenBLAS " + BlasCoreName() : "";
-  say("gpt_train: %d rank(s) on %s (%s%s), %lld parameters, %lld layers, %lld heads, C=%lld, V=%lld, B=%lld (global), "
-      "T=%lld, "
-      "%lld tokens\n",
-      world.size(), device.ToString().c_str(), world.backend(), blas.c_str(),
+  const std::string parallel =
+      !mesh.defined() ? ""
+                      : absl::StrCat(", ", fsdp ? (dp_replicate > 1 ? "HSDP " : "FSDP ") : "DDP ", mesh.ToString());
+  say("gpt_train: %d rank(s) on %s (%s%s%s), %lld parameters, %lld layers, %lld heads, C=%lld, V=%lld, B=%lld "
+      "(global), T=%lld, %lld tokens\n",
+      world.size(), device.ToString().c_str(), world.backend(), blas.c_str(), parallel.c_str(),
       static_cast<long long>(model->NumParameters()), static_cast<long long>(cfg.n_layer),
       static_cast<long long>(cfg.n_head), static_cast<long long>(cfg.n_embd), static_cast<long long>(cfg.vocab_size),
       static_cast<long long>(f.batch), static_cast<long long>(f.seq), static_cast<long long>(loader.num_tokens()));
@@ -261,26 +354,48 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   }
 
   // ---- Training ----
+  Allocator& allocator = DefaultAllocator(device);
+  const int64_t micro = f.batch / f.grad_accum;  // rows per micro-batch (global)
   for (int64_t step = 0; step < f.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
+    allocator.ResetPeakStats();
     gpt::Batch batch = loader.Next();  // the global batch [B, T], the same on every rank
     DT_ASSIGN_OR_RETURN(Tensor inputs, Tensor::FromVector<int32_t>(batch.inputs, {f.batch, f.seq}));
     DT_ASSIGN_OR_RETURN(Tensor targets, Tensor::FromVector<int32_t>(batch.targets, {f.batch, f.seq}));
     DT_ASSIGN_OR_RETURN(inputs, To(inputs, device));
     DT_ASSIGN_OR_RETURN(targets, To(targets, device));
-    // Shard(0): each rank keeps its rows of the batch (torch.chunk; no communication).
-    Value x = inputs, y = targets;
-    if (mesh.defined()) {
-      DT_ASSIGN_OR_RETURN(x, DTensor::Distribute(inputs, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
-      DT_ASSIGN_OR_RETURN(y, DTensor::Distribute(targets, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
-    }
 
-    const auto t1 = std::chrono::steady_clock::now();
-    DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(x), Variable::Constant(y)));
-    const auto t2 = std::chrono::steady_clock::now();
-    DT_RETURN_IF_ERROR(Backward(out.loss));  // parameter gradients: Partial(sum)
+    // K micro-batches of B/K rows; each backward adds 1/K of its mean loss's gradient, so the
+    // step sees the gradient of the global batch's mean loss, as with K = 1.
+    double fwd_ms = 0, bwd_ms = 0;
+    std::vector<Value> losses;
+    for (int64_t k = 0; k < f.grad_accum; ++k) {
+      DT_ASSIGN_OR_RETURN(Tensor xi, inputs.Narrow(0, k * micro, micro));
+      DT_ASSIGN_OR_RETURN(Tensor yi, targets.Narrow(0, k * micro, micro));
+      // Shard(0): each rank keeps its rows of the batch (torch.chunk; no communication).
+      Value x = xi, y = yi;
+      if (mesh.defined()) {
+        DT_ASSIGN_OR_RETURN(x, DTensor::Distribute(xi, mesh, batch_layout, {.src_rank = std::nullopt}));
+        DT_ASSIGN_OR_RETURN(y, DTensor::Distribute(yi, mesh, batch_layout, {.src_rank = std::nullopt}));
+      }
+      if (fsdp && f.grad_sync == "last") nn::SetRequiresGradientSync(*model, k + 1 == f.grad_accum);
+      const auto f0 = std::chrono::steady_clock::now();
+      DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(x), Variable::Constant(y)));
+      Variable loss = out.loss;
+      if (f.grad_accum > 1) {
+        DT_ASSIGN_OR_RETURN(loss, Scale(out.loss, 1.0 / static_cast<double>(f.grad_accum)));
+      }
+      const auto f1 = std::chrono::steady_clock::now();
+      // Gradients: FSDP reduce-scatters them to Shard(0) during backward; DDP leaves them
+      // Partial(sum).
+      DT_RETURN_IF_ERROR(Backward(loss));
+      const auto f2 = std::chrono::steady_clock::now();
+      fwd_ms += std::chrono::duration<double, std::milli>(f1 - f0).count();
+      bwd_ms += std::chrono::duration<double, std::milli>(f2 - f1).count();
+      losses.push_back(out.loss.value());
+    }
     const auto t3 = std::chrono::steady_clock::now();
-    DT_RETURN_IF_ERROR(nn::ReduceGradients(params));  // -> Replicate, bucketed all_reduces
+    if (!fsdp) DT_RETURN_IF_ERROR(nn::ReduceGradients(params));  // DDP: -> Replicate, bucketed all_reduces
     DT_ASSIGN_OR_RETURN(double norm, nn::ClipGradNorm(params, f.grad_clip));
     const double lr =
         f.lr_schedule == "cosine"
@@ -288,14 +403,27 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
             : f.lr;
     opt.set_lr(lr);
     DT_RETURN_IF_ERROR(opt.Step());
+    // Memory at rest (parameters, gradients, optimizer state on this rank), before the
+    // gradients are dropped.
+    int64_t param_bytes = 0, grad_bytes = 0;
+    for (Variable* p : params) {
+      param_bytes += static_cast<int64_t>(p->value().local().nbytes());
+      if (p->grad().defined()) grad_bytes += static_cast<int64_t>(p->grad().local().nbytes());
+    }
+    const AllocatorStats mem = allocator.Stats();
     opt.ZeroGrad();
 
-    // The loss is Partial(sum) over the batch shards: one scalar all_reduce to read it.
-    Value loss = out.loss.value();
-    if (loss.is_dtensor()) {
-      DT_ASSIGN_OR_RETURN(loss, loss.dtensor().Redistribute({Replicate()}));
+    // Each loss is Partial(sum) over the batch shards: one scalar all_reduce to read it.
+    double loss_sum = 0;
+    for (Value& loss : losses) {
+      if (loss.is_dtensor()) {
+        DT_ASSIGN_OR_RETURN(DTensor r, loss.dtensor().Redistribute(Layout(Placements(mesh_shape.size(), Replicate()))));
+        loss = r;
+      }
+      DT_ASSIGN_OR_RETURN(std::vector<double> lv, ToDoubleVector(loss.local()));
+      loss_sum += lv[0];
     }
-    DT_ASSIGN_OR_RETURN(std::vector<double> lv, ToDoubleVector(loss.local()));
+    const std::vector<double> lv = {loss_sum / static_cast<double>(f.grad_accum)};
     const auto t4 = std::chrono::steady_clock::now();
     auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
     const double dt = std::chrono::duration<double>(t4 - t0).count();
@@ -312,17 +440,27 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
                                 {"step_ms", dt * 1e3},
                                 {"tokens_per_s", tok_s},
                                 {"ranks", world.size()},
-                                {"data_ms", ms(t0, t1)},
-                                {"forward_ms", ms(t1, t2)},
-                                {"backward_ms", ms(t2, t3)},
-                                {"update_ms", ms(t3, t4)}}
+                                {"forward_ms", fwd_ms},
+                                {"backward_ms", bwd_ms},
+                                {"update_ms", ms(t3, t4)},
+                                {"param_bytes", param_bytes},
+                                {"grad_bytes", grad_bytes},
+                                {"optim_bytes", opt.StateBytes()},
+                                {"bytes_in_use", mem.bytes_in_use},
+                                {"peak_bytes", mem.peak_bytes_in_use}}
                      .dump()
               << "\n"
               << std::flush;
     }
   }
 
-  // ---- Sampling: every rank runs the same seeded draws (parameters are replicated) ----
+  // ---- The trained parameters, gathered whole (collective), written by rank 0 ----
+  if (!f.save_final.empty()) {
+    DT_ASSIGN_OR_RETURN(auto state, model->StateDict());
+    if (lead) DT_RETURN_IF_ERROR(WriteSafetensors(f.save_final, state));
+  }
+
+  // ---- Sampling: every rank runs the same seeded draws (on gathered parameters) ----
   if (f.sample_tokens > 0) {
     NoGradGuard no_grad;
     model->Eval();

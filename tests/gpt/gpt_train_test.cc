@@ -1,6 +1,7 @@
-// The trainer end to end: data-parallel runs (2 and 4 thread ranks, an uneven batch; 2 UCX
-// processes under dtrun) report the same loss at every step as the single-rank run on the same
-// global batches, and the loss falls.
+// The trainer end to end: data-parallel runs — FSDP (the default), DDP, HSDP, gradient
+// accumulation; threads, UCX processes under dtrun and mpirun — report the same loss at every
+// step as the single-rank run on the same global batches and end with the same parameters,
+// and the loss falls.
 #include <cmath>
 #include <cstdint>
 #include <fstream>
@@ -82,6 +83,47 @@ class GptTrainTest : public ::testing::Test {
   testing::ScopedTempDir dir_{"gpt_train_test"};
 };
 
+// 20 steps of the 2-layer model on 12-row batches (2, 3, 4 ranks and 2, 4 micro-batches
+// divide them; C = 32 does not divide by 3): the losses and the final parameters.
+struct Final {
+  std::vector<double> losses;
+  NamedTensors params;
+};
+
+void ExpectSame(const std::vector<double>& a, const std::vector<double>& b);
+
+class GptFsdpTest : public GptTrainTest {
+ protected:
+  Final RunFinal(const std::string& launcher, const std::string& flags, const std::string& tag) const {
+    Final out;
+    const std::string params = Path(tag + ".safetensors");
+    // --eps 1e-5: see fully_shard_test.cc (AdamW's eps and elements whose gradient is ~0).
+    out.losses =
+        RunLosses(launcher, "--batch 12 --steps 20 --eps 1e-5 --device cpu --save-final " + params + " " + flags, tag);
+    auto file = ReadSafetensors(params);
+    EXPECT_TRUE(file.ok()) << tag << ": " << file.status();
+    if (file.ok()) out.params = *std::move(file);
+    return out;
+  }
+  const Final& One() {
+    if (one_.losses.empty()) one_ = RunFinal("", "--ranks 1", "one");
+    return one_;
+  }
+  void ExpectSameRun(const Final& got, const std::string& what) {
+    SCOPED_TRACE(what);
+    ExpectSame(got.losses, One().losses);
+    ASSERT_EQ(got.params.tensors.size(), One().params.tensors.size());
+    for (const auto& [name, t] : One().params.tensors) {
+      const Tensor* g = got.params.Find(name);
+      ASSERT_NE(g, nullptr) << name;
+      testing::ExpectNormNear(testing::Values(*g), testing::Values(t), 1e-5, name);
+    }
+  }
+
+ private:
+  Final one_;
+};
+
 void ExpectSame(const std::vector<double>& a, const std::vector<double>& b) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-5 * std::abs(b[i])) << "step " << i;
@@ -93,6 +135,100 @@ TEST_F(GptTrainTest, DataParallelLossesEqualSingleRank) {
   EXPECT_LT(one.back(), one.front() - 0.3) << "loss did not fall";
   ExpectSame(RunLosses("", "--batch 6 --ranks 2 --device cpu", "r2"), one);
   ExpectSame(RunLosses("", "--batch 6 --ranks 4 --device cpu", "r4"), one);  // 6 rows over 4 ranks: 2, 2, 2, 0
+}
+
+TEST_F(GptFsdpTest, FsdpOnTwoThreeAndFourThreadRanksEqualsOneRank) {
+  ASSERT_EQ(One().losses.size(), 20u);
+  EXPECT_LT(One().losses.back(), One().losses.front() - 0.3) << "loss did not fall";
+  ExpectSameRun(RunFinal("", "--ranks 2", "f2"), "FSDP 2 ranks");
+  ExpectSameRun(RunFinal("", "--ranks 3", "f3"), "FSDP 3 ranks");
+  ExpectSameRun(RunFinal("", "--ranks 4", "f4"), "FSDP 4 ranks");
+}
+
+TEST_F(GptFsdpTest, NoReshardHsdpAndDdpEqualOneRank) {
+  ExpectSameRun(RunFinal("", "--ranks 2 --reshard-after-forward false", "nr2"), "FSDP 2, no reshard after forward");
+  ExpectSameRun(RunFinal("", "--ranks 4 --dp-replicate 2", "h4"), "HSDP 2x2");
+  ExpectSameRun(RunFinal("", "--ranks 2 --dp-shard 1 --dp-replicate 2", "d2"), "DDP 2");
+}
+
+TEST_F(GptFsdpTest, GradientAccumulationEqualsOneBatch) {
+  ExpectSameRun(RunFinal("", "--ranks 1 --grad-accum 2", "a1x2"), "1 rank, 2 micro-batches");
+  ExpectSameRun(RunFinal("", "--ranks 1 --grad-accum 4", "a1x4"), "1 rank, 4 micro-batches");
+  ExpectSameRun(RunFinal("", "--ranks 2 --grad-accum 2", "a2x2"), "FSDP 2, 2 micro-batches");
+  ExpectSameRun(RunFinal("", "--ranks 2 --grad-accum 4 --grad-sync last", "a2x4l"),
+                "FSDP 2, 4 micro-batches, reduce-scatter on the last");
+  ExpectSameRun(RunFinal("", "--ranks 2 --dp-shard 1 --dp-replicate 2 --grad-accum 2", "ad2x2"),
+                "DDP 2, 2 micro-batches");
+}
+
+TEST_F(GptFsdpTest, FsdpOnUcxProcessesUnderDtrunAndMpirunEqualsOneRank) {
+  ExpectSameRun(RunFinal(std::string(DTRUN_PATH) + " --nproc-per-node 2", "", "u2"), "FSDP 2 UCX processes (dtrun)");
+  const ProcessRun which = testing::RunProcess({"/bin/sh", "-c", "command -v mpirun"});
+  const std::string mpirun(absl::StripTrailingAsciiWhitespace(which.out));
+  if (which.code != 0 || mpirun.empty()) GTEST_SKIP() << "mpirun is not installed";
+  ExpectSameRun(RunFinal(mpirun + " --allow-run-as-root --oversubscribe -np 2", "", "m2"),
+                "FSDP 2 UCX processes (mpirun)");
+}
+
+// bfloat16 gathers and compute (float32 master weights and reduction): 2 ranks track the
+// 1-rank run of the same policy (1e-3) and float32 (2e-2) over 20 steps.
+TEST_F(GptFsdpTest, Bfloat16PolicyTracksOneRankAndFloat32) {
+  const Final bf1 = RunFinal("", "--ranks 1 --param-dtype bf16", "b1");
+  const Final bf2 = RunFinal("", "--ranks 2 --param-dtype bf16", "b2");
+  ASSERT_EQ(bf1.losses.size(), 20u);
+  ASSERT_EQ(bf2.losses.size(), 20u);
+  for (size_t i = 0; i < 20; ++i) {
+    EXPECT_NEAR(bf2.losses[i], bf1.losses[i], 1e-3 * bf1.losses[i]) << "step " << i;
+    EXPECT_NEAR(bf2.losses[i], One().losses[i], 2e-2 * One().losses[i]) << "step " << i;
+  }
+}
+
+// Memory per rank with the allocator's own counters (UCX processes: one allocator each), 4
+// blocks of C = 128 (blocks dominate): at rest (after the update) FSDP's parameters, gradients
+// and AdamW state are half of one rank's, and the allocator holds little else; its peak in a
+// step stays below DDP's by what FSDP saved at rest, give or take two gathered blocks.
+TEST_F(GptFsdpTest, MemoryAtRestIsHalfAndThePeakFollows) {
+  auto last = [&](const std::string& launcher, const std::string& flags, const std::string& tag) {
+    const std::string metrics = Path(tag + ".jsonl");
+    const ProcessRun run = Train(launcher, "--text " + Corpus() +
+                                               " --n-layer 4 --n-head 4 --n-embd 128 --seq 32 --batch 8 --steps 2"
+                                               " --sample-tokens 0 --device cpu --metrics " +
+                                               metrics + " " + flags);
+    EXPECT_EQ(run.code, 0) << run.out;
+    std::ifstream in(metrics);
+    std::string line, prev;
+    while (std::getline(in, line)) prev = line;
+    return prev.empty() ? nlohmann::json::object() : nlohmann::json::parse(prev);
+  };
+  auto state = [](const nlohmann::json& m) {
+    return m.value("param_bytes", int64_t{0}) + m.value("grad_bytes", int64_t{0}) + m.value("optim_bytes", int64_t{0});
+  };
+  const std::string dtrun2 = std::string(DTRUN_PATH) + " --nproc-per-node 2";
+  const nlohmann::json one = last(std::string(DTRUN_PATH) + " --nproc-per-node 1", "", "mem1");
+  const nlohmann::json ddp = last(dtrun2, "--dp-shard 1 --dp-replicate 2", "memddp");
+  const nlohmann::json fsdp = last(dtrun2, "", "memfsdp");
+  ASSERT_GT(state(one), 0);
+  EXPECT_EQ(state(ddp), state(one));
+  EXPECT_EQ(state(fsdp), state(one) / 2);  // C = 128, V = 256, T = 32: every dim 0 is even
+  const int64_t slack = 1 << 20;           // the loader's tensors, the loss, allocator rounding
+  EXPECT_LE(fsdp.value("bytes_in_use", int64_t{0}), state(fsdp) + slack) << fsdp.dump();
+  const int64_t block = 4 * (12 * 128 * 128 + 13 * 128);  // one block's parameters, gathered
+  EXPECT_LE(fsdp.value("peak_bytes", int64_t{0}),
+            ddp.value("peak_bytes", int64_t{0}) - (state(ddp) - state(fsdp)) + 2 * block)
+      << "FSDP " << fsdp.dump() << "\nDDP " << ddp.dump();
+  EXPECT_LT(fsdp.value("peak_bytes", int64_t{0}), ddp.value("peak_bytes", int64_t{0}));
+}
+
+TEST_F(GptFsdpTest, BadParallelFlagsFailCleanly) {
+  const ProcessRun dims = Train("", "--text " + Corpus() + " --ranks 4 --dp-shard 3 --steps 1");
+  EXPECT_NE(dims.code, 0);
+  EXPECT_NE(dims.out.find("--dp-replicate 1 x --dp-shard 3 does not make the world size 4"), std::string::npos)
+      << dims.out;
+  const ProcessRun accum = Train("", "--text " + Corpus() + " --batch 6 --grad-accum 4 --steps 1");
+  EXPECT_NE(accum.code, 0);
+  EXPECT_NE(accum.out.find("--batch 6 must be a multiple of --grad-accum 4"), std::string::npos) << accum.out;
+  EXPECT_NE(Train("", "--text x --param-dtype fp16").code, 0);
+  EXPECT_NE(Train("", "--text x --reshard-after-forward yes").code, 0);
 }
 
 TEST_F(GptTrainTest, UcxProcessesMatchThreads) {
