@@ -2,7 +2,8 @@
 //
 // Sharding rule: a sharded dim moves with its data — permute moves the shard, narrow keeps
 // shards on other dims, reshape keeps a shard on the first dim of a group of merged/split
-// dims when the sizes divide evenly over the whole mesh (else the dim is gathered first).
+// dims when the sizes divide evenly over the whole mesh (else the dim is gathered first);
+// size-1 dims do not count (a squeeze or unsqueeze keeps any shard).
 // Values are unchanged, so every Partial passes through. For DTensors the result may be a
 // view of the input's local piece.
 #include "autograd/functional.h"
@@ -49,9 +50,17 @@ void ReshapeRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan me
         break;
       }
     }
-    const bool one_to_one = i - i0 == 1 && j - j0 == 1;
-    if (one_to_one || (a[i0] % n == 0 && b[j0] % n == 0)) {
-      s->push_back({{Shard(static_cast<int64_t>(i0))}, {Shard(static_cast<int64_t>(j0))}});
+    // Size-1 dims of a group hold nothing to shard: the shard goes from the group's first
+    // dim of size > 1 to the other's ([1, C, C] -> [C, C] keeps a shard of the C dims).
+    size_t fa = i0, fb = j0;
+    while (fa + 1 < i && a[fa] == 1) ++fa;
+    while (fb + 1 < j && b[fb] == 1) ++fb;
+    size_t big_a = 0, big_b = 0;
+    for (size_t k = i0; k < i; ++k) big_a += a[k] > 1 ? 1 : 0;
+    for (size_t k = j0; k < j; ++k) big_b += b[k] > 1 ? 1 : 0;
+    const bool one_to_one = big_a <= 1 && big_b <= 1;
+    if (one_to_one || (a[fa] % n == 0 && b[fb] % n == 0)) {
+      s->push_back({{Shard(static_cast<int64_t>(fa))}, {Shard(static_cast<int64_t>(fb))}});
     }
   }
 }
