@@ -42,6 +42,7 @@ GPT::GPT(const GPTConfig& c) : config_(c) {
   }
   ln_f_ = t->Add("ln_f", std::make_unique<LayerNorm>(c.n_embd, 1e-5, c.dtype));
   transformer_ = RegisterModule("transformer", std::move(t));
+  lm_head_ = RegisterModule("lm_head", std::make_unique<Linear>(wte_->weight()));  // tied
 }
 
 int64_t GPT::NumParameters() {
@@ -82,9 +83,10 @@ absl::StatusOr<GPT::Output> GPT::Forward(const Variable& ids, const Variable& ta
                                                    config_.block_size, "; got ", ShapeString(s)));
   }
   const int64_t t = s[1];
-  DT_RETURN_IF_ERROR(RunForwardPreHooks());
+  Variable in = ids;
+  DT_RETURN_IF_ERROR(RunForwardPreHooks(in));
   DT_ASSIGN_OR_RETURN(Tensor pos, Arange(t, DType::kInt64, ids.value().device()));
-  DT_ASSIGN_OR_RETURN(Variable tok_emb, wte_->Forward(ids));                      // [B, T, C]
+  DT_ASSIGN_OR_RETURN(Variable tok_emb, wte_->Forward(in));                       // [B, T, C]
   DT_ASSIGN_OR_RETURN(Variable pos_emb, wpe_->Forward(Variable::Constant(pos)));  // [T, C]
   DT_ASSIGN_OR_RETURN(Variable x, dtensor::Add(tok_emb, pos_emb));
   for (int64_t i = 0; i < h_->size(); ++i) {
@@ -92,7 +94,7 @@ absl::StatusOr<GPT::Output> GPT::Forward(const Variable& ids, const Variable& ta
   }
   DT_ASSIGN_OR_RETURN(x, ln_f_->Forward(x));
   Output out;
-  DT_ASSIGN_OR_RETURN(out.logits, dtensor::Linear(x, *wte_->weight()));  // tied LM head: [B, T, V]
+  DT_ASSIGN_OR_RETURN(out.logits, lm_head_->Forward(x));  // tied to wte: [B, T, V]
   // The model's hooks see the logits as its output (FSDP's root casts them, e.g.).
   DT_RETURN_IF_ERROR(RunForwardHooks(out.logits));
   AttachBackwardPreHooks(out.logits);

@@ -54,6 +54,8 @@ class GPT : public Module {
   const GPTConfig& config() const { return config_; }
   // Transformer block i (transformer.h.<i>), 0 <= i < n_layer: what FSDP and TP wrap.
   Block* block(int64_t i) { return static_cast<Block*>((*h_)[i]); }
+  // The LM head (lm_head): a Linear tied to transformer.wte.weight (no parameter of its own).
+  Linear* lm_head() { return lm_head_; }
   int64_t NumParameters();
 
   // GPT-2's initialisation from `seed`: Linear and Embedding weights N(0, 0.02), residual
@@ -76,6 +78,7 @@ class GPT : public Module {
   Embedding* wpe_;
   ModuleList* h_;
   LayerNorm* ln_f_;
+  Linear* lm_head_;
 };
 
 }  // namespace dtensor::nn

@@ -24,9 +24,12 @@ Linear::Linear(int64_t in, int64_t out, bool bias, DType dtype) {
   if (bias) bias_ = RegisterParameter("bias", ZerosOrUndefined({out}, dtype));
 }
 
+Linear::Linear(Variable* tied_weight) { weight_ = RegisterSharedParameter("weight", tied_weight); }
+
 absl::StatusOr<Variable> Linear::Forward(const Variable& x) {
-  return WithHooks(
-      [&]() -> absl::StatusOr<Variable> { return dtensor::Linear(x, *weight_, bias_ ? *bias_ : Variable()); });
+  return WithHooks(x, [&](const Variable& x) -> absl::StatusOr<Variable> {
+    return dtensor::Linear(x, *weight_, bias_ ? *bias_ : Variable());
+  });
 }
 
 Embedding::Embedding(int64_t num, int64_t dim, DType dtype) {
@@ -34,7 +37,8 @@ Embedding::Embedding(int64_t num, int64_t dim, DType dtype) {
 }
 
 absl::StatusOr<Variable> Embedding::Forward(const Variable& ids) {
-  return WithHooks([&]() -> absl::StatusOr<Variable> { return dtensor::Embedding(*weight_, ids); });
+  return WithHooks(ids,
+                   [&](const Variable& ids) -> absl::StatusOr<Variable> { return dtensor::Embedding(*weight_, ids); });
 }
 
 LayerNorm::LayerNorm(int64_t c, double eps, DType dtype) : eps_(eps) {
@@ -43,7 +47,8 @@ LayerNorm::LayerNorm(int64_t c, double eps, DType dtype) : eps_(eps) {
 }
 
 absl::StatusOr<Variable> LayerNorm::Forward(const Variable& x) {
-  return WithHooks([&]() -> absl::StatusOr<Variable> { return dtensor::LayerNorm(x, *weight_, *bias_, eps_); });
+  return WithHooks(
+      x, [&](const Variable& x) -> absl::StatusOr<Variable> { return dtensor::LayerNorm(x, *weight_, *bias_, eps_); });
 }
 
 RMSNorm::RMSNorm(int64_t c, double eps, DType dtype) : eps_(eps) {
@@ -51,7 +56,8 @@ RMSNorm::RMSNorm(int64_t c, double eps, DType dtype) : eps_(eps) {
 }
 
 absl::StatusOr<Variable> RMSNorm::Forward(const Variable& x) {
-  return WithHooks([&]() -> absl::StatusOr<Variable> { return dtensor::RmsNorm(x, *weight_, eps_); });
+  return WithHooks(x,
+                   [&](const Variable& x) -> absl::StatusOr<Variable> { return dtensor::RmsNorm(x, *weight_, eps_); });
 }
 
 absl::StatusOr<Variable> Dropout::Forward(const Variable& x) {
@@ -68,10 +74,26 @@ CausalSelfAttention::CausalSelfAttention(int64_t c, int64_t heads, double dropou
 }
 
 absl::StatusOr<Variable> CausalSelfAttention::Forward(const Variable& x) {
-  return WithHooks([&]() -> absl::StatusOr<Variable> {
+  return WithHooks(x, [&](const Variable& x) -> absl::StatusOr<Variable> {
     const int64_t b = x.value().shape()[0], t = x.value().shape()[1], d = c_ / heads_;
-    DT_ASSIGN_OR_RETURN(Variable qkv, c_attn_->Forward(x));  // [B, T, 3C]
-    DT_ASSIGN_OR_RETURN(std::vector<Variable> parts, dtensor::Split(qkv, c_, 2));
+    std::vector<Variable> parts;  // q, k, v: [B, T, C]
+    const Variable& w = *c_attn_->weight();
+    if (w.value().dim() == 3) {
+      // The projection stacked as [3, C, C] (bias [3, C]): the same values as GPT-2's fused
+      // [3C, C], laid out so that each of q, k and v can be split on its own (tensor
+      // parallelism shards dim 1: each rank holds q, k and v of its heads; nn/parallel/).
+      for (int64_t j = 0; j < 3; ++j) {
+        DT_ASSIGN_OR_RETURN(Variable wj, dtensor::Narrow(w, 0, j, 1));
+        DT_ASSIGN_OR_RETURN(wj, dtensor::Reshape(wj, {c_, c_}));
+        DT_ASSIGN_OR_RETURN(Variable bj, dtensor::Narrow(*c_attn_->bias(), 0, j, 1));
+        DT_ASSIGN_OR_RETURN(bj, dtensor::Reshape(bj, {c_}));
+        DT_ASSIGN_OR_RETURN(Variable p, dtensor::Linear(x, wj, bj));
+        parts.push_back(std::move(p));
+      }
+    } else {
+      DT_ASSIGN_OR_RETURN(Variable qkv, c_attn_->Forward(x));  // [B, T, 3C]
+      DT_ASSIGN_OR_RETURN(parts, dtensor::Split(qkv, c_, 2));
+    }
     std::vector<Variable> heads;
     for (Variable& p : parts) {  // [B, T, C] -> [B, T, H, D] -> [B, H, T, D]
       DT_ASSIGN_OR_RETURN(Variable r, dtensor::Reshape(p, {b, t, heads_, d}));
@@ -93,7 +115,7 @@ MLP::MLP(int64_t c, double dropout, uint64_t seed) {
 }
 
 absl::StatusOr<Variable> MLP::Forward(const Variable& x) {
-  return WithHooks([&]() -> absl::StatusOr<Variable> {
+  return WithHooks(x, [&](const Variable& x) -> absl::StatusOr<Variable> {
     DT_ASSIGN_OR_RETURN(Variable h, c_fc_->Forward(x));  // [B, T, 4C]
     DT_ASSIGN_OR_RETURN(h, dtensor::Gelu(h));
     DT_ASSIGN_OR_RETURN(h, c_proj_->Forward(h));  // [B, T, C]
@@ -109,7 +131,7 @@ Block::Block(int64_t c, int64_t heads, double dropout, uint64_t seed) {
 }
 
 absl::StatusOr<Variable> Block::Forward(const Variable& x) {
-  return WithHooks([&]() -> absl::StatusOr<Variable> {
+  return WithHooks(x, [&](const Variable& x) -> absl::StatusOr<Variable> {
     DT_ASSIGN_OR_RETURN(Variable h, ln_1_->Forward(x));
     DT_ASSIGN_OR_RETURN(h, attn_->Forward(h));
     DT_ASSIGN_OR_RETURN(Variable x1, dtensor::Add(x, h));

@@ -20,6 +20,9 @@ namespace dtensor::nn {
 class Linear : public Module {
  public:
   Linear(int64_t in, int64_t out, bool bias = true, DType dtype = DType::kFloat32);
+  // A bias-free Linear whose weight is another module's parameter (a tied LM head: GPT's
+  // lm_head uses transformer.wte.weight, listed under that first name).
+  explicit Linear(Variable* tied_weight);
   absl::StatusOr<Variable> Forward(const Variable& x);  // [..., in] -> [..., out]
   Variable* weight() { return weight_; }                // [out, in]
   Variable* bias() { return bias_; }                    // [out] or nullptr

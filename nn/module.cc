@@ -61,16 +61,29 @@ void Module::Train(bool on) {
   for (auto& [name, m] : NamedModules()) m->training_ = on;
 }
 
+const Shape* Module::RegisteredShape(const VariableImpl* v) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].second->id() == v) return &param_shapes_[i];
+  }
+  for (const auto& [name, m] : children_) {
+    if (const Shape* s = m->RegisteredShape(v)) return s;
+  }
+  return nullptr;
+}
+
 absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> Module::StateDict() {
   std::vector<std::pair<std::string, Tensor>> out;
   for (auto& [name, v] : NamedParameters()) {
     const Value& val = v->value();
+    Tensor full = val.local();
     if (val.is_dtensor()) {
-      DT_ASSIGN_OR_RETURN(Tensor full, val.dtensor().FullTensor());
-      out.emplace_back(name, full);
-    } else {
-      out.emplace_back(name, val.local());
+      DT_ASSIGN_OR_RETURN(full, val.dtensor().FullTensor());
     }
+    const Shape* shape = RegisteredShape(v->id());
+    if (shape != nullptr && full.shape() != IntSpan(*shape) && NumElements(*shape) == full.numel()) {
+      DT_ASSIGN_OR_RETURN(full, Reshape(full, *shape));
+    }
+    out.emplace_back(name, full);
   }
   return out;
 }
@@ -86,8 +99,13 @@ absl::Status Module::LoadStateDict(const std::vector<std::pair<std::string, Tens
       continue;
     }
     ++used;
-    const Tensor& src = *it->second;
+    Tensor src = *it->second;
     const Value& val = v->value();
+    const Shape* registered = RegisteredShape(v->id());
+    if (src.shape() != val.shape() && registered != nullptr && src.shape() == IntSpan(*registered) &&
+        src.numel() == val.numel()) {
+      DT_ASSIGN_OR_RETURN(src, Reshape(src, val.shape()));  // a parameter viewed in another shape
+    }
     if (src.shape() != val.shape()) {
       return absl::InvalidArgumentError(absl::StrCat("[LoadStateDict] ", name, ": shape ", ShapeString(src.shape()),
                                                      " does not match the parameter's ", ShapeString(val.shape())));
@@ -111,6 +129,7 @@ absl::Status Module::LoadStateDict(const std::vector<std::pair<std::string, Tens
 }
 
 Variable* Module::RegisterParameter(const std::string& name, Value value) {
+  param_shapes_.emplace_back(value.shape().begin(), value.shape().end());
   params_.emplace_back(name, std::make_unique<Variable>(Variable::Leaf(std::move(value), true, name)));
   return params_.back().second.get();
 }
@@ -127,8 +146,9 @@ Value* Module::RegisterBuffer(const std::string& name, Value value) {
 
 Module::~Module() { *alive_ = false; }
 
-absl::Status Module::RunForwardPreHooks() {
+absl::Status Module::RunForwardPreHooks(Variable& input) {
   for (Hook& h : pre_hooks_) DT_RETURN_IF_ERROR(h(*this));
+  for (InputHook& h : input_hooks_) DT_RETURN_IF_ERROR(h(*this, input));
   return absl::OkStatus();
 }
 
@@ -150,9 +170,11 @@ void Module::AttachBackwardPreHooks(Variable& out) {
   });
 }
 
-absl::StatusOr<Variable> Module::WithHooks(const std::function<absl::StatusOr<Variable>()>& body) {
-  DT_RETURN_IF_ERROR(RunForwardPreHooks());
-  DT_ASSIGN_OR_RETURN(Variable out, body());
+absl::StatusOr<Variable> Module::WithHooks(const Variable& input,
+                                           const std::function<absl::StatusOr<Variable>(const Variable&)>& body) {
+  Variable x = input;
+  DT_RETURN_IF_ERROR(RunForwardPreHooks(x));
+  DT_ASSIGN_OR_RETURN(Variable out, body(x));
   DT_RETURN_IF_ERROR(RunForwardHooks(out));
   AttachBackwardPreHooks(out);
   return out;

@@ -56,9 +56,13 @@ class Module {
   void Eval() { Train(false); }
   bool training() const { return training_; }
 
-  // Full values of every parameter (collective for DTensors: gathers each to every rank).
+  // Full values of every parameter (collective for DTensors: gathers each to every rank), in
+  // the shape it was registered with (a transform that views a parameter in another shape of
+  // the same row-major values, as tensor parallelism's stacked q/k/v, leaves the state as it
+  // was).
   absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> StateDict();
-  // Copies full tensors into the parameters (each rank keeps its piece: no communication).
+  // Copies full tensors into the parameters (each rank keeps its piece: no communication);
+  // a tensor in the registered shape fills a parameter viewed in another.
   // strict: every parameter must be given and no unknown name may appear.
   absl::Status LoadStateDict(const std::vector<std::pair<std::string, Tensor>>& tensors, bool strict = true);
 
@@ -67,9 +71,14 @@ class Module {
   void RegisterForwardHook(Hook h) { post_hooks_.push_back(std::move(h)); }
   void RegisterBackwardPreHook(Hook h) { backward_pre_hooks_.push_back(std::move(h)); }
   // A forward hook that sees the module's output and may replace it (PyTorch's forward hook
-  // returning a value; FSDP's output_dtype cast). Runs after the plain forward hooks.
+  // returning a value; FSDP's output_dtype cast, TP's output layouts). Runs after the plain
+  // forward hooks.
   using OutputHook = std::function<absl::Status(Module&, Variable& output)>;
   void RegisterForwardOutputHook(OutputHook h) { output_hooks_.push_back(std::move(h)); }
+  // A forward pre-hook that sees the module's input and may replace it (PyTorch's forward
+  // pre-hook returning new args; TP's input layouts). Runs after the plain pre-hooks.
+  using InputHook = std::function<absl::Status(Module&, Variable& input)>;
+  void RegisterForwardInputHook(InputHook h) { input_hooks_.push_back(std::move(h)); }
 
   // State that a transform attaches to this module (FSDP's group), kept as long as the module;
   // one per key. Null when none.
@@ -87,24 +96,30 @@ class Module {
     children_.emplace_back(name, std::move(m));
     return raw;
   }
-  // Runs `body` (the module's computation) between the forward pre- and post-hooks, and
-  // routes its output through the backward pre-hooks.
-  absl::StatusOr<Variable> WithHooks(const std::function<absl::StatusOr<Variable>()>& body);
-  // The same in parts, for modules whose output is not one Variable (GPT): the pre-hooks;
-  // the forward and output hooks on `output`; the backward pre-hooks on `output`'s gradient.
-  absl::Status RunForwardPreHooks();
+  // Runs `body` (the module's computation on its input, as the input hooks left it) between
+  // the forward pre- and post-hooks, and routes its output through the backward pre-hooks.
+  absl::StatusOr<Variable> WithHooks(const Variable& input,
+                                     const std::function<absl::StatusOr<Variable>(const Variable&)>& body);
+  // The same in parts, for modules whose output is not one Variable (GPT): the pre-hooks and
+  // input hooks on `input`; the forward and output hooks on `output`; the backward pre-hooks
+  // on `output`'s gradient.
+  absl::Status RunForwardPreHooks(Variable& input);
   absl::Status RunForwardHooks(Variable& output);
   void AttachBackwardPreHooks(Variable& output);
 
  private:
   void Collect(const std::string& prefix, std::vector<std::pair<std::string, Variable*>>* out,
                std::vector<const VariableImpl*>* seen);
+  // The shape a parameter was registered with, searched in this module and its children.
+  const Shape* RegisteredShape(const VariableImpl* v) const;
   std::vector<std::pair<std::string, std::unique_ptr<Variable>>> params_;
+  std::vector<Shape> param_shapes_;  // registered shape of params_[i]
   std::vector<std::pair<std::string, Variable*>> shared_params_;
   std::vector<std::pair<std::string, std::unique_ptr<Value>>> buffers_;
   std::vector<std::pair<std::string, std::unique_ptr<Module>>> children_;
   std::vector<Hook> pre_hooks_, post_hooks_, backward_pre_hooks_;
   std::vector<OutputHook> output_hooks_;
+  std::vector<InputHook> input_hooks_;
   std::vector<std::pair<std::string, std::shared_ptr<void>>> attachments_;
   bool training_ = true;
   // False once the module is destroyed: a backward pass that outlives it skips to an error
