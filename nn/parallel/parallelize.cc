@@ -1,0 +1,223 @@
+#include "nn/parallel/parallelize.h"
+
+#include <fnmatch.h>
+
+#include <memory>
+#include <optional>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "autograd/ops.h"
+#include "dtensor/ops/ops.h"
+#include "dtensor/tensor/status.h"
+#include "nn/layers.h"
+
+namespace dtensor::nn {
+namespace {
+
+constexpr const char* kOp = "ParallelizeModule";
+
+// What a rule asks of one parameter: its placement on the tp dim, and (fused > 1) the stacked
+// view [fused, rows / fused, ...] it is placed in.
+struct ParamPlan {
+  Placement placement;
+  int64_t fused = 1;
+  std::string rule;  // for messages
+};
+
+// `p` with a negative shard dim counted from the end of an `ndim`-d tensor; InvalidArgument
+// for a dim the tensor does not have.
+absl::StatusOr<Placement> ForTensor(const Placement& p, int64_t ndim, const std::string& what) {
+  if (!p.is_shard()) return p;
+  const int64_t d = p.shard_dim() < 0 ? p.shard_dim() + ndim : p.shard_dim();
+  if (d < 0 || d >= ndim) {
+    return InvalidArg(kOp, what, ": ", p.ToString(), " of a ", ndim, "-d tensor");
+  }
+  return Placement(Shard(d));
+}
+
+// Lays `x` out with `desired` on mesh dim `tp` (its other placements kept); a plain Tensor is
+// first this rank's piece laid out as `plain` on tp and Replicate elsewhere. Differentiable.
+absl::Status Prepare(Variable& x, const DeviceMesh& mesh, int tp, const Placement& plain, const Placement& desired,
+                     const std::string& what) {
+  if (!x.defined()) return absl::OkStatus();
+  const int64_t nd = x.value().dim();
+  if (!x.value().is_dtensor()) {
+    DT_ASSIGN_OR_RETURN(Placement p, ForTensor(plain, nd, what));
+    Layout l(Placements(static_cast<size_t>(mesh.ndim()), Replicate()));
+    DT_ASSIGN_OR_RETURN(x, FromLocal(x, mesh, l.WithPlacement(tp, p)));
+  }
+  DT_ASSIGN_OR_RETURN(Placement want, ForTensor(desired, nd, what));
+  const Layout& have = x.value().dtensor().layout();
+  if (have[tp] == want) return absl::OkStatus();
+  DT_ASSIGN_OR_RETURN(x, Redistribute(x, have.WithPlacement(tp, want)));
+  return absl::OkStatus();
+}
+
+absl::Status ToLocalIf(bool local, Variable& x) {
+  if (local && x.defined() && x.value().is_dtensor()) {
+    DT_ASSIGN_OR_RETURN(x, ToLocal(x));
+  }
+  return absl::OkStatus();
+}
+
+// Records what `style` asks of `m`'s parameters into `plans` and installs its hooks.
+absl::Status Apply(const std::string& name, Module& m, const ParallelStyle& style, const std::string& rule,
+                   const DeviceMesh& mesh, int tp, absl::flat_hash_map<const VariableImpl*, ParamPlan>* plans) {
+  auto place = [&](Variable* v, Placement p, int64_t fused = 1) -> absl::Status {
+    if (v == nullptr) return absl::OkStatus();
+    ParamPlan want{p, fused, rule};
+    auto [it, fresh] = plans->emplace(v->id(), want);
+    if (!fresh && (it->second.placement != p || it->second.fused != fused)) {
+      return InvalidArg(kOp, "parameter ", v->name(), " of ", name, ": rule '", rule, "' places it ", p.ToString(),
+                        " but rule '", it->second.rule, "' placed it ", it->second.placement.ToString());
+    }
+    return absl::OkStatus();
+  };
+  auto* linear = dynamic_cast<Linear*>(&m);
+  auto* embedding = dynamic_cast<Embedding*>(&m);
+  const std::string where = absl::StrCat("rule '", rule, "' on ", name.empty() ? "the root module" : name);
+  if (const auto* c = std::get_if<ColwiseParallel>(&style)) {
+    if (linear == nullptr && embedding == nullptr) {
+      return InvalidArg(kOp, where, ": ColwiseParallel applies to a Linear or an Embedding");
+    }
+    if (c->fused > 1) {
+      const int64_t out = linear != nullptr ? linear->weight()->value().shape()[0] : 0;
+      if (linear == nullptr || out % c->fused != 0) {
+        return InvalidArg(kOp, where, ": fused=", c->fused, " needs a Linear whose ", out,
+                          " outputs divide into that many blocks");
+      }
+    }
+    if (linear != nullptr) {
+      const Placement p = c->fused > 1 ? Placement(Shard(1)) : Placement(Shard(0));
+      DT_RETURN_IF_ERROR(place(linear->weight(), p, c->fused));
+      DT_RETURN_IF_ERROR(place(linear->bias(), p, c->fused));
+    } else {
+      DT_RETURN_IF_ERROR(place(embedding->weight(), Shard(1)));
+    }
+    const ColwiseParallel s = *c;
+    m.RegisterForwardInputHook([=, &mesh](Module&, Variable& x) {
+      return Prepare(x, mesh, tp, s.input_layout, Replicate(), where + " input");
+    });
+    m.RegisterForwardOutputHook([=, &mesh](Module&, Variable& y) -> absl::Status {
+      DT_RETURN_IF_ERROR(Prepare(y, mesh, tp, s.output_layout, s.output_layout, where + " output"));
+      return ToLocalIf(s.use_local_output, y);
+    });
+    return absl::OkStatus();
+  }
+  if (const auto* r = std::get_if<RowwiseParallel>(&style)) {
+    if (linear == nullptr && embedding == nullptr) {
+      return InvalidArg(kOp, where, ": RowwiseParallel applies to a Linear or an Embedding");
+    }
+    if (linear != nullptr) {
+      DT_RETURN_IF_ERROR(place(linear->weight(), Shard(1)));
+      DT_RETURN_IF_ERROR(place(linear->bias(), Replicate()));
+    } else {
+      DT_RETURN_IF_ERROR(place(embedding->weight(), Shard(0)));
+    }
+    const RowwiseParallel s = *r;
+    const Placement desired_in = embedding != nullptr ? Placement(Replicate()) : Placement(Shard(-1));
+    const Placement plain_in = embedding != nullptr ? Placement(Replicate()) : s.input_layout;
+    m.RegisterForwardInputHook(
+        [=, &mesh](Module&, Variable& x) { return Prepare(x, mesh, tp, plain_in, desired_in, where + " input"); });
+    m.RegisterForwardOutputHook([=, &mesh](Module&, Variable& y) -> absl::Status {
+      DT_RETURN_IF_ERROR(Prepare(y, mesh, tp, Partial(), s.output_layout, where + " output"));
+      return ToLocalIf(s.use_local_output, y);
+    });
+    return absl::OkStatus();
+  }
+  if (const auto* q = std::get_if<SequenceParallel>(&style)) {
+    if (dynamic_cast<LayerNorm*>(&m) == nullptr && dynamic_cast<RMSNorm*>(&m) == nullptr &&
+        dynamic_cast<Dropout*>(&m) == nullptr) {
+      return InvalidArg(kOp, where, ": SequenceParallel applies to a LayerNorm, an RMSNorm or a Dropout");
+    }
+    const SequenceParallel s = *q;
+    m.RegisterForwardInputHook([=, &mesh](Module&, Variable& x) {
+      return Prepare(x, mesh, tp, Shard(s.sequence_dim), Shard(s.sequence_dim), where + " input");
+    });
+    m.RegisterForwardOutputHook([=](Module&, Variable& y) { return ToLocalIf(s.use_local_output, y); });
+    return absl::OkStatus();
+  }
+  if (const auto* i = std::get_if<PrepareModuleInput>(&style)) {
+    const PrepareModuleInput s = *i;
+    m.RegisterForwardInputHook([=, &mesh](Module&, Variable& x) {
+      return Prepare(x, mesh, tp, s.input_layout, s.desired_input_layout, where + " input");
+    });
+    return absl::OkStatus();
+  }
+  const PrepareModuleOutput s = std::get<PrepareModuleOutput>(style);
+  m.RegisterForwardOutputHook([=, &mesh](Module&, Variable& y) {
+    return Prepare(y, mesh, tp, s.output_layout, s.desired_output_layout, where + " output");
+  });
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::string ParallelizePlan::ToString() const {
+  std::vector<std::string> lines;
+  for (const auto& [pattern, style] : rules) lines.push_back(absl::StrCat(pattern, ": ", StyleToString(style)));
+  return absl::StrJoin(lines, "\n");
+}
+
+bool MatchesModulePattern(const std::string& pattern, const std::string& name) {
+  const std::vector<std::string> p = absl::StrSplit(pattern, '.');
+  const std::vector<std::string> n = absl::StrSplit(name, '.');
+  if (p.size() != n.size()) return false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (fnmatch(p[i].c_str(), n[i].c_str(), 0) != 0) return false;
+  }
+  return true;
+}
+
+absl::Status ParallelizeModule(Module& module, const DeviceMesh& mesh, const ParallelizePlan& plan,
+                               const std::string& tp_dim) {
+  int tp = 0;
+  if (!tp_dim.empty()) {
+    DT_ASSIGN_OR_RETURN(tp, mesh.DimIndex(tp_dim));
+  } else if (mesh.ndim() != 1) {
+    return InvalidArg(kOp, "mesh ", mesh.ToString(), " has ", mesh.ndim(), " dims: name its tensor-parallel dim");
+  }
+  // The mesh must outlive the hooks: keep a copy with the module.
+  auto kept = std::make_shared<DeviceMesh>(mesh);
+  module.SetAttachment(absl::StrCat("tp:", mesh.ToString(), ":", tp), kept);
+  absl::flat_hash_map<const VariableImpl*, ParamPlan> plans;
+  std::vector<std::pair<std::string, Module*>> modules = module.NamedModules();
+  for (const auto& [pattern, style] : plan.rules) {
+    const std::string rule = absl::StrCat(pattern, ": ", StyleToString(style));
+    int matched = 0;
+    for (auto& [name, m] : modules) {
+      if (!MatchesModulePattern(pattern, name)) continue;
+      ++matched;
+      DT_RETURN_IF_ERROR(Apply(name, *m, style, rule, *kept, tp, &plans));
+    }
+    if (matched == 0) return InvalidArg(kOp, "rule '", rule, "' matches no module");
+  }
+  // Every parameter onto the mesh: its placement on tp, Replicate elsewhere.
+  for (auto& [name, v] : module.NamedParameters()) {
+    const Value& val = v->value();
+    if (val.is_dtensor()) {
+      return InvalidArg(kOp, "parameter ", name, " is a DTensor already (", val.dtensor().ToString(),
+                        "): apply tensor parallelism first");
+    }
+    ParamPlan pp{Replicate(), 1, ""};
+    if (auto it = plans.find(v->id()); it != plans.end()) pp = it->second;
+    Tensor full = val.local();
+    if (pp.fused > 1) {  // [k * n, ...] viewed as [k, n, ...]
+      Shape stacked = {pp.fused, full.size(0) / pp.fused};
+      for (int64_t d = 1; d < full.dim(); ++d) stacked.push_back(full.size(d));
+      DT_ASSIGN_OR_RETURN(full, Reshape(full, stacked));
+    }
+    DT_ASSIGN_OR_RETURN(Placement p, ForTensor(pp.placement, full.dim(), absl::StrCat("parameter ", name)));
+    Layout layout = Layout(Placements(static_cast<size_t>(mesh.ndim()), Replicate())).WithPlacement(tp, p);
+    DT_ASSIGN_OR_RETURN(Tensor on_device, To(full, mesh.device()));
+    DT_ASSIGN_OR_RETURN(DTensor d, DTensor::Distribute(on_device, mesh, layout, {.src_rank = std::nullopt}));
+    DT_ASSIGN_OR_RETURN(Tensor own, Clone(d.ToLocal()));  // its own memory, not a view of the full value
+    v->set_value(Value(DTensor::WrapTrusted(own, *kept, d.layout(), Shape(d.shape().begin(), d.shape().end()))));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace dtensor::nn

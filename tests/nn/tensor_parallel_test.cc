@@ -1,0 +1,273 @@
+// Tensor parallelism (ParallelizeModule with the GPT plan) against the single-rank model: TP 2
+// and 4 with and without sequence parallel, TP 3 (6 heads, a vocabulary of 61), FSDP x TP on
+// 2x2 and DDP x FSDP x TP on 2x2x2 thread ranks train to the same losses, gradients and
+// parameters (full_tensor, in GPT-2's shapes); each block issues exactly Megatron's
+// collectives; styles print and parse back; bad plans are refused with the rule's text.
+#include <cmath>
+#include <functional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "autograd/ops.h"
+#include "collectives/threads/threads_communicator.h"
+#include "dtensor/ops/ops.h"
+#include "gtest/gtest.h"
+#include "nn/gpt.h"
+#include "nn/optim.h"
+#include "nn/parallel/fully_shard.h"
+#include "nn/parallel/gpt_plan.h"
+#include "tests/testing/test_util.h"
+
+namespace dtensor {
+namespace {
+
+using testing::Unwrap;
+
+// 8 heads of 4 (C = 32), or 6 heads of 6 (C = 36) for TP 3.
+nn::GPTConfig Config(int64_t heads = 8, int64_t layers = 2) {
+  return {.vocab_size = 61, .block_size = 8, .n_layer = layers, .n_head = heads, .n_embd = heads == 6 ? 36 : 32};
+}
+constexpr int64_t kBatch = 4, kSeq = 8;
+
+std::pair<Tensor, Tensor> Batch(int step) {
+  step %= 2;
+  std::vector<int32_t> x, y;
+  for (int64_t i = 0; i < kBatch * kSeq; ++i) {
+    x.push_back(static_cast<int32_t>((i * 7 + step * 13 + i / 5) % 61));
+    y.push_back(static_cast<int32_t>((i * 11 + step * 3 + 1) % 61));
+  }
+  return {Unwrap(Tensor::FromVector<int32_t>(x, {kBatch, kSeq})),
+          Unwrap(Tensor::FromVector<int32_t>(y, {kBatch, kSeq}))};
+}
+
+struct Parallel {
+  int world = 1;
+  std::vector<int64_t> mesh_shape = {};  // empty: one rank, plain tensors
+  std::vector<std::string> names = {};   // of the mesh dims; "tp" is tensor parallel
+  bool sequence_parallel = true;
+  std::string fsdp_dim = "";  // FSDP over this dim (after TP)
+  std::string ddp_dim = "";   // HSDP's replicate dim (with fsdp_dim)
+  int steps = 3;
+  nn::GPTConfig config = Config();
+};
+
+struct TrainRun {
+  std::vector<double> losses;
+  std::vector<std::pair<std::string, std::vector<double>>> grads, params;
+};
+
+TrainRun Train(const Parallel& s) {
+  TrainRun out;
+  auto comms = Unwrap(MakeThreadGroup(s.world, absl::Seconds(60)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < s.world; ++r) {
+    threads.emplace_back([&, r] {
+      DeviceMesh mesh;
+      if (!s.mesh_shape.empty())
+        mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], s.mesh_shape, s.names));
+      auto model = Unwrap(nn::GPT::Create(s.config));
+      ASSERT_TRUE(model->InitWeights(5).ok());
+      Layout batch_layout;
+      if (mesh.defined()) {
+        absl::Status tp = nn::ParallelizeModule(*model, mesh, nn::GptTensorParallelPlan(s.sequence_parallel), "tp");
+        ASSERT_TRUE(tp.ok()) << tp;
+        // c_attn: stacked [3, C, C], each rank holding its C / tp rows of q, k and v.
+        const int t = Unwrap(mesh.DimIndex("tp"));
+        const DTensor& w = model->FindParameter("transformer.h.0.attn.c_attn.weight")->value().dtensor();
+        ASSERT_EQ(w.shape(), IntSpan({3, s.config.n_embd, s.config.n_embd}));
+        ASSERT_EQ(w.layout()[t], Placement(Shard(1)));
+        ASSERT_EQ(w.ToLocal().shape()[1], s.config.n_embd / mesh.size(t));
+        ASSERT_EQ(model->FindParameter("transformer.wte.weight")->value().dtensor().layout()[t], Placement(Shard(0)));
+        if (!s.fsdp_dim.empty()) {
+          nn::FsdpOptions o{.shard_dim = s.fsdp_dim};
+          if (!s.ddp_dim.empty()) o.replicate_dim = s.ddp_dim;
+          for (int64_t i = 0; i < s.config.n_layer; ++i) ASSERT_TRUE(nn::FullyShard(*model->block(i), mesh, o).ok());
+          ASSERT_TRUE(nn::FullyShard(*model, mesh, o).ok());
+        }
+        Placements p;
+        for (const std::string& n : s.names) p.push_back(n == "tp" ? Placement(Replicate()) : Placement(Shard(0)));
+        batch_layout = Layout(p);
+      }
+      nn::AdamW opt(model->Parameters(), {.lr = 3e-3, .eps = 1e-5, .weight_decay = 0.1});  // eps: fully_shard_test.cc
+      for (int step = 0; step < s.steps; ++step) {
+        auto [inputs, targets] = Batch(step);
+        Value x = inputs, y = targets;
+        if (mesh.defined()) {
+          x = Unwrap(DTensor::Distribute(inputs, mesh, batch_layout, {.src_rank = std::nullopt}));
+          y = Unwrap(DTensor::Distribute(targets, mesh, batch_layout, {.src_rank = std::nullopt}));
+        }
+        nn::GPT::Output o = Unwrap(model->Forward(Variable::Constant(x), Variable::Constant(y)));
+        absl::Status b = Backward(o.loss);
+        ASSERT_TRUE(b.ok()) << b;
+        if (mesh.defined() && s.fsdp_dim.empty()) {
+          ASSERT_TRUE(nn::ReduceGradients(model->Parameters()).ok());
+        }
+        if (step == 0) {
+          for (auto& [name, p] : model->NamedParameters()) {
+            const Value& g = p->grad();
+            ASSERT_TRUE(g.defined()) << name;
+            Tensor full = g.is_dtensor() ? Unwrap(g.dtensor().FullTensor()) : g.local();
+            if (r == 0) out.grads.emplace_back(name, testing::Values(full));
+          }
+        }
+        ASSERT_TRUE(opt.Step().ok());
+        opt.ZeroGrad();
+        Value l = o.loss.value();
+        if (l.is_dtensor()) l = Unwrap(l.dtensor().Redistribute(Layout(Placements(s.names.size(), Replicate()))));
+        if (r == 0) out.losses.push_back(testing::Values(l.local())[0]);
+      }
+      auto state = Unwrap(model->StateDict());
+      if (r == 0) {
+        for (auto& [name, t] : state) out.params.emplace_back(name, testing::Values(t));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+void ExpectSameTraining(const TrainRun& got, const TrainRun& want, const std::string& what) {
+  ASSERT_EQ(got.losses.size(), want.losses.size()) << what;
+  EXPECT_NEAR(got.losses[0], want.losses[0], 1e-5 * want.losses[0]) << what << ", first step";
+  for (size_t i = 0; i < want.losses.size(); ++i) {
+    EXPECT_NEAR(got.losses[i], want.losses[i], 1e-4 * want.losses[i]) << what << ", step " << i;
+  }
+  ASSERT_EQ(got.grads.size(), want.grads.size()) << what;
+  for (size_t i = 0; i < want.grads.size(); ++i) {
+    EXPECT_EQ(got.grads[i].first, want.grads[i].first) << what;
+    // The gradient of the stacked c_attn comes in the stacked shape: same values, row-major.
+    testing::ExpectNormNear(got.grads[i].second, want.grads[i].second, 1e-5, what + " grad " + want.grads[i].first);
+  }
+  ASSERT_EQ(got.params.size(), want.params.size()) << what;
+  for (size_t i = 0; i < want.params.size(); ++i) {
+    EXPECT_EQ(got.params[i].first, want.params[i].first) << what;
+    testing::ExpectNormNear(got.params[i].second, want.params[i].second, 1e-4, what + " " + want.params[i].first);
+  }
+}
+
+TEST(TensorParallelTest, TpTwoAndFourWithAndWithoutSequenceParallelMatchOneRank) {
+  const TrainRun ref = Train({});
+  for (int tp : {2, 4}) {
+    for (bool sp : {true, false}) {
+      ExpectSameTraining(Train({.world = tp, .mesh_shape = {tp}, .names = {"tp"}, .sequence_parallel = sp}), ref,
+                         absl::StrCat("TP ", tp, sp ? " with" : " without", " sequence parallel"));
+    }
+  }
+}
+
+TEST(TensorParallelTest, TpThreeWithSixHeadsAndAnUnevenVocabularyMatchesOneRank) {
+  const nn::GPTConfig c = Config(/*heads=*/6);
+  const TrainRun ref = Train({.config = c});
+  for (bool sp : {true, false}) {
+    ExpectSameTraining(Train({.world = 3, .mesh_shape = {3}, .names = {"tp"}, .sequence_parallel = sp, .config = c}),
+                       ref, absl::StrCat("TP 3", sp ? " with" : " without", " sequence parallel"));
+  }
+}
+
+TEST(TensorParallelTest, FsdpTimesTpMatchesOneRank) {
+  const TrainRun ref = Train({});
+  ExpectSameTraining(Train({.world = 4, .mesh_shape = {2, 2}, .names = {"dp_shard", "tp"}, .fsdp_dim = "dp_shard"}),
+                     ref, "FSDP x TP 2x2");
+}
+
+TEST(TensorParallelTest, DdpTimesFsdpTimesTpMatchesOneRank) {
+  const TrainRun ref = Train({});
+  ExpectSameTraining(Train({.world = 8,
+                            .mesh_shape = {2, 2, 2},
+                            .names = {"dp_replicate", "dp_shard", "tp"},
+                            .fsdp_dim = "dp_shard",
+                            .ddp_dim = "dp_replicate"}),
+                     ref, "DDP x FSDP x TP 2x2x2");
+}
+
+// Forward collectives per block: the difference between 2 blocks and 1 (the embedding, the
+// head and the loss are the same in both). Megatron: without sequence parallel two
+// all_reduces of [B, T, C]; with it two all_gathers and two reduce_scatters of [B, T, C].
+TEST(TensorParallelTest, EachBlockIssuesMegatronsCollectives) {
+  for (bool sp : {false, true}) {
+    std::vector<CommCounter> counts;
+    for (int64_t layers : {1, 2}) {
+      const int tp = 2;
+      auto comms = Unwrap(MakeThreadGroup(tp, absl::Seconds(30)));
+      std::vector<CommCounter> per_rank(tp);
+      std::vector<std::thread> threads;
+      for (int r = 0; r < tp; ++r) {
+        threads.emplace_back([&, r] {
+          DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {tp}, {"tp"}));
+          auto model = Unwrap(nn::GPT::Create(Config(8, layers)));
+          ASSERT_TRUE(model->InitWeights(1).ok());
+          ASSERT_TRUE(nn::ParallelizeModule(*model, mesh, nn::GptTensorParallelPlan(sp), "tp").ok());
+          auto [inputs, targets] = Batch(0);
+          Value x = Unwrap(DTensor::Distribute(inputs, mesh, {Replicate()}, {.src_rank = std::nullopt}));
+          SetCommCounter(mesh, &per_rank[static_cast<size_t>(r)]);
+          ASSERT_TRUE(model->Forward(Variable::Constant(x)).ok());
+          SetCommCounter(mesh, nullptr);
+        });
+      }
+      for (auto& t : threads) t.join();
+      counts.push_back(per_rank[0]);
+    }
+    const int64_t act = 4 * kBatch * kSeq * 32;  // one [B, T, C] float32 activation
+    auto delta = [&](CommKind k) { return counts[1].calls(k) - counts[0].calls(k); };
+    auto delta_bytes = [&](CommKind k) { return counts[1].bytes(k) - counts[0].bytes(k); };
+    const std::string what = absl::StrCat(sp ? "with" : "without", " sequence parallel: ", counts[1].ToString());
+    if (!sp) {
+      EXPECT_EQ(delta(CommKind::kAllReduce), 2) << what;
+      EXPECT_EQ(delta_bytes(CommKind::kAllReduce), 2 * act) << what;
+      EXPECT_EQ(delta(CommKind::kAllGather), 0) << what;
+      EXPECT_EQ(delta(CommKind::kReduceScatter), 0) << what;
+    } else {
+      EXPECT_EQ(delta(CommKind::kAllGather), 2) << what;
+      EXPECT_EQ(delta_bytes(CommKind::kAllGather), 2 * act) << what;
+      EXPECT_EQ(delta(CommKind::kReduceScatter), 2) << what;
+      EXPECT_EQ(delta_bytes(CommKind::kReduceScatter), 2 * act) << what;
+      EXPECT_EQ(delta(CommKind::kAllReduce), 0) << what;
+    }
+    EXPECT_EQ(delta(CommKind::kAllToAll), 0) << what;
+  }
+}
+
+TEST(TensorParallelTest, StylesPrintAndParseBack) {
+  const nn::ParallelizePlan plan = nn::GptTensorParallelPlan(true);
+  for (const auto& [pattern, style] : plan.rules) {
+    const std::string text = nn::StyleToString(style);
+    absl::StatusOr<nn::ParallelStyle> back = nn::ParseStyle(text);
+    ASSERT_TRUE(back.ok()) << text << ": " << back.status();
+    EXPECT_EQ(*back, style) << text;
+  }
+  EXPECT_EQ(nn::StyleToString(nn::RowwiseParallel{.output_layout = Shard(1)}), "RowwiseParallel(output=S(1))");
+  EXPECT_EQ(nn::StyleToString(nn::ColwiseParallel{.fused = 3}), "ColwiseParallel(fused=3)");
+  EXPECT_EQ(nn::StyleToString(nn::PrepareModuleInput{Shard(1), Replicate()}),
+            "PrepareModuleInput(input=S(1), desired=R)");
+  EXPECT_TRUE(absl::IsInvalidArgument(nn::ParseStyle("DiagonalParallel").status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(nn::ParseStyle("ColwiseParallel(outptu=R)").status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(nn::ParseStyle("RowwiseParallel(output=S(x))").status()));
+  EXPECT_TRUE(nn::MatchesModulePattern("transformer.h.*.attn", "transformer.h.11.attn"));
+  EXPECT_FALSE(nn::MatchesModulePattern("transformer.h.*.attn", "transformer.h.1.attn.c_attn"));
+  EXPECT_FALSE(nn::MatchesModulePattern("transformer.h.*", "transformer.ln_f"));
+}
+
+TEST(TensorParallelTest, BadPlansAreRefusedWithTheRule) {
+  auto comms = Unwrap(MakeThreadGroup(1));
+  DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[0], {1}, {"tp"}));
+  auto expect = [&](const nn::ParallelizePlan& plan, const std::string& needle) {
+    auto model = Unwrap(nn::GPT::Create(Config()));
+    const absl::Status s = nn::ParallelizeModule(*model, mesh, plan, "tp");
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    EXPECT_NE(s.message().find(needle), std::string::npos) << s;
+  };
+  expect({{"transformer.h.*.mlpp", nn::ColwiseParallel{}}},
+         "rule 'transformer.h.*.mlpp: ColwiseParallel' matches no module");
+  expect({{"transformer.h.*.ln_1", nn::ColwiseParallel{}}}, "ColwiseParallel applies to a Linear or an Embedding");
+  expect({{"transformer.h.*.mlp.c_fc", nn::SequenceParallel{}}}, "SequenceParallel applies to");
+  expect({{"transformer.h.*.mlp.c_fc", nn::ColwiseParallel{.fused = 5}}}, "fused=5");
+  expect({{"transformer.wte", nn::RowwiseParallel{}}, {"lm_head", nn::RowwiseParallel{}}}, "placed it S(0)");
+  auto model = Unwrap(nn::GPT::Create(Config()));
+  EXPECT_TRUE(absl::IsInvalidArgument(nn::ParallelizeModule(*model, mesh, {}, "pp")));
+}
+
+}  // namespace
+}  // namespace dtensor
