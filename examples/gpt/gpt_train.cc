@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "autograd/ops.h"
 #include "collectives/nccl/local_gpu.h"
 #include "collectives/nccl/nccl_communicator.h"
@@ -47,6 +48,8 @@
 #include "nn/gpt.h"
 #include "nn/optim.h"
 #include "nn/parallel/fully_shard.h"
+#include "nn/parallel/gpt_plan.h"
+#include "nn/parallel/plan_file.h"
 #include "nn/safetensors.h"
 
 namespace dtensor {
@@ -64,8 +67,9 @@ struct Flags {
   int ranks = 1;
   int64_t sample_tokens = 200, log_every = 1;
   // Data parallelism, with TorchTitan's meaning: dp_replicate x dp_shard = world size.
-  int64_t dp_shard = -1, dp_replicate = 1, grad_accum = 1;
-  bool reshard_after_forward = true, prefetch = true;
+  int64_t dp_shard = -1, dp_replicate = 1, tp = 1, grad_accum = 1;
+  bool reshard_after_forward = true, prefetch = true, sequence_parallel = true, explain = false;
+  std::string plan;  // a plan file (nn/parallel/plan_file.h): its degrees and rules
   std::string param_dtype = "fp32", reduce_dtype = "fp32";
   std::string grad_sync = "every";  // FSDP under --grad-accum: reduce every micro-batch, or the last only
 };
@@ -79,6 +83,9 @@ const char* kUsage =
     "  parallel: --dp-shard -1 (FSDP degree; -1: the ranks left) --dp-replicate 1 (DDP / HSDP degree)\n"
     "          --reshard-after-forward true --prefetch true --param-dtype fp32|bf16 --reduce-dtype fp32|bf16\n"
     "          --grad-accum 1 (micro-batches per step) --grad-sync every|last\n"
+    "          --tp 1 (tensor-parallel degree: the GPT plan) --sequence-parallel true\n"
+    "          --plan FILE (a plan file: its degrees and rules) --explain (print layouts, collectives and memory;\n"
+    "          train nothing)\n"
     "  device: --device auto|cpu|cuda (auto: one GPU per process over NCCL when GPUs are visible)\n"
     "  output: --metrics PATH (one JSON object per step) --sample-tokens 200 --log-every 1\n"
     "          --save-final PATH (the trained parameters, whole, as safetensors)\n";
@@ -89,6 +96,10 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
     if (name == "--help" || name == "-h") {
       *error = "";
       return false;
+    }
+    if (name == "--explain") {  // no value
+      f->explain = true;
+      continue;
     }
     if (i + 1 >= argc) {
       *error = absl::StrCat("flag ", name, " needs a value");
@@ -138,6 +149,12 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
       ok = num(&f->grad_accum);
     else if (name == "--reshard-after-forward")
       ok = boolean(&f->reshard_after_forward);
+    else if (name == "--sequence-parallel")
+      ok = boolean(&f->sequence_parallel);
+    else if (name == "--tp")
+      ok = num(&f->tp);
+    else if (name == "--plan")
+      f->plan = v;
     else if (name == "--prefetch")
       ok = boolean(&f->prefetch);
     else if (name == "--n-layer")
@@ -186,7 +203,9 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
     }
     if (!ok) {
       *error = absl::StrCat("flag ", name, " needs a ",
-                            name == "--reshard-after-forward" || name == "--prefetch" ? "true|false" : "number",
+                            name == "--reshard-after-forward" || name == "--prefetch" || name == "--sequence-parallel"
+                                ? "true|false"
+                                : "number",
                             ", got '", v, "'");
       return false;
     }
@@ -232,36 +251,46 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     if (lead) std::printf(fmt, args...), std::fflush(stdout);
   };
 
-  // ---- The mesh (TorchTitan's parallel dims): dp_replicate x dp_shard = world ----
+  // ---- The mesh (TorchTitan's parallel dims): dp_replicate x dp_shard x tp = world ----
   // FSDP shards over "dp_shard" (also over one rank, when a mixed-precision policy asks for
-  // its casts); DDP replicates over "dp_replicate"; both: HSDP. One rank without a mixed-
-  // precision policy needs no mesh: plain Tensors.
-  const int64_t dp_replicate = f.dp_replicate;
-  const int64_t dp_shard = f.dp_shard == -1 && dp_replicate >= 1 && world.size() % dp_replicate == 0
-                               ? world.size() / dp_replicate
-                               : f.dp_shard;
-  if (dp_replicate < 1 || dp_shard < 1 || dp_replicate * dp_shard != world.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("[gpt_train] --dp-replicate ", f.dp_replicate, " x --dp-shard ",
-                                                   f.dp_shard, " does not make the world size ", world.size()));
+  // its casts); DDP replicates over "dp_replicate"; both: HSDP; tensor parallelism splits
+  // layers over "tp" by a plan (the GPT plan, or --plan FILE with its own degrees). One rank
+  // without any of them needs no mesh: plain Tensors.
+  nn::ParallelDims want{.dp_replicate = f.dp_replicate, .dp_shard = f.dp_shard, .tp = f.tp};
+  nn::ParallelizePlan tp_plan;
+  if (!f.plan.empty()) {
+    DT_ASSIGN_OR_RETURN(nn::PlanFile file, nn::ReadPlanFile(f.plan));
+    want = file.dims;
+    tp_plan = file.plan;
+  } else if (f.tp > 1) {
+    tp_plan = nn::GptTensorParallelPlan(f.sequence_parallel);
   }
+  DT_ASSIGN_OR_RETURN(const nn::ParallelDims dims, want.Resolve(world.size()));
+  const bool tensor_parallel = dims.tp > 1 || !f.plan.empty();
   const bool mixed = f.param_dtype != "fp32" || f.reduce_dtype != "fp32";
-  const bool fsdp = dp_shard > 1 || mixed;
+  const bool fsdp = dims.dp_shard > 1 || mixed;
   std::vector<int64_t> mesh_shape;
   std::vector<std::string> mesh_names;
-  if (dp_replicate > 1 || (!fsdp && world.size() > 1)) {
-    mesh_shape.push_back(dp_replicate);
+  if (dims.dp_replicate > 1) {
+    mesh_shape.push_back(dims.dp_replicate);
     mesh_names.push_back("dp_replicate");
   }
   if (fsdp) {
-    mesh_shape.push_back(dp_shard);
+    mesh_shape.push_back(dims.dp_shard);
     mesh_names.push_back("dp_shard");
+  }
+  if (tensor_parallel) {
+    mesh_shape.push_back(dims.tp);
+    mesh_names.push_back("tp");
   }
   DeviceMesh mesh;
   if (!mesh_shape.empty()) {
     DT_ASSIGN_OR_RETURN(mesh, DeviceMesh::Create(world, mesh_shape, mesh_names));
   }
-  // The batch: Shard(0) over every data-parallel dim.
-  const Layout batch_layout(Placements(mesh_shape.size(), Shard(0)));
+  // The batch: Shard(0) over every data-parallel dim, whole on every tp rank.
+  Placements batch_placements;
+  for (const std::string& n : mesh_names) batch_placements.push_back(n == "tp" ? Placement(Replicate()) : Shard(0));
+  const Layout batch_layout(batch_placements);
 
   // ---- Data: a token stream read sequentially in global batches of B*T+1 tokens ----
   std::vector<uint16_t> tokens;
@@ -306,11 +335,18 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
         "[gpt_train] a mixed-precision policy runs through FSDP, whose mesh must be on ", device.ToString(),
         "; thread ranks communicate on the CPU: on a GPU start the trainer under dtrun (--nproc-per-node 1 for one)"));
   }
+  if (tensor_parallel && cfg.n_head % dims.tp != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("[gpt_train] ", cfg.n_head, " heads do not divide over tp ", dims.tp, " (c_attn splits heads)"));
+  }
+  // Tensor parallelism first (parameters placed on "tp", Replicate elsewhere), then FSDP over
+  // the data-parallel dims, which shards what TP left (TorchTitan's order).
+  if (tensor_parallel) DT_RETURN_IF_ERROR(nn::ParallelizeModule(*model, mesh, tp_plan, "tp"));
   if (fsdp) {
     // FSDP: each block one group, then the root (wte, wpe, ln_f), as TorchTitan; the last
     // block keeps its parameters after forward (its backward comes first).
     nn::FsdpOptions o{.prefetch = f.prefetch, .shard_dim = "dp_shard"};
-    if (dp_replicate > 1) o.replicate_dim = "dp_replicate";
+    if (dims.dp_replicate > 1) o.replicate_dim = "dp_replicate";
     if (f.param_dtype == "bf16") o.mp_policy.param_dtype = DType::kBFloat16;
     if (f.reduce_dtype == "bf16") o.mp_policy.reduce_dtype = DType::kBFloat16;
     for (int64_t i = 0; i < cfg.n_layer; ++i) {
@@ -318,14 +354,17 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       DT_RETURN_IF_ERROR(nn::FullyShard(*model->block(i), mesh, o).status());
     }
     DT_RETURN_IF_ERROR(nn::FullyShard(*model, mesh, o).status());
-  } else if (mesh.defined()) {
+  } else if (mesh.defined() && !tensor_parallel) {
     // DDP: parameters Replicate (each rank keeps its copy; no communication).
     DT_RETURN_IF_ERROR(nn::DistributeModule(*model, mesh));
   }
   const std::string blas = device.is_cpu() ? ", OpenBLAS " + BlasCoreName() : "";
+  std::vector<std::string> kinds;
+  if (dims.dp_replicate > 1 && !fsdp) kinds.push_back("DDP");
+  if (fsdp) kinds.push_back(dims.dp_replicate > 1 ? "HSDP" : "FSDP");
+  if (tensor_parallel) kinds.push_back(f.plan.empty() ? (f.sequence_parallel ? "TP+SP" : "TP") : "plan");
   const std::string parallel =
-      !mesh.defined() ? ""
-                      : absl::StrCat(", ", fsdp ? (dp_replicate > 1 ? "HSDP " : "FSDP ") : "DDP ", mesh.ToString());
+      !mesh.defined() ? "" : absl::StrCat(", ", absl::StrJoin(kinds, " x "), " ", mesh.ToString());
   say("gpt_train: %d rank(s) on %s (%s%s%s), %lld parameters, %lld layers, %lld heads, C=%lld, V=%lld, B=%lld "
       "(global), T=%lld, %lld tokens\n",
       world.size(), device.ToString().c_str(), world.backend(), blas.c_str(), parallel.c_str(),

@@ -133,6 +133,7 @@ absl::Status Apply(const std::string& name, Module& m, const ParallelStyle& styl
         dynamic_cast<Dropout*>(&m) == nullptr) {
       return InvalidArg(kOp, where, ": SequenceParallel applies to a LayerNorm, an RMSNorm or a Dropout");
     }
+    for (auto& [pname, v] : m.NamedParameters()) DT_RETURN_IF_ERROR(place(v, Replicate()));
     const SequenceParallel s = *q;
     m.RegisterForwardInputHook([=, &mesh](Module&, Variable& x) {
       return Prepare(x, mesh, tp, Shard(s.sequence_dim), Shard(s.sequence_dim), where + " input");
@@ -159,6 +160,11 @@ absl::Status Apply(const std::string& name, Module& m, const ParallelStyle& styl
 std::string ParallelizePlan::ToString() const {
   std::vector<std::string> lines;
   for (const auto& [pattern, style] : rules) lines.push_back(absl::StrCat(pattern, ": ", StyleToString(style)));
+  for (const ParamPlacements& p : params) {
+    std::vector<std::string> dims;
+    for (const auto& [dim, placement] : p.placements) dims.push_back(absl::StrCat(dim, "=", placement.ToString()));
+    lines.push_back(absl::StrCat(p.pattern, ": ", absl::StrJoin(dims, ", ")));
+  }
   return absl::StrJoin(lines, "\n");
 }
 
@@ -195,8 +201,46 @@ absl::Status ParallelizeModule(Module& module, const DeviceMesh& mesh, const Par
     }
     if (matched == 0) return InvalidArg(kOp, "rule '", rule, "' matches no module");
   }
+  std::vector<std::pair<std::string, Variable*>> named = module.NamedParameters();
+  for (const ParamPlacements& pr : plan.params) {
+    const std::string rule = pr.text.empty() ? pr.pattern : pr.text;
+    std::optional<Placement> on_tp;
+    for (const auto& [dim, placement] : pr.placements) {
+      absl::StatusOr<int> d = mesh.DimIndex(dim);
+      if (!d.ok()) return InvalidArg(kOp, "rule '", rule, "': ", d.status().message());
+      if (*d != tp) {
+        return InvalidArg(kOp, "rule '", rule, "': ", dim,
+                          " is a data-parallel dim, laid out by FSDP / DDP from its degree, not by a plan");
+      }
+      on_tp = placement;
+    }
+    int matched = 0;
+    for (auto& [name, v] : named) {
+      if (!MatchesModulePattern(pr.pattern, name)) continue;
+      ++matched;
+      const Placement p = on_tp.value_or(Replicate());
+      if (p.is_partial()) return InvalidArg(kOp, "rule '", rule, "': a parameter cannot be ", p.ToString());
+      DT_RETURN_IF_ERROR(
+          ForTensor(p, v->value().dim(), absl::StrCat("rule '", rule, "' on parameter ", name)).status());
+      ParamPlan want{p, 1, rule};
+      auto [it, fresh] = plans.emplace(v->id(), want);
+      if (!fresh && (it->second.placement != p || it->second.fused != 1)) {
+        return InvalidArg(kOp, "parameter ", name, ": rule '", rule, "' places it ", p.ToString(), " but rule '",
+                          it->second.rule, "' placed it ", it->second.placement.ToString());
+      }
+    }
+    if (matched == 0) return InvalidArg(kOp, "rule '", rule, "' matches no parameter");
+  }
+  if (plan.every_parameter) {
+    for (auto& [name, v] : named) {
+      if (!plans.contains(v->id())) {
+        return InvalidArg(kOp, "parameter ", name, " (", ShapeString(v->value().shape()),
+                          ") is covered by no rule of the plan");
+      }
+    }
+  }
   // Every parameter onto the mesh: its placement on tp, Replicate elsewhere.
-  for (auto& [name, v] : module.NamedParameters()) {
+  for (auto& [name, v] : named) {
     const Value& val = v->value();
     if (val.is_dtensor()) {
       return InvalidArg(kOp, "parameter ", name, " is a DTensor already (", val.dtensor().ToString(),

@@ -20,7 +20,9 @@
 // by segment with shell globs ('*' matches within one segment: "transformer.h.*.attn"); the
 // rules apply in order.
 //
-// Errors (InvalidArgument naming the rule): a pattern that matches no module; a style on a
+// Errors (InvalidArgument naming the rule): a pattern that matches no module (or, for
+// placements, no parameter); a placement on a mesh dim the mesh lacks or a data-parallel
+// dim; a parameter no rule covers (with every_parameter, naming it); a style on a
 // module it does not apply to (Colwise / Rowwise: Linear or Embedding; fused: a Linear whose
 // outputs divide by it; SequenceParallel: LayerNorm, RMSNorm or Dropout); a parameter two
 // rules place differently (a tied weight); a parameter that is a DTensor already; a shard of
@@ -39,14 +41,33 @@
 
 namespace dtensor::nn {
 
+// Raw placements for the parameters whose dotted names match `pattern`: by mesh dim name, the
+// model-parallel dims only (the data-parallel ones, dp_replicate and dp_shard, are FSDP's and
+// DDP's); `text` is the rule as written, for messages.
+struct ParamPlacements {
+  std::string pattern;
+  std::vector<std::pair<std::string, Placement>> placements;
+  std::string text;
+  friend bool operator==(const ParamPlacements& a, const ParamPlacements& b) {
+    return a.pattern == b.pattern && a.placements == b.placements;
+  }
+};
+
 struct ParallelizePlan {
   std::vector<std::pair<std::string, ParallelStyle>> rules;  // (module-name pattern, style), in order
+  std::vector<ParamPlacements> params;                       // applied after the styles, in order
+  // Refuse a parameter that no style and no placement rule covers (plan files: every
+  // parameter is described); otherwise such parameters are Replicate.
+  bool every_parameter = false;
 
   ParallelizePlan() = default;
   ParallelizePlan(std::initializer_list<std::pair<std::string, ParallelStyle>> r) : rules(r) {}  // NOLINT
-  // One rule a line: "transformer.h.*.mlp.c_fc: ColwiseParallel".
+  // One rule a line: "transformer.h.*.mlp.c_fc: ColwiseParallel",
+  // "transformer.wpe.weight: tp=R".
   std::string ToString() const;
-  friend bool operator==(const ParallelizePlan& a, const ParallelizePlan& b) { return a.rules == b.rules; }
+  friend bool operator==(const ParallelizePlan& a, const ParallelizePlan& b) {
+    return a.rules == b.rules && a.params == b.params && a.every_parameter == b.every_parameter;
+  }
 };
 
 // Whether `name` (dotted) matches `pattern` (dotted, shell globs per segment).
