@@ -347,6 +347,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     // block keeps its parameters after forward (its backward comes first).
     nn::FsdpOptions o{.prefetch = f.prefetch, .shard_dim = "dp_shard"};
     if (dims.dp_replicate > 1) o.replicate_dim = "dp_replicate";
+    if (tensor_parallel) o.shard_dim_fn = nn::GptFsdpShardDim;  // c_attn's stacked q, k, v: dim 1
     if (f.param_dtype == "bf16") o.mp_policy.param_dtype = DType::kBFloat16;
     if (f.reduce_dtype == "bf16") o.mp_policy.reduce_dtype = DType::kBFloat16;
     for (int64_t i = 0; i < cfg.n_layer; ++i) {

@@ -12,7 +12,8 @@
 
 namespace dtensor::nn {
 
-// One parameter of the group. Rows are dim 0 of the parameter's local (unsharded) tensor.
+// One parameter of the group. Its local (unsharded) tensor is viewed as [pre, rows, rest]
+// around the sharded dim `dim` (pre = 1 for dim 0); "rows" are that dim's entries.
 struct FsdpGroup::Param {
   std::string name;
   Variable* var = nullptr;
@@ -24,7 +25,7 @@ struct FsdpGroup::Param {
   Shape global_shape;
   Shape local_shape;  // of the unsharded local tensor
   Shape shard_shape;  // of this rank's shard
-  int64_t rows = 0, rest = 1, chunk_rows = 0;
+  int64_t dim = 0, pre = 1, rows = 0, rest = 1, chunk_rows = 0;
   ChunkRange mine;
   DType dtype = DType::kFloat32;  // the parameter's own (master) dtype
   int bucket = 0;
@@ -103,6 +104,14 @@ absl::StatusOr<std::pair<Tensor, Tensor>> FlatPieces(const Tensor& flat, int64_t
     DT_ASSIGN_OR_RETURN(out.second, flat.Narrow(0, q * chunk * rest, r * rest));
   }
   return out;
+}
+
+// The [pre, chunk, rest] block a parameter has in rank r's row of a [N, block] buffer.
+absl::StatusOr<Tensor> BlockOf(const Tensor& flat2d, int64_t r, int64_t offset, int64_t pre, int64_t chunk,
+                               int64_t rest) {
+  DT_ASSIGN_OR_RETURN(Tensor row, flat2d.Select(0, r));
+  DT_ASSIGN_OR_RETURN(Tensor region, row.Narrow(0, offset, pre * chunk * rest));
+  return region.View({pre, chunk, rest});
 }
 
 void Record(const DeviceMesh& mesh, CommKind kind, const Tensor& t) {
@@ -189,20 +198,28 @@ absl::StatusOr<std::shared_ptr<FsdpGroup>> FsdpGroup::Create(std::vector<std::pa
     p.global_shape = Shape(v.shape().begin(), v.shape().end());
     p.local_shape = Shape(local.shape().begin(), local.shape().end());
     p.dtype = v.dtype();
-    p.rows = p.local_shape[0];
-    p.rest = NumElements(IntSpan(p.local_shape).subspan(1));
+    if (options.shard_dim_fn) {
+      p.dim = options.shard_dim_fn(name, v);
+      if (p.dim < 0 || p.dim >= v.dim()) {
+        return InvalidArg(kOp, "shard_dim_fn chose dim ", p.dim, " of parameter ", name, " ", ShapeString(v.shape()));
+      }
+    }
+    const size_t k = static_cast<size_t>(p.dim);
+    p.pre = NumElements(IntSpan(p.local_shape).subspan(0, k));
+    p.rows = p.local_shape[k];
+    p.rest = NumElements(IntSpan(p.local_shape).subspan(k + 1));
     p.chunk_rows = ChunkSizeOf(p.rows, g->shard_size_);
     p.mine = ChunkOf(p.rows, g->shard_size_, g->shard_rank_);
     p.shard_shape = p.local_shape;
-    p.shard_shape[0] = p.mine.size;
-    p.sharded_layout = p.unsharded_layout.WithPlacement(p.shard_mdim, Shard(0));
+    p.shard_shape[k] = p.mine.size;
+    p.sharded_layout = p.unsharded_layout.WithPlacement(p.shard_mdim, Shard(p.dim));
     const LocalBox box = LocalBoxOf(p.global_shape, p.mesh.shape(), p.sharded_layout, p.mesh.coordinate());
     if (box.shape != p.shard_shape) {
       return absl::InternalError(absl::StrCat("[FullyShard] ", name, ": shard ", ShapeString(p.shard_shape),
                                               " is not the layout's box ", ShapeString(box.shape)));
     }
     DT_ASSIGN_OR_RETURN(Tensor shard, Tensor::Empty(p.shard_shape, p.dtype, g->device_));
-    DT_ASSIGN_OR_RETURN(Tensor mine, local.Narrow(0, p.mine.offset, p.mine.size));
+    DT_ASSIGN_OR_RETURN(Tensor mine, local.Narrow(p.dim, p.mine.offset, p.mine.size));
     DT_RETURN_IF_ERROR(Copy_(shard, mine));
     p.sharded = DTensor::WrapTrusted(shard, p.mesh, p.sharded_layout, p.global_shape);
 
@@ -219,8 +236,8 @@ absl::StatusOr<std::shared_ptr<FsdpGroup>> FsdpGroup::Create(std::vector<std::pa
     p.bucket = static_cast<int>(b);
     p.offset = bucket.block;
     p.unsharded_offset = bucket.unsharded_numel;
-    bucket.block += p.chunk_rows * p.rest;
-    bucket.unsharded_numel += p.rows * p.rest;
+    bucket.block += p.pre * p.chunk_rows * p.rest;
+    bucket.unsharded_numel += p.pre * p.rows * p.rest;
     bucket.params.push_back(static_cast<int>(g->params_.size()));
     g->params_.push_back(std::move(p));
   }
@@ -266,14 +283,16 @@ absl::Status FsdpGroup::StartUnshard() {
                                                           ", not its shard ", p.sharded_layout.ToString()));
       }
       p.sharded = v.dtensor();
-      const int64_t n = p.mine.size * p.rest;
-      if (n > 0) {
-        DT_ASSIGN_OR_RETURN(Tensor dst, b.gather_in.Narrow(0, p.offset, n));
-        DT_ASSIGN_OR_RETURN(dst, dst.View(p.shard_shape));
-        DT_RETURN_IF_ERROR(Copy_(dst, p.sharded.ToLocal()));
+      if (p.pre * p.chunk_rows * p.rest == 0) continue;
+      DT_ASSIGN_OR_RETURN(Tensor in1, b.gather_in.View({1, b.block}));
+      DT_ASSIGN_OR_RETURN(Tensor block, BlockOf(in1, 0, p.offset, p.pre, p.chunk_rows, p.rest));
+      if (p.mine.size > 0) {
+        DT_ASSIGN_OR_RETURN(Tensor dst, block.Narrow(1, 0, p.mine.size));
+        DT_ASSIGN_OR_RETURN(Tensor src, p.sharded.ToLocal().View({p.pre, p.mine.size, p.rest}));
+        DT_RETURN_IF_ERROR(Copy_(dst, src));
       }
-      if (p.chunk_rows * p.rest > n) {
-        DT_ASSIGN_OR_RETURN(Tensor pad, b.gather_in.Narrow(0, p.offset + n, p.chunk_rows * p.rest - n));
+      if (p.chunk_rows > p.mine.size) {
+        DT_ASSIGN_OR_RETURN(Tensor pad, block.Narrow(1, p.mine.size, p.chunk_rows - p.mine.size));
         DT_RETURN_IF_ERROR(Fill_(pad, 0.0));
       }
     }
@@ -309,11 +328,23 @@ absl::Status FsdpGroup::Unshard() {
     DT_ASSIGN_OR_RETURN(Tensor out2, b.gather_out.View({shard_size_, b.block}));
     for (int i : b.params) {
       Param& p = params_[static_cast<size_t>(i)];
-      DT_ASSIGN_OR_RETURN(Parts parts, PartsOf(out2, p.offset, p.rows, p.chunk_rows, p.rest));
-      DT_ASSIGN_OR_RETURN(Tensor flat, b.unsharded.Narrow(0, p.unsharded_offset, p.rows * p.rest));
-      DT_ASSIGN_OR_RETURN(auto pieces, FlatPieces(flat, p.rows, p.chunk_rows, p.rest));
-      if (parts.full.defined()) DT_RETURN_IF_ERROR(CopyBlock(pieces.first, parts.full));
-      if (parts.remainder.defined()) DT_RETURN_IF_ERROR(CopyBlock(pieces.second, parts.remainder));
+      DT_ASSIGN_OR_RETURN(Tensor flat, b.unsharded.Narrow(0, p.unsharded_offset, p.pre * p.rows * p.rest));
+      if (p.pre == 1) {  // dim 0: two copies (the full chunks at once, then the remainder)
+        DT_ASSIGN_OR_RETURN(Parts parts, PartsOf(out2, p.offset, p.rows, p.chunk_rows, p.rest));
+        DT_ASSIGN_OR_RETURN(auto pieces, FlatPieces(flat, p.rows, p.chunk_rows, p.rest));
+        if (parts.full.defined()) DT_RETURN_IF_ERROR(CopyBlock(pieces.first, parts.full));
+        if (parts.remainder.defined()) DT_RETURN_IF_ERROR(CopyBlock(pieces.second, parts.remainder));
+      } else if (p.rows * p.rest > 0) {  // another dim: one strided copy per rank
+        DT_ASSIGN_OR_RETURN(Tensor whole, flat.View({p.pre, p.rows, p.rest}));
+        for (int64_t r = 0; r < shard_size_; ++r) {
+          const ChunkRange c = ChunkOf(p.rows, shard_size_, r);
+          if (c.size == 0) continue;
+          DT_ASSIGN_OR_RETURN(Tensor block, BlockOf(out2, r, p.offset, p.pre, p.chunk_rows, p.rest));
+          DT_ASSIGN_OR_RETURN(Tensor src, block.Narrow(1, 0, c.size));
+          DT_ASSIGN_OR_RETURN(Tensor dst, whole.Narrow(1, c.offset, c.size));
+          DT_RETURN_IF_ERROR(CopyBlock(dst, src));
+        }
+      }
       if (!p.unsharded.defined()) {
         DT_ASSIGN_OR_RETURN(Tensor view, flat.View(p.local_shape));
         p.unsharded = Value(DTensor::WrapTrusted(view, p.mesh, p.unsharded_layout, p.global_shape));
@@ -447,6 +478,32 @@ absl::Status FsdpGroup::StartReduce() {
     DT_ASSIGN_OR_RETURN(Tensor in2, pending.input.View({shard_size_, b.block}));
     for (size_t k = 0; k < b.params.size(); ++k) {
       const Param& p = params_[static_cast<size_t>(b.params[k])];
+      if (p.pre > 1) {  // another dim than 0: rank by rank
+        if (p.rows * p.rest == 0) continue;
+        if (locals[k].defined()) pending.params.push_back(b.params[k]);
+        Tensor whole;
+        if (locals[k].defined()) {
+          DT_ASSIGN_OR_RETURN(whole, locals[k].View({p.pre, p.rows, p.rest}));
+        }
+        for (int64_t r = 0; r < shard_size_; ++r) {
+          const ChunkRange c = ChunkOf(p.rows, shard_size_, r);
+          DT_ASSIGN_OR_RETURN(Tensor block, BlockOf(in2, r, p.offset, p.pre, p.chunk_rows, p.rest));
+          if (!whole.defined()) {
+            DT_RETURN_IF_ERROR(Fill_(block, 0.0));
+            continue;
+          }
+          if (c.size > 0) {
+            DT_ASSIGN_OR_RETURN(Tensor dst, block.Narrow(1, 0, c.size));
+            DT_ASSIGN_OR_RETURN(Tensor src, whole.Narrow(1, c.offset, c.size));
+            DT_RETURN_IF_ERROR(CopyBlock(dst, src));
+          }
+          if (p.chunk_rows > c.size) {
+            DT_ASSIGN_OR_RETURN(Tensor pad, block.Narrow(1, c.size, p.chunk_rows - c.size));
+            DT_RETURN_IF_ERROR(Fill_(pad, 0.0));
+          }
+        }
+        continue;
+      }
       DT_ASSIGN_OR_RETURN(Parts parts, PartsOf(in2, p.offset, p.rows, p.chunk_rows, p.rest));
       for (const Tensor& pad : parts.padding) DT_RETURN_IF_ERROR(Fill_(pad, 0.0));
       if (!locals[k].defined()) {
@@ -495,7 +552,10 @@ absl::Status FsdpGroup::FinishReduce(bool host_wait) {
   for (Pending& pending : all) {
     for (int i : pending.params) {
       Param& p = params_[static_cast<size_t>(i)];
-      DT_ASSIGN_OR_RETURN(Tensor piece, pending.output.Narrow(0, p.offset, p.mine.size * p.rest));
+      DT_ASSIGN_OR_RETURN(Tensor out1, pending.output.View({1, pending.output.numel()}));
+      DT_ASSIGN_OR_RETURN(Tensor block, BlockOf(out1, 0, p.offset, p.pre, p.chunk_rows, p.rest));
+      DT_ASSIGN_OR_RETURN(Tensor piece, block.Narrow(1, 0, p.mine.size));
+      DT_ASSIGN_OR_RETURN(piece, Contiguous(piece));  // a view when pre == 1 or the chunk is full
       DT_ASSIGN_OR_RETURN(piece, piece.View(p.shard_shape));
       DT_ASSIGN_OR_RETURN(piece, Cast(piece, p.dtype));
       // The sharded gradient is in .grad while the group is sharded, else stashed.

@@ -8,7 +8,8 @@
 //   DT_RETURN_IF_ERROR(g->Reshard());   // parameters: their shards again
 //
 // Flat buffers (per dtype of the group): a rank's block holds, parameter after parameter, its
-// torch.chunk piece of dim 0 of each parameter's local tensor, padded to ceil(rows / N) rows;
+// torch.chunk piece of dim 0 (or FsdpOptions::shard_dim_fn's dim) of each parameter's local
+// tensor, padded to ceil(rows / N) rows;
 // the all_gather output is N such blocks, copied out into one unsharded buffer (the
 // parameters' local tensors are views of it), and a gradient goes into the reduce_scatter
 // input the same way. Parameters sharded by tensor parallelism already (DTensors on a mesh
@@ -18,6 +19,7 @@
 #define DTENSOR_NN_PARALLEL_FSDP_GROUP_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -51,6 +53,10 @@ struct FsdpOptions {
   // optionally {"dp_replicate"}.
   std::optional<std::string> shard_dim = std::nullopt;
   std::optional<std::string> replicate_dim = std::nullopt;
+  // Which dim of a parameter's local tensor to shard (PyTorch's shard_placement_fn); unset:
+  // dim 0. For a parameter whose dim 0 is short (tensor parallelism's stacked q, k, v:
+  // [3, C / tp, C]), another dim keeps the shards even.
+  std::function<int64_t(const std::string& name, const Value& param)> shard_dim_fn = nullptr;
 };
 
 class FsdpTree;

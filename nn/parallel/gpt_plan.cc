@@ -1,5 +1,7 @@
 #include "nn/parallel/gpt_plan.h"
 
+#include "absl/strings/match.h"
+
 namespace dtensor::nn {
 
 ParallelizePlan GptTensorParallelPlan(bool sequence_parallel) {
@@ -22,6 +24,12 @@ ParallelizePlan GptTensorParallelPlan(bool sequence_parallel) {
           {"transformer.h.*.mlp.c_proj", RowwiseParallel{.output_layout = Shard(1)}},
           {"transformer.ln_f", SequenceParallel{}},
           {"lm_head", ColwiseParallel{.input_layout = Shard(1)}}};
+}
+
+int64_t GptFsdpShardDim(const std::string& name, const Value& param) {
+  const bool stacked = (absl::EndsWith(name, "attn.c_attn.weight") && param.dim() == 3) ||
+                       (absl::EndsWith(name, "attn.c_attn.bias") && param.dim() == 2);
+  return stacked ? 1 : 0;
 }
 
 }  // namespace dtensor::nn

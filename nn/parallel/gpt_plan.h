@@ -20,11 +20,20 @@
 #ifndef DTENSOR_NN_PARALLEL_GPT_PLAN_H_
 #define DTENSOR_NN_PARALLEL_GPT_PLAN_H_
 
+#include <cstdint>
+#include <string>
+
+#include "autograd/value.h"
 #include "nn/parallel/parallelize.h"
 
 namespace dtensor::nn {
 
 ParallelizePlan GptTensorParallelPlan(bool sequence_parallel = true);
+
+// For FSDP after this plan (FsdpOptions::shard_dim_fn): c_attn's stacked weight [3, C/tp, C]
+// and bias [3, C/tp] shard dim 1 (dim 0 holds q, k, v: 3 rows would split 2:1 over 2 ranks);
+// everything else dim 0.
+int64_t GptFsdpShardDim(const std::string& name, const Value& param);
 
 }  // namespace dtensor::nn
 

@@ -173,6 +173,21 @@ TEST(FullyShardTest, MatchesSingleRankOn2And3And4Ranks) {
   }
 }
 
+// shard_dim_fn: every matrix sharded on dim 1 (C = 20 and 4C = 80 over 3 ranks: uneven), the
+// vectors on dim 0; one strided copy per rank instead of dim 0's contiguous chunks.
+TEST(FullyShardTest, ShardingAnotherDimMatchesSingleRank) {
+  for (int n : {2, 3}) {
+    Spec s{.world = n, .mesh_shape = {n}};
+    s.options.shard_dim_fn = [](const std::string&, const Value& v) -> int64_t { return v.dim() >= 2 ? 1 : 0; };
+    s.check = [&](int, int, const DeviceMesh&, nn::GPT& model, const nn::AdamW&, const CommCounter&) {
+      const Value& w = model.FindParameter("transformer.h.0.mlp.c_fc.weight")->value();  // [80, 20]
+      EXPECT_EQ(w.dtensor().layout(), Layout({Shard(1)}));
+      EXPECT_EQ(w.local().shape()[0], 80);
+    };
+    ExpectSameTraining(Train(s), Reference(), 1e-5, absl::StrCat("FSDP on dim 1, ", n, " ranks"));
+  }
+}
+
 TEST(FullyShardTest, HsdpOn2x2MatchesSingleRank) {
   ExpectSameTraining(Train({.world = 4, .mesh_shape = {2, 2}}), Reference(), 1e-5, "HSDP 2x2");
 }

@@ -82,10 +82,14 @@ TrainRun Train(const Parallel& s) {
         ASSERT_EQ(w.ToLocal().shape()[1], s.config.n_embd / mesh.size(t));
         ASSERT_EQ(model->FindParameter("transformer.wte.weight")->value().dtensor().layout()[t], Placement(Shard(0)));
         if (!s.fsdp_dim.empty()) {
-          nn::FsdpOptions o{.shard_dim = s.fsdp_dim};
+          nn::FsdpOptions o{.shard_dim = s.fsdp_dim, .shard_dim_fn = nn::GptFsdpShardDim};
           if (!s.ddp_dim.empty()) o.replicate_dim = s.ddp_dim;
           for (int64_t i = 0; i < s.config.n_layer; ++i) ASSERT_TRUE(nn::FullyShard(*model->block(i), mesh, o).ok());
           ASSERT_TRUE(nn::FullyShard(*model, mesh, o).ok());
+          // c_attn [3, C, C]: tp shards dim 1, FSDP that piece's dim 1 again (innermost): even.
+          const DTensor& wa = model->FindParameter("transformer.h.0.attn.c_attn.weight")->value().dtensor();
+          const int64_t ranks_on_dim1 = mesh.size(t) * mesh.size(Unwrap(mesh.DimIndex(s.fsdp_dim)));
+          EXPECT_EQ(wa.ToLocal().shape(), IntSpan({3, s.config.n_embd / ranks_on_dim1, s.config.n_embd}));
         }
         Placements p;
         for (const std::string& n : s.names) p.push_back(n == "tp" ? Placement(Replicate()) : Placement(Shard(0)));
