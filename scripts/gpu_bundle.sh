@@ -147,6 +147,17 @@ if want fsdp; then
   compare bf16_two bf16_one 1e-3; compare bf16_two one 2e-2
   grep -h 'gpt_train:' "\$logs"/fsdp_two.log | head -1
 fi
+# Tensor parallelism over NCCL (processes sharing the GPU): TP 2 with and without sequence
+# parallel, from the plan file, FSDP x TP on 4, against 1 GPU (1e-4).
+if want tp; then
+  [[ -f "\$logs/fsdp_one.jsonl" ]] || fsdp_run one 1
+  fsdp_run tp2 2 --tp 2
+  fsdp_run tp2_nosp 2 --tp 2 --sequence-parallel false
+  fsdp_run tp2_plan 2 --plan "\$repo/examples/gpt/plans/gpt_tp.json"
+  fsdp_run fsdp_tp 4 --tp 2
+  compare tp2 one 1e-4; compare tp2_nosp one 1e-4; compare tp2_plan one 1e-4; compare fsdp_tp one 1e-4
+  grep -h 'gpt_train:' "\$logs"/fsdp_fsdp_tp.log | head -1
+fi
 if want sanitizer; then
   if command -v compute-sanitizer > /dev/null; then
     # (--report-api-errors no: NCCL's init probes kernels of other architectures and handles
@@ -156,6 +167,11 @@ if want sanitizer; then
       > "\$logs/sanitizer.log" 2>&1; s=\$?
     [[ \$s -eq 0 ]] || rc=1
     echo "compute-sanitizer memcheck, FSDP bf16 on 2 processes: exit \$s, \$(grep -h 'ERROR SUMMARY' "\$logs/sanitizer.log" | sort | uniq -c | tr '\n' ' ')"
+    procs 2 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 7 "\$here/bin/gpt_train" \\
+      --text "\$repo/README.md" --device cuda --steps 3 --sample-tokens 4 --n-layer 2 --n-head 2 --n-embd 64 --seq 32 \\
+      --batch 8 --tp 2 > "\$logs/sanitizer_tp.log" 2>&1; s=\$?
+    [[ \$s -eq 0 ]] || rc=1
+    echo "compute-sanitizer memcheck, TP 2 on 2 processes: exit \$s, \$(grep -h 'ERROR SUMMARY' "\$logs/sanitizer_tp.log" | sort | uniq -c | tr '\n' ' ')"
   else
     echo "compute-sanitizer: not installed"
   fi
