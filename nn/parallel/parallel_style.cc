@@ -1,6 +1,7 @@
 #include "nn/parallel/parallel_style.h"
 
 #include <cstdlib>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -114,8 +115,8 @@ absl::StatusOr<ParallelStyle> ParseStyle(const std::string& text) {
   auto unknown = [&](const std::string& key) {
     return InvalidArg("ParseStyle", "'", text, "': ", c.name, " has no argument '", key, "'");
   };
-  if (c.name == "ColwiseParallel") {
-    ColwiseParallel s;
+  // Colwise and Rowwise share input=, output= and use_local_output= (Colwise adds fused=).
+  auto linear_style = [&](auto s) -> absl::StatusOr<ParallelStyle> {
     for (const auto& [k, v] : c.args) {
       if (k == "input") {
         DT_ASSIGN_OR_RETURN(s.input_layout, ParsePlacement(v));
@@ -123,31 +124,20 @@ absl::StatusOr<ParallelStyle> ParseStyle(const std::string& text) {
         DT_ASSIGN_OR_RETURN(s.output_layout, ParsePlacement(v));
       } else if (k == "use_local_output") {
         DT_ASSIGN_OR_RETURN(s.use_local_output, ParseBool(v, text));
-      } else if (k == "fused") {
-        if (!absl::SimpleAtoi(v, &s.fused) || s.fused < 1) {
+      } else if (k == "fused" && std::is_same_v<decltype(s), ColwiseParallel>) {
+        int64_t fused = 0;
+        if (!absl::SimpleAtoi(v, &fused) || fused < 1) {
           return InvalidArg("ParseStyle", "'", text, "': fused must be a positive integer");
         }
+        if constexpr (std::is_same_v<decltype(s), ColwiseParallel>) s.fused = fused;
       } else {
         return unknown(k);
       }
     }
     return ParallelStyle(s);
-  }
-  if (c.name == "RowwiseParallel") {
-    RowwiseParallel s;
-    for (const auto& [k, v] : c.args) {
-      if (k == "input") {
-        DT_ASSIGN_OR_RETURN(s.input_layout, ParsePlacement(v));
-      } else if (k == "output") {
-        DT_ASSIGN_OR_RETURN(s.output_layout, ParsePlacement(v));
-      } else if (k == "use_local_output") {
-        DT_ASSIGN_OR_RETURN(s.use_local_output, ParseBool(v, text));
-      } else {
-        return unknown(k);
-      }
-    }
-    return ParallelStyle(s);
-  }
+  };
+  if (c.name == "ColwiseParallel") return linear_style(ColwiseParallel{});
+  if (c.name == "RowwiseParallel") return linear_style(RowwiseParallel{});
   if (c.name == "SequenceParallel") {
     SequenceParallel s;
     for (const auto& [k, v] : c.args) {

@@ -47,6 +47,7 @@ std::pair<Tensor, Tensor> Batch(int step) {
 struct TrainRun {
   std::vector<double> losses;                                       // per step
   std::vector<std::pair<std::string, std::vector<double>>> grads;   // full gradients of the first step
+  std::vector<double> norms;                                        // ClipGradNorm's, with sgd_clip
   std::vector<std::pair<std::string, std::vector<double>>> params;  // full values after the last step
 };
 
@@ -56,6 +57,7 @@ struct Spec {
   nn::FsdpOptions options = {};
   int grad_accum = 1;
   bool sync_last_only = false;  // with grad_accum: reduce on the last micro-batch only
+  bool sgd_clip = false;        // SGD with momentum after ClipGradNorm(0.5), instead of AdamW
   int steps = 4;
   // Per rank and step, after the step (mesh, model, optimizer, counter of that step).
   std::function<void(int rank, int step, const DeviceMesh&, nn::GPT&, const nn::AdamW&, const CommCounter&)> check =
@@ -84,6 +86,7 @@ TrainRun Train(const Spec& s) {
       // common to a row's scores), a few others nearly cancel — would move by O(lr) in a
       // direction set by rounding, different for every summation order.
       nn::AdamW opt(model->Parameters(), {.lr = 3e-3, .eps = 1e-5, .weight_decay = 0.1});
+      nn::SGD sgd(model->Parameters(), {.lr = 0.05, .momentum = 0.9, .weight_decay = 0.01});
       const Layout batch_layout(Placements(s.mesh_shape.size(), Shard(0)));
       for (int step = 0; step < s.steps; ++step) {
         CommCounter counter;
@@ -120,7 +123,16 @@ TrainRun Train(const Spec& s) {
           }
           loss_sum += testing::Values(l.local())[0];
         }
-        ASSERT_TRUE(opt.Step().ok());
+        if (s.sgd_clip) {
+          // Clipped from a norm of about 1.5 (the global norm over every rank's shards).
+          absl::StatusOr<double> norm = nn::ClipGradNorm(model->Parameters(), 0.5);
+          ASSERT_TRUE(norm.ok()) << norm.status();
+          if (r == 0) out.norms.push_back(*norm);
+          ASSERT_TRUE(sgd.Step().ok());
+          sgd.ZeroGrad();
+        } else {
+          ASSERT_TRUE(opt.Step().ok());
+        }
         if (s.check) s.check(r, step, mesh, *model, opt, counter);
         opt.ZeroGrad();
         if (r == 0) out.losses.push_back(loss_sum / s.grad_accum);
@@ -185,6 +197,20 @@ TEST(FullyShardTest, ShardingAnotherDimMatchesSingleRank) {
       EXPECT_EQ(w.local().shape()[0], 80);
     };
     ExpectSameTraining(Train(s), Reference(), 1e-5, absl::StrCat("FSDP on dim 1, ", n, " ranks"));
+  }
+}
+
+// SGD and ClipGradNorm run unchanged on sharded parameters: the global norm sums every rank's
+// shards once, and the clipped SGD steps match one rank's.
+TEST(FullyShardTest, SgdAndClipGradNormMatchSingleRank) {
+  const TrainRun one = Train({.sgd_clip = true});
+  ASSERT_EQ(one.norms.size(), 4u);
+  EXPECT_GT(one.norms[0], 0.5) << "the clip must bite";
+  for (int n : {2, 3}) {
+    const TrainRun got = Train({.world = n, .mesh_shape = {n}, .sgd_clip = true});
+    ExpectSameTraining(got, one, 1e-5, absl::StrCat("SGD + clipping, FSDP on ", n, " ranks"));
+    ASSERT_EQ(got.norms.size(), one.norms.size());
+    for (size_t i = 0; i < one.norms.size(); ++i) EXPECT_NEAR(got.norms[i], one.norms[i], 1e-5 * one.norms[i]);
   }
 }
 
