@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# fsdp_memory.sh: per-rank memory of gpt_train under each data parallelism — one rank, DDP,
-# FSDP with and without resharding after forward, HSDP — as a table, from the trainer's
+# fsdp_memory.sh: per-rank memory of gpt_train under each parallelism — one rank, DDP, FSDP
+# with and without resharding after forward, HSDP, TP, FSDP x TP — as a table, from the trainer's
 # --metrics (rank 0's; every configuration runs as UCX processes under dtrun, so the
 # allocator's counters are that rank's own).
 #
@@ -52,3 +52,5 @@ for n in 2 4; do
   row "FSDP, no reshard" "$n" "$n" --reshard-after-forward false
 done
 row "HSDP 2x2" 4 2 --dp-replicate 2
+row "TP 2 (+SP)" 2 2 --tp 2
+row "FSDP x TP 2x2" 4 4 --tp 2
