@@ -90,7 +90,9 @@ struct FsdpHooks {
 
   static absl::Status PreBackward(FsdpGroup& g) {
     FsdpTree& t = *g.tree_;
-    if (!g.forwarded_) return absl::OkStatus();  // a graph from before this step
+    // A backward through a graph whose post-backward already ran (retain_graph, a second
+    // pass) gathers the parameters again and reduces again: the graph keeps views of them.
+    g.forwarded_ = true;
     if (!t.end_queued) {
       t.end_queued = true;
       DT_RETURN_IF_ERROR(QueueBackwardCallback(0, [&t] { return EndBackward(t); }));
@@ -111,6 +113,7 @@ struct FsdpHooks {
   static absl::Status PostBackward(FsdpGroup& g) {
     if (!g.forwarded_) return absl::OkStatus();
     g.forwarded_ = false;
+    g.backward_queued_ = false;
     FsdpTree& t = *g.tree_;
     if (g.unsharded()) DT_RETURN_IF_ERROR(g.StartReduce());
     DT_RETURN_IF_ERROR(g.Reshard());

@@ -355,6 +355,37 @@ TEST(FullyShardTest, Bfloat16PolicyHalvesTheGatherAndTracksFloat32) {
   }
 }
 
+// Two backward passes through one graph (retain_graph): the second gathers the released
+// parameters again and its reduce-scatter adds to the sharded gradients: twice one pass's.
+TEST(FullyShardTest, SecondBackwardThroughTheSameGraphAccumulates) {
+  auto comms = Unwrap(MakeThreadGroup(2, absl::Seconds(30)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2}));
+      auto model = Unwrap(nn::GPT::Create(Config()));
+      ASSERT_TRUE(model->InitWeights(5).ok());
+      for (int64_t i = 0; i < Config().n_layer; ++i) ASSERT_TRUE(nn::FullyShard(*model->block(i), mesh).ok());
+      ASSERT_TRUE(nn::FullyShard(*model, mesh).ok());
+      auto [inputs, targets] = Batch(0);
+      Value x = Unwrap(DTensor::Distribute(inputs, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+      Value y = Unwrap(DTensor::Distribute(targets, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+      nn::GPT::Output o = Unwrap(model->Forward(Variable::Constant(x), Variable::Constant(y)));
+      ASSERT_TRUE(Backward(o.loss, /*retain_graph=*/true).ok());
+      std::vector<std::vector<double>> once;
+      for (Variable* p : model->Parameters()) once.push_back(testing::Values(Unwrap(p->grad().dtensor().FullTensor())));
+      ASSERT_TRUE(Backward(o.loss).ok());
+      size_t i = 0;
+      for (Variable* p : model->Parameters()) {
+        std::vector<double> twice = once[i++];
+        for (double& v : twice) v *= 2;
+        testing::ExpectNear(testing::Values(Unwrap(p->grad().dtensor().FullTensor())), twice, {1e-6, 1e-9}, p->name());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
 TEST(FullyShardTest, BadUseIsAnError) {
   auto comms = Unwrap(MakeThreadGroup(1));
   DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[0], {1}, {"dp"}));
