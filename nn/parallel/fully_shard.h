@@ -30,7 +30,8 @@
 //                  group's when grad mode is off (no backward will follow).
 //   pre-backward   (the gradient of the group's output arrives) all_gather again into the same
 //                  buffer when resharded; with prefetch, the group before it in forward order
-//                  starts its all_gather too.
+//                  starts its all_gather too. (A second backward through the same graph,
+//                  retain_graph, gathers and reduces again: its gradients add up.)
 //   post-backward  (the pass has run every node of the group's forward) the unsharded
 //                  gradients are cast to reduce_dtype and reduce-scattered into the sharded
 //                  gradients (asynchronously; awaited at the next group's post-backward or at
