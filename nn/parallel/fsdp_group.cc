@@ -5,7 +5,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "dtensor/core/dtensor.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
