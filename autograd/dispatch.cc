@@ -170,6 +170,12 @@ absl::StatusOr<std::vector<OpStrategy>> Enumerate(const OpDef& op, absl::Span<co
     };
     build(in.size(), true, &s.inputs, in);
     build(num_outputs, false, &s.outputs, {});
+    for (size_t j = 0; j < dims.size() && ok; ++j) {  // sizes that must divide by the shard count
+      if (dims[j].divisible.empty()) continue;
+      int64_t shards = 1;
+      for (int m = 0; m < k; ++m) shards *= pick[static_cast<size_t>(m)] == j ? mesh_shape[static_cast<size_t>(m)] : 1;
+      for (int64_t size : dims[j].divisible) ok = ok && size % shards == 0;
+    }
     if (ok) out.push_back(std::move(s));
     int m = k - 1;
     while (m >= 0 && ++pick[static_cast<size_t>(m)] == dims.size()) pick[static_cast<size_t>(m--)] = 0;

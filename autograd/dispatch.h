@@ -52,8 +52,12 @@ struct TensorMeta {
 
 // One mesh dim's strategy: the placement each input must have and each output gets.
 struct DimStrategy {
-  absl::InlinedVector<Placement, 5> inputs;
-  absl::InlinedVector<Placement, 3> outputs;
+  absl::InlinedVector<Placement, 5> inputs = {};
+  absl::InlinedVector<Placement, 3> outputs = {};
+  // Sizes that must divide evenly by the number of shards this strategy makes: the product
+  // of the sizes of the mesh dims that take it (reshape's merged or split dims, whose pieces
+  // must stay whole rows). Combinations where one does not are dropped.
+  std::vector<int64_t> divisible = {};
 };
 
 // What an op's local function receives.
@@ -76,7 +80,7 @@ struct OpDef {
   const char* name;
   // Appends the single-mesh-dim strategies for inputs of these global shapes (Replicate
   // everywhere is always added after them). Each must hold on every dim of a mesh of
-  // `mesh_shape` (only view ops need the sizes, to keep shards whose pieces divide evenly).
+  // `mesh_shape`, or say with DimStrategy::divisible what it needs of the shard count.
   void (*rule)(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan mesh_shape, std::vector<DimStrategy>* out);
   // The global output shapes and dtypes; InvalidArgument for inputs the op refuses.
   absl::StatusOr<std::vector<TensorMeta>> (*meta)(absl::Span<const TensorMeta> in, const OpArgs& args);

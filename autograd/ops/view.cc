@@ -2,7 +2,7 @@
 //
 // Sharding rule: a sharded dim moves with its data — permute moves the shard, narrow keeps
 // shards on other dims, reshape keeps a shard on the first dim of a group of merged/split
-// dims when the sizes divide evenly over the whole mesh (else the dim is gathered first);
+// dims when the sizes divide evenly over the shards (else the dim is gathered first);
 // size-1 dims do not count (a squeeze or unsqueeze keeps any shard).
 // Values are unchanged, so every Partial passes through. For DTensors the result may be a
 // view of the input's local piece.
@@ -31,12 +31,11 @@ absl::StatusOr<std::vector<TensorMeta>> ReshapeMeta(absl::Span<const TensorMeta>
   }
   return std::vector<TensorMeta>{{out, in[0].dtype}};
 }
-void ReshapeRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan mesh_shape, std::vector<DimStrategy>* s) {
+void ReshapeRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan, std::vector<DimStrategy>* s) {
   PartialsPass(1, s);
   const Shape& a = in[0].shape;
   const Shape b(args.ints.begin(), args.ints.end());
   if (NumElements(a) == 0) return;
-  const int64_t n = NumElements(mesh_shape);
   size_t i = 0, j = 0;
   while (i < a.size() && j < b.size()) {
     const size_t i0 = i, j0 = j;
@@ -59,9 +58,13 @@ void ReshapeRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan me
     for (size_t k = i0; k < i; ++k) big_a += a[k] > 1 ? 1 : 0;
     for (size_t k = j0; k < j; ++k) big_b += b[k] > 1 ? 1 : 0;
     const bool one_to_one = big_a <= 1 && big_b <= 1;
-    if (one_to_one || (a[fa] % n == 0 && b[fb] % n == 0)) {
-      s->push_back({{Shard(static_cast<int64_t>(fa))}, {Shard(static_cast<int64_t>(fb))}});
-    }
+    DimStrategy st{{Shard(static_cast<int64_t>(fa))}, {Shard(static_cast<int64_t>(fb))}};
+    // Merged or split dims: each piece must be whole rows of the others, so both first dims
+    // divide by the shards (the mesh dims that take this strategy, not the whole mesh: a
+    // [B, T, C] -> [B, T, H, D] with C over tp and B over two data-parallel dims keeps C's shard
+    // when H divides by tp).
+    if (!one_to_one) st.divisible = {a[fa], b[fb]};
+    s->push_back(std::move(st));
   }
 }
 absl::StatusOr<std::vector<Tensor>> ReshapeLocal(const LocalCall& c) {

@@ -189,7 +189,10 @@ std::vector<Case> ReshapeCases() {
   // Groups that keep a shard: [4,6] -> [24] (4 and 24 divide over 2 and 4 ranks), [8,3,5] ->
   // [24,5], [12,2] -> [8,3], [6,10] -> [6,2,5] (10 and 2 divide over 2 only), [5,6,4] ->
   // [5,24] (5 -> 5 one to one, uneven). And groups that do not: [5,6] -> [30], [2,3,4] -> [6,4]
-  // on 4 ranks.
+  // on 4 ranks. Divisibility counts the shards of the group, not the mesh: [4,12] -> [4,2,6]
+  // keeps 12's shard on one mesh dim of 2 beside dim 0's shard on the other (attention's
+  // [B, T, C] -> [B, T, H, D] with the batch over data parallelism and C over tp), not over
+  // both.
   auto c = [](std::string name, Shape in, std::vector<int64_t> out, uint64_t seed) {
     return Case{name, {Rand(in, seed)}, Args(out)};
   };
@@ -198,7 +201,7 @@ std::vector<Case> ReshapeCases() {
       c("[8,3,5] -> [24,5]", {8, 3, 5}, {24, 5}, 83), c("[12,2] -> [8,3]", {12, 2}, {8, 3}, 84),
       c("[6,10] -> [6,2,5]", {6, 10}, {6, 2, 5}, 85), c("[5,6,4] -> [5,24]", {5, 6, 4}, {5, 24}, 86),
       c("[5,6] -> [30]", {5, 6}, {30}, 87),           c("[2,3,4] -> [6,4]", {2, 3, 4}, {6, 4}, 88),
-      c("[5,1,6] -> [5,6]", {5, 1, 6}, {5, 6}, 89),
+      c("[5,1,6] -> [5,6]", {5, 1, 6}, {5, 6}, 89),   c("[4,12] -> [4,2,6]", {4, 12}, {4, 2, 6}, 90),
   };
 }
 
