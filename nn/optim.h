@@ -32,6 +32,8 @@ absl::Status ReduceGradients(const std::vector<Variable*>& params, int64_t bucke
 // Scales gradients so that their global L2 norm is at most max_norm; returns the norm before
 // clipping. Correct for any placements: Shard pieces are summed over their mesh dims,
 // Replicate ones counted once, Partial gradients reduced first. max_norm <= 0: no clipping.
+// One all_reduce of a float32 [k] per group of ranks that shard gradients (k: its parameters),
+// recorded in the mesh's CommCounter.
 absl::StatusOr<double> ClipGradNorm(const std::vector<Variable*>& params, double max_norm);
 
 struct AdamWOptions {

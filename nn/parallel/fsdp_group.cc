@@ -268,6 +268,20 @@ int64_t FsdpGroup::reduce_scatter_bytes() const {
   return shard_size_ > 1 ? n : 0;
 }
 
+int64_t FsdpGroup::num_flat_buffers() const { return static_cast<int64_t>(buckets_.size()); }
+
+int64_t FsdpGroup::reduced_shard_bytes() const {
+  int64_t n = 0;
+  for (const Bucket& b : buckets_) n += b.block * static_cast<int64_t>(ElementSize(b.reduce));
+  return n;
+}
+
+int64_t FsdpGroup::unsharded_buffer_bytes() const {
+  int64_t n = 0;
+  for (const Bucket& b : buckets_) n += b.unsharded_numel * static_cast<int64_t>(ElementSize(b.compute));
+  return n;
+}
+
 absl::Status FsdpGroup::StartUnshard() {
   if (state_ != State::kSharded) return absl::OkStatus();
   Communicator& comm = mesh_.comm(shard_dim_);
@@ -324,6 +338,8 @@ absl::Status FsdpGroup::Unshard() {
     } else {
       DT_RETURN_IF_ERROR(b.unsharded.storage()->Reallocate());
     }
+    held_->now += static_cast<int64_t>(b.unsharded.nbytes());
+    held_->peak = std::max(held_->peak, held_->now);
     DT_ASSIGN_OR_RETURN(Tensor out2, b.gather_out.View({shard_size_, b.block}));
     for (int i : b.params) {
       Param& p = params_[static_cast<size_t>(i)];
@@ -374,7 +390,10 @@ absl::Status FsdpGroup::Reshard() {
   for (Param& p : params_) p.var->set_value(Value(p.sharded));
   DT_RETURN_IF_ERROR(RestoreGrads());
   for (Bucket& b : buckets_) {
-    if (b.unsharded.defined()) DT_RETURN_IF_ERROR(b.unsharded.storage()->Release());
+    if (b.unsharded.defined()) {
+      DT_RETURN_IF_ERROR(b.unsharded.storage()->Release());
+      held_->now -= static_cast<int64_t>(b.unsharded.nbytes());
+    }
   }
   state_ = State::kSharded;
   return absl::OkStatus();

@@ -110,6 +110,17 @@ class FsdpGroup {
   // convention: the gathered output; the scattered input), summed over dtypes.
   int64_t all_gather_bytes() const;
   int64_t reduce_scatter_bytes() const;
+  // One flat buffer per dtype of the group's parameters: the collectives per gather or reduce.
+  int64_t num_flat_buffers() const;
+  // Bytes of this rank's reduced gradient shards (what HSDP all-reduces over the replicas).
+  int64_t reduced_shard_bytes() const;
+  // Bytes of this group's unsharded buffers (the gathered parameters layers compute with), and
+  // of those of every group of its tree held at once now and at most since the last
+  // ResetPeakUnshardedBytes() (the all_gather's transient output is not counted).
+  int64_t unsharded_buffer_bytes() const;
+  int64_t tree_unsharded_bytes() const { return held_->now; }
+  int64_t tree_peak_unsharded_bytes() const { return held_->peak; }
+  void ResetPeakUnshardedBytes() { held_->peak = held_->now; }
 
  private:
   friend class FsdpTree;
@@ -135,6 +146,10 @@ class FsdpGroup {
   bool sync_ = true;
   std::vector<Pending> pending_reduce_;
   Stats stats_;
+  struct Held {
+    int64_t now = 0, peak = 0;
+  };
+  std::shared_ptr<Held> held_ = std::make_shared<Held>();  // shared by the groups of a tree
 
   // Hook state (fully_shard.cc).
   std::shared_ptr<FsdpTree> tree_;

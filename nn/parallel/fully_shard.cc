@@ -140,7 +140,10 @@ struct FsdpHooks {
 
   static void Adopt(FsdpGroup& root, std::vector<FsdpGroup*> below) {
     auto tree = std::make_shared<FsdpTree>();
+    auto held = std::make_shared<FsdpGroup::Held>();
+    root.held_ = held;
     for (FsdpGroup* g : below) {
+      g->held_ = held;
       g->tree_ = tree;
       g->is_root_ = false;
       tree->groups.push_back(g);
