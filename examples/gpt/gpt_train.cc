@@ -5,6 +5,7 @@
 //   gpt_train --text corpus.txt --ranks 2                   # 2 ranks as threads: FSDP over both
 //   gpt_train --text corpus.txt --ranks 4 --dp-replicate 2  # HSDP: 2 replicas of 2-way FSDP
 //   dtrun --nproc-per-node 2 gpt_train --text corpus.txt    # 2 processes over UCX
+//   gpt_train --text corpus.txt --ranks 4 --tp 2 --explain  # FSDP x TP: layouts, collectives, bytes
 //
 // Reads top to bottom like llm.c's train_gpt2.c: build the mesh, build the GPT, shard it,
 // then per step: read the global batch, shard it, forward, backward, reduce the gradients,
@@ -20,6 +21,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -47,6 +49,7 @@
 #include "nlohmann/json.hpp"
 #include "nn/gpt.h"
 #include "nn/optim.h"
+#include "nn/parallel/explain.h"
 #include "nn/parallel/fully_shard.h"
 #include "nn/parallel/gpt_plan.h"
 #include "nn/parallel/plan_file.h"
@@ -84,8 +87,9 @@ const char* kUsage =
     "          --reshard-after-forward true --prefetch true --param-dtype fp32|bf16 --reduce-dtype fp32|bf16\n"
     "          --grad-accum 1 (micro-batches per step) --grad-sync every|last\n"
     "          --tp 1 (tensor-parallel degree: the GPT plan) --sequence-parallel true\n"
-    "          --plan FILE (a plan file: its degrees and rules) --explain (print layouts, collectives and memory;\n"
-    "          train nothing)\n"
+    "          --plan FILE (a plan file: its degrees and rules) --explain (print each parameter's layout, each\n"
+    "          phase's collectives and the bytes per rank of one step, computed from the layouts; with --metrics,\n"
+    "          as JSON there; train nothing)\n"
     "  device: --device auto|cpu|cuda (auto: one GPU per process over NCCL when GPUs are visible)\n"
     "  output: --metrics PATH (one JSON object per step) --sample-tokens 200 --log-every 1\n"
     "          --save-final PATH (the trained parameters, whole, as safetensors)\n";
@@ -373,6 +377,23 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       static_cast<long long>(cfg.n_head), static_cast<long long>(cfg.n_embd), static_cast<long long>(cfg.vocab_size),
       static_cast<long long>(f.batch), static_cast<long long>(f.seq), static_cast<long long>(loader.num_tokens()));
 
+  // ---- --explain: what one step will cost this rank, from the layouts; trains nothing ----
+  if (f.explain) {
+    DT_ASSIGN_OR_RETURN(nn::StepExplanation e, nn::ExplainGptStep(*model, mesh,
+                                                                  {.batch = f.batch / f.grad_accum,
+                                                                   .seq = f.seq,
+                                                                   .grad_accum = f.grad_accum,
+                                                                   .grad_sync_every = !(fsdp && f.grad_sync == "last"),
+                                                                   .plan = tp_plan}));
+    say("%s", e.ToString().c_str());
+    if (lead && !f.metrics.empty()) {  // the explanation as one JSON object
+      std::ofstream out(f.metrics, std::ios::trunc);
+      out << e.ToJson().dump() << "\n";
+      if (!out.flush()) return absl::InvalidArgumentError("[gpt_train] cannot write --metrics " + f.metrics);
+    }
+    return absl::OkStatus();
+  }
+
   std::vector<Variable*> params = model->Parameters();
   nn::AdamW opt(params, {.lr = f.lr, .beta1 = f.beta1, .beta2 = f.beta2, .eps = f.eps, .weight_decay = f.weight_decay});
   std::ofstream metrics;
@@ -394,11 +415,20 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   }
 
   // ---- Training ----
+  // What each phase sent, per collective kind (the mesh's CommCounter, switched per phase), and
+  // the peak of FSDP's gathered parameters: in the metrics, as --explain predicts them.
+  std::array<CommCounter, 3> comm;  // forward, backward, update
+  auto count = [&](int phase) {
+    if (mesh.defined()) SetCommCounter(mesh, &comm[static_cast<size_t>(phase)]);
+  };
+  nn::FsdpGroup* root_group = fsdp ? nn::FsdpGroupOf(*model) : nullptr;
   Allocator& allocator = DefaultAllocator(device);
   const int64_t micro = f.batch / f.grad_accum;  // rows per micro-batch (global)
   for (int64_t step = 0; step < f.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     allocator.ResetPeakStats();
+    for (CommCounter& c : comm) c.Reset();
+    if (root_group != nullptr) root_group->ResetPeakUnshardedBytes();
     gpt::Batch batch = loader.Next();  // the global batch [B, T], the same on every rank
     DT_ASSIGN_OR_RETURN(Tensor inputs, Tensor::FromVector<int32_t>(batch.inputs, {f.batch, f.seq}));
     DT_ASSIGN_OR_RETURN(Tensor targets, Tensor::FromVector<int32_t>(batch.targets, {f.batch, f.seq}));
@@ -420,6 +450,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       }
       if (fsdp && f.grad_sync == "last") nn::SetRequiresGradientSync(*model, k + 1 == f.grad_accum);
       const auto f0 = std::chrono::steady_clock::now();
+      count(0);
       DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(x), Variable::Constant(y)));
       Variable loss = out.loss;
       if (f.grad_accum > 1) {
@@ -428,6 +459,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       const auto f1 = std::chrono::steady_clock::now();
       // Gradients: FSDP reduce-scatters them to Shard(0) during backward; DDP leaves them
       // Partial(sum).
+      count(1);
       DT_RETURN_IF_ERROR(Backward(loss));
       const auto f2 = std::chrono::steady_clock::now();
       fwd_ms += std::chrono::duration<double, std::milli>(f1 - f0).count();
@@ -435,6 +467,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       losses.push_back(out.loss.value());
     }
     const auto t3 = std::chrono::steady_clock::now();
+    count(2);
     if (!fsdp) DT_RETURN_IF_ERROR(nn::ReduceGradients(params));  // DDP: -> Replicate, bucketed all_reduces
     DT_ASSIGN_OR_RETURN(double norm, nn::ClipGradNorm(params, f.grad_clip));
     const double lr =
@@ -465,6 +498,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     }
     const std::vector<double> lv = {loss_sum / static_cast<double>(f.grad_accum)};
     const auto t4 = std::chrono::steady_clock::now();
+    if (mesh.defined()) SetCommCounter(mesh, nullptr);
     auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
     const double dt = std::chrono::duration<double>(t4 - t0).count();
     const double tok_s = static_cast<double>(f.batch * f.seq) / dt;
@@ -487,7 +521,9 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
                                 {"grad_bytes", grad_bytes},
                                 {"optim_bytes", opt.StateBytes()},
                                 {"bytes_in_use", mem.bytes_in_use},
-                                {"peak_bytes", mem.peak_bytes_in_use}}
+                                {"peak_bytes", mem.peak_bytes_in_use},
+                                {"peak_unsharded_bytes", root_group ? root_group->tree_peak_unsharded_bytes() : 0},
+                                {"comm", nn::CommToJson(comm)}}
                      .dump()
               << "\n"
               << std::flush;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <utility>
 #include <vector>
@@ -240,6 +241,80 @@ TEST_F(GptFsdpTest, TensorParallelRunsEqualOneRank) {
 TEST_F(GptFsdpTest, TensorParallelOverUcxProcessesEqualsOneRank) {
   ExpectSameRun(RunFinal(std::string(DTRUN_PATH) + " --nproc-per-node 2", "--tp 2", "tu2"), "TP 2, UCX processes",
                 1e-4);
+}
+
+// --explain against one real step of the same configuration: every phase's collectives (kind,
+// calls, bytes: the mesh's CommCounter in the step's metrics), the bytes of parameters,
+// gradients and optimizer state, and the peak of FSDP's gathered parameters must be what the
+// explanation computed from the layouts, for data, tensor and 3-D parallelism.
+TEST_F(GptTrainTest, ExplainMatchesOneRealStep) {
+  const std::string plan = std::string(DTENSOR_SOURCE_DIR) + "/examples/gpt/plans/gpt_tp.json";
+  const std::vector<std::pair<std::string, std::string>> configs = {
+      {"", "--ranks 1"},
+      {"", "--ranks 2 --dp-shard 1 --dp-replicate 2"},                                   // DDP
+      {"", "--ranks 2 --n-layer 3"},                                                     // FSDP
+      {"", "--ranks 4 --dp-replicate 2 --reshard-after-forward false"},                  // HSDP
+      {"", "--ranks 2 --tp 2"},                                                          // TP + SP
+      {"", "--ranks 2 --tp 2 --sequence-parallel false"},                                // TP
+      {"", "--ranks 2 --plan " + plan},                                                  // the plan file
+      {"", "--ranks 3 --tp 3 --n-head 6 --n-embd 48 --vocab 250"},                       // uneven vocabulary shards
+      {"", "--ranks 4 --tp 2"},                                                          // FSDP x TP
+      {"", "--ranks 4 --tp 2 --dp-shard 1 --dp-replicate 2 --sequence-parallel false"},  // DDP x TP
+      {"", "--ranks 8 --tp 2 --dp-replicate 2"},                                         // DDP x FSDP x TP
+      {"", "--ranks 4 --tp 2 --grad-accum 2 --grad-sync last --param-dtype bf16"},
+      {std::string(DTRUN_PATH) + " --nproc-per-node 2", "--tp 2 --device cpu"},  // UCX processes
+      {std::string(DTRUN_PATH) + " --nproc-per-node 2", "--device cpu"},
+  };
+  for (const auto& [launcher, flags] : configs) {
+    SCOPED_TRACE(launcher + " " + flags);
+    const std::string common =
+        "--text " + Corpus() + " --n-layer 2 --n-head 4 --n-embd 32 --seq 16 --batch 8 --steps 1 --sample-tokens 0 ";
+    const std::string explained = Path("explain.json"), measured = Path("step.jsonl");
+    const ProcessRun e = Train(launcher, common + "--explain --metrics " + explained + " " + flags);
+    ASSERT_EQ(e.code, 0) << e.out;
+    EXPECT_NE(e.out.find("collectives per step"), std::string::npos) << e.out;
+    const ProcessRun r = Train(launcher, common + "--metrics " + measured + " " + flags);
+    ASSERT_EQ(r.code, 0) << r.out;
+    std::ifstream ein(explained), min(measured);
+    std::string eline, mline;
+    ASSERT_TRUE(std::getline(ein, eline));
+    ASSERT_TRUE(std::getline(min, mline));
+    const nlohmann::json x = nlohmann::json::parse(eline), m = nlohmann::json::parse(mline);
+    EXPECT_EQ(x.at("comm"), m.at("comm"))
+        << "explained " << x.at("comm").dump() << "\nmeasured  " << m.at("comm").dump() << "\n"
+        << e.out;
+    for (const char* key : {"param_bytes", "grad_bytes", "optim_bytes", "peak_unsharded_bytes"}) {
+      EXPECT_EQ(x.at(key), m.at(key)) << key;
+    }
+    // One rank per process: the allocator holds the state at rest and little else.
+    if (!launcher.empty()) {
+      const int64_t state =
+          x.at("param_bytes").get<int64_t>() + x.at("grad_bytes").get<int64_t>() + x.at("optim_bytes").get<int64_t>();
+      EXPECT_GE(m.at("bytes_in_use").get<int64_t>(), state);
+      EXPECT_LE(m.at("bytes_in_use").get<int64_t>(), state + (1 << 20));
+    }
+    const std::string tp =
+        flags.find("--tp") != std::string::npos || flags.find("--plan") != std::string::npos ? "tp=S(0)" : "";
+    if (!tp.empty()) {
+      EXPECT_NE(e.out.find(tp), std::string::npos) << e.out;  // wte's vocabulary shard
+    }
+  }
+  // A plan with a style the explanation does not model is refused, naming it.
+  const std::string odd = Path("odd.json");
+  std::ifstream twin(plan);
+  std::string text((std::istreambuf_iterator<char>(twin)), std::istreambuf_iterator<char>());
+  const std::string rules = "\"rules\": [";
+  ASSERT_NE(text.find(rules), std::string::npos);
+  text.replace(
+      text.find(rules), rules.size(),
+      rules + R"j({"module": "transformer.h.*.mlp", "style": "PrepareModuleOutput(output=S(1), desired=S(1))"},)j");
+  testing::WriteBytes(odd, text);
+  const ProcessRun bad = Train("", "--text " + Corpus() +
+                                       " --ranks 2 --n-layer 1 --n-head 2 --n-embd 16 --seq 8 "
+                                       "--explain --plan " +
+                                       odd);
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.out.find("PrepareModuleOutput"), std::string::npos) << bad.out;
 }
 
 TEST_F(GptFsdpTest, BadParallelFlagsFailCleanly) {
