@@ -1,4 +1,4 @@
-#include "autograd/dispatch.h"
+#include "dtensor/autograd/dispatch.h"
 
 #include <limits>
 #include <memory>

@@ -27,9 +27,9 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "autograd/value.h"
+#include "dtensor/autograd/value.h"
 #include "dtensor/core/dtensor.h"
-#include "placements/layout.h"
+#include "dtensor/placements/layout.h"
 
 namespace dtensor {
 

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "autograd/dispatch.h"
-#include "autograd/value.h"
+#include "dtensor/autograd/dispatch.h"
+#include "dtensor/autograd/value.h"
 #include "dtensor/kernels/kernels.h"
 
 namespace dtensor::fn {

@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "autograd/functional.h"
-#include "autograd/variable.h"
+#include "dtensor/autograd/functional.h"
+#include "dtensor/autograd/variable.h"
 
 namespace dtensor {
 

@@ -1,4 +1,4 @@
-#include "autograd/value.h"
+#include "dtensor/autograd/value.h"
 
 namespace dtensor {
 

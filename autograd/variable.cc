@@ -1,4 +1,4 @@
-#include "autograd/variable.h"
+#include "dtensor/autograd/variable.h"
 
 #include <atomic>
 #include <queue>
@@ -6,7 +6,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "autograd/functional.h"
+#include "dtensor/autograd/functional.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 

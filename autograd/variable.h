@@ -28,7 +28,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "autograd/value.h"
+#include "dtensor/autograd/value.h"
 
 namespace dtensor {
 

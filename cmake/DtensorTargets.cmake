@@ -16,22 +16,37 @@ function(dtensor_set_warnings target)
   endif()
 endfunction()
 
+# The include form: every library header is included as "dtensor/<folder>/<file>.h", as
+# Abseil's are "absl/...", in this tree and installed alike, while the design's folders stay at
+# the top level (mesh/, nn/, ... beside dtensor/core, dtensor/tensor, ...). The build makes a
+# forwarding tree, <build>/include/dtensor/<folder> -> the source folder (a symbolic link per
+# folder), and the libraries see only that tree, so an include of another form does not build.
+# The install copies the headers to include/dtensor/<folder>/.
+set(DTENSOR_INCLUDE_TREE ${PROJECT_BINARY_DIR}/include)
+file(MAKE_DIRECTORY ${DTENSOR_INCLUDE_TREE}/dtensor)
+foreach(folder mesh placements collectives autograd nn dtensor/core dtensor/tensor dtensor/kernels dtensor/ops)
+  string(REGEX REPLACE "^dtensor/" "" name ${folder})
+  if(NOT IS_SYMLINK ${DTENSOR_INCLUDE_TREE}/dtensor/${name})
+    file(CREATE_LINK ${PROJECT_SOURCE_DIR}/${folder} ${DTENSOR_INCLUDE_TREE}/dtensor/${name} SYMBOLIC)
+  endif()
+endforeach()
+
 # dtensor_add_library(NAME SOURCES ... [HEADERS ...] [DEPS ...] [PRIVATE_DEPS ...])
-# One static library per folder. Headers are installed under include/dtensor/<path from the
-# source root>, so `#include "dtensor/tensor/tensor.h"` works in-tree and installed alike.
+# One static library per folder; its headers install to include/dtensor/<folder>/.
 function(dtensor_add_library name)
   cmake_parse_arguments(ARG "" "" "SOURCES;HEADERS;DEPS;PRIVATE_DEPS" ${ARGN})
   add_library(${name} STATIC ${ARG_SOURCES})
   add_library(dtensor::${name} ALIAS ${name})
   target_include_directories(${name} PUBLIC
-    $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
-    $<INSTALL_INTERFACE:include/dtensor>)
+    $<BUILD_INTERFACE:${DTENSOR_INCLUDE_TREE}>
+    $<INSTALL_INTERFACE:include>)
   target_link_libraries(${name} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
   dtensor_set_warnings(${name})
   set_property(GLOBAL APPEND PROPERTY DTENSOR_LIBRARIES ${name})
   foreach(h ${ARG_HEADERS})
     file(RELATIVE_PATH rel ${PROJECT_SOURCE_DIR} ${CMAKE_CURRENT_SOURCE_DIR}/${h})
     get_filename_component(dir ${rel} DIRECTORY)
+    string(REGEX REPLACE "^dtensor/" "" dir ${dir})
     install(FILES ${h} DESTINATION include/dtensor/${dir})
   endforeach()
 endfunction()

@@ -1,4 +1,4 @@
-#include "collectives/checks.h"
+#include "dtensor/collectives/checks.h"
 
 #include <utility>
 

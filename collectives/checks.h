@@ -21,7 +21,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "collectives/communicator.h"
+#include "dtensor/collectives/communicator.h"
 #include "dtensor/tensor/tensor.h"
 
 namespace dtensor::internal {

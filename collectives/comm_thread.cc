@@ -1,4 +1,4 @@
-#include "collectives/comm_thread.h"
+#include "dtensor/collectives/comm_thread.h"
 
 #include <utility>
 

@@ -29,7 +29,7 @@
 #include <thread>
 
 #include "absl/status/status.h"
-#include "collectives/communicator.h"
+#include "dtensor/collectives/communicator.h"
 
 namespace dtensor {
 

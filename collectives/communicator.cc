@@ -1,4 +1,4 @@
-#include "collectives/communicator.h"
+#include "dtensor/collectives/communicator.h"
 
 #include <cstdlib>
 #include <numeric>
@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "collectives/checks.h"
+#include "dtensor/collectives/checks.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 

@@ -9,7 +9,7 @@
 #include <thread>
 #include <vector>
 
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/core/dtensor.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"

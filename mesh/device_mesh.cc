@@ -1,4 +1,4 @@
-#include "mesh/device_mesh.h"
+#include "dtensor/mesh/device_mesh.h"
 
 #include <algorithm>
 

@@ -30,7 +30,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "collectives/communicator.h"
+#include "dtensor/collectives/communicator.h"
 #include "dtensor/tensor/tensor.h"
 
 namespace dtensor {

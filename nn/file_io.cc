@@ -1,4 +1,4 @@
-#include "nn/file_io.h"
+#include "dtensor/nn/file_io.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

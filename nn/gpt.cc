@@ -1,4 +1,4 @@
-#include "nn/gpt.h"
+#include "dtensor/nn/gpt.h"
 
 #include <cmath>
 

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "nn/layers.h"
+#include "dtensor/nn/layers.h"
 
 namespace dtensor::nn {
 

@@ -1,4 +1,4 @@
-#include "nn/layers.h"
+#include "dtensor/nn/layers.h"
 
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"

@@ -12,8 +12,8 @@
 
 #include <cstdint>
 
-#include "autograd/ops.h"
-#include "nn/module.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/nn/module.h"
 
 namespace dtensor::nn {
 

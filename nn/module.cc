@@ -1,4 +1,4 @@
-#include "nn/module.h"
+#include "dtensor/nn/module.h"
 
 #include <algorithm>
 

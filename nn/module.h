@@ -25,9 +25,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "autograd/variable.h"
-#include "mesh/device_mesh.h"
-#include "placements/layout.h"
+#include "dtensor/autograd/variable.h"
+#include "dtensor/mesh/device_mesh.h"
+#include "dtensor/placements/layout.h"
 
 namespace dtensor::nn {
 

@@ -1,4 +1,4 @@
-#include "nn/optim.h"
+#include "dtensor/nn/optim.h"
 
 #include <algorithm>
 #include <cmath>

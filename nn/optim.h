@@ -19,7 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "autograd/variable.h"
+#include "dtensor/autograd/variable.h"
 
 namespace dtensor::nn {
 

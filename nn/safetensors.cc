@@ -1,4 +1,4 @@
-#include "nn/safetensors.h"
+#include "dtensor/nn/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -15,10 +15,10 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "dtensor/nn/file_io.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 #include "nlohmann/json.hpp"
-#include "nn/file_io.h"
 
 namespace dtensor {
 namespace {

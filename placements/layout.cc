@@ -1,4 +1,4 @@
-#include "placements/layout.h"
+#include "dtensor/placements/layout.h"
 
 #include <algorithm>
 #include <tuple>

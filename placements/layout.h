@@ -32,8 +32,8 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "dtensor/placements/placement.h"
 #include "dtensor/tensor/tensor.h"
-#include "placements/placement.h"
 
 namespace dtensor {
 

@@ -1,4 +1,4 @@
-#include "placements/placement.h"
+#include "dtensor/placements/placement.h"
 
 #include "absl/strings/str_cat.h"
 

@@ -21,6 +21,14 @@ cmake --build "$build_dir" -j "$jobs"
 echo "[test] clang-format check"
 git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format --dry-run -Werror
 
+# The include form (README): library headers are "dtensor/<folder>/...". The libraries build
+# only that way; tests, examples and benchmarks also see the source root, so check them here.
+echo "[test] include form"
+if git grep -nE '#include [<"](mesh|placements|collectives|autograd|nn)/' -- '*.h' '*.cc' '*.cu' '*.cuh' '*.md'; then
+  echo "the includes above must start with dtensor/ (README: embedding)" >&2
+  exit 1
+fi
+
 echo "[test] ctest"
 ctest --test-dir "$build_dir" -j "$jobs" --output-on-failure --timeout 900
 

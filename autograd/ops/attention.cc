@@ -1,9 +1,9 @@
 // Causal self-attention on q, k, v [B, H, T, D]: forward, backward and sharding rule.
 // Sharding rule: batch (S(0)) or heads (S(1)) — every row of attention stays on one rank;
 // TP shards heads, DP shards the batch.
-#include "autograd/functional.h"
-#include "autograd/ops.h"
-#include "autograd/ops/op_util.h"
+#include "dtensor/autograd/functional.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/autograd/ops/op_util.h"
 
 namespace dtensor {
 namespace {

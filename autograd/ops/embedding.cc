@@ -8,9 +8,9 @@
 //   embedding_backward (dout [..., C], ids [...]) -> dw [V, C]
 //     S(d), S(d) -> P(sum)     R, R -> S(0) (each rank scatters into its own rows)
 //     S(-1), R -> S(1)         P(sum), R -> P(sum)
-#include "autograd/functional.h"
-#include "autograd/ops.h"
-#include "autograd/ops/op_util.h"
+#include "dtensor/autograd/functional.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/autograd/ops/op_util.h"
 
 namespace dtensor {
 namespace {

@@ -8,9 +8,9 @@
 //   linear_dw    sum over leading dims of dy^T x -> [out, in]
 //     S(d)·S(d) -> P (the data-parallel weight gradient)   S(-1)·R -> S(0)   R·S(-1) -> S(1)
 //   matmul       a [..., M, K] · b [K, N] or [..., K, N]: batch, M, N shards; K·K -> P
-#include "autograd/functional.h"
-#include "autograd/ops.h"
-#include "autograd/ops/op_util.h"
+#include "dtensor/autograd/functional.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/autograd/ops/op_util.h"
 
 namespace dtensor {
 namespace {

@@ -3,9 +3,9 @@
 // Sharding rule: rows are independent, so any dim but the normalised one may be sharded
 // (the statistics mean/rstd [x.shape[:-1]] are sharded alike); the weight and bias are
 // replicated and their gradients come out Partial(sum) over the row shards.
-#include "autograd/functional.h"
-#include "autograd/ops.h"
-#include "autograd/ops/op_util.h"
+#include "dtensor/autograd/functional.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/autograd/ops/op_util.h"
 
 namespace dtensor {
 namespace {

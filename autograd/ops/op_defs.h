@@ -4,7 +4,7 @@
 #ifndef DTENSOR_AUTOGRAD_OPS_OP_DEFS_H_
 #define DTENSOR_AUTOGRAD_OPS_OP_DEFS_H_
 
-#include "autograd/dispatch.h"
+#include "dtensor/autograd/dispatch.h"
 
 namespace dtensor::op_defs {
 

@@ -8,8 +8,8 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "autograd/dispatch.h"
-#include "autograd/variable.h"
+#include "dtensor/autograd/dispatch.h"
+#include "dtensor/autograd/variable.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 

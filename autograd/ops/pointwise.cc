@@ -3,9 +3,9 @@
 // Sharding rule: every output dim may be sharded when each input either has that dim at full
 // size (sharded alike) or broadcasts it (replicated). Linear ops pass Partial through:
 // P + P -> P for add/sub, P * R -> P for mul (and P / R for div), -P, s * P.
-#include "autograd/functional.h"
-#include "autograd/ops.h"
-#include "autograd/ops/op_util.h"
+#include "dtensor/autograd/functional.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/autograd/ops/op_util.h"
 
 namespace dtensor {
 namespace {

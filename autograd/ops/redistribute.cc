@@ -3,9 +3,9 @@
 // Backward of a redistribution is the transposed redistribution: the gradient goes back to the
 // input's layout with Partial read as Replicate (all_gather <-> reduce_scatter, P -> R's
 // all_reduce <-> nothing), as PyTorch defines it.
-#include "autograd/functional.h"
-#include "autograd/ops.h"
-#include "autograd/ops/op_util.h"
+#include "dtensor/autograd/functional.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/autograd/ops/op_util.h"
 
 namespace dtensor {
 namespace {

@@ -6,9 +6,9 @@
 // for max/min. Sum and mean of a P(sum) input stay P(sum).
 #include <algorithm>
 
-#include "autograd/functional.h"
-#include "autograd/ops.h"
-#include "autograd/ops/op_util.h"
+#include "dtensor/autograd/functional.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/autograd/ops/op_util.h"
 
 namespace dtensor {
 namespace {

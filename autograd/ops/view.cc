@@ -6,9 +6,9 @@
 // size-1 dims do not count (a squeeze or unsqueeze keeps any shard).
 // Values are unchanged, so every Partial passes through. For DTensors the result may be a
 // view of the input's local piece.
-#include "autograd/functional.h"
-#include "autograd/ops.h"
-#include "autograd/ops/op_util.h"
+#include "dtensor/autograd/functional.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/autograd/ops/op_util.h"
 
 namespace dtensor {
 namespace {

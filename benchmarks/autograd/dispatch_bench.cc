@@ -35,13 +35,13 @@
 #include <utility>
 #include <vector>
 
-#include "autograd/functional.h"
-#include "autograd/ops.h"
-#include "autograd/variable.h"
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/autograd/functional.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/autograd/variable.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/core/dtensor.h"
+#include "dtensor/mesh/device_mesh.h"
 #include "dtensor/ops/ops.h"
-#include "mesh/device_mesh.h"
 
 namespace dtensor {
 namespace {

@@ -42,15 +42,15 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
-#include "collectives/communicator.h"
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/collectives/communicator.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/core/dtensor.h"
 #include "dtensor/core/executor.h"
 #include "dtensor/core/plan.h"
+#include "dtensor/mesh/device_mesh.h"
 #include "dtensor/ops/ops.h"
+#include "dtensor/placements/layout.h"
 #include "dtensor/tensor/tensor.h"
-#include "mesh/device_mesh.h"
-#include "placements/layout.h"
 
 namespace dtensor {
 namespace {

@@ -25,16 +25,16 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "autograd/ops.h"
-#include "collectives/store/cpus.h"
-#include "collectives/threads/threads_communicator.h"
-#include "collectives/ucx/ucx_communicator.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/collectives/store/cpus.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
+#include "dtensor/collectives/ucx/ucx_communicator.h"
 #include "dtensor/kernels/cpu/blas_core.h"
+#include "dtensor/nn/gpt.h"
+#include "dtensor/nn/optim.h"
+#include "dtensor/nn/parallel/fully_shard.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
-#include "nn/gpt.h"
-#include "nn/optim.h"
-#include "nn/parallel/fully_shard.h"
 
 namespace dtensor {
 namespace {

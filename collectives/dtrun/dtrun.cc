@@ -46,7 +46,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "collectives/store/cpus.h"
+#include "dtensor/collectives/store/cpus.h"
 
 extern char** environ;
 

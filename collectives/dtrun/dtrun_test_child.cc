@@ -18,8 +18,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "collectives/store/cpus.h"
-#include "collectives/store/rendezvous.h"
+#include "dtensor/collectives/store/cpus.h"
+#include "dtensor/collectives/store/rendezvous.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "collectives/nccl/local_gpu.h"
+#include "dtensor/collectives/nccl/local_gpu.h"
 
 #include "absl/strings/str_cat.h"
 

@@ -11,7 +11,7 @@
 // ncclInvalidArgument -> InvalidArgument, ncclInvalidUsage -> FailedPrecondition,
 // ncclRemoteError / ncclSystemError -> Unavailable (a peer or the network is gone), the rest
 // -> Internal.
-#include "collectives/nccl/nccl_communicator.h"
+#include "dtensor/collectives/nccl/nccl_communicator.h"
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -30,7 +30,7 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "collectives/checks.h"
+#include "dtensor/collectives/checks.h"
 #include "dtensor/kernels/cuda/cuda_common.h"
 #include "dtensor/tensor/status.h"
 

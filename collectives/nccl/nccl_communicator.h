@@ -71,9 +71,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "collectives/communicator.h"
-#include "collectives/store/rendezvous.h"
-#include "collectives/store/tcp_store.h"
+#include "dtensor/collectives/communicator.h"
+#include "dtensor/collectives/store/rendezvous.h"
+#include "dtensor/collectives/store/tcp_store.h"
 
 namespace dtensor {
 

@@ -1,6 +1,6 @@
 // Built instead of the nccl backend when the CUDA Toolkit or NCCL is not found.
 #include "absl/strings/str_cat.h"
-#include "collectives/nccl/nccl_communicator.h"
+#include "dtensor/collectives/nccl/nccl_communicator.h"
 
 namespace dtensor {
 

@@ -1,4 +1,4 @@
-#include "collectives/store/cpus.h"
+#include "dtensor/collectives/store/cpus.h"
 
 #include <sched.h>
 

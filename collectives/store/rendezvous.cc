@@ -1,4 +1,4 @@
-#include "collectives/store/rendezvous.h"
+#include "dtensor/collectives/store/rendezvous.h"
 
 #include <optional>
 #include <utility>

@@ -27,7 +27,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "collectives/store/tcp_store.h"
+#include "dtensor/collectives/store/tcp_store.h"
 
 namespace dtensor {
 

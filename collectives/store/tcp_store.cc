@@ -1,4 +1,4 @@
-#include "collectives/store/tcp_store.h"
+#include "dtensor/collectives/store/tcp_store.h"
 
 #include <fcntl.h>
 #include <netdb.h>

@@ -1,4 +1,4 @@
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
 
 #include <algorithm>
 #include <atomic>
@@ -17,7 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "collectives/checks.h"
+#include "dtensor/collectives/checks.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 

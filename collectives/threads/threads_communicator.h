@@ -52,7 +52,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "collectives/communicator.h"
+#include "dtensor/collectives/communicator.h"
 
 namespace dtensor {
 

@@ -1,4 +1,4 @@
-#include "collectives/ucx/ucx_communicator.h"
+#include "dtensor/collectives/ucx/ucx_communicator.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -13,10 +13,10 @@
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "collectives/checks.h"
-#include "collectives/store/cpus.h"
-#include "collectives/ucx/ucx_shm.h"
-#include "collectives/ucx/ucx_transport.h"
+#include "dtensor/collectives/checks.h"
+#include "dtensor/collectives/store/cpus.h"
+#include "dtensor/collectives/ucx/ucx_shm.h"
+#include "dtensor/collectives/ucx/ucx_transport.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 

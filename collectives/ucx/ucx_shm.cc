@@ -1,4 +1,4 @@
-#include "collectives/ucx/ucx_shm.h"
+#include "dtensor/collectives/ucx/ucx_shm.h"
 
 #include <fcntl.h>
 #include <linux/futex.h>

@@ -35,7 +35,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
-#include "collectives/ucx/ucx_transport.h"
+#include "dtensor/collectives/ucx/ucx_transport.h"
 #include "dtensor/tensor/shared_cpu_block.h"
 
 namespace dtensor::internal {

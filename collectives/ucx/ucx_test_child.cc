@@ -64,7 +64,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "collectives/ucx/ucx_communicator.h"
+#include "dtensor/collectives/ucx/ucx_communicator.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/allocator.h"
 #include "dtensor/tensor/shared_cpu_block.h"

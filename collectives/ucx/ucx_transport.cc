@@ -1,4 +1,4 @@
-#include "collectives/ucx/ucx_transport.h"
+#include "dtensor/collectives/ucx/ucx_transport.h"
 
 #include <sched.h>
 #include <sys/epoll.h>

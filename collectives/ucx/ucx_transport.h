@@ -15,10 +15,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "collectives/comm_thread.h"
-#include "collectives/communicator.h"
-#include "collectives/store/rendezvous.h"
-#include "collectives/store/tcp_store.h"
+#include "dtensor/collectives/comm_thread.h"
+#include "dtensor/collectives/communicator.h"
+#include "dtensor/collectives/store/rendezvous.h"
+#include "dtensor/collectives/store/tcp_store.h"
 #include "dtensor/tensor/dtype.h"
 
 namespace dtensor::internal {

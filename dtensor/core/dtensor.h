@@ -46,9 +46,9 @@
 #include "absl/status/statusor.h"
 #include "dtensor/core/comm_counter.h"
 #include "dtensor/core/plan.h"
+#include "dtensor/mesh/device_mesh.h"
+#include "dtensor/placements/layout.h"
 #include "dtensor/tensor/tensor.h"
-#include "mesh/device_mesh.h"
-#include "placements/layout.h"
 
 namespace dtensor {
 

@@ -12,10 +12,10 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/inlined_vector.h"
 #include "absl/status/statusor.h"
-#include "collectives/communicator.h"
+#include "dtensor/collectives/communicator.h"
 #include "dtensor/core/comm_counter.h"
 #include "dtensor/core/plan.h"
-#include "mesh/device_mesh.h"
+#include "dtensor/mesh/device_mesh.h"
 
 namespace dtensor::internal {
 

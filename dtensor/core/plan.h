@@ -69,8 +69,8 @@
 #include "absl/hash/hash.h"
 #include "absl/status/statusor.h"
 #include "dtensor/core/comm_counter.h"
+#include "dtensor/placements/layout.h"
 #include "dtensor/tensor/tensor.h"
-#include "placements/layout.h"
 
 namespace dtensor {
 

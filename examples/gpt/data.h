@@ -25,7 +25,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
-#include "nn/file_io.h"  // WriteFileAtomically, ReadFileBytes
+#include "dtensor/nn/file_io.h"  // WriteFileAtomically, ReadFileBytes
 
 namespace dtensor::gpt {
 

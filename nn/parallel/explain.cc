@@ -1,4 +1,4 @@
-#include "nn/parallel/explain.h"
+#include "dtensor/nn/parallel/explain.h"
 
 #include <algorithm>
 #include <map>
@@ -11,8 +11,8 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "dtensor/core/plan.h"
+#include "dtensor/nn/parallel/fully_shard.h"
 #include "dtensor/tensor/status.h"
-#include "nn/parallel/fully_shard.h"
 
 namespace dtensor::nn {
 namespace {

@@ -53,10 +53,10 @@
 
 #include "absl/status/statusor.h"
 #include "dtensor/core/comm_counter.h"
-#include "mesh/device_mesh.h"
+#include "dtensor/mesh/device_mesh.h"
+#include "dtensor/nn/gpt.h"
+#include "dtensor/nn/parallel/parallelize.h"
 #include "nlohmann/json.hpp"
-#include "nn/gpt.h"
-#include "nn/parallel/parallelize.h"
 
 namespace dtensor::nn {
 

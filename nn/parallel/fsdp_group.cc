@@ -1,4 +1,4 @@
-#include "nn/parallel/fsdp_group.h"
+#include "dtensor/nn/parallel/fsdp_group.h"
 
 #include <algorithm>
 #include <chrono>

@@ -27,10 +27,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "autograd/variable.h"
-#include "collectives/communicator.h"
-#include "mesh/device_mesh.h"
-#include "placements/layout.h"
+#include "dtensor/autograd/variable.h"
+#include "dtensor/collectives/communicator.h"
+#include "dtensor/mesh/device_mesh.h"
+#include "dtensor/placements/layout.h"
 
 namespace dtensor::nn {
 

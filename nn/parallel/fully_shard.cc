@@ -1,4 +1,4 @@
-#include "nn/parallel/fully_shard.h"
+#include "dtensor/nn/parallel/fully_shard.h"
 
 #include <memory>
 #include <utility>
@@ -7,7 +7,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "autograd/ops.h"
+#include "dtensor/autograd/ops.h"
 #include "dtensor/tensor/status.h"
 
 namespace dtensor::nn {

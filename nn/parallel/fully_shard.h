@@ -58,9 +58,9 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "mesh/device_mesh.h"
-#include "nn/module.h"
-#include "nn/parallel/fsdp_group.h"
+#include "dtensor/mesh/device_mesh.h"
+#include "dtensor/nn/module.h"
+#include "dtensor/nn/parallel/fsdp_group.h"
 
 namespace dtensor::nn {
 

@@ -1,4 +1,4 @@
-#include "nn/parallel/gpt_plan.h"
+#include "dtensor/nn/parallel/gpt_plan.h"
 
 #include "absl/strings/match.h"
 

@@ -23,8 +23,8 @@
 #include <cstdint>
 #include <string>
 
-#include "autograd/value.h"
-#include "nn/parallel/parallelize.h"
+#include "dtensor/autograd/value.h"
+#include "dtensor/nn/parallel/parallelize.h"
 
 namespace dtensor::nn {
 

@@ -1,4 +1,4 @@
-#include "nn/parallel/parallel_style.h"
+#include "dtensor/nn/parallel/parallel_style.h"
 
 #include <cstdlib>
 #include <type_traits>

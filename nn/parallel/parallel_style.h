@@ -40,7 +40,7 @@
 #include <variant>
 
 #include "absl/status/statusor.h"
-#include "placements/placement.h"
+#include "dtensor/placements/placement.h"
 
 namespace dtensor::nn {
 

@@ -1,4 +1,4 @@
-#include "nn/parallel/parallelize.h"
+#include "dtensor/nn/parallel/parallelize.h"
 
 #include <fnmatch.h>
 
@@ -9,10 +9,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "autograd/ops.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/nn/layers.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
-#include "nn/layers.h"
 
 namespace dtensor::nn {
 namespace {

@@ -35,9 +35,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "mesh/device_mesh.h"
-#include "nn/module.h"
-#include "nn/parallel/parallel_style.h"
+#include "dtensor/mesh/device_mesh.h"
+#include "dtensor/nn/module.h"
+#include "dtensor/nn/parallel/parallel_style.h"
 
 namespace dtensor::nn {
 

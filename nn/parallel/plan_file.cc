@@ -1,4 +1,4 @@
-#include "nn/parallel/plan_file.h"
+#include "dtensor/nn/parallel/plan_file.h"
 
 #include <fstream>
 #include <sstream>

@@ -32,7 +32,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
-#include "nn/parallel/parallelize.h"
+#include "dtensor/nn/parallel/parallelize.h"
 
 namespace dtensor::nn {
 

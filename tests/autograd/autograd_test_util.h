@@ -23,9 +23,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "autograd/functional.h"
-#include "autograd/ops.h"
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/autograd/functional.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/core/dtensor.h"
 #include "dtensor/tensor/status.h"
 #include "gtest/gtest.h"

@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "collectives/communicator.h"
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/collectives/communicator.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 #include "gmock/gmock.h"

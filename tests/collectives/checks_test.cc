@@ -1,5 +1,5 @@
 // The collectives' shared message helpers.
-#include "collectives/checks.h"
+#include "dtensor/collectives/checks.h"
 
 #include "gtest/gtest.h"
 

@@ -1,6 +1,6 @@
 // CommThread: jobs run one at a time in submission order on another thread; Submit returns at
 // once; each Work reports its job's status; Drain returns when every job has run.
-#include "collectives/comm_thread.h"
+#include "dtensor/collectives/comm_thread.h"
 
 #include <atomic>
 #include <chrono>

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_split.h"
-#include "collectives/store/cpus.h"
+#include "dtensor/collectives/store/cpus.h"
 #include "gtest/gtest.h"
 #include "tests/testing/run_process.h"
 #include "tests/testing/test_util.h"

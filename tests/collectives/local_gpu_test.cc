@@ -1,6 +1,6 @@
 // Which GPU a process takes under a launcher (torchrun's convention, plus one GPU
 // handed to each process through CUDA_VISIBLE_DEVICES).
-#include "collectives/nccl/local_gpu.h"
+#include "dtensor/collectives/nccl/local_gpu.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

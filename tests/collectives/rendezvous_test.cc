@@ -1,5 +1,5 @@
 // Rendezvous: launcher environments (torchrun, Open MPI, Slurm), their errors, and ConnectStore.
-#include "collectives/store/rendezvous.h"
+#include "dtensor/collectives/store/rendezvous.h"
 
 #include <cstdlib>
 #include <map>

@@ -17,7 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "collectives/store/tcp_store.h"
+#include "dtensor/collectives/store/tcp_store.h"
 #include "gtest/gtest.h"
 
 namespace dtensor {

@@ -16,7 +16,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/tensor/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

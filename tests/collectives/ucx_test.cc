@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "collectives/store/cpus.h"
+#include "dtensor/collectives/store/cpus.h"
 #include "gtest/gtest.h"
 #include "tests/testing/run_process.h"
 

@@ -16,9 +16,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "collectives/nccl/nccl_communicator.h"
-#include "collectives/store/rendezvous.h"
-#include "collectives/ucx/ucx_communicator.h"
+#include "dtensor/collectives/nccl/nccl_communicator.h"
+#include "dtensor/collectives/store/rendezvous.h"
+#include "dtensor/collectives/ucx/ucx_communicator.h"
 #include "dtensor/core/dtensor.h"
 #include "dtensor/ops/ops.h"
 #include "tests/testing/nccl_process_gpu.h"

@@ -23,10 +23,10 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "dtensor/placements/layout.h"
+#include "dtensor/placements/placement.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "placements/layout.h"
-#include "placements/placement.h"
 
 namespace dtensor {
 namespace {

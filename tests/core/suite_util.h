@@ -28,14 +28,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/core/comm_counter.h"
 #include "dtensor/core/dtensor.h"
 #include "dtensor/core/plan.h"
+#include "dtensor/mesh/device_mesh.h"
+#include "dtensor/placements/layout.h"
+#include "dtensor/placements/placement.h"
 #include "dtensor/tensor/tensor.h"
-#include "mesh/device_mesh.h"
-#include "placements/layout.h"
-#include "placements/placement.h"
 
 // In a test body or a void lambda: `DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}));`
 // declares `DeviceMesh& mesh`, or fails the test and returns.

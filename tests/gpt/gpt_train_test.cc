@@ -12,15 +12,15 @@
 
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "autograd/ops.h"
+#include "dtensor/autograd/ops.h"
 #include "dtensor/kernels/cpu/blas_core.h"
+#include "dtensor/nn/gpt.h"
+#include "dtensor/nn/safetensors.h"
 #include "dtensor/tensor/device.h"
 #include "examples/gpt/data.h"
 #include "examples/gpt/llmc.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "nn/gpt.h"
-#include "nn/safetensors.h"
 #include "tests/testing/run_process.h"
 #include "tests/testing/test_util.h"
 

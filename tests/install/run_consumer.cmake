@@ -12,7 +12,7 @@ function(run_step)
 endfunction()
 
 run_step(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${WORK_DIR}/prefix)
-if(NOT EXISTS ${WORK_DIR}/prefix/include/dtensor/dtensor/tensor/tensor.h)
+if(NOT EXISTS ${WORK_DIR}/prefix/include/dtensor/tensor/tensor.h)
   message(FATAL_ERROR "headers not installed under include/dtensor/")
 endif()
 run_step(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/build -G ${GENERATOR}

@@ -2,7 +2,7 @@
 // group (found by all-gathering world ranks over the group's communicator) against a naive
 // computation from row-major coordinates; Sub, Flatten, ranks(), SameAs, ToString, DimIndex
 // and the errors of Create, Sub, Flatten and comm(dims).
-#include "mesh/device_mesh.h"
+#include "dtensor/mesh/device_mesh.h"
 
 #include <algorithm>
 #include <functional>
@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/tensor/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"

@@ -4,7 +4,7 @@
 // gradient accumulation, and in bfloat16; each step issues exactly the collectives FSDP
 // promises, of exactly the analytical sizes; parameters, gradients and optimizer state are
 // 1/N per rank.
-#include "nn/parallel/fully_shard.h"
+#include "dtensor/nn/parallel/fully_shard.h"
 
 #include <cmath>
 #include <functional>
@@ -15,12 +15,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "autograd/ops.h"
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
+#include "dtensor/nn/gpt.h"
+#include "dtensor/nn/optim.h"
 #include "dtensor/ops/ops.h"
 #include "gtest/gtest.h"
-#include "nn/gpt.h"
-#include "nn/optim.h"
 #include "tests/testing/test_util.h"
 
 namespace dtensor {

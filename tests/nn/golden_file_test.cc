@@ -7,8 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "dtensor/nn/safetensors.h"
 #include "gtest/gtest.h"
-#include "nn/safetensors.h"
 #include "tests/testing/test_util.h"
 
 #ifndef DTENSOR_GOLDEN_DIR

@@ -7,14 +7,14 @@
 #include <string>
 #include <thread>
 
-#include "autograd/ops.h"
-#include "collectives/nccl/nccl_communicator.h"
-#include "collectives/store/tcp_store.h"
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/collectives/nccl/nccl_communicator.h"
+#include "dtensor/collectives/store/tcp_store.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
+#include "dtensor/nn/gpt.h"
+#include "dtensor/nn/optim.h"
+#include "dtensor/nn/safetensors.h"
 #include "gtest/gtest.h"
-#include "nn/gpt.h"
-#include "nn/optim.h"
-#include "nn/safetensors.h"
 #include "tests/testing/test_util.h"
 
 namespace dtensor {

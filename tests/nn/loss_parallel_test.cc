@@ -3,8 +3,8 @@
 // moves nothing), alone and combined with batch sharding on a 2x2 mesh.
 #include <thread>
 
-#include "autograd/ops.h"
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
 #include "gtest/gtest.h"
 #include "tests/testing/test_util.h"
 

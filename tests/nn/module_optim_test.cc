@@ -3,11 +3,11 @@
 #include <cmath>
 #include <thread>
 
-#include "autograd/ops.h"
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
+#include "dtensor/nn/gpt.h"
+#include "dtensor/nn/optim.h"
 #include "gtest/gtest.h"
-#include "nn/gpt.h"
-#include "nn/optim.h"
 #include "tests/testing/test_util.h"
 
 namespace dtensor {

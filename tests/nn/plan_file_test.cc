@@ -2,19 +2,19 @@
 // the code builds, gives every parameter the same placements and trains to the same losses;
 // files that are wrong are refused with the rule's text; ParallelDims resolves -1 and refuses
 // degrees that do not make the world.
-#include "nn/parallel/plan_file.h"
+#include "dtensor/nn/parallel/plan_file.h"
 
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "autograd/ops.h"
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
+#include "dtensor/nn/gpt.h"
+#include "dtensor/nn/optim.h"
+#include "dtensor/nn/parallel/gpt_plan.h"
 #include "gtest/gtest.h"
-#include "nn/gpt.h"
-#include "nn/optim.h"
-#include "nn/parallel/gpt_plan.h"
 #include "tests/testing/test_util.h"
 
 namespace dtensor {

@@ -1,4 +1,4 @@
-#include "nn/safetensors.h"
+#include "dtensor/nn/safetensors.h"
 
 #include <dirent.h>
 #include <stdlib.h>

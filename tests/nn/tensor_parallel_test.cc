@@ -11,14 +11,14 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "autograd/ops.h"
-#include "collectives/threads/threads_communicator.h"
+#include "dtensor/autograd/ops.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
+#include "dtensor/nn/gpt.h"
+#include "dtensor/nn/optim.h"
+#include "dtensor/nn/parallel/fully_shard.h"
+#include "dtensor/nn/parallel/gpt_plan.h"
 #include "dtensor/ops/ops.h"
 #include "gtest/gtest.h"
-#include "nn/gpt.h"
-#include "nn/optim.h"
-#include "nn/parallel/fully_shard.h"
-#include "nn/parallel/gpt_plan.h"
 #include "tests/testing/test_util.h"
 
 namespace dtensor {

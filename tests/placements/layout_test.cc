@@ -3,7 +3,7 @@
 // in every order against naive nested chunking of index lists (and the tiling of the tensor
 // by the boxes of all ranks), shard orders, WithPlacement, ToString, NormalizeLayout and
 // CheckedLocalBoxOf errors.
-#include "placements/layout.h"
+#include "dtensor/placements/layout.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -14,9 +14,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "dtensor/placements/placement.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "placements/placement.h"
 
 namespace dtensor {
 namespace {

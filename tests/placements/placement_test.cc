@@ -1,6 +1,6 @@
 // Tests of Placement: equality, hashing (absl::Hash, flat_hash_set) and printing, and of
 // Layout's value semantics (equality and hashing with shard orders).
-#include "placements/placement.h"
+#include "dtensor/placements/placement.h"
 
 #include <string>
 #include <tuple>
@@ -9,8 +9,8 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/hash/hash.h"
 #include "absl/hash/hash_testing.h"
+#include "dtensor/placements/layout.h"
 #include "gtest/gtest.h"
-#include "placements/layout.h"
 
 namespace dtensor {
 namespace {

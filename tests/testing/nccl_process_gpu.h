@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "collectives/store/rendezvous.h"
+#include "dtensor/collectives/store/rendezvous.h"
 #include "dtensor/tensor/device.h"
 
 namespace dtensor::testing {
