@@ -5,6 +5,7 @@ find_package(absl REQUIRED)
 find_package(Threads REQUIRED)
 find_package(OpenMP REQUIRED COMPONENTS CXX)
 find_package(nlohmann_json REQUIRED)  # header-only JSON (safetensors headers); Debian nlohmann-json3-dev
+find_package(ZLIB REQUIRED)           # crc32 of checkpoint blocks; Debian zlib1g-dev
 
 # OpenBLAS, OpenMP build (libopenblas-openmp-dev): it shares libgomp's thread pool with our own
 # OpenMP kernels, so there is one pool for everything (two spinning pools on 2 cores cost

@@ -24,7 +24,8 @@ endfunction()
 # The install copies the headers to include/dtensor/<folder>/.
 set(DTENSOR_INCLUDE_TREE ${PROJECT_BINARY_DIR}/include)
 file(MAKE_DIRECTORY ${DTENSOR_INCLUDE_TREE}/dtensor)
-foreach(folder mesh placements collectives autograd nn dtensor/core dtensor/tensor dtensor/kernels dtensor/ops)
+foreach(folder mesh placements collectives autograd nn dtensor/core dtensor/checkpoint dtensor/tensor dtensor/kernels
+               dtensor/ops)
   string(REGEX REPLACE "^dtensor/" "" name ${folder})
   if(NOT IS_SYMLINK ${DTENSOR_INCLUDE_TREE}/dtensor/${name})
     file(CREATE_LINK ${PROJECT_SOURCE_DIR}/${folder} ${DTENSOR_INCLUDE_TREE}/dtensor/${name} SYMBOLIC)

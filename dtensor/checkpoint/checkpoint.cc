@@ -1,0 +1,590 @@
+#include "dtensor/checkpoint/checkpoint.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "dtensor/ops/ops.h"
+#include "dtensor/tensor/status.h"
+#include "nlohmann/json.hpp"
+
+namespace dtensor {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::ordered_json;
+constexpr const char* kMetadata = "metadata.json";
+constexpr const char* kFormat = "dtensor-checkpoint";
+
+std::string Errno() { return std::strerror(errno); }
+
+std::vector<int64_t> Vec(IntSpan s) { return std::vector<int64_t>(s.begin(), s.end()); }
+
+// An entry's tensor shape, and the shape it is stored in (checked: dims 0 and 1 merged).
+absl::StatusOr<std::pair<Shape, Shape>> Shapes(const StateEntry& e) {
+  const DTensor* d = std::get_if<DTensor>(&e.tensor);
+  const Tensor& x = d != nullptr ? d->ToLocal() : std::get<Tensor>(e.tensor);
+  const Shape shape =
+      d != nullptr ? Shape(d->shape().begin(), d->shape().end()) : Shape(x.shape().begin(), x.shape().end());
+  if (e.stored_shape.empty()) return std::make_pair(shape, shape);
+  Shape merged;
+  if (shape.size() >= 2) {
+    merged.push_back(shape[0] * shape[1]);
+    for (size_t i = 2; i < shape.size(); ++i) merged.push_back(shape[i]);
+  }
+  const Shape stored(e.stored_shape.begin(), e.stored_shape.end());
+  if (merged != stored) {
+    return absl::InvalidArgumentError(absl::StrCat("[Checkpoint] tensor ", e.name, " of shape ", ShapeString(shape),
+                                                   " cannot be stored as ", ShapeString(stored),
+                                                   " (only dims 0 and 1 merged)"));
+  }
+  return std::make_pair(shape, stored);
+}
+
+// A box of the tensor as boxes of the stored shape (dims 0 and 1 merged): one per index of
+// its dim 0, in order, each holding box.shape[1..] elements.
+std::vector<LocalBox> StoredBoxes(const LocalBox& box, const Shape& shape, const Shape& stored) {
+  if (shape == stored) return {box};
+  std::vector<LocalBox> out;
+  for (int64_t i = 0; i < box.shape[0]; ++i) {
+    LocalBox b{.offset = {(box.offset[0] + i) * shape[1] + box.offset[1]}, .shape = {box.shape[1]}};
+    for (size_t d = 2; d < box.shape.size(); ++d) {
+      b.offset.push_back(box.offset[d]);
+      b.shape.push_back(box.shape[d]);
+    }
+    out.push_back(std::move(b));
+  }
+  return out;
+}
+
+absl::StatusOr<DType> ParseDType(const std::string& name) {
+  for (DType t : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kInt32, DType::kInt64, DType::kBool}) {
+    if (name == DTypeName(t)) return t;
+  }
+  return absl::DataLossError(absl::StrCat("unknown dtype '", name, "'"));
+}
+
+uint32_t Crc(const char* data, int64_t n) {
+  uLong c = crc32(0L, Z_NULL, 0);
+  while (n > 0) {  // crc32 takes a uInt length
+    const uInt step = static_cast<uInt>(std::min<int64_t>(n, 1 << 30));
+    c = crc32(c, reinterpret_cast<const Bytef*>(data), step);
+    data += step;
+    n -= step;
+  }
+  return static_cast<uint32_t>(c);
+}
+
+absl::Status WriteAll(int fd, const char* data, int64_t n, const std::string& path) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, data, static_cast<size_t>(std::min<int64_t>(n, 1 << 30)));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return absl::InternalError(absl::StrCat("[SaveCheckpoint] writing ", path, ": ", Errno()));
+    }
+    data += w;
+    n -= w;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status FsyncPath(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
+  if (fd < 0) return absl::InternalError(absl::StrCat("[SaveCheckpoint] opening ", path, ": ", Errno()));
+  const int rc = ::fsync(fd);
+  ::close(fd);
+  if (rc != 0) return absl::InternalError(absl::StrCat("[SaveCheckpoint] fsync ", path, ": ", Errno()));
+  return absl::OkStatus();
+}
+
+// Every rank's text, in rank order.
+absl::StatusOr<std::vector<std::string>> AllGatherText(Communicator& world, const std::string& text) {
+  const int n = world.size();
+  DT_ASSIGN_OR_RETURN(Tensor len, Tensor::FromVector<int64_t>({static_cast<int64_t>(text.size())}, {1}));
+  DT_ASSIGN_OR_RETURN(len, To(len, world.device()));
+  DT_ASSIGN_OR_RETURN(Tensor lens, Tensor::Empty({n}, DType::kInt64, world.device()));
+  DT_RETURN_IF_ERROR(world.AllGather(len, lens));
+  DT_ASSIGN_OR_RETURN(lens, To(lens, Device::Cpu()));
+  std::vector<int64_t> words(static_cast<size_t>(n));
+  int64_t total = 0;
+  for (int r = 0; r < n; ++r) {
+    words[static_cast<size_t>(r)] = (lens.data<int64_t>()[r] + 3) / 4;
+    total += words[static_cast<size_t>(r)];
+  }
+  std::vector<int32_t> packed(static_cast<size_t>(words[static_cast<size_t>(world.rank())]), 0);
+  if (!text.empty()) std::memcpy(packed.data(), text.data(), text.size());
+  DT_ASSIGN_OR_RETURN(Tensor in, Tensor::FromVector<int32_t>(packed, {static_cast<int64_t>(packed.size())}));
+  DT_ASSIGN_OR_RETURN(in, To(in, world.device()));
+  DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({total}, DType::kInt32, world.device()));
+  DT_RETURN_IF_ERROR(world.AllGatherV(in, out, words));
+  DT_ASSIGN_OR_RETURN(out, To(out, Device::Cpu()));
+  std::vector<std::string> texts;
+  const char* p = static_cast<const char*>(out.raw_data());
+  for (int r = 0; r < n; ++r) {
+    texts.emplace_back(p, static_cast<size_t>(lens.data<int64_t>()[r]));
+    p += 4 * words[static_cast<size_t>(r)];
+  }
+  return texts;
+}
+
+// Every rank's ok flag, so that all ranks stop together when any failed: OK, or an error
+// naming the ranks that failed (this rank's own error first when it is one of them).
+absl::Status Agree(Communicator& world, const absl::Status& mine, const char* what) {
+  DT_ASSIGN_OR_RETURN(Tensor flag, Tensor::FromVector<int32_t>({mine.ok() ? 1 : 0}, {1}));
+  DT_ASSIGN_OR_RETURN(flag, To(flag, world.device()));
+  DT_ASSIGN_OR_RETURN(Tensor all, Tensor::Empty({world.size()}, DType::kInt32, world.device()));
+  DT_RETURN_IF_ERROR(world.AllGather(flag, all));
+  DT_ASSIGN_OR_RETURN(all, To(all, Device::Cpu()));
+  std::vector<int> failed;
+  for (int r = 0; r < world.size(); ++r) {
+    if (all.data<int32_t>()[r] == 0) failed.push_back(r);
+  }
+  if (failed.empty()) return absl::OkStatus();
+  // Every rank learns the first failed rank's error (its code and message).
+  DT_ASSIGN_OR_RETURN(
+      std::vector<std::string> texts,
+      AllGatherText(world, mine.ok() ? "" : absl::StrCat(static_cast<int>(mine.code()), " ", mine.message())));
+  if (!mine.ok()) return mine;
+  const std::string& first = texts[static_cast<size_t>(failed[0])];
+  const size_t space = first.find(' ');
+  const int code = std::atoi(first.substr(0, space).c_str());
+  return absl::Status(static_cast<absl::StatusCode>(code),
+                      absl::StrCat("[SaveCheckpoint] ", what, " failed on rank(s) ", absl::StrJoin(failed, ", "),
+                                   ", nothing was committed; rank ", failed[0], ": ",
+                                   space == std::string::npos ? "" : first.substr(space + 1)));
+}
+
+// One piece this rank writes: a box of a tensor, its bytes on the CPU.
+struct Piece {
+  std::string tensor = "";
+  Shape global = {};
+  DType dtype = DType::kFloat32;
+  LocalBox box = {};
+  Tensor data = Tensor();  // contiguous, CPU
+};
+
+// The pieces this rank owns (Partial values reduced first: collective over their meshes).
+absl::StatusOr<std::vector<Piece>> PiecesOf(Communicator& world, const CheckpointState& state) {
+  std::vector<Piece> pieces;
+  for (const StateEntry& e : state) {
+    const std::string& name = e.name;
+    const StateTensor& t = e.tensor;
+    DT_ASSIGN_OR_RETURN(auto shapes, Shapes(e));
+    Piece p{.tensor = name};
+    if (const DTensor* d = std::get_if<DTensor>(&t)) {
+      DTensor v = *d;
+      if (v.layout().has_partial()) {
+        Layout r = v.layout();
+        for (int m = 0; m < r.ndim(); ++m) {
+          if (r[m].is_partial()) r = r.WithPlacement(m, Replicate());
+        }
+        DT_ASSIGN_OR_RETURN(v, v.Redistribute(r));
+      }
+      bool writer = true;  // one rank per distinct piece: coordinate 0 where not sharded
+      for (int m = 0; m < v.layout().ndim(); ++m) {
+        if (!v.layout()[m].is_shard() && v.mesh().coordinate(m) != 0) writer = false;
+      }
+      if (!writer) continue;
+      p.global = Shape(v.shape().begin(), v.shape().end());
+      p.dtype = v.dtype();
+      p.box = LocalBoxOf(v.shape(), v.mesh().shape(), v.layout(), v.mesh().coordinate());
+      p.data = v.ToLocal();
+    } else {
+      if (world.rank() != 0) continue;
+      const Tensor& x = std::get<Tensor>(t);
+      p.global = Shape(x.shape().begin(), x.shape().end());
+      p.dtype = x.dtype();
+      p.box = LocalBox{.offset = Shape(x.shape().size(), 0), .shape = p.global};
+      p.data = x;
+    }
+    if (p.box.numel() == 0) continue;
+    DT_ASSIGN_OR_RETURN(p.data, To(p.data, Device::Cpu()));
+    DT_ASSIGN_OR_RETURN(p.data, Contiguous(p.data));
+    if (shapes.first == shapes.second) {
+      pieces.push_back(std::move(p));
+      continue;
+    }
+    // Stored with dims 0 and 1 merged: one piece per index of the box's dim 0.
+    const std::vector<LocalBox> boxes = StoredBoxes(p.box, shapes.first, shapes.second);
+    for (size_t i = 0; i < boxes.size(); ++i) {
+      DT_ASSIGN_OR_RETURN(Tensor slice, p.data.Select(0, static_cast<int64_t>(i)));
+      pieces.push_back(
+          Piece{.tensor = name, .global = shapes.second, .dtype = p.dtype, .box = boxes[i], .data = slice});
+    }
+  }
+  return pieces;
+}
+
+// Writes this rank's pieces into `dir`/rank-<r>.bin (fsynced) and describes them.
+absl::StatusOr<Json> WritePieces(int rank, const std::string& dir, const std::vector<Piece>& pieces,
+                                 int64_t block_bytes) {
+  Json out = Json::array();
+  if (pieces.empty()) return out;
+  const std::string file = absl::StrFormat("rank-%05d.bin", rank);
+  const std::string path = dir + "/" + file;
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) return absl::InternalError(absl::StrCat("[SaveCheckpoint] creating ", path, ": ", Errno()));
+  absl::Status s;
+  int64_t offset = 0;
+  for (const Piece& p : pieces) {
+    const char* bytes = static_cast<const char*>(p.data.raw_data());
+    const int64_t n = static_cast<int64_t>(p.data.nbytes());
+    s = WriteAll(fd, bytes, n, path);
+    if (!s.ok()) break;
+    std::vector<uint32_t> crcs;
+    for (int64_t b = 0; b < n; b += block_bytes) crcs.push_back(Crc(bytes + b, std::min(block_bytes, n - b)));
+    out.push_back({{"tensor", p.tensor},
+                   {"shape", Vec(p.global)},
+                   {"dtype", DTypeName(p.dtype)},
+                   {"offset", Vec(p.box.offset)},
+                   {"box", Vec(p.box.shape)},
+                   {"file", file},
+                   {"file_offset", offset},
+                   {"bytes", n},
+                   {"crc32", crcs}});
+    offset += n;
+  }
+  if (s.ok() && ::fsync(fd) != 0) s = absl::InternalError(absl::StrCat("[SaveCheckpoint] fsync ", path, ": ", Errno()));
+  ::close(fd);
+  if (!s.ok()) return s;
+  return out;
+}
+
+// Rank 0: the metadata from every rank's pieces (a piece two ranks wrote, e.g. a DTensor on
+// sub-meshes that replicate it, is kept once), checked for agreement.
+absl::StatusOr<Json> BuildMetadata(const CheckpointState& state, const std::vector<std::string>& texts,
+                                   int64_t block_bytes) {
+  Json tensors = Json::object();
+  for (const StateEntry& e : state) {  // shape and dtype as rank 0 holds them
+    const DTensor* d = std::get_if<DTensor>(&e.tensor);
+    const Tensor& x = d != nullptr ? d->ToLocal() : std::get<Tensor>(e.tensor);
+    DT_ASSIGN_OR_RETURN(auto shapes, Shapes(e));
+    tensors[e.name] = {{"shape", Vec(shapes.second)}, {"dtype", DTypeName(x.dtype())}, {"pieces", Json::array()}};
+  }
+  std::map<std::pair<std::string, std::string>, bool> seen;  // (tensor, box) written
+  for (size_t r = 0; r < texts.size(); ++r) {
+    Json pieces = Json::parse(texts[r], nullptr, false);
+    if (pieces.is_discarded()) return absl::InternalError(absl::StrCat("[SaveCheckpoint] rank ", r, "'s description"));
+    for (Json& p : pieces) {
+      const std::string name = p["tensor"];
+      if (!tensors.contains(name)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("[SaveCheckpoint] rank ", r, " saves tensor ", name, ", which rank 0's state does not name"));
+      }
+      Json& t = tensors[name];
+      if (t["shape"] != p["shape"] || t["dtype"] != p["dtype"]) {
+        return absl::InvalidArgumentError(absl::StrCat("[SaveCheckpoint] tensor ", name, " is ", t["shape"].dump(), " ",
+                                                       t["dtype"].dump(), " on one rank and ", p["shape"].dump(), " ",
+                                                       p["dtype"].dump(), " on rank ", r));
+      }
+      const auto key = std::make_pair(name, p["offset"].dump() + p["box"].dump());
+      if (seen[key]) continue;
+      seen[key] = true;
+      p.erase("tensor");
+      p.erase("shape");
+      p.erase("dtype");
+      t["pieces"].push_back(p);
+    }
+  }
+  return Json{{"format", kFormat}, {"version", 1}, {"block_bytes", block_bytes}, {"tensors", tensors}};
+}
+
+absl::Status CommitMetadata(const std::string& tmp, const std::string& final_dir, const std::string& root,
+                            const Json& metadata) {
+  const std::string path = tmp + "/" + kMetadata, part = path + ".part";
+  {
+    std::ofstream out(part, std::ios::trunc);
+    out << metadata.dump(1) << "\n";
+    if (!out.flush()) return absl::InternalError(absl::StrCat("[SaveCheckpoint] writing ", part));
+  }
+  DT_RETURN_IF_ERROR(FsyncPath(part, false));
+  if (::rename(part.c_str(), path.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("[SaveCheckpoint] renaming ", part, ": ", Errno()));
+  }
+  DT_RETURN_IF_ERROR(FsyncPath(tmp, true));
+  if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+    return absl::InternalError(absl::StrCat("[SaveCheckpoint] renaming ", tmp, " to ", final_dir, ": ", Errno()));
+  }
+  return FsyncPath(root, true);
+}
+
+// The complete checkpoints under root, oldest first.
+std::vector<std::string> Complete(const std::string& root) {
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(root, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.empty() || n[0] == '.' || !e.is_directory(ec)) continue;
+    if (fs::is_regular_file(e.path() / kMetadata, ec)) names.push_back(n);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// ---- Loading ----
+
+class Files {
+ public:
+  explicit Files(std::string dir, LoadStats* stats) : dir_(std::move(dir)), stats_(stats) {}
+  ~Files() {
+    for (auto& [name, fd] : fds_) ::close(fd);
+  }
+  // Reads exactly n bytes at `offset` of `file`; NotFound / DataLoss naming file and tensor.
+  absl::Status Read(const std::string& file, int64_t offset, int64_t n, char* out, const std::string& tensor) {
+    auto it = fds_.find(file);
+    if (it == fds_.end()) {
+      const std::string path = dir_ + "/" + file;
+      const int fd = ::open(path.c_str(), O_RDONLY);
+      if (fd < 0) {
+        return absl::NotFoundError(
+            absl::StrCat("[LoadCheckpoint] tensor ", tensor, ": cannot open ", path, ": ", Errno()));
+      }
+      it = fds_.emplace(file, fd).first;
+      if (stats_ != nullptr) ++stats_->files_opened;
+    }
+    int64_t done = 0;
+    while (done < n) {
+      const ssize_t r = ::pread(it->second, out + done, static_cast<size_t>(n - done), offset + done);
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) {
+        return absl::DataLossError(absl::StrCat("[LoadCheckpoint] tensor ", tensor, ": ", dir_, "/", file,
+                                                " is truncated or unreadable: wanted bytes [", offset, ", ", offset + n,
+                                                "), got ", done, r < 0 ? ": " + Errno() : ""));
+      }
+      done += r;
+    }
+    if (stats_ != nullptr) stats_->bytes_read += n;
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string dir_;
+  LoadStats* stats_;
+  std::map<std::string, int> fds_;
+};
+
+Shape ToShape(const Json& j) {
+  const std::vector<int64_t> v = j.get<std::vector<int64_t>>();
+  return Shape(v.begin(), v.end());
+}
+
+// Copies the part of a stored piece that overlaps `box` into `out` (box-shaped, row-major),
+// reading and verifying only the checksum blocks that hold it; returns the elements copied.
+absl::StatusOr<int64_t> CopyOverlap(Files& files, const Json& piece, const LocalBox& box, int64_t elem,
+                                    int64_t block_bytes, const std::string& tensor, char* out) {
+  const Shape po = ToShape(piece.at("offset")), ps = ToShape(piece.at("box"));
+  const size_t nd = box.shape.size();
+  if (po.size() != nd || ps.size() != nd) {
+    return absl::DataLossError(absl::StrCat("[LoadCheckpoint] tensor ", tensor, ": a piece of the wrong rank"));
+  }
+  Shape lo(nd), ext(nd);
+  for (size_t d = 0; d < nd; ++d) {
+    lo[d] = std::max(po[d], box.offset[d]);
+    const int64_t hi = std::min(po[d] + ps[d], box.offset[d] + box.shape[d]);
+    if (hi <= lo[d]) return int64_t{0};
+    ext[d] = hi - lo[d];
+  }
+  // Runs: the innermost dims the overlap spans whole in both boxes, plus the next one's extent.
+  size_t inner = nd;
+  int64_t run = 1;
+  while (inner > 0 && ext[inner - 1] == ps[inner - 1] && ext[inner - 1] == box.shape[inner - 1]) {
+    run *= ext[--inner];
+  }
+  if (inner > 0) run *= ext[--inner];  // the dims [inner, nd) form one contiguous run
+  const std::string file = piece.at("file");
+  const int64_t file_offset = piece.at("file_offset"), bytes = piece.at("bytes");
+  const std::vector<uint32_t> crcs = piece.at("crc32");
+  std::map<int64_t, std::vector<char>> blocks;  // verified blocks of this piece
+  auto block = [&](int64_t b) -> absl::StatusOr<const std::vector<char>*> {
+    auto it = blocks.find(b);
+    if (it != blocks.end()) return &it->second;
+    const int64_t begin = b * block_bytes, n = std::min(block_bytes, bytes - begin);
+    if (b < 0 || n <= 0 || static_cast<size_t>(b) >= crcs.size()) {
+      return absl::DataLossError(
+          absl::StrCat("[LoadCheckpoint] tensor ", tensor, ": block ", b, " of ", file, " is outside the piece"));
+    }
+    std::vector<char> data(static_cast<size_t>(n));
+    DT_RETURN_IF_ERROR(files.Read(file, file_offset + begin, n, data.data(), tensor));
+    if (Crc(data.data(), n) != crcs[static_cast<size_t>(b)]) {
+      return absl::DataLossError(absl::StrCat("[LoadCheckpoint] tensor ", tensor, ": checksum mismatch in ", file,
+                                              " bytes [", file_offset + begin, ", ", file_offset + begin + n, ")"));
+    }
+    return &blocks.emplace(b, std::move(data)).first->second;
+  };
+  // Every index of the dims before `inner`, row-major.
+  Shape idx(inner, 0);
+  int64_t copied = 0;
+  while (true) {
+    int64_t src = 0, dst = 0;  // element offsets in the piece and in the box
+    for (size_t d = 0; d < nd; ++d) {
+      const int64_t g = lo[d] + (d < inner ? idx[d] : 0);
+      src = src * ps[d] + (g - po[d]);
+      dst = dst * box.shape[d] + (g - box.offset[d]);
+    }
+    int64_t s = src * elem, n = run * elem;
+    char* o = out + dst * elem;
+    while (n > 0) {  // across blocks
+      const int64_t b = s / block_bytes, in = s - b * block_bytes;
+      DT_ASSIGN_OR_RETURN(const std::vector<char>* data, block(b));
+      const int64_t take = std::min<int64_t>(n, static_cast<int64_t>(data->size()) - in);
+      if (take <= 0) {
+        return absl::DataLossError(absl::StrCat("[LoadCheckpoint] tensor ", tensor, ": ", file,
+                                                " holds fewer bytes "
+                                                "than its piece"));
+      }
+      std::memcpy(o, data->data() + in, static_cast<size_t>(take));
+      o += take;
+      s += take;
+      n -= take;
+    }
+    copied += run;
+    if (inner == 0) break;
+    size_t d = inner;
+    while (d > 0 && ++idx[d - 1] == ext[d - 1]) idx[--d] = 0;
+    if (d == 0) break;
+  }
+  return copied;
+}
+
+}  // namespace
+
+absl::Status SaveCheckpoint(Communicator& world, const std::string& root, const std::string& name,
+                            const CheckpointState& state, const SaveOptions& options) {
+  if (name.empty() || name[0] == '.' || name.find('/') != std::string::npos || options.block_bytes < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("[SaveCheckpoint] name '", name,
+                                                   "' (non-empty, no '/', not starting "
+                                                   "with '.') or block_bytes ",
+                                                   options.block_bytes, " (>= 1)"));
+  }
+  const std::string tmp = root + "/.tmp-" + name, final_dir = root + "/" + name;
+  absl::Status prepared;
+  if (world.rank() == 0) {
+    std::error_code ec;
+    fs::create_directories(root, ec);
+    if (fs::exists(final_dir, ec)) {
+      prepared = absl::AlreadyExistsError(absl::StrCat("[SaveCheckpoint] ", final_dir, " exists"));
+    } else {
+      fs::remove_all(tmp, ec);
+      if (!fs::create_directory(tmp, ec)) {
+        prepared = absl::InternalError(absl::StrCat("[SaveCheckpoint] creating ", tmp, ": ", ec.message()));
+      }
+    }
+  }
+  DT_RETURN_IF_ERROR(Agree(world, prepared, "preparing the directory"));
+  // Partial values are reduced here (collective), before any rank can fail alone.
+  absl::StatusOr<std::vector<Piece>> pieces = PiecesOf(world, state);
+  absl::StatusOr<Json> mine = pieces.ok() ? WritePieces(world.rank(), tmp, *pieces, options.block_bytes)
+                                          : absl::StatusOr<Json>(pieces.status());
+  DT_RETURN_IF_ERROR(Agree(world, mine.status(), "writing the pieces"));
+  DT_ASSIGN_OR_RETURN(std::vector<std::string> texts, AllGatherText(world, mine->dump()));
+  absl::Status committed;
+  if (world.rank() == 0) {
+    absl::StatusOr<Json> metadata = BuildMetadata(state, texts, options.block_bytes);
+    committed = metadata.ok() ? CommitMetadata(tmp, final_dir, root, *metadata) : metadata.status();
+    if (committed.ok() && options.keep > 0) {
+      std::vector<std::string> all = Complete(root);
+      for (size_t i = 0; i + static_cast<size_t>(options.keep) < all.size(); ++i) {
+        std::error_code ec;
+        fs::remove_all(root + "/" + all[i], ec);
+      }
+    }
+  }
+  return Agree(world, committed, "committing the metadata");
+}
+
+absl::StatusOr<std::string> LatestCheckpoint(const std::string& root) {
+  std::vector<std::string> all = Complete(root);
+  if (all.empty()) return absl::NotFoundError(absl::StrCat("[LatestCheckpoint] no complete checkpoint in ", root));
+  return root + "/" + all.back();
+}
+
+absl::Status LoadCheckpoint(const std::string& dir, const CheckpointState& state, LoadStats* stats) {
+  const std::string path = dir + "/" + kMetadata;
+  std::ifstream in(path);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("[LoadCheckpoint] no ", path, ": not a complete checkpoint"));
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  const Json meta = Json::parse(text.str(), nullptr, false);
+  if (meta.is_discarded() || !meta.is_object() || meta.value("format", "") != kFormat || !meta.contains("tensors")) {
+    return absl::DataLossError(absl::StrCat("[LoadCheckpoint] ", path, " is not a dtensor checkpoint's metadata"));
+  }
+  const Json& tensors = meta["tensors"];
+  const int64_t block_bytes = meta.value("block_bytes", int64_t{0});
+  if (block_bytes < 1) return absl::DataLossError(absl::StrCat("[LoadCheckpoint] ", path, ": bad block_bytes"));
+  Files files(dir, stats);
+  for (const StateEntry& e : state) {
+    const std::string& name = e.name;
+    const StateTensor& t = e.tensor;
+    if (!tensors.contains(name)) {
+      std::vector<std::string> have;
+      for (const auto& [k, v] : tensors.items()) have.push_back(k);
+      return absl::NotFoundError(absl::StrCat("[LoadCheckpoint] tensor ", name, " is not in ", dir, " (it holds ",
+                                              absl::StrJoin(have, ", "), ")"));
+    }
+    const Json& tm = tensors[name];
+    const DTensor* d = std::get_if<DTensor>(&t);
+    const Tensor& local = d != nullptr ? d->ToLocal() : std::get<Tensor>(t);
+    DT_ASSIGN_OR_RETURN(auto shapes, Shapes(e));
+    const Shape& shape = shapes.first;
+    absl::StatusOr<DType> stored = ParseDType(tm.value("dtype", ""));
+    if (!stored.ok() || ToShape(tm.at("shape")) != shapes.second || *stored != local.dtype()) {
+      return absl::InvalidArgumentError(absl::StrCat("[LoadCheckpoint] tensor ", name, " is ", tm["shape"].dump(), " ",
+                                                     tm.value("dtype", "?"), " in ", dir, ", the target ",
+                                                     ShapeString(shapes.second), " ", DTypeName(local.dtype())));
+    }
+    LocalBox box{.offset = Shape(shape.size(), 0), .shape = shape};
+    bool zeros = false;  // Partial(sum) off coordinate 0: this rank's part is zero
+    if (d != nullptr) {
+      box = LocalBoxOf(shape, d->mesh().shape(), d->layout(), d->mesh().coordinate());
+      for (int m = 0; m < d->layout().ndim(); ++m) {
+        const Placement& p = d->layout()[m];
+        if (p.is_partial() && p.partial_op() == PartialOp::kSum && d->mesh().coordinate(m) != 0) zeros = true;
+      }
+    }
+    if (local.shape() != IntSpan(box.shape)) {
+      return absl::InvalidArgumentError(absl::StrCat("[LoadCheckpoint] tensor ", name,
+                                                     ": the target's local tensor is ", ShapeString(local.shape()),
+                                                     ", its layout's box ", ShapeString(box.shape)));
+    }
+    if (box.numel() == 0) continue;
+    DT_ASSIGN_OR_RETURN(Tensor buffer, Tensor::Empty(box.shape, local.dtype(), Device::Cpu()));
+    if (zeros) {
+      DT_RETURN_IF_ERROR(Fill_(buffer, 0.0));
+    } else {
+      int64_t filled = 0;
+      const int64_t elem = static_cast<int64_t>(ElementSize(local.dtype()));
+      char* out = static_cast<char*>(buffer.raw_data());
+      for (const LocalBox& sb : StoredBoxes(box, shapes.first, shapes.second)) {  // in order, back to back
+        for (const Json& piece : tm.at("pieces")) {
+          DT_ASSIGN_OR_RETURN(int64_t n, CopyOverlap(files, piece, sb, elem, block_bytes, name, out));
+          filled += n;
+        }
+        out += sb.numel() * elem;
+      }
+      if (filled != box.numel()) {
+        return absl::DataLossError(absl::StrCat("[LoadCheckpoint] tensor ", name, ": the pieces in ", dir, " cover ",
+                                                filled, " of the ", box.numel(), " elements this rank needs"));
+      }
+    }
+    DT_ASSIGN_OR_RETURN(buffer, To(buffer, local.device()));
+    DT_RETURN_IF_ERROR(Copy_(local, buffer));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace dtensor

@@ -1,0 +1,93 @@
+// Distributed checkpoints that reshard on load (PyTorch DCP's model): every rank writes the
+// pieces of the state it owns into one file of its own, rank 0 adds one metadata file, and a
+// load onto any meshes and layouts (another parallelism, another world size) reads, on each
+// rank, only the byte ranges that overlap the pieces it needs.
+//
+//   CheckpointState state = {{"wte", wte_dtensor}, {"step", step_tensor}};
+//   DT_RETURN_IF_ERROR(SaveCheckpoint(world, "/ckpt", "step-00000010", state, {.keep = 3}));
+//   ...                                      // later, maybe on another mesh and layouts:
+//   DT_ASSIGN_OR_RETURN(std::string dir, LatestCheckpoint("/ckpt"));   // "/ckpt/step-00000010"
+//   DT_RETURN_IF_ERROR(LoadCheckpoint(dir, target));   // fills target's tensors in place
+//
+// A state is named tensors: DTensors (any mesh, any layout: Shard, Replicate, Partial, nested
+// shard orders, uneven torch.chunk pieces) and plain Tensors (every rank holds the same value;
+// rank 0 writes it). What is written: for each DTensor, each distinct piece once (a
+// Replicate piece by the rank at coordinate 0 of the replicating mesh dims; Partial values
+// are reduced first, a collective), as raw little-endian bytes, row-major, appended to
+// rank-<r>.bin; and metadata.json (nlohmann-json): per tensor its global shape and dtype, per
+// piece its box (offset and shape in the global tensor), file, byte offset, length and the
+// CRC-32 (zlib) of each block of `block_bytes`.
+//
+// Atomic and crash-safe: the pieces go to <root>/.tmp-<name>/, are fsynced, rank 0 writes
+// the metadata last (fsynced, renamed into place), then renames the directory to
+// <root>/<name> and fsyncs <root>. A checkpoint directory without metadata.json is never
+// picked, and a save interrupted at any moment leaves the previous checkpoints as they were.
+// Every rank writes to the same directory: one host, or a filesystem all hosts share (as DCP).
+//
+// Load: for each target tensor, this rank's box (LocalBoxOf of its layout) is filled from the
+// stored pieces that overlap it: whole checksum blocks are read (pread) and verified, and
+// only blocks holding some of the box's bytes. A Partial target is filled as R -> P is:
+// Partial(sum) holds the value on the rank at coordinate 0 of the partial mesh dims and zeros
+// elsewhere; avg, max and min hold it everywhere.
+//
+// Errors, each naming the tensor and the file: a tensor missing from the checkpoint, a global
+// shape or dtype that differs from the target's, a missing or truncated file, a checksum
+// mismatch, pieces that do not cover the target (DataLoss); never a crash or silently wrong
+// values. A rank's failure during a save becomes every rank's error (the ranks agree before
+// the metadata is written).
+#ifndef DTENSOR_CHECKPOINT_CHECKPOINT_H_
+#define DTENSOR_CHECKPOINT_CHECKPOINT_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "dtensor/collectives/communicator.h"
+#include "dtensor/core/dtensor.h"
+#include "dtensor/tensor/tensor.h"
+
+namespace dtensor {
+
+// A DTensor, or a plain Tensor every rank holds whole.
+using StateTensor = std::variant<DTensor, Tensor>;
+
+struct StateEntry {
+  std::string name = "";
+  StateTensor tensor = Tensor();
+  // The shape it is stored in, when that differs from the tensor's: the tensor's with dims 0
+  // and 1 merged ([3, C, C] stored as [3C, C]: GPT-2's fused c_attn, which tensor parallelism
+  // views stacked). Boxes map across (one box of the view is a box per index of its dim 0),
+  // so a checkpoint saved in either view loads into the other.
+  std::vector<int64_t> stored_shape = {};
+};
+using CheckpointState = std::vector<StateEntry>;
+
+struct SaveOptions {
+  int64_t keep = 0;               // then keep only the newest `keep` complete checkpoints (0: all)
+  int64_t block_bytes = 1 << 20;  // checksum granularity (and the reader's unit)
+};
+
+// Saves `state` as <root>/<name>. Collective over `world` (every rank that holds any of the
+// DTensors, each with the same names in the same order). <root>/<name> must not exist.
+absl::Status SaveCheckpoint(Communicator& world, const std::string& root, const std::string& name,
+                            const CheckpointState& state, const SaveOptions& options = {});
+
+// The newest complete checkpoint under `root` (by name: zero-padded step numbers sort), as a
+// path; NotFound when there is none.
+absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
+
+struct LoadStats {
+  int64_t bytes_read = 0;  // by this rank
+  int64_t files_opened = 0;
+};
+
+// Fills every tensor of `state` (DTensors: this rank's local tensor; Tensors: whole) from the
+// checkpoint directory `dir`, resharding to the targets' meshes and layouts. Not collective.
+absl::Status LoadCheckpoint(const std::string& dir, const CheckpointState& state, LoadStats* stats = nullptr);
+
+}  // namespace dtensor
+
+#endif  // DTENSOR_CHECKPOINT_CHECKPOINT_H_

@@ -1,0 +1,256 @@
+// Checkpoints on thread ranks, each checked against the global tensors it was made from:
+// save under one mesh and layouts, load under others (another world size, nested shard orders,
+// uneven pieces, Partial sources and targets, plain tensors), the bytes a rank reads, the
+// atomic directory protocol (keep K, incomplete directories never picked) and the errors for
+// missing, truncated and corrupted files and mismatched targets.
+#include "dtensor/checkpoint/checkpoint.h"
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dtensor/ops/ops.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/core/suite_util.h"
+#include "tests/testing/test_util.h"
+
+namespace dtensor {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::Unwrap;
+
+void RunRanks(int world, const std::function<void(int rank, Communicator& comm)>& fn) {
+  const double seconds = suite::RunThreads(world, fn);
+  EXPECT_GE(seconds, 0) << "MakeThreadGroup failed";
+  EXPECT_LT(seconds, 10.0) << "took too long: something waited for a timeout";
+}
+
+// The global tensors every test saves: distinct values, so a misplaced element shows.
+Tensor Global(IntSpan shape, DType dtype, uint64_t seed) {
+  if (dtype == DType::kInt64) {  // integers: seed * 1000 + index
+    std::vector<int64_t> v(static_cast<size_t>(NumElements(shape)));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = static_cast<int64_t>(seed * 1000 + i);
+    return Unwrap(Tensor::FromVector<int64_t>(v, shape));
+  }
+  return testing::Random(shape, dtype, seed, -100.0, 100.0);
+}
+
+struct Item {
+  std::string name;
+  Shape shape;
+  DType dtype;
+  Layout layout;  // on the saving mesh
+};
+
+// Saved on a 2x2 mesh: the layouts that matter (sharded both ways, replicated, nested with the
+// non-default order, uneven, Partial) and one plain tensor.
+std::vector<Item> Items() {
+  Layout nested = Unwrap(Layout({Shard(0), Shard(0)}).WithShardOrder(0, {1, 0}));
+  return {
+      {"a", {8, 6}, DType::kFloat32, Layout({Shard(0), Shard(1)})},
+      {"b", {7, 5}, DType::kFloat32, Layout({Replicate(), Shard(0)})},
+      {"c", {9, 4}, DType::kFloat32, nested},
+      {"d", {6, 3}, DType::kBFloat16, Layout({Partial(), Shard(1)})},
+      {"e", {5}, DType::kInt64, Layout({Replicate(), Replicate()})},
+  };
+}
+
+std::string Save(const std::string& root, const std::string& name, SaveOptions options = {}) {
+  RunRanks(4, [&](int, Communicator& comm) {
+    DeviceMesh mesh = Unwrap(DeviceMesh::Create(comm, {2, 2}));
+    CheckpointState state;
+    uint64_t seed = 1;
+    for (const Item& it : Items()) {
+      const Tensor g = Global(it.shape, it.dtype, seed++);
+      state.push_back({it.name, Unwrap(DTensor::Distribute(g, mesh, it.layout, {.src_rank = std::nullopt}))});
+    }
+    state.push_back({"step", Unwrap(Tensor::FromVector<int64_t>({10}, {1}))});
+    const absl::Status s = SaveCheckpoint(comm, root, name, state, options);
+    EXPECT_TRUE(s.ok()) << s;
+  });
+  return root + "/" + name;
+}
+
+// Loads every item onto `world` ranks with mesh `mesh_shape` and the layouts `layout_of` gives,
+// and compares each full tensor with the global it was saved from.
+void LoadAndCheck(const std::string& dir, int world, Shape mesh_shape,
+                  const std::function<Layout(const Item&)>& layout_of) {
+  RunRanks(world, [&](int, Communicator& comm) {
+    DeviceMesh mesh = Unwrap(DeviceMesh::Create(comm, mesh_shape));
+    CheckpointState state;
+    for (const Item& it : Items()) {
+      const Tensor zeros = Unwrap(Zeros(it.shape, it.dtype));
+      state.push_back({it.name, Unwrap(DTensor::Distribute(zeros, mesh, layout_of(it), {.src_rank = std::nullopt}))});
+    }
+    const Tensor step = Unwrap(Tensor::FromVector<int64_t>({0}, {1}));
+    state.push_back({"step", step});
+    const absl::Status s = LoadCheckpoint(dir, state);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(step.data<int64_t>()[0], 10);
+    uint64_t seed = 1;
+    for (size_t i = 0; i < Items().size(); ++i) {
+      const Item& it = Items()[i];
+      const Tensor got = Unwrap(std::get<DTensor>(state[i].tensor).FullTensor());
+      EXPECT_EQ(testing::Values(got), testing::Values(Global(it.shape, it.dtype, seed++)))
+          << it.name << " loaded as " << layout_of(it).ToString();
+    }
+  });
+}
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  std::string Root() const { return dir_.Path("ckpt"); }
+
+ private:
+  testing::ScopedTempDir dir_{"checkpoint_test"};
+};
+
+TEST_F(CheckpointTest, LoadsUnderTheSameLayouts) {
+  const std::string dir = Save(Root(), "step-1");
+  LoadAndCheck(dir, 4, {2, 2}, [](const Item& it) { return it.layout; });
+}
+
+TEST_F(CheckpointTest, ReshardsOntoOtherMeshesAndLayouts) {
+  const std::string dir = Save(Root(), "step-1");
+  // 4 ranks in a line: every tensor sharded on its last dim (uneven), or on dim 0.
+  LoadAndCheck(dir, 4, {4}, [](const Item& it) { return Layout({Shard(static_cast<int64_t>(it.shape.size()) - 1)}); });
+  LoadAndCheck(dir, 4, {4}, [](const Item&) { return Layout({Shard(0)}); });
+  // Another world size: 3 ranks, Partial targets (filled as R -> P), and 6 ranks as 3x2.
+  LoadAndCheck(dir, 3, {3}, [](const Item&) { return Layout({Partial()}); });
+  LoadAndCheck(dir, 6, {3, 2}, [](const Item& it) {
+    return it.shape.size() == 2 ? Layout({Shard(1), Shard(0)}) : Layout({Shard(0), Replicate()});
+  });
+  // The transposed nesting on 2x2, and one rank.
+  LoadAndCheck(dir, 4, {2, 2}, [](const Item&) { return Layout({Shard(0), Shard(0)}); });
+  LoadAndCheck(dir, 1, {1}, [](const Item&) { return Layout({Replicate()}); });
+}
+
+TEST_F(CheckpointTest, ARankReadsOnlyTheBlocksOfItsBox) {
+  // [8, 16] float32 saved as S(0) over 4 ranks, 64-byte blocks (one row each).
+  const std::string dir = Root() + "/rows";
+  RunRanks(4, [&](int, Communicator& comm) {
+    DeviceMesh mesh = Unwrap(DeviceMesh::Create(comm, {4}));
+    DTensor x = Unwrap(
+        DTensor::Distribute(Global({8, 16}, DType::kFloat32, 7), mesh, Layout({Shard(0)}), {.src_rank = std::nullopt}));
+    EXPECT_TRUE(SaveCheckpoint(comm, Root(), "rows", {{"x", x}}, {.block_bytes = 64}).ok());
+  });
+  // On 2 ranks: S(0) needs 4 rows = 256 bytes from 2 files; S(1) needs half of each of 8 rows,
+  // so it reads 8 whole blocks = 512 bytes from all 4 files.
+  for (const auto& [layout, bytes, files] :
+       {std::tuple{Layout({Shard(0)}), 256, 2}, std::tuple{Layout({Shard(1)}), 512, 4}}) {
+    RunRanks(2, [&, layout = layout, bytes = bytes, files = files](int, Communicator& comm) {
+      DeviceMesh mesh = Unwrap(DeviceMesh::Create(comm, {2}));
+      DTensor y = Unwrap(
+          DTensor::Distribute(Unwrap(Zeros({8, 16}, DType::kFloat32)), mesh, layout, {.src_rank = std::nullopt}));
+      LoadStats stats;
+      ASSERT_TRUE(LoadCheckpoint(dir, {{"x", y}}, &stats).ok());
+      EXPECT_EQ(stats.bytes_read, bytes) << layout.ToString();
+      EXPECT_EQ(stats.files_opened, files) << layout.ToString();
+      EXPECT_EQ(testing::Values(Unwrap(y.FullTensor())), testing::Values(Global({8, 16}, DType::kFloat32, 7)));
+    });
+  }
+}
+
+// GPT-2's fused c_attn [3C, C], which tensor parallelism views as [3, C, C] with dim 1 sharded
+// (each rank its heads of q, k and v): saved in one view, loaded in the other.
+TEST_F(CheckpointTest, AStackedViewLoadsFromTheFusedShapeAndBack) {
+  const Tensor fused = Global({12, 5}, DType::kFloat32, 11);
+  const Tensor stacked = Unwrap(fused.View({3, 4, 5}));
+  // Fused [12, 5] S(0) over 4 ranks (rows 0-2, 3-5, ...: q/k/v boundaries cut through pieces).
+  RunRanks(4, [&](int, Communicator& comm) {
+    DeviceMesh mesh = Unwrap(DeviceMesh::Create(comm, {4}));
+    DTensor x = Unwrap(DTensor::Distribute(fused, mesh, Layout({Shard(0)}), {.src_rank = std::nullopt}));
+    EXPECT_TRUE(SaveCheckpoint(comm, Root(), "fused", {{"w", x}}).ok());
+  });
+  // Stacked [3, 4, 5] S(1) over 2 ranks, stored as [12, 5]: load, compare, save.
+  RunRanks(2, [&](int, Communicator& comm) {
+    DeviceMesh mesh = Unwrap(DeviceMesh::Create(comm, {2}));
+    DTensor y = Unwrap(DTensor::Distribute(Unwrap(Zeros({3, 4, 5}, DType::kFloat32)), mesh, Layout({Shard(1)}),
+                                           {.src_rank = std::nullopt}));
+    const CheckpointState state = {{"w", y, std::vector<int64_t>{12, 5}}};
+    const absl::Status s = LoadCheckpoint(Root() + "/fused", state);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(testing::Values(Unwrap(y.FullTensor())), testing::Values(stacked));
+    EXPECT_TRUE(SaveCheckpoint(comm, Root(), "stacked", state).ok());
+  });
+  // Back to the fused shape on 3 ranks (uneven rows), and a stored shape that does not fit.
+  RunRanks(3, [&](int, Communicator& comm) {
+    DeviceMesh mesh = Unwrap(DeviceMesh::Create(comm, {3}));
+    DTensor z = Unwrap(DTensor::Distribute(Unwrap(Zeros({12, 5}, DType::kFloat32)), mesh, Layout({Shard(1)}),
+                                           {.src_rank = std::nullopt}));
+    ASSERT_TRUE(LoadCheckpoint(Root() + "/stacked", {{"w", z}}).ok());
+    EXPECT_EQ(testing::Values(Unwrap(z.FullTensor())), testing::Values(fused));
+    const absl::Status bad = LoadCheckpoint(Root() + "/stacked", {{"w", z, std::vector<int64_t>{6, 10}}});
+    EXPECT_TRUE(absl::IsInvalidArgument(bad)) << bad;
+    EXPECT_THAT(bad.message(), HasSubstr("cannot be stored as [6, 10]"));
+  });
+}
+
+TEST_F(CheckpointTest, KeepsTheNewestAndNeverPicksAnIncompleteOne) {
+  EXPECT_TRUE(absl::IsNotFound(LatestCheckpoint(Root()).status()));
+  for (const char* name : {"step-00000001", "step-00000002", "step-00000003"}) Save(Root(), name, {.keep = 2});
+  EXPECT_FALSE(std::filesystem::exists(Root() + "/step-00000001"));
+  EXPECT_TRUE(std::filesystem::exists(Root() + "/step-00000002"));
+  EXPECT_EQ(Unwrap(LatestCheckpoint(Root())), Root() + "/step-00000003");
+  // What an interrupted save leaves: a temporary directory, or a directory without metadata.
+  std::filesystem::create_directories(Root() + "/.tmp-step-00000009");
+  testing::WriteBytes(Root() + "/.tmp-step-00000009/rank-00000.bin", "partial");
+  std::filesystem::create_directories(Root() + "/step-00000008");
+  EXPECT_EQ(Unwrap(LatestCheckpoint(Root())), Root() + "/step-00000003");
+  // A name that exists is refused on every rank.
+  RunRanks(2, [&](int, Communicator& comm) {
+    const absl::Status s = SaveCheckpoint(comm, Root(), "step-00000003", {});
+    EXPECT_TRUE(absl::IsAlreadyExists(s)) << s;
+  });
+}
+
+TEST_F(CheckpointTest, BadFilesAndTargetsAreErrorsNamingThem) {
+  const std::string dir = Save(Root(), "step-1", {.block_bytes = 16});
+  auto load_a = [&](const std::string& d, Shape shape, DType dtype, const std::string& name = "a") {
+    absl::Status s;
+    RunRanks(1, [&](int, Communicator&) {
+      const Tensor t = Unwrap(Zeros(shape, dtype));
+      s = LoadCheckpoint(d, {{name, t}});
+    });
+    return s;
+  };
+  ASSERT_TRUE(load_a(dir, {8, 6}, DType::kFloat32).ok());
+  absl::Status s = load_a(dir, {8, 7}, DType::kFloat32);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("tensor a is [8,6] float32 in "));
+  s = load_a(dir, {8, 6}, DType::kBFloat16);
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  s = load_a(dir, {8, 6}, DType::kFloat32, "z");
+  EXPECT_TRUE(absl::IsNotFound(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("tensor z is not in"));
+
+  // A flipped byte: the block's checksum; a cut file: truncated; no file: not found.
+  const std::string f = dir + "/rank-00001.bin";
+  std::string bytes = testing::ReadBytes(f);
+  ASSERT_GT(bytes.size(), 4u);
+  bytes[3] ^= 0x40;
+  testing::WriteBytes(f, bytes);
+  s = load_a(dir, {8, 6}, DType::kFloat32);
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("checksum mismatch in rank-00001.bin"));
+  bytes[3] ^= 0x40;
+  testing::WriteBytes(f, bytes.substr(0, 10));
+  s = load_a(dir, {8, 6}, DType::kFloat32);
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("rank-00001.bin is truncated"));
+  std::filesystem::remove(f);
+  s = load_a(dir, {8, 6}, DType::kFloat32);
+  EXPECT_TRUE(absl::IsNotFound(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("tensor a: cannot open " + f));
+  std::filesystem::remove(dir + "/metadata.json");
+  s = load_a(dir, {8, 6}, DType::kFloat32);
+  EXPECT_TRUE(absl::IsNotFound(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("not a complete checkpoint"));
+}
+
+}  // namespace
+}  // namespace dtensor
