@@ -61,6 +61,11 @@ void Module::Train(bool on) {
   for (auto& [name, m] : NamedModules()) m->training_ = on;
 }
 
+Shape Module::RegisteredShapeOf(const Variable& param) const {
+  if (const Shape* s = RegisteredShape(param.id())) return *s;
+  return Shape(param.value().shape().begin(), param.value().shape().end());
+}
+
 const Shape* Module::RegisteredShape(const VariableImpl* v) const {
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i].second->id() == v) return &param_shapes_[i];

@@ -65,6 +65,10 @@ class Module {
   // a tensor in the registered shape fills a parameter viewed in another.
   // strict: every parameter must be given and no unknown name may appear.
   absl::Status LoadStateDict(const std::vector<std::pair<std::string, Tensor>>& tensors, bool strict = true);
+  // The shape `param` (a parameter of this module or of a child) was registered with, which a
+  // transform may view in another (tensor parallelism's stacked q/k/v); its current shape when
+  // it is not one of them.
+  Shape RegisteredShapeOf(const Variable& param) const;
 
   using Hook = std::function<absl::Status(Module&)>;
   void RegisterForwardPreHook(Hook h) { pre_hooks_.push_back(std::move(h)); }

@@ -192,16 +192,34 @@ absl::StatusOr<double> ClipGradNorm(const std::vector<Variable*>& params, double
 AdamW::AdamW(std::vector<Variable*> params, const AdamWOptions& options)
     : params_(std::move(params)), options_(options) {}
 
-absl::Status AdamW::Step() {
-  if (m_.empty()) {
-    for (Variable* p : params_) {
-      const Tensor& l = p->value().local();
-      DT_ASSIGN_OR_RETURN(Tensor m, Zeros(l.shape(), DType::kFloat32, l.device()));
-      DT_ASSIGN_OR_RETURN(Tensor v, Zeros(l.shape(), DType::kFloat32, l.device()));
-      m_.push_back(m);
-      v_.push_back(v);
-    }
+absl::Status AdamW::InitState() {
+  if (!m_.empty()) return absl::OkStatus();
+  for (Variable* p : params_) {
+    const Tensor& l = p->value().local();
+    DT_ASSIGN_OR_RETURN(Tensor m, Zeros(l.shape(), DType::kFloat32, l.device()));
+    DT_ASSIGN_OR_RETURN(Tensor v, Zeros(l.shape(), DType::kFloat32, l.device()));
+    m_.push_back(m);
+    v_.push_back(v);
   }
+  return absl::OkStatus();
+}
+
+std::vector<int64_t> AdamW::param_steps() const {
+  return steps_.size() == params_.size() ? steps_ : std::vector<int64_t>(params_.size(), 0);
+}
+
+absl::Status AdamW::set_steps(int64_t step_count, const std::vector<int64_t>& param_steps) {
+  if (param_steps.size() != params_.size() || step_count < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("[AdamW] set_steps: ", param_steps.size(), " parameter counts for ",
+                                                   params_.size(), " parameters, step ", step_count));
+  }
+  step_ = step_count;
+  steps_ = param_steps;
+  return absl::OkStatus();
+}
+
+absl::Status AdamW::Step() {
+  DT_RETURN_IF_ERROR(InitState());
   ++step_;
   AdamWParams hp;
   hp.lr = static_cast<float>(options_.lr);

@@ -56,6 +56,17 @@ class AdamW {
   // Bytes of this rank's optimizer state (m and v; 0 before the first step).
   int64_t StateBytes() const;
 
+  // For checkpoints. InitState makes the moments (zeros, float32, the parameter's local shape
+  // and device) when no step has made them yet, so that a resume can load into them.
+  // exp_avg(i) / exp_avg_sq(i): parameter i's m and v on this rank (views: loading into them
+  // restores the state); param_steps(): each parameter's update count (bias correction);
+  // set_steps restores it and step_count().
+  absl::Status InitState();
+  const Tensor& exp_avg(size_t i) const { return m_[i]; }
+  const Tensor& exp_avg_sq(size_t i) const { return v_[i]; }
+  std::vector<int64_t> param_steps() const;
+  absl::Status set_steps(int64_t step_count, const std::vector<int64_t>& param_steps);
+
  private:
   std::vector<Variable*> params_;
   AdamWOptions options_;

@@ -132,6 +132,15 @@ absl::StatusOr<TokenLoader> TokenLoader::Create(std::vector<uint16_t> tokens, in
   return TokenLoader(std::move(tokens), B, T);
 }
 
+absl::Status TokenLoader::set_position(int64_t pos) {
+  if (pos < 0 || pos >= num_tokens()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("[TokenLoader] position ", pos, " is outside [0, ", num_tokens(), ")"));
+  }
+  pos_ = pos;
+  return absl::OkStatus();
+}
+
 Batch TokenLoader::Next() {
   const int64_t n = B_ * T_;
   Batch batch;

@@ -68,6 +68,9 @@ class TokenLoader {
   Batch Next();
   // Back to the start of the stream.
   void Reset() { pos_ = 0; }
+  // Where the next batch starts (a resumed run continues from a checkpoint's position);
+  // InvalidArgument outside [0, num_tokens()).
+  absl::Status set_position(int64_t pos);
   // Index of the first token of the next batch.
   int64_t position() const { return pos_; }
   int64_t batch_size() const { return B_; }

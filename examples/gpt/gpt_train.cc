@@ -34,8 +34,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "dtensor/autograd/ops.h"
+#include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/collectives/nccl/local_gpu.h"
 #include "dtensor/collectives/nccl/nccl_communicator.h"
 #include "dtensor/collectives/store/cpus.h"
@@ -59,7 +61,9 @@ namespace dtensor {
 namespace {
 
 struct Flags {
-  std::string text, train_bin, init_llmc, metrics, fortunes, save_final;
+  std::string text, train_bin, init_llmc, metrics, fortunes, save_final, ckpt_dir;
+  int64_t ckpt_every = 0, ckpt_keep = 0;
+  bool resume = false;
   int64_t n_layer = 4, n_head = 4, n_embd = 128, vocab = 256, seq = 64, batch = 8, steps = 50;
   double lr = 1e-3, weight_decay = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, grad_clip = 0.0, dropout = 0.0;
   std::string device = "auto";           // auto: a GPU per process when CUDA devices are visible, else cpu
@@ -92,7 +96,9 @@ const char* kUsage =
     "          as JSON there; train nothing)\n"
     "  device: --device auto|cpu|cuda (auto: one GPU per process over NCCL when GPUs are visible)\n"
     "  output: --metrics PATH (one JSON object per step) --sample-tokens 200 --log-every 1\n"
-    "          --save-final PATH (the trained parameters, whole, as safetensors)\n";
+    "          --save-final PATH (the trained parameters, whole, as safetensors)\n"
+    "  checkpoints: --ckpt-dir DIR --ckpt-every N (steps; 0: never) --ckpt-keep K (0: all) --resume (from the\n"
+    "          newest complete checkpoint in DIR, under any parallelism)\n";
 
 bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
   for (int i = 1; i < argc; ++i) {
@@ -101,8 +107,8 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
       *error = "";
       return false;
     }
-    if (name == "--explain") {  // no value
-      f->explain = true;
+    if (name == "--explain" || name == "--resume") {  // no value
+      (name == "--explain" ? f->explain : f->resume) = true;
       continue;
     }
     if (i + 1 >= argc) {
@@ -135,6 +141,12 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
       f->metrics = v;
     else if (name == "--save-final")
       f->save_final = v;
+    else if (name == "--ckpt-dir")
+      f->ckpt_dir = v;
+    else if (name == "--ckpt-every")
+      ok = num(&f->ckpt_every);
+    else if (name == "--ckpt-keep")
+      ok = num(&f->ckpt_keep);
     else if (name == "--lr-schedule")
       f->lr_schedule = v;
     else if (name == "--device")
@@ -227,6 +239,10 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
     *error =
         "bad value: --ranks, --batch, --seq, --log-every, --grad-accum must be >= 1, --steps >= 0, --lr-schedule "
         "constant|cosine, --device auto|cpu|cuda, --param-dtype and --reduce-dtype fp32|bf16, --grad-sync every|last";
+    return false;
+  }
+  if (f->ckpt_every < 0 || f->ckpt_keep < 0 || ((f->ckpt_every > 0 || f->resume) && f->ckpt_dir.empty())) {
+    *error = "--ckpt-every and --ckpt-keep must be >= 0; --ckpt-every N > 0 and --resume need --ckpt-dir";
     return false;
   }
   if (f->batch % f->grad_accum != 0) {
@@ -396,6 +412,46 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
 
   std::vector<Variable*> params = model->Parameters();
   nn::AdamW opt(params, {.lr = f.lr, .beta1 = f.beta1, .beta2 = f.beta2, .eps = f.eps, .weight_decay = f.weight_decay});
+
+  // ---- Checkpoints (dtensor/checkpoint/): the parameters, AdamW's moments laid out as their
+  // parameters, and the progress (next step, loader position, AdamW's step counts). Saved
+  // every --ckpt-every steps; --resume loads the newest onto whatever layouts this run has ----
+  const std::vector<std::pair<std::string, Variable*>> named = model->NamedParameters();
+  const int64_t n_params = static_cast<int64_t>(named.size());
+  auto checkpoint_state = [&](const Tensor& progress) -> absl::StatusOr<CheckpointState> {
+    DT_RETURN_IF_ERROR(opt.InitState());
+    CheckpointState state;
+    for (size_t i = 0; i < named.size(); ++i) {
+      const Value& v = named[i].second->value();
+      auto as_param = [&](const Tensor& t) -> StateTensor {  // a piece laid out as the parameter
+        if (!v.is_dtensor()) return t;
+        return DTensor::WrapTrusted(t, v.dtensor().mesh(), v.dtensor().layout(),
+                                    Shape(v.shape().begin(), v.shape().end()));
+      };
+      // Stored in the registered shape (GPT-2's fused c_attn, which TP views stacked), so a
+      // checkpoint loads under any parallelism.
+      const Shape registered = model->RegisteredShapeOf(*named[i].second);
+      std::vector<int64_t> stored;
+      if (registered != IntSpan(v.shape())) stored.assign(registered.begin(), registered.end());
+      state.push_back({"model." + named[i].first, as_param(v.local()), stored});
+      state.push_back({"optim." + named[i].first + ".exp_avg", as_param(opt.exp_avg(i)), stored});
+      state.push_back({"optim." + named[i].first + ".exp_avg_sq", as_param(opt.exp_avg_sq(i)), stored});
+    }
+    state.push_back({"train.progress", progress});
+    return state;
+  };
+  int64_t first_step = 0;
+  if (f.resume) {
+    DT_ASSIGN_OR_RETURN(const std::string dir, LatestCheckpoint(f.ckpt_dir));
+    DT_ASSIGN_OR_RETURN(Tensor progress, Zeros({3 + n_params}, DType::kInt64));
+    DT_ASSIGN_OR_RETURN(CheckpointState state, checkpoint_state(progress));
+    DT_RETURN_IF_ERROR(LoadCheckpoint(dir, state));
+    const int64_t* pr = progress.data<int64_t>();
+    first_step = pr[0];
+    DT_RETURN_IF_ERROR(loader.set_position(pr[1]));
+    DT_RETURN_IF_ERROR(opt.set_steps(pr[2], std::vector<int64_t>(pr + 3, pr + 3 + n_params)));
+    say("resumed from %s: step %lld\n", dir.c_str(), static_cast<long long>(first_step));
+  }
   std::ofstream metrics;
   bool metrics_ok = true;
   if (lead && !f.metrics.empty()) {
@@ -424,7 +480,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   nn::FsdpGroup* root_group = fsdp ? nn::FsdpGroupOf(*model) : nullptr;
   Allocator& allocator = DefaultAllocator(device);
   const int64_t micro = f.batch / f.grad_accum;  // rows per micro-batch (global)
-  for (int64_t step = 0; step < f.steps; ++step) {
+  for (int64_t step = first_step; step < f.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
     allocator.ResetPeakStats();
     for (CommCounter& c : comm) c.Reset();
@@ -527,6 +583,15 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
                      .dump()
               << "\n"
               << std::flush;
+    }
+    if (f.ckpt_every > 0 && (step + 1) % f.ckpt_every == 0) {
+      std::vector<int64_t> progress = {step + 1, loader.position(), opt.step_count()};
+      for (int64_t s : opt.param_steps()) progress.push_back(s);
+      DT_ASSIGN_OR_RETURN(Tensor pt, Tensor::FromVector<int64_t>(progress, {3 + n_params}));
+      DT_ASSIGN_OR_RETURN(CheckpointState state, checkpoint_state(pt));
+      DT_RETURN_IF_ERROR(SaveCheckpoint(world, f.ckpt_dir,
+                                        absl::StrFormat("step-%08lld", static_cast<long long>(step + 1)), state,
+                                        {.keep = f.ckpt_keep}));
     }
   }
 

@@ -2,17 +2,26 @@
 // accumulation; threads, UCX processes under dtrun and mpirun — report the same loss at every
 // step as the single-rank run on the same global batches and end with the same parameters,
 // and the loss falls.
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
+#include <map>
+#include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "dtensor/autograd/ops.h"
+#include "dtensor/checkpoint/checkpoint.h"
 #include "dtensor/kernels/cpu/blas_core.h"
 #include "dtensor/nn/gpt.h"
 #include "dtensor/nn/safetensors.h"
@@ -315,6 +324,120 @@ TEST_F(GptTrainTest, ExplainMatchesOneRealStep) {
                                        odd);
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.out.find("PrepareModuleOutput"), std::string::npos) << bad.out;
+}
+
+// Checkpoints in the trainer: a run stopped at step 10 and resumed (--resume) under the same
+// parallelism reports bit-identical losses to the uninterrupted run; resumed under another
+// parallelism each time (a chain through FSDP, FSDP x TP, TP, one rank, 3-D), it follows the
+// one-rank run.
+TEST_F(GptFsdpTest, ResumeUnderTheSameParallelismIsBitIdentical) {
+  const std::string common = "--batch 12 --eps 1e-5 --device cpu ";
+  for (const std::string flags :
+       {"--ranks 1", "--ranks 2 --dp-shard 1 --dp-replicate 2", "--ranks 4", "--ranks 2 --tp 2", "--ranks 4 --tp 2"}) {
+    SCOPED_TRACE(flags);
+    const std::string dir = Path("ckpt" + std::to_string(std::hash<std::string>()(flags)));
+    const std::vector<double> whole = RunLosses("", common + "--steps 20 " + flags, "whole");
+    const std::vector<double> first =
+        RunLosses("", common + "--steps 10 --ckpt-every 10 --ckpt-dir " + dir + " " + flags, "first");
+    const std::vector<double> rest =
+        RunLosses("", common + "--steps 20 --resume --ckpt-dir " + dir + " " + flags, "rest");
+    ASSERT_EQ(whole.size(), 20u);
+    ASSERT_EQ(first.size(), 10u);
+    ASSERT_EQ(rest.size(), 10u);
+    for (size_t i = 0; i < 10; ++i) {
+      EXPECT_EQ(first[i], whole[i]) << "step " << i;
+      EXPECT_EQ(rest[i], whole[10 + i]) << "step " << 10 + i;
+    }
+  }
+}
+
+TEST_F(GptFsdpTest, ResumeUnderAnotherParallelismFollowsOneRank) {
+  const std::string common = "--batch 12 --eps 1e-5 --device cpu --ckpt-every 4 --ckpt-dir " + Path("chain") + " ";
+  const std::vector<double> one = RunLosses("", "--batch 12 --eps 1e-5 --device cpu --steps 20 --ranks 1", "one");
+  ASSERT_EQ(one.size(), 20u);
+  std::vector<double> chain;
+  const std::vector<std::string> stages = {"--ranks 4", "--ranks 4 --tp 2", "--ranks 2 --tp 2", "--ranks 1",
+                                           "--ranks 8 --tp 2 --dp-replicate 2"};
+  for (size_t k = 0; k < stages.size(); ++k) {
+    const std::string steps = "--steps " + std::to_string(4 * (k + 1)) + (k > 0 ? " --resume " : " ");
+    const std::vector<double> part = RunLosses("", common + steps + stages[k], "stage" + std::to_string(k));
+    EXPECT_EQ(part.size(), 4u) << stages[k];
+    chain.insert(chain.end(), part.begin(), part.end());
+  }
+  ASSERT_EQ(chain.size(), one.size());
+  for (size_t i = 0; i < one.size(); ++i) {
+    EXPECT_NEAR(chain[i], one[i], 1e-5 * one[i]) << "step " << i << " (" << stages[i / 4] << ")";
+  }
+}
+
+// Crash safety: a job of 2 UCX processes saving every step is killed (kill -9, the whole job
+// or one rank) at a seeded random moment after its first checkpoint; --resume then finds a
+// complete checkpoint and every later loss equals the uninterrupted run's. A few trials here;
+// DTENSOR_CRASH_TRIALS=30 runs more.
+TEST_F(GptTrainTest, KilledDuringSavesResumesFromACompleteCheckpoint) {
+  const char* env = std::getenv("DTENSOR_CRASH_TRIALS");
+  const int trials = env != nullptr ? std::atoi(env) : 4;
+  const std::string dtrun = std::string(DTRUN_PATH) + " --nproc-per-node 2";
+  const std::string common = "--text " + Corpus() +
+                             " --n-layer 2 --n-head 2 --n-embd 32 --seq 16 --batch 8 --steps 30 --sample-tokens 0"
+                             " --device cpu --ckpt-every 1 --ckpt-keep 2 ";
+  auto losses = [](const std::string& path) {
+    std::map<int64_t, double> by_step;
+    std::ifstream in(path);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto j = nlohmann::json::parse(line);
+      by_step[j.at("step").get<int64_t>()] = j.at("loss").get<double>();
+    }
+    return by_step;
+  };
+  const ProcessRun whole = Train(dtrun, common + "--ckpt-dir " + Path("whole") + " --metrics " + Path("whole.jsonl"));
+  ASSERT_EQ(whole.code, 0) << whole.out;
+  const std::map<int64_t, double> reference = losses(Path("whole.jsonl"));
+  ASSERT_EQ(reference.size(), 30u);
+  const double run_s = absl::ToDoubleSeconds(whole.took);
+  std::mt19937 rng(2026);
+  int resumed_mid_run = 0, mid_save = 0;
+  for (int t = 0; t < trials; ++t) {
+    SCOPED_TRACE("trial " + std::to_string(t));
+    const std::string dir = Path("crash" + std::to_string(t));
+    const bool whole_job = t % 2 == 0;
+    const double delay = std::uniform_real_distribution<double>(0.0, 0.6 * run_s)(rng);
+    ProcessOptions kill;
+    kill.during = [&](pid_t pid) {
+      // After the first complete checkpoint, a random moment later: kill -9.
+      const auto t0 = std::chrono::steady_clock::now();
+      while (!std::filesystem::exists(dir + "/step-00000001/metadata.json") &&
+             std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60)) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      std::this_thread::sleep_for(std::chrono::duration<double>(delay));
+      if (whole_job) {
+        ::kill(-pid, SIGKILL);
+        return;
+      }
+      std::ifstream children("/proc/" + std::to_string(pid) + "/task/" + std::to_string(pid) + "/children");
+      pid_t rank = 0;
+      if (children >> rank) ::kill(rank, SIGKILL);  // one rank; dtrun stops the other
+    };
+    const ProcessRun killed = Train(dtrun, common + "--ckpt-dir " + dir, kill);
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {  // a save it interrupted
+      if (e.path().filename().string().rfind(".tmp-", 0) == 0) ++mid_save;
+    }
+    const ProcessRun resumed =
+        Train(dtrun, common + "--resume --ckpt-dir " + dir + " --metrics " + Path("resumed.jsonl"));
+    ASSERT_EQ(resumed.code, 0) << "killed run:\n" << killed.out << "\nresumed:\n" << resumed.out;
+    const std::map<int64_t, double> after = losses(Path("resumed.jsonl"));
+    if (!after.empty() && after.begin()->first > 1) ++resumed_mid_run;
+    for (const auto& [step, loss] : after) EXPECT_EQ(loss, reference.at(step)) << "step " << step;
+    if (after.empty()) {  // the killed job had finished: its last checkpoint is the end
+      EXPECT_EQ(testing::Unwrap(LatestCheckpoint(dir)), dir + "/step-00000030");
+    } else {
+      EXPECT_EQ(after.rbegin()->first, 29);
+    }
+  }
+  std::printf("[ CRASH    ] %d trials: %d killed during a save, %d resumed before the last step\n", trials, mid_save,
+              resumed_mid_run);
 }
 
 TEST_F(GptFsdpTest, BadParallelFlagsFailCleanly) {
