@@ -13,6 +13,7 @@
 #include <map>
 #include <optional>
 #include <sstream>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -177,7 +178,7 @@ struct Piece {
 };
 
 // The pieces this rank owns (Partial values reduced first: collective over their meshes).
-absl::StatusOr<std::vector<Piece>> PiecesOf(Communicator& world, const CheckpointState& state) {
+absl::StatusOr<std::vector<Piece>> PiecesOf(Communicator& world, const CheckpointState& state, bool copy) {
   std::vector<Piece> pieces;
   for (const StateEntry& e : state) {
     const std::string& name = e.name;
@@ -211,8 +212,12 @@ absl::StatusOr<std::vector<Piece>> PiecesOf(Communicator& world, const Checkpoin
       p.data = x;
     }
     if (p.box.numel() == 0) continue;
+    const bool on_cpu = p.data.device().is_cpu();
     DT_ASSIGN_OR_RETURN(p.data, To(p.data, Device::Cpu()));
     DT_ASSIGN_OR_RETURN(p.data, Contiguous(p.data));
+    if (copy && on_cpu) {  // staged: training may change the tensor while the copy is written
+      DT_ASSIGN_OR_RETURN(p.data, Clone(p.data));
+    }
     if (shapes.first == shapes.second) {
       pieces.push_back(std::move(p));
       continue;
@@ -265,15 +270,20 @@ absl::StatusOr<Json> WritePieces(int rank, const std::string& dir, const std::ve
 
 // Rank 0: the metadata from every rank's pieces (a piece two ranks wrote, e.g. a DTensor on
 // sub-meshes that replicate it, is kept once), checked for agreement.
-absl::StatusOr<Json> BuildMetadata(const CheckpointState& state, const std::vector<std::string>& texts,
-                                   int64_t block_bytes) {
+// Every tensor's name, stored shape and dtype, as this rank holds them (rank 0's become the
+// metadata), with no pieces yet.
+absl::StatusOr<Json> Skeleton(const CheckpointState& state) {
   Json tensors = Json::object();
-  for (const StateEntry& e : state) {  // shape and dtype as rank 0 holds them
+  for (const StateEntry& e : state) {
     const DTensor* d = std::get_if<DTensor>(&e.tensor);
     const Tensor& x = d != nullptr ? d->ToLocal() : std::get<Tensor>(e.tensor);
     DT_ASSIGN_OR_RETURN(auto shapes, Shapes(e));
     tensors[e.name] = {{"shape", Vec(shapes.second)}, {"dtype", DTypeName(x.dtype())}, {"pieces", Json::array()}};
   }
+  return tensors;
+}
+
+absl::StatusOr<Json> BuildMetadata(Json tensors, const std::vector<std::string>& texts, int64_t block_bytes) {
   std::map<std::pair<std::string, std::string>, bool> seen;  // (tensor, box) written
   for (size_t r = 0; r < texts.size(); ++r) {
     Json pieces = Json::parse(texts[r], nullptr, false);
@@ -461,48 +471,118 @@ absl::StatusOr<int64_t> CopyOverlap(Files& files, const Json& piece, const Local
 
 }  // namespace
 
-absl::Status SaveCheckpoint(Communicator& world, const std::string& root, const std::string& name,
-                            const CheckpointState& state, const SaveOptions& options) {
-  if (name.empty() || name[0] == '.' || name.find('/') != std::string::npos || options.block_bytes < 1) {
+// One save: Begin (collective: the directory, the pieces on the host), Write (this rank's
+// files, no communication: a background thread may run it), Finish (collective: agree, the
+// metadata, the rename).
+struct AsyncCheckpointSave::Job {
+  Communicator* world = nullptr;
+  std::string root = "", name = "", tmp = "", final_dir = "";
+  SaveOptions options = {};
+  Json skeleton = Json::object();
+  std::vector<Piece> pieces = {};
+  absl::StatusOr<Json> written = absl::UnknownError("not written");
+};
+
+namespace {
+
+using SaveJob = AsyncCheckpointSave::Job;
+
+absl::Status Begin(SaveJob& job, const CheckpointState& state, bool copy) {
+  const std::string& name = job.name;
+  if (name.empty() || name[0] == '.' || name.find('/') != std::string::npos || job.options.block_bytes < 1) {
     return absl::InvalidArgumentError(absl::StrCat("[SaveCheckpoint] name '", name,
-                                                   "' (non-empty, no '/', not starting "
-                                                   "with '.') or block_bytes ",
-                                                   options.block_bytes, " (>= 1)"));
+                                                   "' (non-empty, no '/', not starting with '.') or block_bytes ",
+                                                   job.options.block_bytes, " (>= 1)"));
   }
-  const std::string tmp = root + "/.tmp-" + name, final_dir = root + "/" + name;
+  job.tmp = job.root + "/.tmp-" + name;
+  job.final_dir = job.root + "/" + name;
+  Communicator& world = *job.world;
   absl::Status prepared;
   if (world.rank() == 0) {
     std::error_code ec;
-    fs::create_directories(root, ec);
-    if (fs::exists(final_dir, ec)) {
-      prepared = absl::AlreadyExistsError(absl::StrCat("[SaveCheckpoint] ", final_dir, " exists"));
+    fs::create_directories(job.root, ec);
+    if (fs::exists(job.final_dir, ec)) {
+      prepared = absl::AlreadyExistsError(absl::StrCat("[SaveCheckpoint] ", job.final_dir, " exists"));
     } else {
-      fs::remove_all(tmp, ec);
-      if (!fs::create_directory(tmp, ec)) {
-        prepared = absl::InternalError(absl::StrCat("[SaveCheckpoint] creating ", tmp, ": ", ec.message()));
+      fs::remove_all(job.tmp, ec);
+      if (!fs::create_directory(job.tmp, ec)) {
+        prepared = absl::InternalError(absl::StrCat("[SaveCheckpoint] creating ", job.tmp, ": ", ec.message()));
       }
     }
   }
   DT_RETURN_IF_ERROR(Agree(world, prepared, "preparing the directory"));
   // Partial values are reduced here (collective), before any rank can fail alone.
-  absl::StatusOr<std::vector<Piece>> pieces = PiecesOf(world, state);
-  absl::StatusOr<Json> mine = pieces.ok() ? WritePieces(world.rank(), tmp, *pieces, options.block_bytes)
-                                          : absl::StatusOr<Json>(pieces.status());
-  DT_RETURN_IF_ERROR(Agree(world, mine.status(), "writing the pieces"));
-  DT_ASSIGN_OR_RETURN(std::vector<std::string> texts, AllGatherText(world, mine->dump()));
+  absl::StatusOr<std::vector<Piece>> pieces = PiecesOf(world, state, copy);
+  absl::StatusOr<Json> skeleton = Skeleton(state);
+  absl::Status staged = pieces.ok() ? skeleton.status() : pieces.status();
+  DT_RETURN_IF_ERROR(Agree(world, staged, "staging the pieces"));
+  job.pieces = *std::move(pieces);
+  job.skeleton = *std::move(skeleton);
+  return absl::OkStatus();
+}
+
+void Write(SaveJob& job) {
+  job.written = WritePieces(job.world->rank(), job.tmp, job.pieces, job.options.block_bytes);
+  job.pieces.clear();  // the staging memory
+}
+
+absl::Status Finish(SaveJob& job) {
+  Communicator& world = *job.world;
+  DT_RETURN_IF_ERROR(Agree(world, job.written.status(), "writing the pieces"));
+  DT_ASSIGN_OR_RETURN(std::vector<std::string> texts, AllGatherText(world, job.written->dump()));
   absl::Status committed;
   if (world.rank() == 0) {
-    absl::StatusOr<Json> metadata = BuildMetadata(state, texts, options.block_bytes);
-    committed = metadata.ok() ? CommitMetadata(tmp, final_dir, root, *metadata) : metadata.status();
-    if (committed.ok() && options.keep > 0) {
-      std::vector<std::string> all = Complete(root);
-      for (size_t i = 0; i + static_cast<size_t>(options.keep) < all.size(); ++i) {
+    absl::StatusOr<Json> metadata = BuildMetadata(job.skeleton, texts, job.options.block_bytes);
+    committed = metadata.ok() ? CommitMetadata(job.tmp, job.final_dir, job.root, *metadata) : metadata.status();
+    if (committed.ok() && job.options.keep > 0) {
+      std::vector<std::string> all = Complete(job.root);
+      for (size_t i = 0; i + static_cast<size_t>(job.options.keep) < all.size(); ++i) {
         std::error_code ec;
-        fs::remove_all(root + "/" + all[i], ec);
+        fs::remove_all(job.root + "/" + all[i], ec);
       }
     }
   }
   return Agree(world, committed, "committing the metadata");
+}
+
+}  // namespace
+
+absl::Status SaveCheckpoint(Communicator& world, const std::string& root, const std::string& name,
+                            const CheckpointState& state, const SaveOptions& options) {
+  SaveJob job{.world = &world, .root = root, .name = name, .options = options};
+  DT_RETURN_IF_ERROR(Begin(job, state, /*copy=*/false));
+  Write(job);
+  return Finish(job);
+}
+
+absl::StatusOr<std::unique_ptr<AsyncCheckpointSave>> AsyncCheckpointSave::Start(Communicator& world,
+                                                                                const std::string& root,
+                                                                                const std::string& name,
+                                                                                const CheckpointState& state,
+                                                                                const SaveOptions& options) {
+  std::unique_ptr<AsyncCheckpointSave> save(new AsyncCheckpointSave());
+  save->job_ = std::make_unique<Job>();
+  Job& job = *save->job_;
+  job.world = &world;
+  job.root = root;
+  job.name = name;
+  job.options = options;
+  DT_RETURN_IF_ERROR(Begin(job, state, /*copy=*/true));
+  save->thread_ = std::thread([&job] { Write(job); });
+  return save;
+}
+
+absl::Status AsyncCheckpointSave::Finish() {
+  if (finished_) return absl::FailedPreconditionError("[AsyncCheckpointSave] Finish called twice");
+  finished_ = true;
+  if (thread_.joinable()) thread_.join();
+  return dtensor::Finish(*job_);
+}
+
+AsyncCheckpointSave::AsyncCheckpointSave() = default;
+
+AsyncCheckpointSave::~AsyncCheckpointSave() {
+  if (thread_.joinable()) thread_.join();
 }
 
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& root) {

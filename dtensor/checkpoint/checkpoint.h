@@ -39,7 +39,9 @@
 #define DTENSOR_CHECKPOINT_CHECKPOINT_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -78,6 +80,32 @@ absl::Status SaveCheckpoint(Communicator& world, const std::string& root, const 
 // The newest complete checkpoint under `root` (by name: zero-padded step numbers sort), as a
 // path; NotFound when there is none.
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
+
+// A save whose files are written by a background thread while training goes on (the trainer's
+// --ckpt-async): Start stages this rank's pieces in host memory (a copy: training may change
+// the tensors at once; collective, as Partial values are reduced) and returns; Finish waits
+// for the files and commits (collective: every rank calls it, e.g. before the next save).
+// Until Finish the checkpoint is incomplete: a crash leaves the previous one. Destroying an
+// unfinished save waits for its thread and commits nothing.
+class AsyncCheckpointSave {
+ public:
+  static absl::StatusOr<std::unique_ptr<AsyncCheckpointSave>> Start(Communicator& world, const std::string& root,
+                                                                    const std::string& name,
+                                                                    const CheckpointState& state,
+                                                                    const SaveOptions& options = {});
+  absl::Status Finish();
+  ~AsyncCheckpointSave();
+  AsyncCheckpointSave(const AsyncCheckpointSave&) = delete;
+  AsyncCheckpointSave& operator=(const AsyncCheckpointSave&) = delete;
+
+  struct Job;  // internal (checkpoint.cc)
+
+ private:
+  AsyncCheckpointSave();
+  std::unique_ptr<Job> job_;
+  std::thread thread_;
+  bool finished_ = false;
+};
 
 struct LoadStats {
   int64_t bytes_read = 0;  // by this rank

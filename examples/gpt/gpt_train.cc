@@ -63,7 +63,7 @@ namespace {
 struct Flags {
   std::string text, train_bin, init_llmc, metrics, fortunes, save_final, ckpt_dir;
   int64_t ckpt_every = 0, ckpt_keep = 0;
-  bool resume = false;
+  bool resume = false, ckpt_async = false;
   int64_t n_layer = 4, n_head = 4, n_embd = 128, vocab = 256, seq = 64, batch = 8, steps = 50;
   double lr = 1e-3, weight_decay = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, grad_clip = 0.0, dropout = 0.0;
   std::string device = "auto";           // auto: a GPU per process when CUDA devices are visible, else cpu
@@ -98,7 +98,8 @@ const char* kUsage =
     "  output: --metrics PATH (one JSON object per step) --sample-tokens 200 --log-every 1\n"
     "          --save-final PATH (the trained parameters, whole, as safetensors)\n"
     "  checkpoints: --ckpt-dir DIR --ckpt-every N (steps; 0: never) --ckpt-keep K (0: all) --resume (from the\n"
-    "          newest complete checkpoint in DIR, under any parallelism)\n";
+    "          newest complete checkpoint in DIR, under any parallelism) --ckpt-async false (write in the\n"
+    "          background; committed at the next save or the end)\n";
 
 bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
   for (int i = 1; i < argc; ++i) {
@@ -147,6 +148,8 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
       ok = num(&f->ckpt_every);
     else if (name == "--ckpt-keep")
       ok = num(&f->ckpt_keep);
+    else if (name == "--ckpt-async")
+      ok = boolean(&f->ckpt_async);
     else if (name == "--lr-schedule")
       f->lr_schedule = v;
     else if (name == "--device")
@@ -219,7 +222,8 @@ bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
     }
     if (!ok) {
       *error = absl::StrCat("flag ", name, " needs a ",
-                            name == "--reshard-after-forward" || name == "--prefetch" || name == "--sequence-parallel"
+                            name == "--reshard-after-forward" || name == "--prefetch" ||
+                                    name == "--sequence-parallel" || name == "--ckpt-async"
                                 ? "true|false"
                                 : "number",
                             ", got '", v, "'");
@@ -441,6 +445,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     return state;
   };
   int64_t first_step = 0;
+  std::unique_ptr<AsyncCheckpointSave> pending_save;  // --ckpt-async: written in the background
   if (f.resume) {
     DT_ASSIGN_OR_RETURN(const std::string dir, LatestCheckpoint(f.ckpt_dir));
     DT_ASSIGN_OR_RETURN(Tensor progress, Zeros({3 + n_params}, DType::kInt64));
@@ -558,6 +563,27 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
     const double dt = std::chrono::duration<double>(t4 - t0).count();
     const double tok_s = static_cast<double>(f.batch * f.seq) / dt;
+    // A checkpoint after the update; the time it blocks training goes into the metrics.
+    double ckpt_ms = 0;
+    if (f.ckpt_every > 0 && (step + 1) % f.ckpt_every == 0) {
+      const auto c0 = std::chrono::steady_clock::now();
+      std::vector<int64_t> progress = {step + 1, loader.position(), opt.step_count()};
+      for (int64_t s : opt.param_steps()) progress.push_back(s);
+      DT_ASSIGN_OR_RETURN(Tensor pt, Tensor::FromVector<int64_t>(progress, {3 + n_params}));
+      DT_ASSIGN_OR_RETURN(CheckpointState state, checkpoint_state(pt));
+      const std::string name = absl::StrFormat("step-%08lld", static_cast<long long>(step + 1));
+      if (pending_save != nullptr) {  // the previous asynchronous save commits first
+        DT_RETURN_IF_ERROR(pending_save->Finish());
+        pending_save.reset();
+      }
+      if (f.ckpt_async) {
+        DT_ASSIGN_OR_RETURN(pending_save,
+                            AsyncCheckpointSave::Start(world, f.ckpt_dir, name, state, {.keep = f.ckpt_keep}));
+      } else {
+        DT_RETURN_IF_ERROR(SaveCheckpoint(world, f.ckpt_dir, name, state, {.keep = f.ckpt_keep}));
+      }
+      ckpt_ms = ms(c0, std::chrono::steady_clock::now());
+    }
     if (step % f.log_every == 0 || step + 1 == f.steps) {
       say("step %4lld | loss %.6f | lr %.3g | norm %.4f | %.1f ms | %.0f tok/s\n", static_cast<long long>(step), lv[0],
           lr, norm, dt * 1e3, tok_s);
@@ -579,21 +605,14 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
                                 {"bytes_in_use", mem.bytes_in_use},
                                 {"peak_bytes", mem.peak_bytes_in_use},
                                 {"peak_unsharded_bytes", root_group ? root_group->tree_peak_unsharded_bytes() : 0},
-                                {"comm", nn::CommToJson(comm)}}
+                                {"comm", nn::CommToJson(comm)},
+                                {"ckpt_ms", ckpt_ms}}
                      .dump()
               << "\n"
               << std::flush;
     }
-    if (f.ckpt_every > 0 && (step + 1) % f.ckpt_every == 0) {
-      std::vector<int64_t> progress = {step + 1, loader.position(), opt.step_count()};
-      for (int64_t s : opt.param_steps()) progress.push_back(s);
-      DT_ASSIGN_OR_RETURN(Tensor pt, Tensor::FromVector<int64_t>(progress, {3 + n_params}));
-      DT_ASSIGN_OR_RETURN(CheckpointState state, checkpoint_state(pt));
-      DT_RETURN_IF_ERROR(SaveCheckpoint(world, f.ckpt_dir,
-                                        absl::StrFormat("step-%08lld", static_cast<long long>(step + 1)), state,
-                                        {.keep = f.ckpt_keep}));
-    }
   }
+  if (pending_save != nullptr) DT_RETURN_IF_ERROR(pending_save->Finish());
 
   // ---- The trained parameters, gathered whole (collective), written by rank 0 ----
   if (!f.save_final.empty()) {

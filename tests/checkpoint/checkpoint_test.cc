@@ -92,8 +92,9 @@ void LoadAndCheck(const std::string& dir, int world, Shape mesh_shape,
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_EQ(step.data<int64_t>()[0], 10);
     uint64_t seed = 1;
-    for (size_t i = 0; i < Items().size(); ++i) {
-      const Item& it = Items()[i];
+    const std::vector<Item> items = Items();
+    for (size_t i = 0; i < items.size(); ++i) {
+      const Item& it = items[i];
       const Tensor got = Unwrap(std::get<DTensor>(state[i].tensor).FullTensor());
       EXPECT_EQ(testing::Values(got), testing::Values(Global(it.shape, it.dtype, seed++)))
           << it.name << " loaded as " << layout_of(it).ToString();
@@ -187,6 +188,26 @@ TEST_F(CheckpointTest, AStackedViewLoadsFromTheFusedShapeAndBack) {
     const absl::Status bad = LoadCheckpoint(Root() + "/stacked", {{"w", z, std::vector<int64_t>{6, 10}}});
     EXPECT_TRUE(absl::IsInvalidArgument(bad)) << bad;
     EXPECT_THAT(bad.message(), HasSubstr("cannot be stored as [6, 10]"));
+  });
+}
+
+// An asynchronous save holds the values of its Start: the tensors change at once (training
+// goes on), Finish commits, and the checkpoint holds the staged values.
+TEST_F(CheckpointTest, AnAsynchronousSaveKeepsTheValuesItStartedWith) {
+  const Tensor g = Global({6, 4}, DType::kFloat32, 21);
+  RunRanks(2, [&](int, Communicator& comm) {
+    DeviceMesh mesh = Unwrap(DeviceMesh::Create(comm, {2}));
+    DTensor x = Unwrap(DTensor::Distribute(g, mesh, Layout({Shard(0)}), {.src_rank = std::nullopt}));
+    std::unique_ptr<AsyncCheckpointSave> save = Unwrap(AsyncCheckpointSave::Start(comm, Root(), "async", {{"x", x}}));
+    EXPECT_TRUE(absl::IsNotFound(LatestCheckpoint(Root()).status()));  // not committed before Finish
+    ASSERT_TRUE(Fill_(x.ToLocal(), 7.0).ok());
+    const absl::Status s = save->Finish();
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_TRUE(absl::IsFailedPrecondition(save->Finish()));
+    DTensor y = Unwrap(DTensor::Distribute(Unwrap(Zeros({6, 4}, DType::kFloat32)), mesh, Layout({Replicate()}),
+                                           {.src_rank = std::nullopt}));
+    ASSERT_TRUE(LoadCheckpoint(Root() + "/async", {{"x", y}}).ok());
+    EXPECT_EQ(testing::Values(y.ToLocal()), testing::Values(g));
   });
 }
 

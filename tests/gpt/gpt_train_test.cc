@@ -332,8 +332,8 @@ TEST_F(GptTrainTest, ExplainMatchesOneRealStep) {
 // one-rank run.
 TEST_F(GptFsdpTest, ResumeUnderTheSameParallelismIsBitIdentical) {
   const std::string common = "--batch 12 --eps 1e-5 --device cpu ";
-  for (const std::string flags :
-       {"--ranks 1", "--ranks 2 --dp-shard 1 --dp-replicate 2", "--ranks 4", "--ranks 2 --tp 2", "--ranks 4 --tp 2"}) {
+  for (const std::string flags : {"--ranks 1", "--ranks 2 --dp-shard 1 --dp-replicate 2", "--ranks 4",
+                                  "--ranks 2 --tp 2", "--ranks 4 --tp 2", "--ranks 4 --ckpt-async true"}) {
     SCOPED_TRACE(flags);
     const std::string dir = Path("ckpt" + std::to_string(std::hash<std::string>()(flags)));
     const std::vector<double> whole = RunLosses("", common + "--steps 20 " + flags, "whole");
