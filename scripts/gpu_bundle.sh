@@ -19,7 +19,8 @@
 # predicted collectives) on 2 and 4 processes, coll_bench's nccl-tests tables (1 and 2 ranks, every
 # element checked) and the trainer on 2 ranks beside the same run over UCX on the CPU; then FSDP
 # over NCCL: the trainer's losses on 1 GPU against 2 and 4 processes (FSDP, HSDP) and with a
-# bfloat16 policy, and compute-sanitizer's memcheck over a 2-process FSDP run. With fewer
+# bfloat16 policy; TP (stage tp) and checkpoints of CUDA tensors resumed under the same and
+# another parallelism (stage ckpt); and compute-sanitizer's memcheck over a 2-process FSDP run. With fewer
 # GPUs than ranks the processes share cuda:0, each naming itself a host (NCCL_HOSTID) since NCCL
 # refuses two ranks of one host on one GPU; they then talk over sockets on loopback.
 set -euo pipefail
@@ -157,6 +158,34 @@ if want tp; then
   fsdp_run fsdp_tp 4 --tp 2
   compare tp2 one 1e-4; compare tp2_nosp one 1e-4; compare tp2_plan one 1e-4; compare fsdp_tp one 1e-4
   grep -h 'gpt_train:' "\$logs"/fsdp_fsdp_tp.log | head -1
+fi
+# Checkpoints of CUDA tensors: 2 processes stopped at step 10 and resumed (sync and async
+# saves) against the uninterrupted run, and a TP 2 checkpoint resumed on 1 GPU (1e-4).
+if want ckpt; then
+  [[ -f "\$logs/fsdp_one.jsonl" ]] || fsdp_run one 1
+  [[ -f "\$logs/fsdp_two.jsonl" ]] || fsdp_run two 2
+  rm -rf "\$logs"/ckpt_*
+  fsdp_run ckpt_a 2 --steps 10 --ckpt-every 10 --ckpt-dir "\$logs/ckpt_sync"
+  fsdp_run ckpt_b 2 --resume --ckpt-dir "\$logs/ckpt_sync"
+  fsdp_run ckpt_c 2 --steps 10 --ckpt-every 5 --ckpt-async true --ckpt-dir "\$logs/ckpt_async"
+  fsdp_run ckpt_d 2 --resume --ckpt-dir "\$logs/ckpt_async"
+  fsdp_run ckpt_e 2 --tp 2 --steps 10 --ckpt-every 10 --ckpt-dir "\$logs/ckpt_tp"
+  fsdp_run ckpt_f 1 --resume --ckpt-dir "\$logs/ckpt_tp"
+  python3 - "\$logs" <<'PY' || rc=1
+import json, sys
+logs = sys.argv[1]
+def losses(tag):
+    return {j["step"]: j["loss"] for j in map(json.loads, open(f"{logs}/fsdp_{tag}.jsonl"))}
+ok = True
+for resumed, ref, tol in (("ckpt_b", "two", 1e-6), ("ckpt_d", "two", 1e-6), ("ckpt_f", "one", 1e-4)):
+    got, want = losses(resumed), losses(ref)
+    worst = max((abs(got[s] - want[s]) / abs(want[s]) for s in got), default=1.0)
+    good = sorted(got) == list(range(10, 20)) and worst <= tol
+    ok &= good
+    print(f"checkpoint resume {resumed} vs {ref}: steps {min(got, default=-1)}-{max(got, default=-1)}, worst relative "
+          f"difference {worst:.2e} (<= {tol}): {'ok' if good else 'FAIL'}")
+sys.exit(0 if ok else 1)
+PY
 fi
 if want sanitizer; then
   if command -v compute-sanitizer > /dev/null; then
