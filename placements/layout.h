@@ -46,6 +46,7 @@ class Layout {
   Layout(absl::Span<const Placement> placements);  // NOLINT: implicit, Layout({Shard(0), Replicate()})
   Layout(std::initializer_list<Placement> placements)
       : Layout(absl::MakeConstSpan(placements.begin(), placements.size())) {}
+  Layout(const std::vector<Placement>& placements) : Layout(absl::MakeConstSpan(placements)) {}  // NOLINT: implicit
 
   // The same placements with `tensor_dim` split by `mesh_dims` in that order (outermost
   // first). mesh_dims must be exactly the mesh dims whose placement is Shard(tensor_dim)

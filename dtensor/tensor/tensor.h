@@ -103,6 +103,11 @@ class Tensor {
   static absl::StatusOr<Tensor> FromVector(std::initializer_list<T> values, IntSpan shape) {
     return FromVector<T>(absl::MakeConstSpan(values.begin(), values.size()), shape);
   }
+  // The elements in row-major order (any strides: a view reads as what it shows).
+  // InvalidArgument when T is not the dtype; FailedPrecondition off the CPU (copy it first
+  // with To(x, Device::Cpu())).
+  template <typename T>
+  absl::StatusOr<std::vector<T>> ToVector() const;
 
   bool defined() const { return storage_ != nullptr; }
   int64_t dim() const { return static_cast<int64_t>(shape_.size()); }
@@ -182,6 +187,36 @@ absl::StatusOr<Tensor> Tensor::FromVector(absl::Span<const T> values, IntSpan sh
   T* out = t->template data<T>();
   for (size_t i = 0; i < values.size(); ++i) out[i] = values[i];
   return t;
+}
+
+template <typename T>
+absl::StatusOr<std::vector<T>> Tensor::ToVector() const {
+  if (dtype_ != DTypeOf<T>::value) {
+    return absl::InvalidArgumentError(std::string("[ToVector] the tensor is ") + DTypeName(dtype_) + ", not " +
+                                      DTypeName(DTypeOf<T>::value));
+  }
+  if (!device_.is_cpu()) {
+    return absl::FailedPreconditionError("[ToVector] the tensor is on " + device_.ToString() +
+                                         ": copy it to the CPU first (To(x, Device::Cpu()))");
+  }
+  std::vector<T> out(static_cast<size_t>(numel_));
+  if (numel_ == 0) return out;
+  const T* base = data<T>();
+  Shape index(shape_.size(), 0);
+  int64_t at = 0;  // element offset of `index` from base
+  for (int64_t i = 0; i < numel_; ++i) {
+    out[static_cast<size_t>(i)] = base[at];
+    for (int64_t d = static_cast<int64_t>(shape_.size()) - 1; d >= 0; --d) {  // next index, row-major
+      const size_t k = static_cast<size_t>(d);
+      if (++index[k] < shape_[k]) {
+        at += strides_[k];
+        break;
+      }
+      at -= (shape_[k] - 1) * strides_[k];
+      index[k] = 0;
+    }
+  }
+  return out;
 }
 
 }  // namespace dtensor

@@ -105,6 +105,14 @@ Layout MustOrder(Layout l, int64_t tensor_dim, std::vector<int> dims) {
 
 // ---- ChunkOf / ChunkSizeOf ----
 
+TEST(LayoutTest, FromAVectorOfPlacementsAsFromAList) {
+  const std::vector<Placement> ps = {Shard(1), Replicate(), Partial()};
+  const Layout a = ps;
+  const Layout b({Shard(1), Replicate(), Partial()});
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a.ToString(), "S(1)RP(sum)");
+}
+
 TEST(ChunkTest, HandComputedTorchChunkExamples) {
   auto sizes = [](int64_t n, int64_t k) {
     Index s;

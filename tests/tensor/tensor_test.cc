@@ -42,6 +42,21 @@ TEST(TensorTest, ZeroDimAndEmptyTensors) {
   EXPECT_EQ(pieces.size(), 3u);  // torch.chunk of an empty dim: `chunks` empty pieces
 }
 
+// ToVector reads what a tensor shows, row-major, through any strides, and refuses a T that is
+// not its dtype. The expectation is written out by hand.
+TEST(TensorTest, ToVectorReadsRowMajorThroughStrides) {
+  const Tensor x = testing::Unwrap(Tensor::FromVector<int64_t>({0, 1, 2, 3, 4, 5}, {2, 3}));
+  EXPECT_EQ(testing::Unwrap(x.ToVector<int64_t>()), (std::vector<int64_t>{0, 1, 2, 3, 4, 5}));
+  const Tensor xt = testing::Unwrap(x.Transpose(0, 1));  // [3, 2]
+  EXPECT_EQ(testing::Unwrap(xt.ToVector<int64_t>()), (std::vector<int64_t>{0, 3, 1, 4, 2, 5}));
+  const Tensor col = testing::Unwrap(xt.Narrow(1, 1, 1));  // [3, 1]: 3, 4, 5
+  EXPECT_EQ(testing::Unwrap(col.ToVector<int64_t>()), (std::vector<int64_t>{3, 4, 5}));
+  const absl::StatusOr<std::vector<float>> wrong = x.ToVector<float>();
+  EXPECT_TRUE(absl::IsInvalidArgument(wrong.status())) << wrong.status();
+  const Tensor empty = testing::Unwrap(Tensor::Empty({0, 3}, DType::kFloat32));
+  EXPECT_TRUE(testing::Unwrap(empty.ToVector<float>()).empty());
+}
+
 TEST(TensorTest, BadShapesAreErrors) {
   auto neg = Tensor::Empty({2, -1}, DType::kFloat32);
   ASSERT_FALSE(neg.ok());
