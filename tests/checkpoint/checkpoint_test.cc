@@ -23,11 +23,7 @@ namespace {
 using ::testing::HasSubstr;
 using testing::Unwrap;
 
-void RunRanks(int world, const std::function<void(int rank, Communicator& comm)>& fn) {
-  const double seconds = suite::RunThreads(world, fn);
-  EXPECT_GE(seconds, 0) << "MakeThreadGroup failed";
-  EXPECT_LT(seconds, 10.0) << "took too long: something waited for a timeout";
-}
+using suite::RunRanks;
 
 // The global tensors every test saves: distinct values, so a misplaced element shows.
 Tensor Global(IntSpan shape, DType dtype, uint64_t seed) {

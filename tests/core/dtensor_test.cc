@@ -24,11 +24,7 @@ using suite::Spec;
 using ::testing::HasSubstr;
 using testing::Unwrap;
 
-void RunRanks(int world, const std::function<void(int rank, Communicator& comm)>& fn) {
-  const double seconds = suite::RunThreads(world, fn);
-  EXPECT_GE(seconds, 0) << "MakeThreadGroup failed";
-  EXPECT_LT(seconds, 10.0) << "took too long: something waited for a timeout";
-}
+using suite::RunRanks;
 
 // This rank's box of `values` (a global tensor of `shape`) under `spec`, as a tensor.
 Tensor BoxTensor(const std::vector<double>& values, IntSpan shape, DType dtype, const Spec& spec, IntSpan mesh,

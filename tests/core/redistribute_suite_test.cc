@@ -509,11 +509,7 @@ TEST(RedistributeRandom, Property) {
 // ---- Bad input: clear errors on every rank, never a hang ----
 
 // One thread per rank over a group with a short timeout; fails if it takes too long.
-void RunRanks(int world, const std::function<void(int rank, Communicator& comm)>& fn) {
-  const double seconds = suite::RunThreads(world, fn);
-  EXPECT_GE(seconds, 0) << "MakeThreadGroup failed";
-  EXPECT_LT(seconds, 10.0) << "took too long: something waited for a timeout";
-}
+using suite::RunRanks;
 
 Tensor Filled(IntSpan shape, DType dtype = DType::kFloat32) {
   return suite::MakeTensor(suite::GlobalValues(shape, dtype, false, 3), shape, dtype);

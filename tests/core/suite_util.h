@@ -36,6 +36,7 @@
 #include "dtensor/placements/layout.h"
 #include "dtensor/placements/placement.h"
 #include "dtensor/tensor/tensor.h"
+#include "gtest/gtest.h"
 
 // In a test body or a void lambda: `DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}));`
 // declares `DeviceMesh& mesh`, or fails the test and returns.
@@ -566,6 +567,14 @@ inline double RunThreads(int world, const std::function<void(int rank, Communica
   for (int r = 0; r < world; ++r) threads.emplace_back([&, r] { fn(r, *(*comms)[static_cast<size_t>(r)]); });
   for (auto& t : threads) t.join();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// RunThreads, failing the test when the group cannot be made or a rank waited for a timeout
+// (10 s).
+inline void RunRanks(int world, const std::function<void(int rank, Communicator& comm)>& fn) {
+  const double seconds = RunThreads(world, fn);
+  EXPECT_GE(seconds, 0) << "MakeThreadGroup failed";
+  EXPECT_LT(seconds, 10.0) << "took too long: something waited for a timeout";
 }
 
 }  // namespace dtensor::suite
