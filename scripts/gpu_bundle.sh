@@ -113,7 +113,7 @@ want trainer2 && for b in ucx nccl; do
   dev=\$([[ \$b == ucx ]] && echo cpu || echo cuda)
   procs 2 "\$here/bin/gpt_train" --text "\$repo/README.md" --device "\$dev" --steps 20 --log-every 5 --sample-tokens 0 \
     > "\$logs/trainer2_\$b.log" 2>&1 || rc=1
-  echo "trainer, 2 ranks, \$b:"; grep -E 'step +[0-9]+' "\$logs/trainer2_\$b.log" | grep '^\[rank 0\]' | tail -4
+  echo "trainer, 2 ranks, \$b:"; grep -E 'step: +[0-9]+' "\$logs/trainer2_\$b.log" | grep '^\[rank 0\]' | tail -4
 done
 # FSDP over NCCL: 20 steps of the trainer's losses on 1 GPU against 2 processes (FSDP) and 4
 # (HSDP 2x2) sharing it (1e-4: GPU reductions run in another order), and with a bfloat16

@@ -12,7 +12,7 @@ packages=(
   libucx-dev ucx-utils nlohmann-json3-dev zlib1g-dev
   openmpi-bin libopenmpi-dev
   clang-format iproute2
-  fortunes fortunes-min
+  fortunes fortunes-min gnuplot-nox
 )
 
 missing=()

@@ -19,6 +19,7 @@
 // process per GPU under dtrun, over NCCL. Legend: B batch (global), T sequence length, C
 // channels, V vocabulary.
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -28,11 +29,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -55,205 +62,232 @@
 #include "dtensor/tensor/status.h"
 #include "examples/gpt/data.h"
 #include "examples/gpt/llmc.h"
+#include "examples/gpt/report.h"
 #include "nlohmann/json.hpp"
+
+// ---- Flags (absl::flags; --help lists them). Spelled with dashes or underscores: --n-layer
+// and --n_layer are the same flag. Booleans take --flag, --noflag, --flag=true or --flag true.
+ABSL_FLAG(std::string, text, "", "train on this text file");
+ABSL_FLAG(std::string, fortunes, "",
+          "write an English corpus from the fortunes package's files to this path and train on it");
+ABSL_FLAG(std::string, train_bin, "", "train on an llm.c token file (GPT-2 tokens)");
+ABSL_FLAG(std::string, tokenizer, "byte", "how text is tokenized: byte (vocab 256) or gpt2 (GPT-2's BPE)");
+ABSL_FLAG(std::string, bpe_dir, "", "directory of GPT-2's encoder.json and vocab.bpe (default: setup's copy)");
+ABSL_FLAG(std::string, init_llmc, "", "start from an llm.c GPT-2 checkpoint");
+// Model.
+ABSL_FLAG(std::string, model, "",
+          "an architecture preset: tiny, gpt2, gpt2-medium, gpt2-large, gpt2-xl (the flags below override it)");
+ABSL_FLAG(int64_t, n_layer, 4, "transformer blocks");
+ABSL_FLAG(int64_t, n_head, 4, "attention heads");
+ABSL_FLAG(int64_t, n_embd, 128, "channels");
+ABSL_FLAG(int64_t, vocab, 256, "vocabulary size (--tokenizer gpt2: 50257, padded to a multiple of 128)");
+ABSL_FLAG(int64_t, seq, 64, "sequence length T (the model's block size)");
+ABSL_FLAG(double, dropout, 0.0, "dropout probability");
+ABSL_FLAG(std::string, ac, "none",
+          "activation checkpointing: none, full, selective (every 2nd block), selective:N, selective:op");
+// Training.
+ABSL_FLAG(int64_t, batch, 8, "global batch size B (rows of T tokens)");
+ABSL_FLAG(int64_t, steps, 50, "optimizer steps");
+ABSL_FLAG(double, lr, 1e-3, "learning rate (the peak, under cosine)");
+ABSL_FLAG(std::string, lr_schedule, "constant", "constant or cosine (linear warmup, cosine decay to --min-lr)");
+ABSL_FLAG(int64_t, warmup, 0, "warmup steps of the cosine schedule");
+ABSL_FLAG(double, min_lr, 0.0, "the cosine schedule's final learning rate");
+ABSL_FLAG(double, weight_decay, 0.0, "AdamW weight decay");
+ABSL_FLAG(double, beta1, 0.9, "AdamW beta1");
+ABSL_FLAG(double, beta2, 0.999, "AdamW beta2");
+ABSL_FLAG(double, eps, 1e-8, "AdamW epsilon");
+ABSL_FLAG(double, grad_clip, 0.0, "clip the gradients' global norm to this (0: no clipping)");
+ABSL_FLAG(uint64_t, seed, 1337, "seed of the initial weights, dropout and sampling");
+// Parallelism (TorchTitan's dims: dp_replicate x dp_shard x tp = ranks).
+ABSL_FLAG(int, ranks, 1, "ranks as threads of this process (under dtrun: one process per rank instead)");
+ABSL_FLAG(int64_t, dp_shard, -1, "FSDP degree (-1: the ranks left)");
+ABSL_FLAG(int64_t, dp_replicate, 1, "DDP degree (with --dp-shard > 1: HSDP)");
+ABSL_FLAG(int64_t, tp, 1, "tensor-parallel degree (the GPT plan)");
+ABSL_FLAG(bool, sequence_parallel, true, "tensor parallelism shards LayerNorm/dropout regions over the sequence");
+ABSL_FLAG(std::string, plan, "", "a tensor-parallel plan file (its degrees and rules)");
+ABSL_FLAG(bool, reshard_after_forward, true, "FSDP frees gathered parameters after each block's forward");
+ABSL_FLAG(bool, prefetch, true, "FSDP gathers the next block's parameters ahead");
+ABSL_FLAG(std::string, param_dtype, "fp32", "FSDP mixed precision: compute dtype of the parameters, fp32 or bf16");
+ABSL_FLAG(std::string, reduce_dtype, "fp32", "FSDP mixed precision: gradient reduction dtype, fp32 or bf16");
+ABSL_FLAG(int64_t, grad_accum, 1, "micro-batches per step");
+ABSL_FLAG(std::string, grad_sync, "every", "FSDP under --grad-accum: reduce every micro-batch or the last only");
+ABSL_FLAG(bool, explain, false,
+          "print each parameter's layout, each phase's collectives and the bytes per rank of one step; train nothing");
+ABSL_FLAG(std::string, device, "auto", "auto, cpu or cuda (auto: one GPU per process over NCCL when GPUs exist)");
+// Output.
+ABSL_FLAG(std::string, metrics, "", "write one JSON object per step to this file (JSONL)");
+ABSL_FLAG(int64_t, log_every, 1, "print a line every N steps");
+ABSL_FLAG(std::string, progress, "auto", "a progress bar with ETA: auto (on a terminal), true or false");
+ABSL_FLAG(double, peak_flops, 0.0,
+          "peak FLOP/s of one rank's device for MFU (0: the GPU's by model; on CPUs measured by a short GEMM)");
+ABSL_FLAG(int64_t, sample_tokens, 200, "tokens to sample at the end (0: none)");
+ABSL_FLAG(std::string, save_final, "", "write the trained parameters, whole, as safetensors");
+// Validation.
+ABSL_FLAG(int64_t, val_every, 0, "validation loss every N steps and at the end (0: never)");
+ABSL_FLAG(std::string, val_bin, "", "validation tokens (llm.c token file); default: a held-out tail of the data");
+ABSL_FLAG(double, val_fraction, 0.05, "with --val-every and no --val-bin: the tail of the data held out");
+ABSL_FLAG(int64_t, val_batches, 4, "batches per validation");
+// Checkpoints.
+ABSL_FLAG(std::string, ckpt_dir, "", "directory of the distributed checkpoints");
+ABSL_FLAG(int64_t, ckpt_every, 0, "save a checkpoint every N steps (0: never)");
+ABSL_FLAG(int64_t, ckpt_keep, 0, "keep the newest K checkpoints (0: all)");
+ABSL_FLAG(bool, ckpt_async, false, "write checkpoints in the background (committed at the next save or the end)");
+ABSL_FLAG(bool, resume, false, "resume from the newest complete checkpoint in --ckpt-dir, under any parallelism");
 
 namespace dtensor {
 namespace {
 
 struct Flags {
-  std::string text, train_bin, init_llmc, metrics, fortunes, save_final, ckpt_dir;
+  std::string text, train_bin, init_llmc, metrics, fortunes, save_final, ckpt_dir, val_bin;
+  std::string tokenizer = "byte", bpe_dir, model, ac = "none", progress = "auto";
   int64_t ckpt_every = 0, ckpt_keep = 0;
   bool resume = false, ckpt_async = false;
   int64_t n_layer = 4, n_head = 4, n_embd = 128, vocab = 256, seq = 64, batch = 8, steps = 50;
   double lr = 1e-3, weight_decay = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, grad_clip = 0.0, dropout = 0.0;
-  std::string device = "auto";           // auto: a GPU per process when CUDA devices are visible, else cpu
-  std::string lr_schedule = "constant";  // or "cosine" (linear warmup, cosine decay to min-lr)
+  std::string device = "auto";
+  std::string lr_schedule = "constant";
   int64_t warmup = 0;
-  double min_lr = 0.0;
+  double min_lr = 0.0, peak_flops = 0.0, val_fraction = 0.05;
   uint64_t seed = 1337;
   int ranks = 1;
-  int64_t sample_tokens = 200, log_every = 1;
-  // Data parallelism, with TorchTitan's meaning: dp_replicate x dp_shard = world size.
+  int64_t sample_tokens = 200, log_every = 1, val_every = 0, val_batches = 4;
   int64_t dp_shard = -1, dp_replicate = 1, tp = 1, grad_accum = 1;
   bool reshard_after_forward = true, prefetch = true, sequence_parallel = true, explain = false;
-  std::string plan;  // a plan file (nn/parallel/plan_file.h): its degrees and rules
+  std::string plan;
   std::string param_dtype = "fp32", reduce_dtype = "fp32";
-  std::string grad_sync = "every";  // FSDP under --grad-accum: reduce every micro-batch, or the last only
+  std::string grad_sync = "every";
 };
 
-const char* kUsage =
-    "usage: gpt_train (--text PATH | --fortunes PATH | --train-bin PATH) [--init-llmc PATH] [--ranks N]\n"
-    "  --fortunes PATH writes an English corpus from the fortunes package's files to PATH and trains on it\n"
-    "  model:  --n-layer 4 --n-head 4 --n-embd 128 --vocab 256 --seq 64 --dropout 0\n"
-    "  train:  --batch 8 (global) --steps 50 --lr 1e-3 --lr-schedule constant|cosine --warmup 0\n"
-    "          --min-lr 0 --weight-decay 0 --beta1 0.9 --beta2 0.999 --eps 1e-8 --grad-clip 0 --seed 1337\n"
-    "  parallel: --dp-shard -1 (FSDP degree; -1: the ranks left) --dp-replicate 1 (DDP / HSDP degree)\n"
-    "          --reshard-after-forward true --prefetch true --param-dtype fp32|bf16 --reduce-dtype fp32|bf16\n"
-    "          --grad-accum 1 (micro-batches per step) --grad-sync every|last\n"
-    "          --tp 1 (tensor-parallel degree: the GPT plan) --sequence-parallel true\n"
-    "          --plan FILE (a plan file: its degrees and rules) --explain (print each parameter's layout, each\n"
-    "          phase's collectives and the bytes per rank of one step, computed from the layouts; with --metrics,\n"
-    "          as JSON there; train nothing)\n"
-    "  device: --device auto|cpu|cuda (auto: one GPU per process over NCCL when GPUs are visible)\n"
-    "  output: --metrics PATH (one JSON object per step) --sample-tokens 200 --log-every 1\n"
-    "          --save-final PATH (the trained parameters, whole, as safetensors)\n"
-    "  checkpoints: --ckpt-dir DIR --ckpt-every N (steps; 0: never) --ckpt-keep K (0: all) --resume (from the\n"
-    "          newest complete checkpoint in DIR, under any parallelism) --ckpt-async false (write in the\n"
-    "          background; committed at the next save or the end)\n";
+// The parsed flags, checked: InvalidArgument naming the flag and its value.
+absl::StatusOr<Flags> ReadFlags() {
+  Flags f;
+  f.text = absl::GetFlag(FLAGS_text);
+  f.fortunes = absl::GetFlag(FLAGS_fortunes);
+  f.train_bin = absl::GetFlag(FLAGS_train_bin);
+  f.tokenizer = absl::GetFlag(FLAGS_tokenizer);
+  f.bpe_dir = absl::GetFlag(FLAGS_bpe_dir);
+  f.init_llmc = absl::GetFlag(FLAGS_init_llmc);
+  f.model = absl::GetFlag(FLAGS_model);
+  f.n_layer = absl::GetFlag(FLAGS_n_layer);
+  f.n_head = absl::GetFlag(FLAGS_n_head);
+  f.n_embd = absl::GetFlag(FLAGS_n_embd);
+  f.vocab = absl::GetFlag(FLAGS_vocab);
+  f.seq = absl::GetFlag(FLAGS_seq);
+  f.dropout = absl::GetFlag(FLAGS_dropout);
+  f.ac = absl::GetFlag(FLAGS_ac);
+  f.batch = absl::GetFlag(FLAGS_batch);
+  f.steps = absl::GetFlag(FLAGS_steps);
+  f.lr = absl::GetFlag(FLAGS_lr);
+  f.lr_schedule = absl::GetFlag(FLAGS_lr_schedule);
+  f.warmup = absl::GetFlag(FLAGS_warmup);
+  f.min_lr = absl::GetFlag(FLAGS_min_lr);
+  f.weight_decay = absl::GetFlag(FLAGS_weight_decay);
+  f.beta1 = absl::GetFlag(FLAGS_beta1);
+  f.beta2 = absl::GetFlag(FLAGS_beta2);
+  f.eps = absl::GetFlag(FLAGS_eps);
+  f.grad_clip = absl::GetFlag(FLAGS_grad_clip);
+  f.seed = absl::GetFlag(FLAGS_seed);
+  f.ranks = absl::GetFlag(FLAGS_ranks);
+  f.dp_shard = absl::GetFlag(FLAGS_dp_shard);
+  f.dp_replicate = absl::GetFlag(FLAGS_dp_replicate);
+  f.tp = absl::GetFlag(FLAGS_tp);
+  f.sequence_parallel = absl::GetFlag(FLAGS_sequence_parallel);
+  f.plan = absl::GetFlag(FLAGS_plan);
+  f.reshard_after_forward = absl::GetFlag(FLAGS_reshard_after_forward);
+  f.prefetch = absl::GetFlag(FLAGS_prefetch);
+  f.param_dtype = absl::GetFlag(FLAGS_param_dtype);
+  f.reduce_dtype = absl::GetFlag(FLAGS_reduce_dtype);
+  f.grad_accum = absl::GetFlag(FLAGS_grad_accum);
+  f.grad_sync = absl::GetFlag(FLAGS_grad_sync);
+  f.explain = absl::GetFlag(FLAGS_explain);
+  f.device = absl::GetFlag(FLAGS_device);
+  f.metrics = absl::GetFlag(FLAGS_metrics);
+  f.log_every = absl::GetFlag(FLAGS_log_every);
+  f.progress = absl::GetFlag(FLAGS_progress);
+  f.peak_flops = absl::GetFlag(FLAGS_peak_flops);
+  f.sample_tokens = absl::GetFlag(FLAGS_sample_tokens);
+  f.save_final = absl::GetFlag(FLAGS_save_final);
+  f.val_every = absl::GetFlag(FLAGS_val_every);
+  f.val_bin = absl::GetFlag(FLAGS_val_bin);
+  f.val_fraction = absl::GetFlag(FLAGS_val_fraction);
+  f.val_batches = absl::GetFlag(FLAGS_val_batches);
+  f.ckpt_dir = absl::GetFlag(FLAGS_ckpt_dir);
+  f.ckpt_every = absl::GetFlag(FLAGS_ckpt_every);
+  f.ckpt_keep = absl::GetFlag(FLAGS_ckpt_keep);
+  f.ckpt_async = absl::GetFlag(FLAGS_ckpt_async);
+  f.resume = absl::GetFlag(FLAGS_resume);
 
-bool ParseFlags(int argc, char** argv, Flags* f, std::string* error) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string name = argv[i];
-    if (name == "--help" || name == "-h") {
-      *error = "";
-      return false;
+  auto bad = [](absl::string_view flag, const auto& value, absl::string_view want) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, " ", value, ": ", want));
+  };
+  auto one_of = [](const std::string& v, std::initializer_list<const char*> allowed) {
+    for (const char* a : allowed) {
+      if (v == a) return true;
     }
-    if (name == "--explain" || name == "--resume") {  // no value
-      (name == "--explain" ? f->explain : f->resume) = true;
-      continue;
-    }
-    if (i + 1 >= argc) {
-      *error = absl::StrCat("flag ", name, " needs a value");
-      return false;
-    }
-    const std::string v = argv[++i];
-    char* end = nullptr;
-    auto num = [&](auto* out) {
-      const double d = std::strtod(v.c_str(), &end);
-      if (end == v.c_str() || *end != '\0') return false;
-      *out = static_cast<std::remove_pointer_t<decltype(out)>>(d);
-      return true;
-    };
-    bool ok = true;
-    auto boolean = [&](bool* out) {
-      if (v != "true" && v != "false") return false;
-      *out = v == "true";
-      return true;
-    };
-    if (name == "--text")
-      f->text = v;
-    else if (name == "--fortunes")
-      f->fortunes = v;
-    else if (name == "--train-bin")
-      f->train_bin = v;
-    else if (name == "--init-llmc")
-      f->init_llmc = v;
-    else if (name == "--metrics")
-      f->metrics = v;
-    else if (name == "--save-final")
-      f->save_final = v;
-    else if (name == "--ckpt-dir")
-      f->ckpt_dir = v;
-    else if (name == "--ckpt-every")
-      ok = num(&f->ckpt_every);
-    else if (name == "--ckpt-keep")
-      ok = num(&f->ckpt_keep);
-    else if (name == "--ckpt-async")
-      ok = boolean(&f->ckpt_async);
-    else if (name == "--lr-schedule")
-      f->lr_schedule = v;
-    else if (name == "--device")
-      f->device = v;
-    else if (name == "--param-dtype")
-      f->param_dtype = v;
-    else if (name == "--reduce-dtype")
-      f->reduce_dtype = v;
-    else if (name == "--grad-sync")
-      f->grad_sync = v;
-    else if (name == "--dp-shard")
-      ok = num(&f->dp_shard);
-    else if (name == "--dp-replicate")
-      ok = num(&f->dp_replicate);
-    else if (name == "--grad-accum")
-      ok = num(&f->grad_accum);
-    else if (name == "--reshard-after-forward")
-      ok = boolean(&f->reshard_after_forward);
-    else if (name == "--sequence-parallel")
-      ok = boolean(&f->sequence_parallel);
-    else if (name == "--tp")
-      ok = num(&f->tp);
-    else if (name == "--plan")
-      f->plan = v;
-    else if (name == "--prefetch")
-      ok = boolean(&f->prefetch);
-    else if (name == "--n-layer")
-      ok = num(&f->n_layer);
-    else if (name == "--n-head")
-      ok = num(&f->n_head);
-    else if (name == "--n-embd")
-      ok = num(&f->n_embd);
-    else if (name == "--vocab")
-      ok = num(&f->vocab);
-    else if (name == "--seq")
-      ok = num(&f->seq);
-    else if (name == "--batch")
-      ok = num(&f->batch);
-    else if (name == "--steps")
-      ok = num(&f->steps);
-    else if (name == "--lr")
-      ok = num(&f->lr);
-    else if (name == "--weight-decay")
-      ok = num(&f->weight_decay);
-    else if (name == "--beta1")
-      ok = num(&f->beta1);
-    else if (name == "--beta2")
-      ok = num(&f->beta2);
-    else if (name == "--eps")
-      ok = num(&f->eps);
-    else if (name == "--grad-clip")
-      ok = num(&f->grad_clip);
-    else if (name == "--dropout")
-      ok = num(&f->dropout);
-    else if (name == "--seed")
-      ok = num(&f->seed);
-    else if (name == "--ranks")
-      ok = num(&f->ranks);
-    else if (name == "--warmup")
-      ok = num(&f->warmup);
-    else if (name == "--min-lr")
-      ok = num(&f->min_lr);
-    else if (name == "--sample-tokens")
-      ok = num(&f->sample_tokens);
-    else if (name == "--log-every")
-      ok = num(&f->log_every);
-    else {
-      *error = absl::StrCat("unknown flag ", name);
-      return false;
-    }
-    if (!ok) {
-      *error = absl::StrCat("flag ", name, " needs a ",
-                            name == "--reshard-after-forward" || name == "--prefetch" ||
-                                    name == "--sequence-parallel" || name == "--ckpt-async"
-                                ? "true|false"
-                                : "number",
-                            ", got '", v, "'");
-      return false;
-    }
-  }
-  if (!f->fortunes.empty() && f->text.empty()) f->text = f->fortunes;
-  if (f->text.empty() == f->train_bin.empty()) {
-    *error = "give exactly one of --text (or --fortunes) and --train-bin";
     return false;
+  };
+  if (!f.fortunes.empty() && f.text.empty()) f.text = f.fortunes;
+  if (f.text.empty() == f.train_bin.empty()) {
+    return absl::InvalidArgumentError("give exactly one of --text (or --fortunes) and --train-bin");
   }
-  auto is_dtype = [](const std::string& d) { return d == "fp32" || d == "bf16"; };
-  if (f->ranks < 1 || f->batch < 1 || f->seq < 1 || f->steps < 0 || f->log_every < 1 || f->grad_accum < 1 ||
-      (f->lr_schedule != "constant" && f->lr_schedule != "cosine") ||
-      (f->device != "auto" && f->device != "cpu" && f->device != "cuda") || !is_dtype(f->param_dtype) ||
-      !is_dtype(f->reduce_dtype) || (f->grad_sync != "every" && f->grad_sync != "last")) {
-    *error =
-        "bad value: --ranks, --batch, --seq, --log-every, --grad-accum must be >= 1, --steps >= 0, --lr-schedule "
-        "constant|cosine, --device auto|cpu|cuda, --param-dtype and --reduce-dtype fp32|bf16, --grad-sync every|last";
-    return false;
+  if (f.ranks < 1) return bad("ranks", f.ranks, "must be >= 1");
+  if (f.batch < 1) return bad("batch", f.batch, "must be >= 1");
+  if (f.seq < 1) return bad("seq", f.seq, "must be >= 1");
+  if (f.steps < 0) return bad("steps", f.steps, "must be >= 0");
+  if (f.log_every < 1) return bad("log-every", f.log_every, "must be >= 1");
+  if (f.grad_accum < 1) return bad("grad-accum", f.grad_accum, "must be >= 1");
+  if (!one_of(f.lr_schedule, {"constant", "cosine"})) return bad("lr-schedule", f.lr_schedule, "constant|cosine");
+  if (!one_of(f.device, {"auto", "cpu", "cuda"})) return bad("device", f.device, "auto|cpu|cuda");
+  if (!one_of(f.param_dtype, {"fp32", "bf16"})) return bad("param-dtype", f.param_dtype, "fp32|bf16");
+  if (!one_of(f.reduce_dtype, {"fp32", "bf16"})) return bad("reduce-dtype", f.reduce_dtype, "fp32|bf16");
+  if (!one_of(f.grad_sync, {"every", "last"})) return bad("grad-sync", f.grad_sync, "every|last");
+  if (!one_of(f.tokenizer, {"byte", "gpt2"})) return bad("tokenizer", f.tokenizer, "byte|gpt2");
+  if (!one_of(f.progress, {"auto", "true", "false"})) return bad("progress", f.progress, "auto|true|false");
+  if (f.ckpt_every < 0) return bad("ckpt-every", f.ckpt_every, "must be >= 0");
+  if (f.ckpt_keep < 0) return bad("ckpt-keep", f.ckpt_keep, "must be >= 0");
+  if ((f.ckpt_every > 0 || f.resume) && f.ckpt_dir.empty()) {
+    return absl::InvalidArgumentError("--ckpt-every N > 0 and --resume need --ckpt-dir");
   }
-  if (f->ckpt_every < 0 || f->ckpt_keep < 0 || ((f->ckpt_every > 0 || f->resume) && f->ckpt_dir.empty())) {
-    *error = "--ckpt-every and --ckpt-keep must be >= 0; --ckpt-every N > 0 and --resume need --ckpt-dir";
-    return false;
+  if (f.batch % f.grad_accum != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--batch ", f.batch, " must be a multiple of --grad-accum ", f.grad_accum));
   }
-  if (f->batch % f->grad_accum != 0) {
-    *error = absl::StrCat("--batch ", f->batch, " must be a multiple of --grad-accum ", f->grad_accum);
-    return false;
+  if (f.peak_flops < 0) return bad("peak-flops", f.peak_flops, "must be >= 0");
+  if (f.val_every < 0) return bad("val-every", f.val_every, "must be >= 0");
+  if (f.val_batches < 1) return bad("val-batches", f.val_batches, "must be >= 1");
+  if (!(f.val_fraction > 0 && f.val_fraction < 1)) return bad("val-fraction", f.val_fraction, "must be in (0, 1)");
+  if (f.tokenizer == "gpt2" && !f.train_bin.empty()) {
+    return absl::InvalidArgumentError("--tokenizer gpt2 tokenizes --text; --train-bin is already GPT-2 tokens");
   }
-  return true;
+  return f;
+}
+
+// absl's flags are C++ names (n_layer); users write --n-layer, and the trainer's booleans were
+// always given a separate value (--prefetch false). This rewrites argv into absl's form:
+// dashes in a flag's name become underscores, and "--<bool> true|false" becomes "--<bool>=..".
+std::vector<char*> AbslArgs(int argc, char** argv, std::vector<std::string>& storage) {
+  storage.clear();
+  storage.reserve(static_cast<size_t>(argc));
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    if (i > 0 && absl::StartsWith(a, "--") && a.size() > 2) {
+      const size_t eq = a.find('=');
+      std::string name = a.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+      std::replace(name.begin(), name.end(), '-', '_');
+      std::string rest = eq == std::string::npos ? "" : a.substr(eq);
+      const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+      if (eq == std::string::npos && flag != nullptr && flag->IsOfType<bool>() && i + 1 < argc &&
+          (std::strcmp(argv[i + 1], "true") == 0 || std::strcmp(argv[i + 1], "false") == 0 ||
+           std::strcmp(argv[i + 1], "yes") == 0 || std::strcmp(argv[i + 1], "no") == 0)) {
+        rest = absl::StrCat("=", argv[++i]);
+      }
+      a = absl::StrCat("--", name, rest);
+    }
+    storage.push_back(std::move(a));
+  }
+  std::vector<char*> out;
+  for (std::string& s : storage) out.push_back(s.data());
+  return out;
 }
 
 std::string Decode(const std::vector<int64_t>& ids, int64_t vocab) {
@@ -346,7 +380,27 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     }
   }
   DT_RETURN_IF_ERROR(gpt::ValidateTokens(tokens, cfg.vocab_size, f.text.empty() ? f.train_bin : f.text));
+  // Validation tokens: --val-bin, or the tail of the data (held out from training).
+  std::vector<uint16_t> val_tokens;
+  if (f.val_every > 0 && !f.val_bin.empty()) {
+    DT_ASSIGN_OR_RETURN(val_tokens, gpt::LoadLlmcTokens(f.val_bin));
+    DT_RETURN_IF_ERROR(gpt::ValidateTokens(val_tokens, cfg.vocab_size, f.val_bin));
+  } else if (f.val_every > 0) {
+    const size_t keep = tokens.size() - static_cast<size_t>(static_cast<double>(tokens.size()) * f.val_fraction);
+    val_tokens.assign(tokens.begin() + static_cast<std::ptrdiff_t>(keep), tokens.end());
+    tokens.resize(keep);
+  }
   DT_ASSIGN_OR_RETURN(gpt::TokenLoader loader, gpt::TokenLoader::Create(std::move(tokens), f.batch, f.seq));
+  std::optional<gpt::TokenLoader> val_loader;
+  if (f.val_every > 0) {
+    absl::StatusOr<gpt::TokenLoader> v = gpt::TokenLoader::Create(std::move(val_tokens), f.batch / f.grad_accum, f.seq);
+    if (!v.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("[gpt_train] validation data (",
+                                                     f.val_bin.empty() ? "--val-fraction of the data" : f.val_bin,
+                                                     "): ", v.status().message()));
+    }
+    val_loader = *std::move(v);
+  }
   DT_ASSIGN_OR_RETURN(std::unique_ptr<nn::GPT> model, nn::GPT::Create(cfg));
   if (f.init_llmc.empty()) {
     DT_RETURN_IF_ERROR(model->InitWeights(f.seed));  // the same values on every rank
@@ -413,6 +467,20 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     }
     return absl::OkStatus();
   }
+
+  // ---- What the step lines report: MFU from FLOPs per token and the device's peak ----
+  const double flops_per_token = gpt::FlopsPerToken(cfg, model->NumParameters(), f.seq);
+  double peak_flops = f.peak_flops;
+  if (peak_flops == 0) {
+    DT_ASSIGN_OR_RETURN(peak_flops, gpt::PeakFlops(device, f.param_dtype == "bf16", omp_get_max_threads()));
+  }
+  const double device_memory = static_cast<double>(gpt::DeviceMemoryBytes(device));
+  say("peak %.3g TFLOP/s per rank (%s), %.3g GFLOP per token; logged: loss, grad norm, lr, peak memory, tokens/s "
+      "per rank, TFLOP/s and MFU per rank\n",
+      peak_flops / 1e12,
+      f.peak_flops > 0 ? "--peak-flops" : (device.is_cuda() ? "the GPU's data sheet" : "measured: float32 GEMM"),
+      flops_per_token / 1e9);
+  const bool progress_bar = lead && (f.progress == "true" || (f.progress == "auto" && isatty(STDOUT_FILENO)));
 
   std::vector<Variable*> params = model->Parameters();
   nn::AdamW opt(params, {.lr = f.lr, .beta1 = f.beta1, .beta2 = f.beta2, .eps = f.eps, .weight_decay = f.weight_decay});
@@ -483,6 +551,38 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     if (mesh.defined()) SetCommCounter(mesh, &comm[static_cast<size_t>(phase)]);
   };
   nn::FsdpGroup* root_group = fsdp ? nn::FsdpGroupOf(*model) : nullptr;
+  // The mean loss over --val-batches batches from the start of the validation data (the same
+  // batches every time), without gradients; each rank's rows as in training.
+  auto validate = [&]() -> absl::StatusOr<double> {
+    NoGradGuard no_grad;
+    model->Eval();
+    val_loader->Reset();
+    double sum = 0;
+    for (int64_t k = 0; k < f.val_batches; ++k) {
+      gpt::Batch batch = val_loader->Next();
+      const int64_t rows = val_loader->batch_size();
+      DT_ASSIGN_OR_RETURN(Tensor xi, Tensor::FromVector<int32_t>(batch.inputs, {rows, f.seq}));
+      DT_ASSIGN_OR_RETURN(Tensor yi, Tensor::FromVector<int32_t>(batch.targets, {rows, f.seq}));
+      DT_ASSIGN_OR_RETURN(xi, To(xi, device));
+      DT_ASSIGN_OR_RETURN(yi, To(yi, device));
+      Value x = xi, y = yi;
+      if (mesh.defined()) {
+        DT_ASSIGN_OR_RETURN(x, DTensor::Distribute(xi, mesh, batch_layout, {.src_rank = std::nullopt}));
+        DT_ASSIGN_OR_RETURN(y, DTensor::Distribute(yi, mesh, batch_layout, {.src_rank = std::nullopt}));
+      }
+      DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(x), Variable::Constant(y)));
+      Value loss = out.loss.value();
+      if (loss.is_dtensor()) {
+        DT_ASSIGN_OR_RETURN(DTensor r, loss.dtensor().Redistribute(Layout(Placements(mesh_shape.size(), Replicate()))));
+        loss = r;
+      }
+      DT_ASSIGN_OR_RETURN(std::vector<double> lv, ToDoubleVector(loss.local()));
+      sum += lv[0];
+    }
+    model->Train();
+    return sum / static_cast<double>(f.val_batches);
+  };
+  const auto run_start = std::chrono::steady_clock::now();
   Allocator& allocator = DefaultAllocator(device);
   const int64_t micro = f.batch / f.grad_accum;  // rows per micro-batch (global)
   for (int64_t step = first_step; step < f.steps; ++step) {
@@ -584,32 +684,55 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       }
       ckpt_ms = ms(c0, std::chrono::steady_clock::now());
     }
-    if (step % f.log_every == 0 || step + 1 == f.steps) {
-      say("step %4lld | loss %.6f | lr %.3g | norm %.4f | %.1f ms | %.0f tok/s\n", static_cast<long long>(step), lv[0],
-          lr, norm, dt * 1e3, tok_s);
+    // TorchTitan's line: tokens/s and MFU per rank (the global batch's tokens over the ranks).
+    const double tok_s_rank = tok_s / static_cast<double>(world.size());
+    const double mfu = gpt::Mfu(flops_per_token, tok_s_rank, peak_flops);
+    const double peak_gib = static_cast<double>(mem.peak_bytes_in_use) / (1 << 30);
+    std::optional<double> val_loss;
+    if (f.val_every > 0 && ((step + 1) % f.val_every == 0 || step + 1 == f.steps)) {
+      DT_ASSIGN_OR_RETURN(val_loss, validate());
+    }
+    const std::string val_text = val_loss ? absl::StrFormat("  val_loss: %.5f", *val_loss) : "";
+    if (progress_bar) say("\r\033[K");
+    if (step % f.log_every == 0 || step + 1 == f.steps || val_loss.has_value()) {
+      say("step: %4lld  loss: %8.5f  grad_norm: %7.4f  lr: %.2e  memory: %5.2fGiB(%.2f%%)  tps: %s  tflops: %.3f  "
+          "mfu: %.2f%%  time: %.0fms%s\n",
+          static_cast<long long>(step), lv[0], norm, lr, peak_gib,
+          device_memory > 0 ? 100.0 * static_cast<double>(mem.peak_bytes_in_use) / device_memory : 0.0,
+          absl::StrCat(static_cast<int64_t>(std::llround(tok_s_rank))).c_str(), flops_per_token * tok_s_rank / 1e12,
+          100.0 * mfu, dt * 1e3, val_text.c_str());
+    }
+    if (progress_bar) {
+      say("%s",
+          gpt::ProgressBar(step + 1 - first_step, f.steps - first_step,
+                           std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count(), 30)
+              .c_str());
+      if (step + 1 == f.steps) say("\n");
     }
     if (metrics.is_open()) {
-      metrics << nlohmann::json{{"step", step},
-                                {"loss", lv[0]},
-                                {"lr", lr},
-                                {"grad_norm", norm},
-                                {"step_ms", dt * 1e3},
-                                {"tokens_per_s", tok_s},
-                                {"ranks", world.size()},
-                                {"forward_ms", fwd_ms},
-                                {"backward_ms", bwd_ms},
-                                {"update_ms", ms(t3, t4)},
-                                {"param_bytes", param_bytes},
-                                {"grad_bytes", grad_bytes},
-                                {"optim_bytes", opt.StateBytes()},
-                                {"bytes_in_use", mem.bytes_in_use},
-                                {"peak_bytes", mem.peak_bytes_in_use},
-                                {"peak_unsharded_bytes", root_group ? root_group->tree_peak_unsharded_bytes() : 0},
-                                {"comm", nn::CommToJson(comm)},
-                                {"ckpt_ms", ckpt_ms}}
-                     .dump()
-              << "\n"
-              << std::flush;
+      nlohmann::json line{{"step", step},
+                          {"loss", lv[0]},
+                          {"lr", lr},
+                          {"grad_norm", norm},
+                          {"step_ms", dt * 1e3},
+                          {"tokens_per_s", tok_s},
+                          {"tokens_per_s_per_rank", tok_s_rank},
+                          {"tflops_per_rank", flops_per_token * tok_s_rank / 1e12},
+                          {"mfu", mfu},
+                          {"ranks", world.size()},
+                          {"forward_ms", fwd_ms},
+                          {"backward_ms", bwd_ms},
+                          {"update_ms", ms(t3, t4)},
+                          {"param_bytes", param_bytes},
+                          {"grad_bytes", grad_bytes},
+                          {"optim_bytes", opt.StateBytes()},
+                          {"bytes_in_use", mem.bytes_in_use},
+                          {"peak_bytes", mem.peak_bytes_in_use},
+                          {"peak_unsharded_bytes", root_group ? root_group->tree_peak_unsharded_bytes() : 0},
+                          {"comm", nn::CommToJson(comm)},
+                          {"ckpt_ms", ckpt_ms}};
+      if (val_loss) line["val_loss"] = *val_loss;
+      metrics << line.dump() << "\n" << std::flush;
     }
   }
   if (pending_save != nullptr) DT_RETURN_IF_ERROR(pending_save->Finish());
@@ -665,12 +788,25 @@ int main(int argc, char** argv) {
   if (absl::Status blas = ReexecWithFasterBlasCore(argv); !blas.ok()) {
     std::fprintf(stderr, "gpt_train: %s\n", blas.ToString().c_str());
   }
-  Flags f;
-  std::string error;
-  if (!ParseFlags(argc, argv, &f, &error)) {
-    std::fprintf(stderr, "%s%s%s", error.c_str(), error.empty() ? "" : "\n", kUsage);
-    return error.empty() ? 0 : 2;
+  absl::SetProgramUsageMessage(
+      "trains a GPT on text, data- and tensor-parallel over N ranks.\n"
+      "  gpt_train --fortunes /tmp/fortunes.txt --tokenizer gpt2 --ranks 2   # FSDP over 2 thread ranks\n"
+      "  dtrun --nproc-per-node 2 gpt_train --text corpus.txt                # 2 processes over UCX\n"
+      "Flags are listed with underscores; --n-layer and --n_layer are the same flag.");
+  std::vector<std::string> arg_storage;
+  std::vector<char*> args = AbslArgs(argc, argv, arg_storage);
+  const std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
+  if (rest.size() > 1) {
+    std::fprintf(stderr, "gpt_train: unexpected argument '%s' (flags are --name value or --name=value; see --help)\n",
+                 rest[1]);
+    return 2;
   }
+  absl::StatusOr<Flags> flags = ReadFlags();
+  if (!flags.ok()) {
+    std::fprintf(stderr, "gpt_train: %s (see --help)\n", std::string(flags.status().message()).c_str());
+    return 2;
+  }
+  const Flags& f = *flags;
   if (!f.fortunes.empty()) {  // every process may do this: the file is replaced atomically
     auto corpus = gpt::PrepareFortunesCorpus(f.fortunes);
     if (!corpus.ok()) {

@@ -452,7 +452,7 @@ TEST_F(GptFsdpTest, BadParallelFlagsFailCleanly) {
   EXPECT_NE(accum.code, 0);
   EXPECT_NE(accum.out.find("--batch 6 must be a multiple of --grad-accum 4"), std::string::npos) << accum.out;
   EXPECT_NE(Train("", "--text x --param-dtype fp16").code, 0);
-  EXPECT_NE(Train("", "--text x --reshard-after-forward yes").code, 0);
+  EXPECT_NE(Train("", "--text x --reshard-after-forward perhaps").code, 0);
 }
 
 TEST_F(GptTrainTest, UcxProcessesMatchThreads) {
@@ -505,6 +505,75 @@ TEST_F(GptTrainTest, StartsFromAnLlmcCheckpoint) {
   EXPECT_NEAR(nlohmann::json::parse(line).at("loss").get<double>(), expected, 1e-5 * expected);
 }
 
+// The step lines and metrics report like TorchTitan: tokens/s and MFU per rank by the
+// FLOPs-per-token formula, and validation loss on the held-out tail, checked against the final
+// model evaluated here on those batches; the held-out tail is not trained on.
+TEST_F(GptTrainTest, ReportsMfuAndValidationLoss) {
+  using testing::Unwrap;
+  const std::string corpus = Corpus(), metrics = Path("report.jsonl"), final_params = Path("final.safetensors");
+  const std::string model_flags = " --n-layer 2 --n-head 2 --n-embd 32 --seq 16 --batch 4 --lr 3e-3 --sample-tokens 0";
+  const ProcessRun run =
+      Train("", "--text " + corpus + model_flags +
+                    " --steps 6 --ranks 2 --val-every 3 --val-batches 2 --peak-flops 1e12 --progress true --metrics " +
+                    metrics + " --save-final " + final_params);
+  ASSERT_EQ(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("mfu:"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("6/6"), std::string::npos) << run.out;  // the progress bar's last state
+  EXPECT_NE(run.out.find("left"), std::string::npos) << run.out;
+
+  // The data: bytes; the last 5% of them (rounded down) held out for validation.
+  std::vector<uint16_t> tokens = Unwrap(gpt::LoadTextTokens(corpus));
+  const size_t keep = tokens.size() - static_cast<size_t>(static_cast<double>(tokens.size()) * 0.05);
+  const std::vector<uint16_t> val(tokens.begin() + static_cast<std::ptrdiff_t>(keep), tokens.end());
+
+  const nn::GPTConfig cfg{.vocab_size = 256, .block_size = 16, .n_layer = 2, .n_head = 2, .n_embd = 32};
+  auto model = Unwrap(nn::GPT::Create(cfg));
+  const double fpt = 6.0 * static_cast<double>(model->NumParameters() - 16 * 32) + 12.0 * 2 * 32 * 16;
+  std::map<int64_t, double> val_loss, train_loss;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    const int64_t step = j.at("step").get<int64_t>();
+    train_loss[step] = j.at("loss").get<double>();
+    const double tps = j.at("tokens_per_s").get<double>(), per_rank = j.at("tokens_per_s_per_rank").get<double>();
+    EXPECT_NEAR(per_rank, tps / 2, 1e-9 * tps) << line;
+    EXPECT_NEAR(j.at("mfu").get<double>(), fpt * per_rank / 1e12, 1e-9) << line;
+    EXPECT_GT(j.at("peak_bytes").get<int64_t>(), 0) << line;
+    if (j.contains("val_loss")) val_loss[step] = j.at("val_loss").get<double>();
+  }
+  ASSERT_EQ(train_loss.size(), 6u);
+  ASSERT_EQ(val_loss.size(), 2u);
+  ASSERT_TRUE(val_loss.count(2) && val_loss.count(5));
+
+  // The last validation, recomputed from the final parameters on the first 2 validation batches.
+  NamedTensors trained = Unwrap(ReadSafetensors(final_params));
+  ASSERT_TRUE(model->LoadStateDict(trained.tensors).ok());
+  model->Eval();
+  NoGradGuard no_grad;
+  absl::StatusOr<gpt::TokenLoader> loader = gpt::TokenLoader::Create(val, 4, 16);
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  double sum = 0;
+  for (int k = 0; k < 2; ++k) {
+    gpt::Batch b = loader->Next();
+    Variable x = Variable::Constant(Unwrap(Tensor::FromVector<int32_t>(b.inputs, {4, 16})));
+    Variable y = Variable::Constant(Unwrap(Tensor::FromVector<int32_t>(b.targets, {4, 16})));
+    sum += testing::Values(Unwrap(model->Forward(x, y)).loss.value().local())[0];
+  }
+  EXPECT_NEAR(val_loss[5], sum / 2, 1e-5 * sum / 2);
+
+  // Training saw only the first 95%: the same run on that prefix alone, without validation,
+  // has the same losses.
+  const std::string prefix = Path("prefix.txt");
+  testing::WriteBytes(prefix, std::string(tokens.begin(), tokens.begin() + static_cast<std::ptrdiff_t>(keep)));
+  const std::string prefix_metrics = Path("prefix.jsonl");
+  ASSERT_EQ(Train("", "--text " + prefix + model_flags + " --steps 6 --ranks 2 --metrics " + prefix_metrics).code, 0);
+  std::ifstream pin(prefix_metrics);
+  for (int64_t step = 0; std::getline(pin, line); ++step) {
+    EXPECT_EQ(nlohmann::json::parse(line).at("loss").get<double>(), train_loss.at(step)) << "step " << step;
+  }
+}
+
 // The same binary started by Open MPI's mpirun (OMPI_COMM_WORLD_* rendezvous) is a UCX rank.
 TEST_F(GptTrainTest, MpirunProcessesMatchThreads) {
   const ProcessRun which = testing::RunProcess({"/bin/sh", "-c", "command -v mpirun"});
@@ -519,7 +588,27 @@ TEST_F(GptTrainTest, BadFlagsFailCleanly) {
   EXPECT_NE(Train("", "--text x --n-embd 30 --n-head 4").code, 0);
   const ProcessRun device = Train("", "--text x --device tpu");
   EXPECT_NE(device.code, 0);
-  EXPECT_NE(device.out.find("--device auto|cpu|cuda"), std::string::npos) << device.out;
+  EXPECT_NE(device.out.find("--device tpu: auto|cpu|cuda"), std::string::npos) << device.out;
+  // absl::flags: unknown flags and bad values are refused naming them; --help lists the flags
+  // (spelled with dashes or underscores alike).
+  const ProcessRun unknown = Train("", "--text x --stepz 3");
+  EXPECT_NE(unknown.code, 0);
+  EXPECT_NE(unknown.out.find("'stepz'"), std::string::npos) << unknown.out;
+  const ProcessRun value = Train("", "--text x --n-layer two");
+  EXPECT_NE(value.code, 0);
+  EXPECT_NE(value.out.find("'two'"), std::string::npos) << value.out;
+  EXPECT_NE(value.out.find("n_layer"), std::string::npos) << value.out;
+  const ProcessRun stray = Train("", "--text x --prefetch maybe");
+  EXPECT_NE(stray.code, 0);
+  EXPECT_NE(stray.out.find("unexpected argument 'maybe'"), std::string::npos) << stray.out;
+  const ProcessRun help = Train("", "--help");
+  EXPECT_EQ(help.code, 1) << help.out;  // absl's --help exits 1 after printing
+  for (const char* flag : {"--ckpt_dir", "--tokenizer", "--val_every", "--peak_flops", "--ac", "--model"}) {
+    EXPECT_NE(help.out.find(flag), std::string::npos) << flag << "\n" << help.out;
+  }
+  const ProcessRun val = Train("", "--text x --val-every 2 --val-fraction 1.5");
+  EXPECT_NE(val.code, 0);
+  EXPECT_NE(val.out.find("--val-fraction 1.5"), std::string::npos) << val.out;
   // A --metrics file rank 0 cannot open stops every rank at once (the others used to wait for
   // rank 0 in the first all-reduce until the timeout).
   const ProcessRun metrics = Train("",
