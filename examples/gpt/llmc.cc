@@ -148,6 +148,19 @@ std::vector<std::pair<std::string, Shape>> LlmcParamShapes(const LlmcConfig& c) 
   return shapes;
 }
 
+std::vector<int32_t> LlmcFp32Header(const LlmcConfig& c) {
+  std::vector<int32_t> header(kLlmcHeaderInts, 0);
+  header[0] = kLlmcModelMagic;
+  header[1] = kLlmcVersionFp32;
+  header[2] = c.max_seq_len;
+  header[3] = c.vocab_size;
+  header[4] = c.num_layers;
+  header[5] = c.num_heads;
+  header[6] = c.channels;
+  header[7] = c.padded_vocab_size;
+  return header;
+}
+
 absl::StatusOr<LlmcCheckpoint> ReadLlmcCheckpoint(const std::string& path) {
   constexpr const char* kOp = "ReadLlmcCheckpoint";
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -285,19 +298,11 @@ absl::Status WriteLlmcCheckpoint(const std::string& path, const LlmcConfig& conf
     if (!host[i].defined()) return InvalidArg(kOp, "parameter '", shapes[i].first, "' missing, writing '", path, "'");
   }
 
-  int32_t header[kLlmcHeaderInts] = {};
-  header[0] = kLlmcModelMagic;
-  header[1] = kLlmcVersionFp32;
-  header[2] = c.max_seq_len;
-  header[3] = c.vocab_size;
-  header[4] = c.num_layers;
-  header[5] = c.num_heads;
-  header[6] = c.channels;
-  header[7] = c.padded_vocab_size;
+  const std::vector<int32_t> header = LlmcFp32Header(c);
   const std::vector<float> zeros(
       wte_padded ? 0 : static_cast<size_t>(c.padded_vocab_size - c.vocab_size) * static_cast<size_t>(c.channels), 0.f);
   std::vector<absl::string_view> pieces;
-  pieces.emplace_back(reinterpret_cast<const char*>(header), sizeof(header));
+  pieces.emplace_back(reinterpret_cast<const char*>(header.data()), header.size() * sizeof(int32_t));
   for (const Segment& s : FileSegments(c)) {
     if (s.index < 0) {
       if (!wte_padded) pieces.emplace_back(reinterpret_cast<const char*>(zeros.data()), zeros.size() * sizeof(float));

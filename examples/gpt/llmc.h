@@ -75,6 +75,10 @@ struct LlmcCheckpoint {
 // (wte is [vocab_size, C]).
 std::vector<std::pair<std::string, Shape>> LlmcParamShapes(const LlmcConfig& config);
 
+// The 256-word header of a version-3 (float32) llm.c checkpoint of `config` (padded_vocab_size
+// as given), which WriteLlmcCheckpoint writes.
+std::vector<int32_t> LlmcFp32Header(const LlmcConfig& config);
+
 // Reads an llm.c checkpoint. NotFound for a missing file; InvalidArgument naming the file and the
 // values for a bad magic, a non-positive or inconsistent header (padded_vocab_size < vocab_size,
 // channels not divisible by num_heads) or a size that is not header + parameters;
