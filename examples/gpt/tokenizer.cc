@@ -2,6 +2,7 @@
 
 #include <unicode/uchar.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -344,6 +345,75 @@ void Gpt2Tokenizer::Bpe(std::vector<int32_t>& word) const {
   }
 }
 
+void Gpt2Tokenizer::BpeLong(std::vector<int32_t>& word) const {
+  // Symbols live at the position of their first byte; word[pos] is -1 once merged into the
+  // symbol on its left. The heap holds every ranked adjacent pair (left position, both ids),
+  // lowest rank first and, among equal ranks, the last position first. A pair whose ids no
+  // longer match is stale: a position's symbol only grows, so ids never repeat there.
+  const auto n = static_cast<int32_t>(word.size());
+  std::vector<int32_t> prev(n), next(n);
+  std::vector<uint32_t> merged_in_pass(n, 0);
+  for (int32_t i = 0; i < n; ++i) {
+    prev[i] = i - 1;
+    next[i] = i + 1;
+  }
+  struct Pair {
+    int32_t rank = 0, pos = 0, left = 0, right = 0, merged = 0;
+  };
+  auto after = [](const Pair& a, const Pair& b) { return a.rank > b.rank || (a.rank == b.rank && a.pos < b.pos); };
+  std::vector<Pair> heap, same_rank;
+  auto push = [&](int32_t pos) {
+    if (pos < 0 || next[pos] >= n) return;
+    auto it = merges_.find(PairKey(word[pos], word[next[pos]]));
+    if (it == merges_.end()) return;
+    heap.push_back({it->second.rank, pos, word[pos], word[next[pos]], it->second.merged});
+    std::push_heap(heap.begin(), heap.end(), after);
+  };
+  auto current = [&](const Pair& p) {
+    return word[p.pos] == p.left && next[p.pos] < n && word[next[p.pos]] == p.right;
+  };
+  for (int32_t i = 0; i + 1 < n; ++i) push(i);
+  std::vector<int32_t> merged_at;
+  for (uint32_t pass = 1; !heap.empty(); ++pass) {
+    // As the reference: the lowest rank, the last pair of that rank, and then every occurrence
+    // of that pair, left to right; pairs made by this pass count from the next one.
+    std::pop_heap(heap.begin(), heap.end(), after);
+    const Pair best = heap.back();
+    heap.pop_back();
+    if (!current(best)) continue;
+    same_rank.assign(1, best);
+    while (!heap.empty() && heap.front().rank == best.rank) {
+      std::pop_heap(heap.begin(), heap.end(), after);
+      if (current(heap.back())) same_rank.push_back(heap.back());
+      heap.pop_back();
+    }
+    std::sort(same_rank.begin(), same_rank.end(), [](const Pair& a, const Pair& b) { return a.pos < b.pos; });
+    merged_at.clear();
+    for (const Pair& p : same_rank) {
+      if (p.left != best.left || p.right != best.right) {  // another pair of this rank: later
+        heap.push_back(p);
+        std::push_heap(heap.begin(), heap.end(), after);
+        continue;
+      }
+      if (!current(p)) continue;  // its left symbol went into the previous occurrence
+      const int32_t right = next[p.pos];
+      word[p.pos] = p.merged;
+      word[right] = -1;
+      next[p.pos] = next[right];
+      if (next[right] < n) prev[next[right]] = p.pos;
+      merged_in_pass[p.pos] = pass;
+      merged_at.push_back(p.pos);
+    }
+    for (int32_t pos : merged_at) {
+      push(pos);
+      if (prev[pos] >= 0 && merged_in_pass[prev[pos]] != pass) push(prev[pos]);
+    }
+  }
+  int32_t out = 0;
+  for (int32_t pos = 0; pos < n; pos = next[pos]) word[out++] = word[pos];
+  word.resize(out);
+}
+
 void Gpt2Tokenizer::EncodePiece(absl::string_view piece, std::vector<int32_t>& out) {
   if (piece.size() == 1) {
     out.push_back(byte_ids_[static_cast<unsigned char>(piece[0])]);
@@ -355,7 +425,11 @@ void Gpt2Tokenizer::EncodePiece(absl::string_view piece, std::vector<int32_t>& o
   }
   scratch_.clear();
   for (char b : piece) scratch_.push_back(byte_ids_[static_cast<unsigned char>(b)]);
-  Bpe(scratch_);
+  if (piece.size() < kLongPieceBytes) {
+    Bpe(scratch_);
+  } else {
+    BpeLong(scratch_);
+  }
   out.insert(out.end(), scratch_.begin(), scratch_.end());
   if (static_cast<int64_t>(cache_.size()) >= kMaxCacheEntries) cache_.clear();
   cache_.emplace(std::string(piece), scratch_);

@@ -51,6 +51,7 @@ class Gpt2Tokenizer {
  public:
   static constexpr int32_t kGpt2VocabSize = 50257;
   static constexpr int64_t kMaxCacheEntries = 1 << 20;
+  static constexpr size_t kLongPieceBytes = 48;  // longer pieces go through BpeLong
 
   // Reads DIR/encoder.json (token -> id, JSON) and DIR/vocab.bpe (the merges, one "left right"
   // per line after a "#version" line). NotFound when a file is missing; InvalidArgument, naming
@@ -86,8 +87,11 @@ class Gpt2Tokenizer {
   }
   // Appends the ids of one pre-tokenized piece to `out` (through the cache).
   void EncodePiece(absl::string_view piece, std::vector<int32_t>& out);
-  // Runs the merges on `word` (ids) in place.
+  // Run the merges on `word` (ids) in place, with the same result: Bpe rescans the word per
+  // merge (quadratic, fastest on short words), BpeLong keeps the pairs in a heap and the symbols
+  // in a linked list (n log n, for long pieces such as unspaced CJK text or long runs).
   void Bpe(std::vector<int32_t>& word) const;
+  void BpeLong(std::vector<int32_t>& word) const;
 
   std::vector<std::string> token_bytes_;         // id -> the bytes it stands for
   int32_t byte_ids_[256] = {};                   // byte -> id of its one-byte token

@@ -177,6 +177,43 @@ TEST(Gpt2TokenizerTest, IdsIdenticalToTheNpmReferenceUnderNode) {
               static_cast<long long>(bytes), static_cast<long long>(tokens));
 }
 
+// Random text whose pieces run up to 700 bytes (unspaced CJK, letter, digit, punctuation and
+// whitespace runs), so both of the tokenizer's merge loops (short and long pieces) meet the
+// reference.
+TEST(Gpt2TokenizerTest, LongPiecesIdenticalToTheReference) {
+  const Reference ref = FindReference();
+  if (!ref.skip.empty()) {
+    std::printf("[  SKIPPED ] %s\n", ref.skip.c_str());
+    GTEST_SKIP() << ref.skip;
+  }
+  const std::vector<std::vector<std::string>> pools = {
+      {"a", "b", "c", "d", "e", "f", "g", "h"},
+      {"e", "t", "a", "o", "i", "n", "s", "h", "r"},
+      {"\xe7\x9a\x84", "\xe4\xb8\x80", "\xe6\x98\xaf", "\xe4\xb8\x8d", "\xe4\xba\x86", "\xe4\xba\xba"},  // 的一是不了人
+      {"0", "1", "2", "3", "9"},
+      {"!", "?", ".", ",", "'", "\"", "-", "="},
+      {" ", " ", "\t", "\n"},
+  };
+  std::mt19937 gen(2828);
+  std::string text;
+  while (text.size() < 40000) {
+    const auto& pool = pools[std::uniform_int_distribution<size_t>(0, pools.size() - 1)(gen)];
+    const int len = std::vector<int>{1, 2, 5, 20, 60, 200, 700}[std::uniform_int_distribution<int>(0, 6)(gen)];
+    for (int i = 0; i < len; ++i) text += pool[std::uniform_int_distribution<size_t>(0, pool.size() - 1)(gen)];
+    text += std::vector<const char*>{" ", "", "\n", "  "}[std::uniform_int_distribution<int>(0, 3)(gen)];
+  }
+  testing::ScopedTempDir dir("gpt_tokenizer");
+  testing::WriteBytes(dir.Path("long.txt"), text);
+  const std::vector<std::vector<int32_t>> expected = ReferenceIds(ref, {dir.Path("long.txt")});
+  ASSERT_EQ(expected.size(), 1u);
+  Gpt2Tokenizer tok = LoadOrDie();
+  const std::vector<int32_t> ids = tok.Encode(text);
+  EXPECT_EQ(ids, expected[0]) << FirstDifference(tok, ids, expected[0]);
+  absl::StatusOr<std::string> decoded = tok.Decode(ids);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, text);
+}
+
 TEST(Gpt2TokenizerTest, KnownEncodingAndSpecialIds) {
   if (const std::string skip = NoBpeFiles(); !skip.empty()) GTEST_SKIP() << skip;
   Gpt2Tokenizer tok = LoadOrDie();
