@@ -13,7 +13,10 @@
 //     matched by hand over UTF-8 code points, with JavaScript's classes: \p{L} and \p{N} are the
 //     Unicode general categories L* and N* (from ICU), \s is ECMAScript's WhiteSpace and
 //     LineTerminator (TAB, LF, VT, FF, CR, U+FEFF and the Zs spaces; U+2028, U+2029) -- not
-//     U+0085 nor U+001C..U+001F, which Python's \s would take.
+//     U+0085 nor U+001C..U+001F, which Python's \s would take. The categories are those of the
+//     system's ICU (Debian 12: ICU 72, Unicode 15.0); node carries its own (Node 20 from
+//     NodeSource: ICU 78, Unicode 17.0), so a character assigned after Unicode 15.0 (CJK
+//     Extension I, newer scripts) is "other" here and a letter there: ids differ on such text.
 //  2. Each piece's UTF-8 bytes start as one symbol per byte (GPT-2's byte-to-unicode map names
 //     them in encoder.json); adjacent symbols are merged, lowest vocab.bpe rank first, until no
 //     ranked pair is left. Results are cached per piece, as the reference does.
