@@ -12,8 +12,11 @@ cmake --build "$build_dir" -j "$(nproc)" --target gpt_train
 # Idle OpenMP threads sleep instead of spinning: on a shared or small machine spinning threads
 # steal the cores the other rank needs (libgomp reads this when the program starts).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
-# A small GPT-2 (4 layers, 4 heads, C=128, byte vocabulary) on the fortunes corpus, FSDP over 2
-# CPU ranks (threads of one process): prints falling loss, then a sample.
-"$build_dir/examples/gpt/gpt_train" --fortunes "$build_dir/fortunes.txt" --ranks 2 \
-  --steps "${STEPS:-2500}" --batch 8 --seq 64 --lr 2e-3 --lr-schedule cosine --warmup 50 --min-lr 2e-4 \
-  --log-every 100 --sample-tokens 300 --metrics "$build_dir/gpt_train_metrics.jsonl"
+# A small GPT-2 (4 layers, 4 heads, C=128) with GPT-2's tokenizer on the fortunes corpus, FSDP
+# over 2 CPU ranks (threads of one process): TorchTitan-style lines with validation loss on a
+# held-out tail, metrics as JSONL, a loss plot, then a sample of decoded text.
+metrics="$build_dir/gpt_train_metrics.jsonl"
+"$build_dir/examples/gpt/gpt_train" --fortunes "$build_dir/fortunes.txt" --tokenizer gpt2 --ranks 2 \
+  --steps "${STEPS:-240}" --batch 8 --seq 64 --lr 3e-3 --lr-schedule cosine --warmup 20 --min-lr 3e-4 \
+  --val-every 40 --log-every 20 --sample-tokens 80 --metrics "$metrics"
+bash scripts/plot_metrics.sh "$metrics" -o "$build_dir/loss.png" --title "gpt_train: fortunes, GPT-2 tokens, FSDP x 2"

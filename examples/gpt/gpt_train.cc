@@ -61,8 +61,10 @@
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 #include "examples/gpt/data.h"
+#include "examples/gpt/hf_gpt2.h"
 #include "examples/gpt/llmc.h"
 #include "examples/gpt/report.h"
+#include "examples/gpt/tokenizer.h"
 #include "nlohmann/json.hpp"
 
 // ---- Flags (absl::flags; --help lists them). Spelled with dashes or underscores: --n-layer
@@ -143,6 +145,7 @@ struct Flags {
   int64_t ckpt_every = 0, ckpt_keep = 0;
   bool resume = false, ckpt_async = false;
   int64_t n_layer = 4, n_head = 4, n_embd = 128, vocab = 256, seq = 64, batch = 8, steps = 50;
+  int64_t block_size = 64;  // positions of the model: --seq, or the --model preset's
   double lr = 1e-3, weight_decay = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, grad_clip = 0.0, dropout = 0.0;
   std::string device = "auto";
   std::string lr_schedule = "constant";
@@ -227,6 +230,21 @@ absl::StatusOr<Flags> ReadFlags() {
     return false;
   };
   if (!f.fortunes.empty() && f.text.empty()) f.text = f.fortunes;
+  // A --model preset sets the architecture; flags given on the command line override it.
+  auto given = [](absl::string_view name) { return absl::FindCommandLineFlag(name)->IsSpecifiedOnCommandLine(); };
+  f.block_size = f.seq;
+  if (!f.model.empty()) {
+    absl::StatusOr<nn::GPTConfig> preset = gpt::GptPreset(f.model);
+    if (!preset.ok()) return bad("model", f.model, preset.status().message());
+    if (!given("n_layer")) f.n_layer = preset->n_layer;
+    if (!given("n_head")) f.n_head = preset->n_head;
+    if (!given("n_embd")) f.n_embd = preset->n_embd;
+    if (!given("vocab")) f.vocab = preset->vocab_size;
+    f.block_size = std::max(f.seq, preset->block_size);
+  }
+  // GPT-2's tokens: the vocabulary padded to a multiple of 128 (llm.c's padded_vocab_size; the
+  // padding rows are never a target and never sampled).
+  if (f.tokenizer == "gpt2" && !given("vocab")) f.vocab = (gpt::Gpt2Tokenizer::kGpt2VocabSize + 127) / 128 * 128;
   if (f.text.empty() == f.train_bin.empty()) {
     return absl::InvalidArgumentError("give exactly one of --text (or --fortunes) and --train-bin");
   }
@@ -290,7 +308,12 @@ std::vector<char*> AbslArgs(int argc, char** argv, std::vector<std::string>& sto
   return out;
 }
 
-std::string Decode(const std::vector<int64_t>& ids, int64_t vocab) {
+// The sampled ids as text: GPT-2's BPE decoded, bytes for a byte-level model, else "<id>"s.
+std::string Decode(const std::vector<int64_t>& ids, int64_t vocab, const gpt::Gpt2Tokenizer* tokenizer) {
+  if (tokenizer != nullptr) {
+    absl::StatusOr<std::string> text = tokenizer->Decode(std::vector<int32_t>(ids.begin(), ids.end()));
+    if (text.ok()) return *text;
+  }
   std::string s;
   for (int64_t id : ids) {
     if (vocab <= 256) {
@@ -351,8 +374,17 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   const Layout batch_layout(batch_placements);
 
   // ---- Data: a token stream read sequentially in global batches of B*T+1 tokens ----
+  // Text is read byte by byte (vocab 256) or through GPT-2's BPE (--tokenizer gpt2).
   std::vector<uint16_t> tokens;
-  if (!f.text.empty()) {
+  std::optional<gpt::Gpt2Tokenizer> tokenizer;
+  if (f.tokenizer == "gpt2") {
+    DT_ASSIGN_OR_RETURN(tokenizer,
+                        gpt::Gpt2Tokenizer::Load(f.bpe_dir.empty() ? gpt::Gpt2Tokenizer::DefaultDir() : f.bpe_dir));
+    DT_ASSIGN_OR_RETURN(std::string text, ReadFileBytes("[gpt_train] --text", f.text));
+    const std::vector<int32_t> ids = tokenizer->Encode(text);
+    tokens.assign(ids.begin(), ids.end());
+    if (tokens.empty()) return absl::InvalidArgumentError("[gpt_train] --text " + f.text + " has no tokens");
+  } else if (!f.text.empty()) {
     DT_ASSIGN_OR_RETURN(tokens, gpt::LoadTextTokens(f.text));
   } else {
     DT_ASSIGN_OR_RETURN(tokens, gpt::LoadLlmcTokens(f.train_bin));
@@ -360,7 +392,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
 
   // ---- The model: from flags, or from an llm.c checkpoint ----
   nn::GPTConfig cfg{.vocab_size = f.vocab,
-                    .block_size = f.seq,
+                    .block_size = f.block_size,
                     .n_layer = f.n_layer,
                     .n_head = f.n_head,
                     .n_embd = f.n_embd,
@@ -748,7 +780,10 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     NoGradGuard no_grad;
     model->Eval();
     std::mt19937_64 rng(f.seed);
-    std::vector<int64_t> ids = {f.text.empty() ? 50256 : '\n'};
+    // The first token: GPT-2's <|endoftext|> for GPT-2 tokens, a newline for bytes.
+    std::vector<int64_t> ids = {f.text.empty() || tokenizer ? 50256 : '\n'};
+    // Only real tokens are drawn (not the rows padding GPT-2's vocabulary).
+    const int64_t real_vocab = tokenizer ? tokenizer->vocab_size() : cfg.vocab_size;
     if (cfg.vocab_size <= ids[0]) ids[0] = 0;
     for (int64_t i = 0; i < f.sample_tokens; ++i) {
       const int64_t t = std::min<int64_t>(static_cast<int64_t>(ids.size()), cfg.block_size);
@@ -762,11 +797,13 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       DT_ASSIGN_OR_RETURN(Tensor last, logits.Select(1, t - 1));
       DT_ASSIGN_OR_RETURN(Tensor probs, dtensor::Softmax(last, -1));
       DT_ASSIGN_OR_RETURN(std::vector<double> p, ToDoubleVector(probs));
+      if (static_cast<int64_t>(p.size()) > real_vocab) p.resize(static_cast<size_t>(real_vocab));
       std::discrete_distribution<int64_t> pick(p.begin(), p.end());
       ids.push_back(pick(rng));
     }
     say("---- sample ----\n%s\n----------------\n",
-        Decode(std::vector<int64_t>(ids.begin() + 1, ids.end()), cfg.vocab_size).c_str());
+        Decode(std::vector<int64_t>(ids.begin() + 1, ids.end()), cfg.vocab_size, tokenizer ? &*tokenizer : nullptr)
+            .c_str());
   }
   return absl::OkStatus();
 }
