@@ -42,6 +42,7 @@ struct SamplerOptions {
 
 class Sampler {
  public:
+  Sampler() = default;  // SamplerOptions' defaults: temperature 1, no filtering, seed 0
   // InvalidArgument naming the value: temperature < 0 (or not finite), top_k < 0, top_p
   // outside (0, 1].
   static absl::StatusOr<Sampler> Create(const SamplerOptions& options);
