@@ -1,6 +1,8 @@
 #include "dtensor/nn/gpt.h"
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -102,6 +104,43 @@ absl::StatusOr<GPT::Output> GPT::Forward(const Variable& ids, const Variable& ta
     DT_ASSIGN_OR_RETURN(out.loss, dtensor::CrossEntropy(out.logits, targets));
   }
   return out;
+}
+
+absl::StatusOr<Variable> GPT::ForwardCached(const Variable& ids, KvCache& cache) {
+  NoGradGuard no_grad;
+  IntSpan s = ids.value().shape();
+  if (s.size() != 2 || s[1] <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("[GPT::ForwardCached] ids must be [B, T_new] with T_new > 0; got ", ShapeString(s)));
+  }
+  if (cache.num_layers() != config_.n_layer) {
+    return absl::InvalidArgumentError(absl::StrCat("[GPT::ForwardCached] the cache has ", cache.num_layers(),
+                                                   " layers, the model ", config_.n_layer));
+  }
+  const int64_t past = cache.length(), t = s[1];
+  const int64_t limit = std::min(config_.block_size, cache.max_len());
+  if (past + t > limit) {
+    return absl::OutOfRangeError(absl::StrCat("[GPT::ForwardCached] ", t, " new positions after ", past,
+                                              " cached exceed the context of ", limit, " (block_size ",
+                                              config_.block_size, ", cache max_len ", cache.max_len(), ")"));
+  }
+  Variable in = ids;
+  DT_RETURN_IF_ERROR(RunForwardPreHooks(in));
+  std::vector<int64_t> positions(static_cast<size_t>(t));
+  for (int64_t i = 0; i < t; ++i) positions[static_cast<size_t>(i)] = past + i;
+  DT_ASSIGN_OR_RETURN(Tensor pos, Tensor::FromVector<int64_t>(positions, {t}));
+  DT_ASSIGN_OR_RETURN(pos, dtensor::To(pos, ids.value().device()));
+  DT_ASSIGN_OR_RETURN(Variable tok_emb, wte_->Forward(in));                       // [B, T, C]
+  DT_ASSIGN_OR_RETURN(Variable pos_emb, wpe_->Forward(Variable::Constant(pos)));  // [T, C]
+  DT_ASSIGN_OR_RETURN(Variable x, dtensor::Add(tok_emb, pos_emb));
+  for (int64_t i = 0; i < h_->size(); ++i) {
+    DT_ASSIGN_OR_RETURN(x, block(i)->ForwardCached(x, cache.layer(i), past));
+  }
+  DT_ASSIGN_OR_RETURN(x, ln_f_->Forward(x));
+  DT_ASSIGN_OR_RETURN(Variable logits, lm_head_->Forward(x));  // [B, T, V]
+  DT_RETURN_IF_ERROR(RunForwardHooks(logits));
+  DT_RETURN_IF_ERROR(cache.Advance(t));
+  return logits;
 }
 
 }  // namespace dtensor::nn

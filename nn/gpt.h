@@ -7,6 +7,11 @@
 //   DT_RETURN_IF_ERROR(DistributeModule(model, mesh));              // parameters Replicate
 //   DT_ASSIGN_OR_RETURN(GPT::Output out, model.Forward(ids, targets));  // ids, targets [B, T]
 //   DT_RETURN_IF_ERROR(Backward(out.loss));
+//
+// Generation with a KV cache (kv_cache.h): ForwardCached feeds new tokens only.
+//   KvCache cache(model.config());
+//   DT_ASSIGN_OR_RETURN(Variable logits, model.ForwardCached(prompt_ids, cache));  // [B, T, V]
+//   DT_ASSIGN_OR_RETURN(logits, model.ForwardCached(next_ids, cache));            // [B, 1, V]
 #ifndef DTENSOR_NN_GPT_H_
 #define DTENSOR_NN_GPT_H_
 
@@ -70,6 +75,18 @@ class GPT : public Module {
   };
   // ids, targets: int32/int64 [B, T] with T <= block_size.
   absl::StatusOr<Output> Forward(const Variable& ids, const Variable& targets = Variable());
+
+  // Inference with a KV cache: ids int32/int64 [B, T_new] are the tokens at positions
+  // [cache.length(), cache.length() + T_new); returns their logits [B, T_new, V] (laid out as
+  // Forward's: under tensor parallelism vocab-sharded, FullTensor() gathers them) and advances
+  // the cache by T_new. Each new query attends every cached position and the new ones up to
+  // its own, so feeding a sequence in pieces gives Forward's logits for it (up to rounding).
+  // Records no autograd graph; applies no dropout; runs the module hooks as Forward does (so
+  // tensor parallelism works: each rank caches its own heads). No sliding window:
+  // OutOfRange when the context would pass block_size or the cache's max_len (nothing is
+  // written then); InvalidArgument for a bad shape or a cache of another layer count, batch
+  // size or parallelism. Collective under tensor parallelism, like Forward.
+  absl::StatusOr<Variable> ForwardCached(const Variable& ids, KvCache& cache);
 
  private:
   GPTConfig config_;

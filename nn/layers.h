@@ -6,13 +6,16 @@
 //   DT_ASSIGN_OR_RETURN(Variable h, fc.Forward(x));
 //
 // Parameters start as zeros (LayerNorm weights as ones); GPT::InitWeights gives GPT-2's init.
-// Every Forward works on Variables of plain Tensors or DTensors of any layout.
+// Every Forward works on Variables of plain Tensors or DTensors of any layout. ForwardCached
+// (CausalSelfAttention, Block) is inference with a KV cache (kv_cache.h): see GPT::ForwardCached.
 #ifndef DTENSOR_NN_LAYERS_H_
 #define DTENSOR_NN_LAYERS_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "dtensor/autograd/ops.h"
+#include "dtensor/nn/kv_cache.h"
 #include "dtensor/nn/module.h"
 
 namespace dtensor::nn {
@@ -85,8 +88,16 @@ class CausalSelfAttention : public Module {
  public:
   CausalSelfAttention(int64_t c, int64_t heads, double dropout = 0, uint64_t seed = 0);
   absl::StatusOr<Variable> Forward(const Variable& x);  // [B, T, C] -> [B, T, C]
+  // Inference on x [B, T_new, C] at positions [past, past + T_new): writes the new keys and
+  // values into `kv` (this rank's heads) at those positions, and attends each new query over
+  // the cached positions up to its own (the causal mask). No dropout; records no graph. The
+  // heads may be sharded (tensor parallelism) or the batch; any other layout of q, k, v is
+  // redistributed to one of those first.
+  absl::StatusOr<Variable> ForwardCached(const Variable& x, KvCache::Layer& kv, int64_t past);
 
  private:
+  // q, k, v of x [B, T, C], each [B, H, T, D].
+  absl::StatusOr<std::vector<Variable>> QkvHeads(const Variable& x);
   int64_t c_, heads_;
   Linear* c_attn_;  // [3C, C]: q, k, v in that order
   Linear* c_proj_;
@@ -109,6 +120,8 @@ class Block : public Module {
  public:
   Block(int64_t c, int64_t heads, double dropout = 0, uint64_t seed = 0);
   absl::StatusOr<Variable> Forward(const Variable& x);
+  // Forward with the attention reading and extending `kv` (CausalSelfAttention::ForwardCached).
+  absl::StatusOr<Variable> ForwardCached(const Variable& x, KvCache::Layer& kv, int64_t past);
 
  private:
   LayerNorm* ln_1_;

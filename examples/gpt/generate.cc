@@ -1,0 +1,89 @@
+#include "examples/gpt/generate.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "dtensor/ops/ops.h"
+#include "dtensor/tensor/status.h"
+
+namespace dtensor::gpt {
+
+absl::StatusOr<std::vector<float>> LastLogits(const Value& logits) {
+  if (logits.dim() != 3 || logits.shape()[0] != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("[Generate] logits must be [1, T, V], got ", ShapeString(logits.shape())));
+  }
+  Tensor full = logits.local();
+  if (logits.is_dtensor()) {
+    DT_ASSIGN_OR_RETURN(full, logits.dtensor().FullTensor());
+  }
+  DT_ASSIGN_OR_RETURN(Tensor row, full.Select(1, full.size(1) - 1));  // [1, V]
+  DT_ASSIGN_OR_RETURN(row, To(row, Device::Cpu()));
+  DT_ASSIGN_OR_RETURN(row, Cast(row, DType::kFloat32));
+  DT_ASSIGN_OR_RETURN(row, Contiguous(row));
+  return std::vector<float>(row.data<float>(), row.data<float>() + row.numel());
+}
+
+absl::StatusOr<GenerateResult> Generate(nn::GPT& model, absl::Span<const int64_t> prompt, Sampler& sampler,
+                                        const GenerateOptions& options) {
+  const int64_t n = static_cast<int64_t>(prompt.size()), block = model.config().block_size;
+  if (n == 0) return absl::InvalidArgumentError("[Generate] the prompt is empty");
+  if (options.max_new_tokens < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("[Generate] max_new_tokens must be >= 0, got ", options.max_new_tokens));
+  }
+  if (n + std::max<int64_t>(options.max_new_tokens, 1) - 1 > block) {
+    return absl::OutOfRangeError(absl::StrCat("[Generate] a prompt of ", n, " tokens and ", options.max_new_tokens,
+                                              " new tokens need ", n + options.max_new_tokens - 1,
+                                              " positions; block_size is ", block));
+  }
+  GenerateResult out;
+  if (options.max_new_tokens == 0) return out;
+  NoGradGuard no_grad;
+  const bool was_training = model.training();
+  model.Eval();
+  struct Restore {
+    nn::GPT& m;
+    bool on;
+    ~Restore() { m.Train(on); }
+  } restore{model, was_training};
+
+  std::vector<int64_t> context(prompt.begin(), prompt.end());
+  nn::KvCache cache(model.config(), options.use_cache ? n + options.max_new_tokens - 1 : 1);
+  auto ids = [&](absl::Span<const int64_t> t) -> absl::StatusOr<Variable> {
+    DT_ASSIGN_OR_RETURN(Tensor x, Tensor::FromVector<int64_t>(t, {1, static_cast<int64_t>(t.size())}));
+    DT_ASSIGN_OR_RETURN(x, To(x, options.device));
+    return Variable::Constant(x);
+  };
+  auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < options.max_new_tokens; ++i) {
+    Variable logits;
+    if (options.use_cache) {
+      // The prompt at once, then the token picked last.
+      const absl::Span<const int64_t> fresh =
+          i == 0 ? absl::MakeConstSpan(context) : absl::MakeConstSpan(&context.back(), 1);
+      DT_ASSIGN_OR_RETURN(Variable x, ids(fresh));
+      DT_ASSIGN_OR_RETURN(logits, model.ForwardCached(x, cache));
+    } else {
+      DT_ASSIGN_OR_RETURN(Variable x, ids(context));
+      DT_ASSIGN_OR_RETURN(nn::GPT::Output o, model.Forward(x));
+      logits = o.logits;
+    }
+    DT_ASSIGN_OR_RETURN(std::vector<float> row, LastLogits(logits.value()));
+    DT_ASSIGN_OR_RETURN(int64_t next, sampler.Next(row));
+    out.tokens.push_back(next);
+    context.push_back(next);
+    if (i == 0) {
+      const auto t1 = std::chrono::steady_clock::now();
+      out.prefill_s = std::chrono::duration<double>(t1 - t0).count();
+      t0 = t1;
+    }
+    if (next == options.stop_token) break;
+  }
+  out.decode_s =
+      out.tokens.size() > 1 ? std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() : 0.0;
+  return out;
+}
+
+}  // namespace dtensor::gpt
