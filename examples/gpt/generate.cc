@@ -71,6 +71,9 @@ absl::StatusOr<GenerateResult> Generate(nn::GPT& model, absl::Span<const int64_t
       logits = o.logits;
     }
     DT_ASSIGN_OR_RETURN(std::vector<float> row, LastLogits(logits.value()));
+    if (options.vocab_limit > 0 && static_cast<int64_t>(row.size()) > options.vocab_limit) {
+      row.resize(static_cast<size_t>(options.vocab_limit));
+    }
     DT_ASSIGN_OR_RETURN(int64_t next, sampler.Next(row));
     out.tokens.push_back(next);
     context.push_back(next);

@@ -32,6 +32,9 @@ struct GenerateOptions {
   bool use_cache = true;          // false: recompute the whole context for every token
   int64_t stop_token = -1;        // stop once this token is picked (kept in the result); -1: never
   Device device = Device::Cpu();  // where the ids go (the model's device)
+  // > 0: only ids below it are picked (GPT-2's 50257 tokens in a vocabulary padded to 50304:
+  // the padding rows are never sampled); 0: every id.
+  int64_t vocab_limit = 0;
 };
 
 struct GenerateResult {

@@ -1,16 +1,19 @@
 // gpt_generate: continues a prompt with a GPT-2-style model, token by token, with a KV cache;
 // on one rank or tensor-parallel over N thread ranks (heads split over them; the same tokens).
 //
+//   gpt_generate --hf gpt2/model.safetensors --prompt "The meaning of life is" --temperature 0
 //   gpt_generate --llmc gpt2_124M.bin --prompt-ids "15496 11 314 716" --max-new-tokens 64
 //   gpt_generate --ckpt-dir ckpt --n-head 4 --prompt "Q: Why" --temperature 0.8 --top-k 40 --seed 7
-//   gpt_generate --llmc gpt2_124M.bin --prompt-ids "15496 11" --ranks 2 --tp 2 --top-p 0.9
+//   gpt_generate --llmc gpt2_124M.bin --prompt "Hello," --ranks 2 --tp 2 --top-p 0.9
 //
-// Reads top to bottom: the weights (an llm.c checkpoint, the newest checkpoint a gpt_train run
-// wrote under --ckpt-dir, or Hugging Face safetensors), the prompt, then per rank: the mesh,
-// the GPT, its tensor-parallel plan, the weights into it, and Generate (examples/gpt/
-// generate.h): the prompt in one forward that fills the KV cache, then one position per new
-// token, each picked by a Sampler (sampler.h) from the gathered logits with the same seed on
-// every rank. Rank 0 prints the ids, the text (a byte-level model: vocab 256) and tokens/s.
+// Reads top to bottom: the weights (a Hugging Face GPT-2 safetensors with its config.json, an
+// llm.c checkpoint, or the newest checkpoint a gpt_train run wrote under --ckpt-dir), the
+// prompt (text through GPT-2's tokenizer for a GPT-2 vocabulary, bytes for vocab 256, or ids),
+// then per rank: the mesh, the GPT, its tensor-parallel plan, the weights into it, and Generate
+// (examples/gpt/generate.h): the prompt in one forward that fills the KV cache, then one
+// position per new token, each picked by a Sampler (sampler.h) from the gathered logits with
+// the same seed on every rank (never a row padding GPT-2's vocabulary). Rank 0 prints the ids,
+// the text and tokens/s.
 //
 // Flags are Abseil flags (--help lists them); they are written with dashes as above or with
 // underscores as Abseil names them (--max_new_tokens). A checkpoint directory holds tensors,
@@ -22,6 +25,7 @@
 #include <cstdio>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,9 +45,12 @@
 #include "dtensor/nn/parallel/gpt_plan.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
+#include "examples/gpt/flags.h"
 #include "examples/gpt/generate.h"
+#include "examples/gpt/hf_gpt2.h"
 #include "examples/gpt/llmc.h"
 #include "examples/gpt/sampler.h"
+#include "examples/gpt/tokenizer.h"
 #include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, llmc, "", "weights: an llm.c GPT-2 checkpoint (.bin, version 3 or 5)");
@@ -51,7 +58,11 @@ ABSL_FLAG(std::string, ckpt_dir, "", "weights: the newest complete checkpoint un
 ABSL_FLAG(std::string, hf, "", "weights: a Hugging Face GPT-2 model.safetensors (config.json beside it)");
 ABSL_FLAG(int64_t, n_head, 0, "heads, for --ckpt-dir (its tensors do not say)");
 ABSL_FLAG(std::string, prompt_ids, "", "the prompt as token ids, e.g. \"15496 11 314\"");
-ABSL_FLAG(std::string, prompt, "", "the prompt as text: its bytes are the ids of a byte-level model (vocab 256)");
+ABSL_FLAG(std::string, prompt, "", "the prompt as text (through --tokenizer)");
+ABSL_FLAG(std::string, tokenizer, "auto",
+          "text <-> ids: byte (vocab 256), gpt2 (GPT-2's BPE), auto (gpt2 for a vocabulary of 50257 or more, byte for "
+          "256)");
+ABSL_FLAG(std::string, bpe_dir, "", "directory of GPT-2's encoder.json and vocab.bpe (default: setup's copy)");
 ABSL_FLAG(int64_t, max_new_tokens, 64, "tokens to generate");
 ABSL_FLAG(double, temperature, 1.0, "softmax temperature; 0 is greedy");
 ABSL_FLAG(int64_t, top_k, 0, "keep the k most likely tokens (0: all)");
@@ -70,9 +81,11 @@ namespace {
 struct Setup {
   nn::GPTConfig config;
   std::vector<int64_t> prompt;
-  gpt::LlmcCheckpoint llmc;  // --llmc: the parameters, read once and shared by the ranks
-  std::string ckpt;          // --ckpt-dir: the checkpoint directory picked
+  // --llmc, --hf: the parameters, read once and shared by the ranks.
+  std::vector<std::pair<std::string, Tensor>> params;
+  std::string ckpt;  // --ckpt-dir: the checkpoint directory picked
   bool byte_level = false;
+  std::optional<gpt::Gpt2Tokenizer> tokenizer;  // GPT-2 text (rank 0 decodes the output)
 };
 
 // The architecture from a checkpoint's tensor shapes: wte [V, C], wpe [T, C], the blocks.
@@ -108,12 +121,13 @@ absl::StatusOr<Setup> Prepare() {
     return absl::InvalidArgumentError("[gpt_generate] give exactly one of --llmc, --ckpt-dir and --hf");
   }
   if (!llmc.empty()) {
-    DT_ASSIGN_OR_RETURN(s.llmc, gpt::ReadLlmcCheckpoint(llmc));
-    s.config = {.vocab_size = s.llmc.config.vocab_size,
-                .block_size = s.llmc.config.max_seq_len,
-                .n_layer = s.llmc.config.num_layers,
-                .n_head = s.llmc.config.num_heads,
-                .n_embd = s.llmc.config.channels};
+    DT_ASSIGN_OR_RETURN(gpt::LlmcCheckpoint file, gpt::ReadLlmcCheckpoint(llmc));
+    s.config = {.vocab_size = file.config.vocab_size,
+                .block_size = file.config.max_seq_len,
+                .n_layer = file.config.num_layers,
+                .n_head = file.config.num_heads,
+                .n_embd = file.config.channels};
+    s.params = std::move(file.params);
   } else if (!ckpt_dir.empty()) {
     DT_ASSIGN_OR_RETURN(s.ckpt, LatestCheckpoint(ckpt_dir));
     DT_RETURN_IF_ERROR(ConfigFromCheckpoint(s.ckpt, &s.config));
@@ -121,14 +135,25 @@ absl::StatusOr<Setup> Prepare() {
     if (s.config.n_head <= 0) {
       return absl::InvalidArgumentError("[gpt_generate] --ckpt-dir needs --n-head (the checkpoint does not say)");
     }
-  } else {
-    // The Hugging Face loader (examples/gpt/hf_gpt2.h, ReadHfGpt2: config.json and the
-    // safetensors, transposed to our names) plugs in here, filling s.config and parameters
-    // as the llm.c branch does.
-    return absl::UnimplementedError("[gpt_generate] --hf is not built in yet (examples/gpt/hf_gpt2.h)");
+  } else {  // Hugging Face: config.json and the safetensors, transposed to our layout
+    DT_ASSIGN_OR_RETURN(gpt::HfGpt2 file, gpt::ReadHfGpt2(hf));
+    s.config = file.config;
+    s.params = std::move(file.params);
   }
-  // The prompt: ids, or text as bytes for a byte-level model. (A GPT-2 vocabulary takes text
-  // through examples/gpt/tokenizer.h's Gpt2Tokenizer::Encode here, and Decode for the output.)
+  // Text <-> ids: GPT-2's BPE for a GPT-2 vocabulary (50257, or padded), bytes for vocab 256.
+  std::string tok = absl::GetFlag(FLAGS_tokenizer);
+  if (tok == "auto") tok = s.config.vocab_size >= gpt::Gpt2Tokenizer::kGpt2VocabSize ? "gpt2" : "byte";
+  if (tok == "gpt2") {
+    if (s.config.vocab_size < gpt::Gpt2Tokenizer::kGpt2VocabSize) {
+      return absl::InvalidArgumentError(absl::StrCat("[gpt_generate] --tokenizer gpt2 needs a vocabulary of at least ",
+                                                     gpt::Gpt2Tokenizer::kGpt2VocabSize, ", the model has ",
+                                                     s.config.vocab_size));
+    }
+    const std::string dir = absl::GetFlag(FLAGS_bpe_dir);
+    DT_ASSIGN_OR_RETURN(s.tokenizer, gpt::Gpt2Tokenizer::Load(dir.empty() ? gpt::Gpt2Tokenizer::DefaultDir() : dir));
+  } else if (tok != "byte") {
+    return absl::InvalidArgumentError(absl::StrCat("[gpt_generate] --tokenizer ", tok, ": byte|gpt2|auto"));
+  }
   const std::string ids = absl::GetFlag(FLAGS_prompt_ids), text = absl::GetFlag(FLAGS_prompt);
   if (ids.empty() == text.empty())
     return absl::InvalidArgumentError("[gpt_generate] give one of --prompt-ids and --prompt");
@@ -143,12 +168,14 @@ absl::StatusOr<Setup> Prepare() {
       }
       s.prompt.push_back(id);
     }
+  } else if (s.tokenizer) {
+    for (int32_t id : s.tokenizer->Encode(text)) s.prompt.push_back(id);
   } else {
     if (!s.byte_level) {
       return absl::InvalidArgumentError(
-          absl::StrCat("[gpt_generate] --prompt is text for a byte-level model (vocab 256); "
+          absl::StrCat("[gpt_generate] --prompt as bytes needs a byte-level model (vocab 256); "
                        "this model's vocabulary is ",
-                       s.config.vocab_size, ": give --prompt-ids"));
+                       s.config.vocab_size, ": give --prompt-ids or --tokenizer gpt2"));
     }
     for (unsigned char ch : text) s.prompt.push_back(ch);
   }
@@ -166,7 +193,7 @@ std::string Text(const std::vector<int64_t>& ids) {
 absl::Status GenerateRank(Communicator& world, const Setup& s, Device device) {
   const bool lead = world.rank() == 0;
   DT_ASSIGN_OR_RETURN(std::unique_ptr<nn::GPT> model, nn::GPT::Create(s.config));
-  if (!s.llmc.params.empty()) DT_RETURN_IF_ERROR(model->LoadStateDict(s.llmc.params));
+  if (!s.params.empty()) DT_RETURN_IF_ERROR(model->LoadStateDict(s.params));
   DT_RETURN_IF_ERROR(model->To(device));
   // Tensor parallel over every rank: each holds its heads' q, k, v (and KV cache), its columns
   // of c_fc, its rows of the c_proj's, its rows of the vocabulary.
@@ -204,14 +231,23 @@ absl::Status GenerateRank(Communicator& world, const Setup& s, Device device) {
                                                                   .top_k = absl::GetFlag(FLAGS_top_k),
                                                                   .top_p = absl::GetFlag(FLAGS_top_p),
                                                                   .seed = absl::GetFlag(FLAGS_seed)}));
-  DT_ASSIGN_OR_RETURN(gpt::GenerateResult out, gpt::Generate(*model, s.prompt, sampler,
-                                                             {.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens),
-                                                              .use_cache = absl::GetFlag(FLAGS_cache),
-                                                              .stop_token = absl::GetFlag(FLAGS_stop_token),
-                                                              .device = device}));
+  DT_ASSIGN_OR_RETURN(gpt::GenerateResult out,
+                      gpt::Generate(*model, s.prompt, sampler,
+                                    {.max_new_tokens = absl::GetFlag(FLAGS_max_new_tokens),
+                                     .use_cache = absl::GetFlag(FLAGS_cache),
+                                     .stop_token = absl::GetFlag(FLAGS_stop_token),
+                                     .device = device,
+                                     .vocab_limit = s.tokenizer ? s.tokenizer->vocab_size() : 0}));
   if (lead) {
     std::printf("ids: %s\n", absl::StrJoin(out.tokens, " ").c_str());
-    if (s.byte_level) std::printf("text: %s%s\n", Text(s.prompt).c_str(), Text(out.tokens).c_str());
+    if (s.tokenizer) {
+      std::vector<int32_t> all(s.prompt.begin(), s.prompt.end());
+      all.insert(all.end(), out.tokens.begin(), out.tokens.end());
+      DT_ASSIGN_OR_RETURN(std::string decoded, s.tokenizer->Decode(all));
+      std::printf("text: %s\n", decoded.c_str());
+    } else if (s.byte_level) {
+      std::printf("text: %s%s\n", Text(s.prompt).c_str(), Text(out.tokens).c_str());
+    }
     const double n = static_cast<double>(out.tokens.size());
     std::printf(
         "prefill %zu tokens + first pick: %.1f ms; %lld more tokens: %.1f ms (%.2f ms/token, %.1f tokens/s, "
@@ -224,20 +260,6 @@ absl::Status GenerateRank(Communicator& world, const Setup& s, Device device) {
   return absl::OkStatus();
 }
 
-// Abseil spells flag names with underscores; accept the dashed spelling too (--max-new-tokens).
-std::vector<char*> UnderscoreFlagNames(int argc, char** argv, std::vector<std::string>* storage) {
-  storage->assign(argv, argv + argc);
-  std::vector<char*> out;
-  for (std::string& a : *storage) {
-    if (a.size() > 2 && a[0] == '-' && a[1] == '-') {
-      const size_t end = std::min(a.find('='), a.size());
-      std::replace(a.begin() + 2, a.begin() + static_cast<std::ptrdiff_t>(end), '-', '_');
-    }
-    out.push_back(a.data());
-  }
-  return out;
-}
-
 }  // namespace
 }  // namespace dtensor
 
@@ -248,7 +270,7 @@ int main(int argc, char** argv) {
   }
   absl::SetProgramUsageMessage("continues a prompt with a GPT (KV cache; tensor parallel over --ranks threads)");
   std::vector<std::string> storage;
-  std::vector<char*> args = UnderscoreFlagNames(argc, argv, &storage);
+  std::vector<char*> args = gpt::AbslStyleArgs(argc, argv, storage);
   const std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
   if (rest.size() > 1) {
     std::fprintf(stderr, "gpt_generate: unexpected argument '%s' (see --help)\n", rest[1]);

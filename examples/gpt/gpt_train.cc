@@ -31,15 +31,14 @@
 #include <fstream>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -61,6 +60,7 @@
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 #include "examples/gpt/data.h"
+#include "examples/gpt/flags.h"
 #include "examples/gpt/hf_gpt2.h"
 #include "examples/gpt/llmc.h"
 #include "examples/gpt/report.h"
@@ -162,7 +162,7 @@ struct Flags {
 };
 
 // The parsed flags, checked: InvalidArgument naming the flag and its value.
-absl::StatusOr<Flags> ReadFlags() {
+absl::StatusOr<Flags> ReadFlags(const std::set<std::string>& given_flags) {
   Flags f;
   f.text = absl::GetFlag(FLAGS_text);
   f.fortunes = absl::GetFlag(FLAGS_fortunes);
@@ -231,7 +231,7 @@ absl::StatusOr<Flags> ReadFlags() {
   };
   if (!f.fortunes.empty() && f.text.empty()) f.text = f.fortunes;
   // A --model preset sets the architecture; flags given on the command line override it.
-  auto given = [](absl::string_view name) { return absl::FindCommandLineFlag(name)->IsSpecifiedOnCommandLine(); };
+  auto given = [&](const std::string& name) { return given_flags.count(name) > 0; };
   f.block_size = f.seq;
   if (!f.model.empty()) {
     absl::StatusOr<nn::GPTConfig> preset = gpt::GptPreset(f.model);
@@ -278,34 +278,6 @@ absl::StatusOr<Flags> ReadFlags() {
     return absl::InvalidArgumentError("--tokenizer gpt2 tokenizes --text; --train-bin is already GPT-2 tokens");
   }
   return f;
-}
-
-// absl's flags are C++ names (n_layer); users write --n-layer, and the trainer's booleans were
-// always given a separate value (--prefetch false). This rewrites argv into absl's form:
-// dashes in a flag's name become underscores, and "--<bool> true|false" becomes "--<bool>=..".
-std::vector<char*> AbslArgs(int argc, char** argv, std::vector<std::string>& storage) {
-  storage.clear();
-  storage.reserve(static_cast<size_t>(argc));
-  for (int i = 0; i < argc; ++i) {
-    std::string a = argv[i];
-    if (i > 0 && absl::StartsWith(a, "--") && a.size() > 2) {
-      const size_t eq = a.find('=');
-      std::string name = a.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
-      std::replace(name.begin(), name.end(), '-', '_');
-      std::string rest = eq == std::string::npos ? "" : a.substr(eq);
-      const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-      if (eq == std::string::npos && flag != nullptr && flag->IsOfType<bool>() && i + 1 < argc &&
-          (std::strcmp(argv[i + 1], "true") == 0 || std::strcmp(argv[i + 1], "false") == 0 ||
-           std::strcmp(argv[i + 1], "yes") == 0 || std::strcmp(argv[i + 1], "no") == 0)) {
-        rest = absl::StrCat("=", argv[++i]);
-      }
-      a = absl::StrCat("--", name, rest);
-    }
-    storage.push_back(std::move(a));
-  }
-  std::vector<char*> out;
-  for (std::string& s : storage) out.push_back(s.data());
-  return out;
 }
 
 // The sampled ids as text: GPT-2's BPE decoded, bytes for a byte-level model, else "<id>"s.
@@ -831,14 +803,14 @@ int main(int argc, char** argv) {
       "  dtrun --nproc-per-node 2 gpt_train --text corpus.txt                # 2 processes over UCX\n"
       "Flags are listed with underscores; --n-layer and --n_layer are the same flag.");
   std::vector<std::string> arg_storage;
-  std::vector<char*> args = AbslArgs(argc, argv, arg_storage);
+  std::vector<char*> args = gpt::AbslStyleArgs(argc, argv, arg_storage);
   const std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(args.size()), args.data());
   if (rest.size() > 1) {
     std::fprintf(stderr, "gpt_train: unexpected argument '%s' (flags are --name value or --name=value; see --help)\n",
                  rest[1]);
     return 2;
   }
-  absl::StatusOr<Flags> flags = ReadFlags();
+  absl::StatusOr<Flags> flags = ReadFlags(gpt::GivenFlagNames(arg_storage));
   if (!flags.ok()) {
     std::fprintf(stderr, "gpt_train: %s (see --help)\n", std::string(flags.status().message()).c_str());
     return 2;
