@@ -1,5 +1,9 @@
-// Activation checkpointing (torch.utils.checkpoint with use_reentrant=False): run a function
-// of Variables without keeping what its backward would need, and run it again in backward.
+// Activation checkpointing (torch.utils.checkpoint): run a function of Variables without
+// keeping what its backward would need, and run it again in backward. Semantics are those of
+// use_reentrant=False where they show here (parameters get gradients when no input needs
+// one; state is replayed; recomputed metadata is checked; no-grad mode just runs `fn`); the
+// mechanism is an inner backward pass over the recomputed graph (as use_reentrant=True), so
+// torch's early stop of the recomputation and nested autograd.grad are not offered.
 //
 //   auto block = [&](const Variable& x) -> absl::StatusOr<Variable> { ... };  // uses parameters
 //   DT_ASSIGN_OR_RETURN(Variable y, ActivationCheckpoint(block, x));
