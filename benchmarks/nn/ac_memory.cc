@@ -5,7 +5,7 @@
 // and the step time. With GPT-2's vocabulary and few tokens, the peak falls at the end of
 // backward, where the tied wte/lm_head gradient is held several times over (the lm_head's
 // [V, C] gradient waits for the embedding's, then their sum): then act is alike for all
-// modes and saved shows the difference; with more tokens (--batch 8 --seq 256) the blocks'
+// modes and saved shows the difference; with more tokens (--batch 8 --seq 128) the blocks'
 // activations set the peak.
 //
 //   build/benchmarks/ac_memory                         # GPT-2 124M, B = 4, T = 64
