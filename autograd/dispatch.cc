@@ -307,7 +307,12 @@ Shape LocalCall::OutputOffset(int i) const {
   return LocalBoxOf(m.shape, mesh->shape(), output_layouts[static_cast<size_t>(i)], mesh->coordinate()).offset;
 }
 
-absl::StatusOr<std::vector<Value>> Dispatch(const OpDef& op, absl::Span<const Value> inputs, const OpArgs& args) {
+namespace {
+
+thread_local internal::DispatchObserver* t_observer = nullptr;
+
+absl::StatusOr<std::vector<Value>> DispatchUnobserved(const OpDef& op, absl::Span<const Value> inputs,
+                                                      const OpArgs& args) {
   DT_ASSIGN_OR_RETURN(const DeviceMesh* mesh, CommonMesh(op, inputs));
   if (mesh == nullptr) {
     absl::InlinedVector<Tensor, 5> locals;
@@ -322,6 +327,24 @@ absl::StatusOr<std::vector<Value>> Dispatch(const OpDef& op, absl::Span<const Va
   }
   DT_ASSIGN_OR_RETURN(const std::shared_ptr<Choice> c, Choose(op, inputs, args, *mesh));
   return RunChoice(op, *c, inputs, args, *mesh);
+}
+
+}  // namespace
+
+internal::DispatchObserver* internal::SetDispatchObserver(DispatchObserver* observer) {
+  DispatchObserver* prev = t_observer;
+  t_observer = observer;
+  return prev;
+}
+
+absl::StatusOr<std::vector<Value>> Dispatch(const OpDef& op, absl::Span<const Value> inputs, const OpArgs& args) {
+  if (t_observer == nullptr) return DispatchUnobserved(op, inputs, args);
+  internal::DispatchObserver* observer = t_observer;
+  DT_ASSIGN_OR_RETURN(std::optional<std::vector<Value>> replaced, observer->Replace(op, inputs, args));
+  if (replaced.has_value()) return *std::move(replaced);
+  DT_ASSIGN_OR_RETURN(std::vector<Value> out, DispatchUnobserved(op, inputs, args));
+  observer->Ran(op, inputs, out);
+  return out;
 }
 
 absl::StatusOr<std::string> ExplainStrategy(const OpDef& op, absl::Span<const Value> inputs, const OpArgs& args) {

@@ -21,6 +21,7 @@
 #define DTENSOR_AUTOGRAD_DISPATCH_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -115,6 +116,26 @@ struct DispatchStats {
   int64_t cached = 0;  // strategies held (at most 4096: then the cache starts over)
 };
 DispatchStats DispatchStatsOf(const DeviceMesh& mesh);
+
+namespace internal {
+
+// Sees every Dispatch on this thread while installed (TorchDispatchMode's role, for selective
+// activation checkpointing, checkpoint.h: a forward keeps some ops' outputs, its
+// recomputation gets them back instead of running those ops again).
+class DispatchObserver {
+ public:
+  virtual ~DispatchObserver() = default;
+  // Before `op` runs: the outputs to return instead of running it, or nullopt to run it.
+  virtual absl::StatusOr<std::optional<std::vector<Value>>> Replace(const OpDef& op, absl::Span<const Value> inputs,
+                                                                    const OpArgs& args) = 0;
+  // After `op` ran (not when Replace gave its outputs).
+  virtual void Ran(const OpDef& op, absl::Span<const Value> inputs, const std::vector<Value>& outputs) = 0;
+};
+
+// Installs `observer` on this thread (null: none) and returns the one it replaces.
+DispatchObserver* SetDispatchObserver(DispatchObserver* observer);
+
+}  // namespace internal
 
 }  // namespace dtensor
 

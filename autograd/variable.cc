@@ -196,6 +196,8 @@ Edge Node::EdgeOf(const Variable& v) {
 bool GradEnabled() { return t_grad_enabled; }
 NoGradGuard::NoGradGuard() : prev_(t_grad_enabled) { t_grad_enabled = false; }
 NoGradGuard::~NoGradGuard() { t_grad_enabled = prev_; }
+EnableGradGuard::EnableGradGuard() : prev_(t_grad_enabled) { t_grad_enabled = true; }
+EnableGradGuard::~EnableGradGuard() { t_grad_enabled = prev_; }
 
 bool AnyRequiresGrad(absl::Span<const Variable> inputs) {
   if (!t_grad_enabled) return false;

@@ -140,6 +140,18 @@ class NoGradGuard {
  private:
   bool prev_;
 };
+// The opposite (torch.enable_grad): ops record inside even where the caller turned grad mode
+// off (activation checkpointing's recomputation, checkpoint.h).
+class EnableGradGuard {
+ public:
+  EnableGradGuard();
+  ~EnableGradGuard();
+  EnableGradGuard(const EnableGradGuard&) = delete;
+  EnableGradGuard& operator=(const EnableGradGuard&) = delete;
+
+ private:
+  bool prev_;
+};
 
 // Whether an op with these inputs records a node (grad mode on and some input requires grad).
 bool AnyRequiresGrad(absl::Span<const Variable> inputs);

@@ -77,6 +77,10 @@ class Dropout : public Module {
  public:
   Dropout(double p, uint64_t seed) : p_(p), seed_(seed) {}
   absl::StatusOr<Variable> Forward(const Variable& x);
+  // The call count that picks the next mask (activation checkpointing saves it and puts it
+  // back, so that a recomputed forward draws the same masks).
+  uint64_t calls() const { return calls_; }
+  void set_calls(uint64_t calls) { calls_ = calls; }
 
  private:
   double p_;

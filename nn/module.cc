@@ -179,7 +179,7 @@ absl::StatusOr<Variable> Module::WithHooks(const Variable& input,
                                            const std::function<absl::StatusOr<Variable>(const Variable&)>& body) {
   Variable x = input;
   DT_RETURN_IF_ERROR(RunForwardPreHooks(x));
-  DT_ASSIGN_OR_RETURN(Variable out, body(x));
+  DT_ASSIGN_OR_RETURN(Variable out, wrapper_ ? wrapper_(x, body) : body(x));
   DT_RETURN_IF_ERROR(RunForwardHooks(out));
   AttachBackwardPreHooks(out);
   return out;

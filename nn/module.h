@@ -84,6 +84,16 @@ class Module {
   using InputHook = std::function<absl::Status(Module&, Variable& input)>;
   void RegisterForwardInputHook(InputHook h) { input_hooks_.push_back(std::move(h)); }
 
+  // Wraps the computation WithHooks runs between the hooks: `wrapper(input, body)` must return
+  // body's output for that input (activation checkpointing, nn/parallel/activation_checkpoint.h,
+  // runs body without keeping its activations and again in backward, so a module's body may
+  // run after its Forward returned: bodies refer only to the module and their argument).
+  // Null: body runs directly.
+  using Body = std::function<absl::StatusOr<Variable>(const Variable&)>;
+  using ForwardWrapper = std::function<absl::StatusOr<Variable>(const Variable& input, const Body& body)>;
+  void SetForwardWrapper(ForwardWrapper w) { wrapper_ = std::move(w); }
+  bool has_forward_wrapper() const { return wrapper_ != nullptr; }
+
   // State that a transform attaches to this module (FSDP's group), kept as long as the module;
   // one per key. Null when none.
   void SetAttachment(const std::string& key, std::shared_ptr<void> value);
@@ -124,6 +134,7 @@ class Module {
   std::vector<Hook> pre_hooks_, post_hooks_, backward_pre_hooks_;
   std::vector<OutputHook> output_hooks_;
   std::vector<InputHook> input_hooks_;
+  ForwardWrapper wrapper_;
   std::vector<std::pair<std::string, std::shared_ptr<void>>> attachments_;
   bool training_ = true;
   // False once the module is destroyed: a backward pass that outlives it skips to an error
