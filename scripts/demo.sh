@@ -17,6 +17,6 @@ export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
 # held-out tail, metrics as JSONL, a loss plot, then a sample of decoded text.
 metrics="$build_dir/gpt_train_metrics.jsonl"
 "$build_dir/examples/gpt/gpt_train" --fortunes "$build_dir/fortunes.txt" --tokenizer gpt2 --ranks 2 \
-  --steps "${STEPS:-240}" --batch 8 --seq 64 --lr 3e-3 --lr-schedule cosine --warmup 20 --min-lr 3e-4 \
-  --val-every 40 --log-every 20 --sample-tokens 80 --metrics "$metrics"
+  --steps "${STEPS:-400}" --batch 8 --seq 64 --lr 6e-3 --beta2 0.95 --lr-schedule cosine --warmup 10 --min-lr 6e-4 \
+  --val-every 50 --log-every 50 --sample-tokens 80 --metrics "$metrics"
 bash scripts/plot_metrics.sh "$metrics" -o "$build_dir/loss.png" --title "gpt_train: fortunes, GPT-2 tokens, FSDP x 2"

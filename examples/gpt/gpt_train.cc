@@ -52,6 +52,7 @@
 #include "dtensor/kernels/cpu/blas_core.h"
 #include "dtensor/nn/gpt.h"
 #include "dtensor/nn/optim.h"
+#include "dtensor/nn/parallel/activation_checkpoint.h"
 #include "dtensor/nn/parallel/explain.h"
 #include "dtensor/nn/parallel/fully_shard.h"
 #include "dtensor/nn/parallel/gpt_plan.h"
@@ -261,6 +262,7 @@ absl::StatusOr<Flags> ReadFlags(const std::set<std::string>& given_flags) {
   if (!one_of(f.grad_sync, {"every", "last"})) return bad("grad-sync", f.grad_sync, "every|last");
   if (!one_of(f.tokenizer, {"byte", "gpt2"})) return bad("tokenizer", f.tokenizer, "byte|gpt2");
   if (!one_of(f.progress, {"auto", "true", "false"})) return bad("progress", f.progress, "auto|true|false");
+  if (absl::StatusOr<nn::AcOptions> ac = nn::ParseAcMode(f.ac); !ac.ok()) return bad("ac", f.ac, ac.status().message());
   if (f.ckpt_every < 0) return bad("ckpt-every", f.ckpt_every, "must be >= 0");
   if (f.ckpt_keep < 0) return bad("ckpt-keep", f.ckpt_keep, "must be >= 0");
   if ((f.ckpt_every > 0 || f.resume) && f.ckpt_dir.empty()) {
@@ -441,19 +443,26 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     // DDP: parameters Replicate (each rank keeps its copy; no communication).
     DT_RETURN_IF_ERROR(nn::DistributeModule(*model, mesh));
   }
+  // Activation checkpointing: blocks keep only their input in forward and recompute the rest in
+  // backward (inside FSDP's and TP's hooks, so no collective runs twice).
+  DT_ASSIGN_OR_RETURN(const nn::AcOptions ac, nn::ParseAcMode(f.ac));
+  if (ac.mode != nn::AcOptions::Mode::kNone) DT_RETURN_IF_ERROR(nn::ApplyActivationCheckpointing(*model, ac));
   const std::string blas = device.is_cpu() ? ", OpenBLAS " + BlasCoreName() : "";
   std::vector<std::string> kinds;
   if (dims.dp_replicate > 1 && !fsdp) kinds.push_back("DDP");
   if (fsdp) kinds.push_back(dims.dp_replicate > 1 ? "HSDP" : "FSDP");
   if (tensor_parallel) kinds.push_back(f.plan.empty() ? (f.sequence_parallel ? "TP+SP" : "TP") : "plan");
+  const std::string extras = absl::StrCat(tokenizer ? ", GPT-2 tokenizer" : "",
+                                          ac.mode != nn::AcOptions::Mode::kNone ? ", AC " + ac.ToString() : "");
   const std::string parallel =
       !mesh.defined() ? "" : absl::StrCat(", ", absl::StrJoin(kinds, " x "), " ", mesh.ToString());
   say("gpt_train: %d rank(s) on %s (%s%s%s), %lld parameters, %lld layers, %lld heads, C=%lld, V=%lld, B=%lld "
-      "(global), T=%lld, %lld tokens\n",
+      "(global), T=%lld, %lld tokens%s\n",
       world.size(), device.ToString().c_str(), world.backend(), blas.c_str(), parallel.c_str(),
       static_cast<long long>(model->NumParameters()), static_cast<long long>(cfg.n_layer),
       static_cast<long long>(cfg.n_head), static_cast<long long>(cfg.n_embd), static_cast<long long>(cfg.vocab_size),
-      static_cast<long long>(f.batch), static_cast<long long>(f.seq), static_cast<long long>(loader.num_tokens()));
+      static_cast<long long>(f.batch), static_cast<long long>(f.seq), static_cast<long long>(loader.num_tokens()),
+      extras.c_str());
 
   // ---- --explain: what one step will cost this rank, from the layouts; trains nothing ----
   if (f.explain) {
@@ -693,7 +702,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     const double mfu = gpt::Mfu(flops_per_token, tok_s_rank, peak_flops);
     const double peak_gib = static_cast<double>(mem.peak_bytes_in_use) / (1 << 30);
     std::optional<double> val_loss;
-    if (f.val_every > 0 && ((step + 1) % f.val_every == 0 || step + 1 == f.steps)) {
+    if (f.val_every > 0 && ((step > 0 && step % f.val_every == 0) || step + 1 == f.steps)) {
       DT_ASSIGN_OR_RETURN(val_loss, validate());
     }
     const std::string val_text = val_loss ? absl::StrFormat("  val_loss: %.5f", *val_loss) : "";

@@ -13,11 +13,13 @@
 #include <iterator>
 #include <map>
 #include <random>
+#include <regex>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "dtensor/autograd/ops.h"
@@ -28,6 +30,7 @@
 #include "dtensor/tensor/device.h"
 #include "examples/gpt/data.h"
 #include "examples/gpt/llmc.h"
+#include "examples/gpt/tokenizer.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/run_process.h"
@@ -544,7 +547,7 @@ TEST_F(GptTrainTest, ReportsMfuAndValidationLoss) {
   }
   ASSERT_EQ(train_loss.size(), 6u);
   ASSERT_EQ(val_loss.size(), 2u);
-  ASSERT_TRUE(val_loss.count(2) && val_loss.count(5));
+  ASSERT_TRUE(val_loss.count(3) && val_loss.count(5));  // every 3 steps after the first, and at the end
 
   // The last validation, recomputed from the final parameters on the first 2 validation batches.
   NamedTensors trained = Unwrap(ReadSafetensors(final_params));
@@ -572,6 +575,68 @@ TEST_F(GptTrainTest, ReportsMfuAndValidationLoss) {
   for (int64_t step = 0; std::getline(pin, line); ++step) {
     EXPECT_EQ(nlohmann::json::parse(line).at("loss").get<double>(), train_loss.at(step)) << "step " << step;
   }
+}
+
+// --ac: activation checkpointing changes memory, not numbers: the losses of every mode equal
+// the run without it bit for bit, on one rank and under FSDP 2 and TP 2 thread ranks.
+TEST_F(GptTrainTest, ActivationCheckpointingKeepsLossesBitwise) {
+  for (const char* parallel : {"--ranks 1", "--ranks 2", "--ranks 2 --tp 2"}) {
+    const std::vector<double> plain = RunLosses("", std::string(parallel) + " --dropout 0.1", "ac_none");
+    for (const char* mode : {"full", "selective", "selective:op"}) {
+      const std::vector<double> ac =
+          RunLosses("", absl::StrCat(parallel, " --dropout 0.1 --ac ", mode), absl::StrCat("ac_", mode));
+      ASSERT_EQ(ac.size(), plain.size()) << parallel << " --ac " << mode;
+      for (size_t i = 0; i < ac.size(); ++i)
+        EXPECT_EQ(ac[i], plain[i]) << parallel << " --ac " << mode << " step " << i;
+    }
+  }
+  const ProcessRun bad = Train("", "--text " + Corpus() + " --ac sometimes");
+  EXPECT_NE(bad.code, 0);
+  EXPECT_NE(bad.out.find("--ac sometimes"), std::string::npos) << bad.out;
+}
+
+// --tokenizer gpt2: the text goes through GPT-2's BPE (vocabulary padded to 50304), and the
+// first loss is the one this test computes from the same tokens on the same initial model;
+// the sample is decoded text. --model presets set the architecture; flags given override them.
+TEST_F(GptTrainTest, TrainsOnGpt2TokensAndPresets) {
+  using testing::Unwrap;
+  absl::StatusOr<gpt::Gpt2Tokenizer> tok = gpt::Gpt2Tokenizer::Load(gpt::Gpt2Tokenizer::DefaultDir());
+  if (!tok.ok()) GTEST_SKIP() << "GPT-2's encoder files are not installed (scripts/setup.sh): " << tok.status();
+  const std::string corpus = Corpus(), metrics = Path("gpt2tok.jsonl");
+  const ProcessRun run = Train("", "--text " + corpus +
+                                       " --tokenizer gpt2 --n-layer 1 --n-head 2 --n-embd 16 --seq 16 --batch 2 "
+                                       "--steps 1 --ranks 2 --sample-tokens 12 --metrics " +
+                                       metrics);
+  ASSERT_EQ(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("V=50304"), std::string::npos) << run.out;
+  EXPECT_FALSE(std::regex_search(run.out, std::regex("<[0-9]+>"))) << run.out;  // text, not "<id>"s
+
+  const std::vector<int32_t> ids = tok->Encode(testing::ReadBytes(corpus));
+  std::vector<int32_t> in(ids.begin(), ids.begin() + 32), tg(ids.begin() + 1, ids.begin() + 33);
+  nn::GPTConfig cfg{.vocab_size = 50304, .block_size = 16, .n_layer = 1, .n_head = 2, .n_embd = 16};
+  auto model = Unwrap(nn::GPT::Create(cfg));
+  ASSERT_TRUE(model->InitWeights(1337).ok());
+  Variable x = Variable::Constant(Unwrap(Tensor::FromVector<int32_t>(in, {2, 16})));
+  Variable y = Variable::Constant(Unwrap(Tensor::FromVector<int32_t>(tg, {2, 16})));
+  const double expected = testing::Values(Unwrap(model->Forward(x, y)).loss.value().local())[0];
+  std::ifstream f(metrics);
+  std::string line;
+  ASSERT_TRUE(std::getline(f, line));
+  EXPECT_NEAR(nlohmann::json::parse(line).at("loss").get<double>(), expected, 1e-5 * expected);
+
+  // Presets: GPT-2 124M (124,439,808 parameters with vocab 50257 and 1024 positions), and the
+  // same with 2 layers given on the command line.
+  const ProcessRun gpt2 = Train("", "--text " + corpus + " --model gpt2 --seq 16 --batch 1 --explain");
+  ASSERT_EQ(gpt2.code, 0) << gpt2.out;
+  EXPECT_NE(gpt2.out.find("124439808 parameters, 12 layers, 12 heads, C=768, V=50257"), std::string::npos) << gpt2.out;
+  const int64_t per_block = 12 * 768 * 768 + 13 * 768;  // c_attn, c_proj, c_fc, c_proj; biases, 2 LayerNorms
+  const ProcessRun two = Train("", "--text " + corpus + " --model gpt2 --n-layer 2 --seq 16 --batch 1 --explain");
+  ASSERT_EQ(two.code, 0) << two.out;
+  EXPECT_NE(two.out.find(absl::StrCat(124439808 - 10 * per_block, " parameters, 2 layers")), std::string::npos)
+      << two.out;
+  const ProcessRun unknown = Train("", "--text " + corpus + " --model gpt5");
+  EXPECT_NE(unknown.code, 0);
+  EXPECT_NE(unknown.out.find("--model gpt5"), std::string::npos) << unknown.out;
 }
 
 // The same binary started by Open MPI's mpirun (OMPI_COMM_WORLD_* rendezvous) is a UCX rank.
