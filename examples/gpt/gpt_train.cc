@@ -706,7 +706,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       DT_ASSIGN_OR_RETURN(val_loss, validate());
     }
     const std::string val_text = val_loss ? absl::StrFormat("  val_loss: %.5f", *val_loss) : "";
-    if (progress_bar) say("\r\033[K");
+    if (progress_bar) say("%s", "\r\033[K");
     if (step % f.log_every == 0 || step + 1 == f.steps || val_loss.has_value()) {
       say("step: %4lld  loss: %8.5f  grad_norm: %7.4f  lr: %.2e  memory: %5.2fGiB(%.2f%%)  tps: %s  tflops: %.3f  "
           "mfu: %.2f%%  time: %.0fms%s\n",
@@ -720,7 +720,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
           gpt::ProgressBar(step + 1 - first_step, f.steps - first_step,
                            std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count(), 30)
               .c_str());
-      if (step + 1 == f.steps) say("\n");
+      if (step + 1 == f.steps) say("%s", "\n");
     }
     if (metrics.is_open()) {
       nlohmann::json line{{"step", step},

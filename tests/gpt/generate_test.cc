@@ -12,13 +12,17 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/nn/gpt.h"
 #include "dtensor/nn/parallel/gpt_plan.h"
+#include "dtensor/nn/safetensors.h"
 #include "dtensor/ops/ops.h"
 #include "examples/gpt/llmc.h"
+#include "examples/gpt/tokenizer.h"
 #include "gtest/gtest.h"
 #include "tests/testing/run_process.h"
 #include "tests/testing/test_util.h"
@@ -168,6 +172,84 @@ TEST(GenerateTest, BinaryPrintsTheSameIdsOnOneAndTwoRanks) {
   bad = testing::RunProcess({GPT_GENERATE_PATH, "--llmc", dir.Path("m.bin"), "--prompt-ids", "5", "--top-p", "1.5"});
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.err.find("top_p"), std::string::npos) << bad.err;
+}
+
+// Hugging Face weights end to end: the binary's greedy continuation of the golden prompt (KV
+// cache, 1 rank and tensor-parallel over 2 and 4) is the independent PyTorch forward's
+// (tests/golden/hf_gpt2_tiny, recomputing the context each step).
+TEST(GenerateTest, BinaryContinuesLikePyTorchOnHuggingFaceWeights) {
+  const std::string hf = std::string(DTENSOR_GOLDEN_DIR) + "/hf_gpt2_tiny";
+  NamedTensors golden = Unwrap(ReadSafetensors(hf + "/golden.safetensors"));
+  ASSERT_NE(golden.Find("prompt"), nullptr);
+  ASSERT_NE(golden.Find("greedy"), nullptr);
+  const std::vector<int64_t> prompt = Unwrap(golden.Find("prompt")->ToVector<int64_t>());
+  const std::vector<int64_t> greedy = Unwrap(golden.Find("greedy")->ToVector<int64_t>());
+  for (const char* ranks : {"1", "2", "4"}) {
+    testing::ProcessRun run = testing::RunProcess(
+        {GPT_GENERATE_PATH, "--hf", hf + "/model.safetensors", "--prompt-ids", absl::StrJoin(prompt, " "),
+         "--max-new-tokens", absl::StrCat(greedy.size()), "--temperature", "0", "--ranks", ranks},
+        {.timeout = absl::Seconds(120)});
+    EXPECT_EQ(run.code, 0) << run.err;
+    EXPECT_NE(run.out.find("ids: " + absl::StrJoin(greedy, " ") + "\n"), std::string::npos)
+        << "ranks " << ranks << ":\n"
+        << run.out;
+  }
+}
+
+// Text in and out through GPT-2's tokenizer: a checkpoint of a model trained by gpt_train on
+// GPT-2 tokens (vocabulary padded to 50304) continues a text prompt; the printed text starts
+// with the prompt and decodes the printed ids (checked with the tokenizer here).
+TEST(GenerateTest, BinaryTakesAndPrintsTextThroughGpt2Tokenizer) {
+  absl::StatusOr<gpt::Gpt2Tokenizer> tok = gpt::Gpt2Tokenizer::Load(gpt::Gpt2Tokenizer::DefaultDir());
+  if (!tok.ok()) GTEST_SKIP() << "GPT-2's encoder files are not installed (scripts/setup.sh): " << tok.status();
+  testing::ScopedTempDir dir("gen_text");
+  std::string text;
+  for (int i = 0; i < 30; ++i) text += "The quick brown fox jumps over the lazy dog. ";
+  testing::WriteBytes(dir.Path("corpus.txt"), text);
+  testing::ProcessRun train = testing::RunProcess({GPT_TRAIN_PATH,
+                                                   "--text",
+                                                   dir.Path("corpus.txt"),
+                                                   "--tokenizer",
+                                                   "gpt2",
+                                                   "--n-layer",
+                                                   "1",
+                                                   "--n-head",
+                                                   "2",
+                                                   "--n-embd",
+                                                   "16",
+                                                   "--seq",
+                                                   "16",
+                                                   "--batch",
+                                                   "2",
+                                                   "--steps",
+                                                   "2",
+                                                   "--sample-tokens",
+                                                   "0",
+                                                   "--ckpt-dir",
+                                                   dir.Path("ckpt"),
+                                                   "--ckpt-every",
+                                                   "2"},
+                                                  {.timeout = absl::Seconds(120), .merge_output = true});
+  ASSERT_EQ(train.code, 0) << train.out;
+  const std::string prompt = "The quick brown";
+  testing::ProcessRun run = testing::RunProcess({GPT_GENERATE_PATH, "--ckpt-dir", dir.Path("ckpt"), "--n-head", "2",
+                                                 "--prompt", prompt, "--max-new-tokens", "6", "--temperature", "0"},
+                                                {.timeout = absl::Seconds(120)});
+  ASSERT_EQ(run.code, 0) << run.err;
+  const size_t ids_at = run.out.find("ids: "), text_at = run.out.find("text: ");
+  ASSERT_NE(ids_at, std::string::npos) << run.out;
+  ASSERT_NE(text_at, std::string::npos) << run.out;
+  std::vector<int32_t> all = tok->Encode(prompt);
+  for (absl::string_view w :
+       absl::StrSplit(run.out.substr(ids_at + 5, run.out.find('\n', ids_at) - ids_at - 5), ' ', absl::SkipEmpty())) {
+    int32_t id = 0;
+    ASSERT_TRUE(absl::SimpleAtoi(w, &id)) << w;
+    EXPECT_LT(id, tok->vocab_size());  // never a padding row
+    all.push_back(id);
+  }
+  const std::string decoded = Unwrap(tok->Decode(all));
+  EXPECT_EQ(run.out.substr(text_at + 6, decoded.size()), decoded) << run.out;
+  EXPECT_EQ(decoded.rfind(prompt, 0), 0u);
 }
 #endif
 
