@@ -20,7 +20,7 @@
 # element checked) and the trainer on 2 ranks beside the same run over UCX on the CPU; then FSDP
 # over NCCL: the trainer's losses on 1 GPU against 2 and 4 processes (FSDP, HSDP) and with a
 # bfloat16 policy; TP (stage tp) and checkpoints of CUDA tensors resumed under the same and
-# another parallelism (stage ckpt); and compute-sanitizer's memcheck over a 2-process FSDP run. With fewer
+# another parallelism (stage ckpt); generation on the GPU against the CPU (stage generate); and compute-sanitizer's memcheck over a 2-process FSDP run. With fewer
 # GPUs than ranks the processes share cuda:0, each naming itself a host (NCCL_HOSTID) since NCCL
 # refuses two ranks of one host on one GPU; they then talk over sockets on loopback.
 set -euo pipefail
@@ -34,7 +34,8 @@ trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/lib"
 
 bins=(tests/kernels_test tests/tensor_test tests/ops_test tests/collectives_test tests/core_test tests/autograd_test
-      tests/nn_test tests/gpt_test examples/gpt/gpt_train collectives/dtrun/dtrun benchmarks/coll_bench
+      tests/nn_test tests/gpt_test examples/gpt/gpt_train examples/gpt/gpt_generate examples/gpt/gpt_export
+      collectives/dtrun/dtrun benchmarks/coll_bench
       tests/dtensor_ucx_child)
 for b in "${bins[@]}"; do
   [[ -x "$build/$b" ]] || { echo "gpu_bundle.sh: $build/$b is not built" >&2; exit 1; }
@@ -62,7 +63,9 @@ export LD_LIBRARY_PATH="\$here/lib:\$(find_dir 'libcublasLt.so.13*'):\$(find_dir
 # The paths compiled into the tests: golden tensors and the trainer.
 mkdir -p "$src/tests" "$build/examples/gpt" "$build/collectives/dtrun" "$build/tests"
 [[ -e "$src/tests/golden" ]] || ln -s "\$repo/tests/golden" "$src/tests/golden"
-[[ -e "$build/examples/gpt/gpt_train" ]] || ln -s "\$here/bin/gpt_train" "$build/examples/gpt/gpt_train"
+for t in gpt_train gpt_generate gpt_export; do
+  [[ -e "$build/examples/gpt/\$t" ]] || ln -s "\$here/bin/\$t" "$build/examples/gpt/\$t"
+done
 [[ -e "$build/collectives/dtrun/dtrun" ]] || ln -s "\$here/bin/dtrun" "$build/collectives/dtrun/dtrun"
 [[ -e "$build/tests/dtensor_ucx_child" ]] || ln -s "\$here/bin/dtensor_ucx_child" "$build/tests/dtensor_ucx_child"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
@@ -158,6 +161,24 @@ if want tp; then
   fsdp_run fsdp_tp 4 --tp 2
   compare tp2 one 1e-4; compare tp2_nosp one 1e-4; compare tp2_plan one 1e-4; compare fsdp_tp one 1e-4
   grep -h 'gpt_train:' "\$logs"/fsdp_fsdp_tp.log | head -1
+fi
+# Generation on the GPU (KV cache, greedy and seeded top-k) prints the ids the CPU prints, on
+# the golden Hugging Face model.
+if want generate; then
+  hf="\$repo/tests/golden/hf_gpt2_tiny/model.safetensors"
+  for d in cpu cuda; do
+    "\$here/bin/gpt_generate" --hf "\$hf" --prompt-ids "3 14 15 92 65" --max-new-tokens 40 --temperature 0 \
+      --device \$d > "\$logs/generate_greedy_\$d.log" 2>&1
+    "\$here/bin/gpt_generate" --hf "\$hf" --prompt-ids "3 14 15 92 65" --max-new-tokens 40 --top-k 5 --seed 3 \
+      --device \$d > "\$logs/generate_topk_\$d.log" 2>&1
+  done
+  for m in greedy topk; do
+    if diff <(grep '^ids:' "\$logs/generate_\${m}_cpu.log") <(grep '^ids:' "\$logs/generate_\${m}_cuda.log") >/dev/null; then
+      echo "generate \$m: cuda ids == cpu ids (\$(grep -o '[0-9.]* tokens/s' "\$logs/generate_\${m}_cuda.log"))"
+    else
+      echo "generate \$m: DIFFER"; tail -n 3 "\$logs/generate_\${m}_cpu.log" "\$logs/generate_\${m}_cuda.log"; rc=1
+    fi
+  done
 fi
 # Checkpoints of CUDA tensors: 2 processes stopped at step 10 and resumed (sync and async
 # saves) against the uninterrupted run, and a TP 2 checkpoint resumed on 1 GPU (1e-4).
