@@ -170,6 +170,10 @@ absl::StatusOr<nn::GPTConfig> GptConfigOfCheckpoint(const std::string& dir, int6
   while (index.count(absl::StrCat("transformer.h.", c.n_layer, ".ln_1.weight"))) ++c.n_layer;
   if (n_head > 0) {
     c.n_head = n_head;
+  } else if (absl::StatusOr<Tensor> heads = Zeros({1}, DType::kInt64);
+             heads.ok() && LoadCheckpoint(dir, {{std::string(kHeadsTensor), *heads}}).ok()) {
+    c.n_head = heads->data<int64_t>()[0];  // gpt_train records it
+    if (c.n_head <= 0) return InvalidArg(kOp, "'", dir, "': ", kHeadsTensor, " is ", c.n_head);
   } else {
     c.n_head = 0;
     for (const std::string& name : GptPresetNames()) {

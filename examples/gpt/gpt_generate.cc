@@ -3,7 +3,7 @@
 //
 //   gpt_generate --hf gpt2/model.safetensors --prompt "The meaning of life is" --temperature 0
 //   gpt_generate --llmc gpt2_124M.bin --prompt-ids "15496 11 314 716" --max-new-tokens 64
-//   gpt_generate --ckpt-dir ckpt --n-head 4 --prompt "Q: Why" --temperature 0.8 --top-k 40 --seed 7
+//   gpt_generate --ckpt-dir ckpt --prompt "Q: Why" --temperature 0.8 --top-k 40 --seed 7
 //   gpt_generate --llmc gpt2_124M.bin --prompt "Hello," --ranks 2 --tp 2 --top-p 0.9
 //
 // Reads top to bottom: the weights (a Hugging Face GPT-2 safetensors with its config.json, an
@@ -18,12 +18,11 @@
 // Flags are Abseil flags (--help lists them); they are written with dashes as above or with
 // underscores as Abseil names them (--max_new_tokens). A checkpoint directory holds tensors,
 // not the architecture: the vocabulary, width, layers and block size are read from the tensor
-// shapes in its metadata.json, the number of heads must be given (--n-head).
+// shapes in its metadata.json, the number of heads from what gpt_train records (or --n-head).
 #include <omp.h>
 
 #include <algorithm>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <optional>
 #include <string>
@@ -45,18 +44,18 @@
 #include "dtensor/nn/parallel/gpt_plan.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
+#include "examples/gpt/ckpt_export.h"
 #include "examples/gpt/flags.h"
 #include "examples/gpt/generate.h"
 #include "examples/gpt/hf_gpt2.h"
 #include "examples/gpt/llmc.h"
 #include "examples/gpt/sampler.h"
 #include "examples/gpt/tokenizer.h"
-#include "nlohmann/json.hpp"
 
 ABSL_FLAG(std::string, llmc, "", "weights: an llm.c GPT-2 checkpoint (.bin, version 3 or 5)");
 ABSL_FLAG(std::string, ckpt_dir, "", "weights: the newest complete checkpoint under this directory (gpt_train)");
 ABSL_FLAG(std::string, hf, "", "weights: a Hugging Face GPT-2 model.safetensors (config.json beside it)");
-ABSL_FLAG(int64_t, n_head, 0, "heads, for --ckpt-dir (its tensors do not say)");
+ABSL_FLAG(int64_t, n_head, 0, "heads, for --ckpt-dir (0: as gpt_train recorded, or a matching preset)");
 ABSL_FLAG(std::string, prompt_ids, "", "the prompt as token ids, e.g. \"15496 11 314\"");
 ABSL_FLAG(std::string, prompt, "", "the prompt as text (through --tokenizer)");
 ABSL_FLAG(std::string, tokenizer, "auto",
@@ -88,31 +87,6 @@ struct Setup {
   std::optional<gpt::Gpt2Tokenizer> tokenizer;  // GPT-2 text (rank 0 decodes the output)
 };
 
-// The architecture from a checkpoint's tensor shapes: wte [V, C], wpe [T, C], the blocks.
-absl::Status ConfigFromCheckpoint(const std::string& dir, nn::GPTConfig* c) {
-  std::ifstream in(dir + "/metadata.json");
-  const nlohmann::json meta = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (meta.is_discarded() || !meta.contains("tensors")) {
-    return absl::InvalidArgumentError(absl::StrCat("[gpt_generate] cannot read ", dir, "/metadata.json"));
-  }
-  const nlohmann::json& t = meta["tensors"];
-  auto shape = [&](const std::string& name) -> std::vector<int64_t> {
-    if (!t.contains(name) || !t[name].contains("shape")) return {};
-    return t[name]["shape"].get<std::vector<int64_t>>();
-  };
-  const std::vector<int64_t> wte = shape("model.transformer.wte.weight"), wpe = shape("model.transformer.wpe.weight");
-  if (wte.size() != 2 || wpe.size() != 2) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("[gpt_generate] ", dir, " holds no GPT (model.transformer.wte.weight / wpe.weight)"));
-  }
-  c->vocab_size = wte[0];
-  c->n_embd = wte[1];
-  c->block_size = wpe[0];
-  c->n_layer = 0;
-  while (t.contains(absl::StrCat("model.transformer.h.", c->n_layer, ".ln_1.weight"))) ++c->n_layer;
-  return absl::OkStatus();
-}
-
 absl::StatusOr<Setup> Prepare() {
   Setup s;
   const std::string llmc = absl::GetFlag(FLAGS_llmc), ckpt_dir = absl::GetFlag(FLAGS_ckpt_dir),
@@ -130,11 +104,7 @@ absl::StatusOr<Setup> Prepare() {
     s.params = std::move(file.params);
   } else if (!ckpt_dir.empty()) {
     DT_ASSIGN_OR_RETURN(s.ckpt, LatestCheckpoint(ckpt_dir));
-    DT_RETURN_IF_ERROR(ConfigFromCheckpoint(s.ckpt, &s.config));
-    s.config.n_head = absl::GetFlag(FLAGS_n_head);
-    if (s.config.n_head <= 0) {
-      return absl::InvalidArgumentError("[gpt_generate] --ckpt-dir needs --n-head (the checkpoint does not say)");
-    }
+    DT_ASSIGN_OR_RETURN(s.config, gpt::GptConfigOfCheckpoint(s.ckpt, absl::GetFlag(FLAGS_n_head)));
   } else {  // Hugging Face: config.json and the safetensors, transposed to our layout
     DT_ASSIGN_OR_RETURN(gpt::HfGpt2 file, gpt::ReadHfGpt2(hf));
     s.config = file.config;

@@ -60,6 +60,7 @@
 #include "dtensor/nn/safetensors.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
+#include "examples/gpt/ckpt_export.h"
 #include "examples/gpt/data.h"
 #include "examples/gpt/flags.h"
 #include "examples/gpt/hf_gpt2.h"
@@ -684,6 +685,10 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       for (int64_t s : opt.param_steps()) progress.push_back(s);
       DT_ASSIGN_OR_RETURN(Tensor pt, Tensor::FromVector<int64_t>(progress, {3 + n_params}));
       DT_ASSIGN_OR_RETURN(CheckpointState state, checkpoint_state(pt));
+      // The number of heads, which the parameters' shapes do not tell (for gpt_generate and
+      // gpt_export; a resume does not read it).
+      DT_ASSIGN_OR_RETURN(Tensor heads, Tensor::FromVector<int64_t>({cfg.n_head}, {1}));
+      state.push_back({gpt::kHeadsTensor, heads});
       const std::string name = absl::StrFormat("step-%08lld", static_cast<long long>(step + 1));
       if (pending_save != nullptr) {  // the previous asynchronous save commits first
         DT_RETURN_IF_ERROR(pending_save->Finish());

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_split.h"
 #include "dtensor/checkpoint/checkpoint.h"
+#include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/nn/safetensors.h"
 #include "examples/gpt/hf_gpt2.h"
 #include "examples/gpt/llmc.h"
@@ -94,10 +95,24 @@ TEST_F(CkptExportTest, TpAndFsdpTimesTpCheckpointsExportTheFullStateDict) {
 
 TEST_F(CkptExportTest, ToolAndErrors) {
   const std::string ckpt = Train("--ranks 2", "tool");
-  // n_head is not in the checkpoint and 2 layers x 32 dims match no preset.
-  absl::StatusOr<nn::GPTConfig> no_heads = GptConfigOfCheckpoint(ckpt);
-  ASSERT_FALSE(no_heads.ok());
-  EXPECT_NE(no_heads.status().message().find("--n-head"), std::string::npos) << no_heads.status();
+  // gpt_train records the number of heads (2 layers x 32 dims match no preset).
+  absl::StatusOr<nn::GPTConfig> recorded = GptConfigOfCheckpoint(ckpt);
+  ASSERT_TRUE(recorded.ok()) << recorded.status();
+  EXPECT_EQ(recorded->n_head, 2);
+  EXPECT_EQ(recorded->n_layer, 2);
+  EXPECT_EQ(Unwrap(GptConfigOfCheckpoint(ckpt, 4)).n_head, 4);  // what the caller says wins
+  // A checkpoint of the parameters alone does not tell: an error asking for --n-head.
+  {
+    auto comms = Unwrap(MakeThreadGroup(1));
+    auto model =
+        Unwrap(nn::GPT::Create({.vocab_size = 256, .block_size = 16, .n_layer = 2, .n_head = 2, .n_embd = 32}));
+    CheckpointState state;
+    for (auto& [name, p] : model->NamedParameters()) state.push_back({"model." + name, p->value().local()});
+    ASSERT_TRUE(SaveCheckpoint(*comms[0], dir_.Path("bare"), "step-00000001", state).ok());
+    absl::StatusOr<nn::GPTConfig> no_heads = GptConfigOfCheckpoint(dir_.Path("bare") + "/step-00000001");
+    ASSERT_FALSE(no_heads.ok());
+    EXPECT_NE(no_heads.status().message().find("--n-head"), std::string::npos) << no_heads.status();
+  }
   absl::StatusOr<nn::GPTConfig> missing = GptConfigOfCheckpoint(dir_.Path("nowhere"), 2);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
 

@@ -197,8 +197,9 @@ TEST(GenerateTest, BinaryContinuesLikePyTorchOnHuggingFaceWeights) {
 }
 
 // Text in and out through GPT-2's tokenizer: a checkpoint of a model trained by gpt_train on
-// GPT-2 tokens (vocabulary padded to 50304) continues a text prompt; the printed text starts
-// with the prompt and decodes the printed ids (checked with the tokenizer here).
+// GPT-2 tokens (vocabulary padded to 50304; 2 heads, which the checkpoint records) continues a
+// text prompt; the printed text starts with the prompt and decodes the printed ids (checked
+// with the tokenizer here).
 TEST(GenerateTest, BinaryTakesAndPrintsTextThroughGpt2Tokenizer) {
   absl::StatusOr<gpt::Gpt2Tokenizer> tok = gpt::Gpt2Tokenizer::Load(gpt::Gpt2Tokenizer::DefaultDir());
   if (!tok.ok()) GTEST_SKIP() << "GPT-2's encoder files are not installed (scripts/setup.sh): " << tok.status();
@@ -232,8 +233,8 @@ TEST(GenerateTest, BinaryTakesAndPrintsTextThroughGpt2Tokenizer) {
                                                   {.timeout = absl::Seconds(120), .merge_output = true});
   ASSERT_EQ(train.code, 0) << train.out;
   const std::string prompt = "The quick brown";
-  testing::ProcessRun run = testing::RunProcess({GPT_GENERATE_PATH, "--ckpt-dir", dir.Path("ckpt"), "--n-head", "2",
-                                                 "--prompt", prompt, "--max-new-tokens", "6", "--temperature", "0"},
+  testing::ProcessRun run = testing::RunProcess({GPT_GENERATE_PATH, "--ckpt-dir", dir.Path("ckpt"), "--prompt", prompt,
+                                                 "--max-new-tokens", "6", "--temperature", "0"},
                                                 {.timeout = absl::Seconds(120)});
   ASSERT_EQ(run.code, 0) << run.err;
   const size_t ids_at = run.out.find("ids: "), text_at = run.out.find("text: ");
