@@ -32,9 +32,8 @@ absl::Status Block5(Communicator& world) {
   DT_ASSIGN_OR_RETURN(DTensor wte_loaded, DTensor::Distribute(zeros, mesh, {Shard(0)}));
   DT_ASSIGN_OR_RETURN(Tensor step_loaded, Zeros({1}, DType::kFloat32));
   CheckpointState target = {{"wte", wte_loaded}, {"step", step_loaded}};
-  {
 #include "block_5_body.inc"  // the README block's statements, verbatim
-  } DT_ASSIGN_OR_RETURN(Tensor got, wte_loaded.FullTensor());
+  DT_ASSIGN_OR_RETURN(Tensor got, wte_loaded.FullTensor());
   DT_RETURN_IF_ERROR(SameValues(got, wte_full, "wte"));
   return SameValues(step_loaded, step, "step");
 }
