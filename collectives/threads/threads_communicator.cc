@@ -304,8 +304,6 @@ struct P2POp {
 // ---------------------------------------------------------------------------------------------
 // The state one group's communicators share.
 
-class ThreadGroup;
-
 // A group made by MakeThreadGroup and every group split from it (transitively): an abort on
 // any of them fails them all.
 class Family {
@@ -314,8 +312,15 @@ class Family {
   void Join(const std::shared_ptr<ThreadGroup>& group);
   // Records the first abort and fails every live group of the family.
   void Abort(const absl::Status& status);
+  // The abort, once there was one (a group may be checked before Abort reached it).
+  bool aborted() const { return aborted_flag_.load(std::memory_order_acquire); }
+  absl::Status abort_status() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return aborted_;
+  }
 
  private:
+  std::atomic<bool> aborted_flag_{false};
   std::mutex mu_;
   absl::Status aborted_;                            // the first abort, guarded by mu_
   std::vector<std::weak_ptr<ThreadGroup>> groups_;  // guarded by mu_
@@ -349,6 +354,7 @@ class ThreadGroup {
 
   // Fails fast when the group failed before or `peer` (every rank when -1) has left.
   absl::Status CheckUsable(int rank, const char* op, int peer) {
+    if (!failed_.load(std::memory_order_acquire) && family_->aborted()) Fail(family_->abort_status());
     if (failed_.load(std::memory_order_acquire)) {
       std::lock_guard<std::mutex> lock(mu_);
       return absl::Status(failure_.code(),
@@ -557,6 +563,7 @@ void Family::Abort(const absl::Status& status) {
     std::lock_guard<std::mutex> lock(mu_);
     if (!aborted_.ok()) return;
     aborted_ = status;
+    aborted_flag_.store(true, std::memory_order_release);
     for (const auto& g : groups_) {
       if (auto p = g.lock()) live.push_back(std::move(p));
     }

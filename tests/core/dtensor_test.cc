@@ -767,10 +767,12 @@ TEST(DTensorFailTogether, FromLocalFailureReachesPeersWaitingInRedistribute) {
         }
         // Unusable afterwards, on every rank and every group of the mesh, and it says so.
         const absl::Status b = comm.Barrier();
-        EXPECT_EQ(b.code(), absl::StatusCode::kAborted) << b;
+        EXPECT_EQ(b.code(), absl::StatusCode::kAborted)
+            << "mesh " << ShapeString(shape) << ", failing rank " << k << ", rank " << rank << ": " << b;
         EXPECT_THAT(b.message(), HasSubstr(absl::StrCat("rank ", k, " aborted the communicator")));
         const absl::Status g = mesh.comm(0).Barrier();
-        EXPECT_EQ(g.code(), absl::StatusCode::kAborted) << g;
+        EXPECT_EQ(g.code(), absl::StatusCode::kAborted)
+            << "mesh " << ShapeString(shape) << ", failing rank " << k << ", rank " << rank << ": " << g;
       });
       for (int r = 0; r < 4; ++r) {
         if (r == k) continue;
