@@ -22,11 +22,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string ReadBytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
-
 // The first executable `name` on $PATH, or "".
 std::string FindOnPath(const std::string& name) {
   const char* path = std::getenv("PATH");
@@ -161,7 +156,7 @@ TEST(Gpt2TokenizerTest, IdsIdenticalToTheNpmReferenceUnderNode) {
   int64_t bytes = 0, tokens = 0;
   for (size_t f = 0; f < files.size(); ++f) {
     SCOPED_TRACE(files[f]);
-    const std::string text = ReadBytes(files[f]);
+    const std::string text = testing::ReadBytes(files[f]);
     ASSERT_FALSE(text.empty());
     // The reference reads invalid UTF-8 as U+FFFD: ids are comparable on valid text only.
     ASSERT_TRUE(ValidUtf8(text)) << "not valid UTF-8";
@@ -334,7 +329,7 @@ TEST(Gpt2TokenizerTest, LoadErrorsNameTheFile) {
   EXPECT_EQ(small->Encode("aab ab"), (std::vector<int32_t>{'a', 256, ' ', 256}));
 
   auto expect_error = [&](const std::string& file, const std::string& bytes, const std::string& needle) {
-    const std::string good = ReadBytes(dir.Path(file));
+    const std::string good = testing::ReadBytes(dir.Path(file));
     testing::WriteBytes(dir.Path(file), bytes);
     absl::StatusOr<Gpt2Tokenizer> bad = Gpt2Tokenizer::Load(dir.Path(""));
     EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
