@@ -23,6 +23,17 @@
 // naming the operation, this rank and the peer it waited for; a peer that is gone gives
 // Unavailable (sooner, where the transport can tell). Mismatched calls across ranks are a
 // usage error; with DTENSOR_DEBUG=1 they are detected and reported with both sides' calls.
+//
+// Ranks fail together: a rank that cannot take part in a collective its peers will enter
+// (its own arguments failed their checks) calls Abort(why) instead of leaving them waiting:
+//   if (!checked.ok()) { comm.Abort(checked); return checked; }
+// Every peer's pending and later calls then return Aborted naming this rank and `why`, e.g.
+// "[AllGather] rank 2 stopped waiting for rank(s) 0: rank 0 aborted the communicator:
+// INVALID_ARGUMENT: [FromLocal] local shape [3, 3] is not ...", within milliseconds (threads:
+// at once; ucx: a message every waiting rank polls); this rank's own later calls fail the
+// same way. An abort
+// reaches the whole family: the communicator it is called on, the one it was split from and
+// every communicator split from either (a DeviceMesh's groups), on every rank.
 #ifndef DTENSOR_COLLECTIVES_COMMUNICATOR_H_
 #define DTENSOR_COLLECTIVES_COMMUNICATOR_H_
 
@@ -83,6 +94,14 @@ class Communicator {
   // Timeout of every blocking call (default 300 s, or DTENSOR_TIMEOUT_S from the environment).
   virtual void SetTimeout(absl::Duration timeout) = 0;
   virtual absl::Duration timeout() const = 0;
+
+  // Marks this communicator's family unusable (see the top of this file) and tells every peer,
+  // which then fails with Aborted naming this rank and `why` (one that aborted already keeps
+  // its first reason). Not a collective: any one rank calls it, any number of times, from the
+  // thread that owns the communicator. nccl: ncclCommAbort on this communicator (its peers
+  // learn nothing from NCCL itself: see nccl_communicator.h). The default (test doubles) does
+  // nothing.
+  virtual void Abort(const absl::Status& why) { (void)why; }
 
   // ---- Asynchronous collectives (the synchronous forms below wait on these) ----
   virtual absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const Tensor& input, const Tensor& output,

@@ -524,6 +524,12 @@ class NcclCommunicator final : public Communicator {
   void SetTimeout(absl::Duration timeout) override { state_->set_timeout(timeout); }
   absl::Duration timeout() const override { return state_->timeout(); }
 
+  // ncclCommAbort on this communicator; later calls fail quoting `why` (CheckAlive).
+  void Abort(const absl::Status& why) override {
+    (void)state_->Fail(absl::AbortedError(
+        absl::StrCat("rank ", rank(), " aborted the communicator: ", why.ok() ? "no reason given" : why.ToString())));
+  }
+
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const Tensor& input, const Tensor& output,
                                                        CommReduceOp op) override {
     const char* kOp = "AllReduce";

@@ -54,6 +54,10 @@
 // Validation errors ("[Op] rank r: ...": undefined, non-contiguous, wrong device, dtype or
 // size mismatch, bad counts or peers) are local and leave the communicator usable (the other
 // ranks of that collective will then time out).
+// Abort(why) calls ncclCommAbort on this communicator only (not its splits; untested: no GPU
+// in CI) and fails its later calls quoting why. NCCL tells the peers nothing: a peer already
+// blocked in a collective with this rank still waits until its own timeout (NCCL has no abort
+// message; a store-based notice would be the next step).
 // Debug mode: with DTENSOR_DEBUG=1 in the environment when a communicator is made, every
 // collective first all-gathers a description of each rank's call (op, dtype, element count,
 // reduction or root) and a mismatch returns InvalidArgument on every rank naming both calls,

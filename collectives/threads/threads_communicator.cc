@@ -304,10 +304,33 @@ struct P2POp {
 // ---------------------------------------------------------------------------------------------
 // The state one group's communicators share.
 
+// A group made by MakeThreadGroup and every group split from it (transitively): an abort on
+// any of them fails them all.
+class Family {
+ public:
+  // Joins `group`; a group that joins after an abort fails at once.
+  void Join(const std::shared_ptr<ThreadGroup>& group);
+  // Records the first abort and fails every live group of the family.
+  void Abort(const absl::Status& status);
+  // The abort, once there was one (a group may be checked before Abort reached it).
+  bool aborted() const { return aborted_flag_.load(std::memory_order_acquire); }
+  absl::Status abort_status() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return aborted_;
+  }
+
+ private:
+  std::atomic<bool> aborted_flag_{false};
+  std::mutex mu_;
+  absl::Status aborted_;                            // the first abort, guarded by mu_
+  std::vector<std::weak_ptr<ThreadGroup>> groups_;  // guarded by mu_
+};
+
 class ThreadGroup {
  public:
-  ThreadGroup(int size, bool debug)
-      : size_(size),
+  ThreadGroup(int size, bool debug, std::shared_ptr<Family> family)
+      : family_(std::move(family)),
+        size_(size),
         debug_(debug),
         slots_(2 * static_cast<size_t>(size)),
         arrived_(static_cast<size_t>(size)),
@@ -316,6 +339,13 @@ class ThreadGroup {
 
   int size() const { return size_; }
   bool debug() const { return debug_; }
+  const std::shared_ptr<Family>& family() const { return family_; }
+
+  // Fails the group with `status` (an abort): every waiter wakes and returns it.
+  void Fail(const absl::Status& status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    FailLocked(status);
+  }
   // Slots alternate between consecutive collectives: a rank can only reuse a slot after
   // every rank has entered the next collective, i.e. finished reading it.
   Call& slot(uint64_t seq, int rank) {
@@ -324,6 +354,7 @@ class ThreadGroup {
 
   // Fails fast when the group failed before or `peer` (every rank when -1) has left.
   absl::Status CheckUsable(int rank, const char* op, int peer) {
+    if (!failed_.load(std::memory_order_acquire) && family_->aborted()) Fail(family_->abort_status());
     if (failed_.load(std::memory_order_acquire)) {
       std::lock_guard<std::mutex> lock(mu_);
       return absl::Status(failure_.code(),
@@ -501,6 +532,7 @@ class ThreadGroup {
     cv_.notify_all();
   }
 
+  const std::shared_ptr<Family> family_;
   const int size_;
   const bool debug_;
   std::vector<Call> slots_;                     // [2][size]; slot (seq, r) is written by rank r only
@@ -513,6 +545,31 @@ class ThreadGroup {
   absl::Status failure_;           // guarded by mu_
   std::vector<Channel> channels_;  // [src][dst], guarded by mu_
 };
+
+void Family::Join(const std::shared_ptr<ThreadGroup>& group) {
+  absl::Status aborted;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::erase_if(groups_, [](const std::weak_ptr<ThreadGroup>& g) { return g.expired(); });
+    groups_.push_back(group);
+    aborted = aborted_;
+  }
+  if (!aborted.ok()) group->Fail(aborted);
+}
+
+void Family::Abort(const absl::Status& status) {
+  std::vector<std::shared_ptr<ThreadGroup>> live;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.ok()) return;
+    aborted_ = status;
+    aborted_flag_.store(true, std::memory_order_release);
+    for (const auto& g : groups_) {
+      if (auto p = g.lock()) live.push_back(std::move(p));
+    }
+  }
+  for (const auto& g : live) g->Fail(status);
+}
 
 // ---------------------------------------------------------------------------------------------
 // Validation (local to one rank).
@@ -581,6 +638,11 @@ class ThreadsCommunicator final : public Communicator {
   const char* backend() const override { return "threads"; }
   void SetTimeout(absl::Duration timeout) override { timeout_ = timeout; }
   absl::Duration timeout() const override { return timeout_; }
+
+  void Abort(const absl::Status& why) override {
+    group_->family()->Abort(absl::AbortedError(
+        absl::StrCat("rank ", rank_, " aborted the communicator: ", why.ok() ? "no reason given" : why.ToString())));
+  }
 
   absl::StatusOr<std::unique_ptr<Work>> AllReduceAsync(const Tensor& input, const Tensor& output,
                                                        CommReduceOp op) override {
@@ -765,8 +827,9 @@ class ThreadsCommunicator final : public Communicator {
       std::stable_sort(members.begin(), members.end(),
                        [&](int a, int b) { return group_->slot(seq_, a).key < group_->slot(seq_, b).key; });
       if (members.front() == rank_) {
-        group_->slot(seq_, rank_).split =
-            std::make_shared<ThreadGroup>(static_cast<int>(members.size()), group_->debug());
+        auto split = std::make_shared<ThreadGroup>(static_cast<int>(members.size()), group_->debug(), group_->family());
+        group_->family()->Join(split);
+        group_->slot(seq_, rank_).split = std::move(split);
       }
     }
     DT_RETURN_IF_ERROR(Sync("Split"));
@@ -986,7 +1049,9 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeThreadGroup(int w
   if (world_size < 1) return InvalidArg("MakeThreadGroup", "world_size must be >= 1, got ", world_size);
   const char* env = std::getenv("DTENSOR_DEBUG");
   const bool debug = env != nullptr && std::string(env) == "1";
-  auto group = std::make_shared<internal::ThreadGroup>(world_size, debug);
+  auto family = std::make_shared<internal::Family>();
+  auto group = std::make_shared<internal::ThreadGroup>(world_size, debug, family);
+  family->Join(group);
   std::vector<std::unique_ptr<Communicator>> comms;
   comms.reserve(static_cast<size_t>(world_size));
   for (int r = 0; r < world_size; ++r) {

@@ -43,7 +43,9 @@
 // was descheduled past the timeout may report a failure for a call its peers completed. After such a failure, buffers
 // passed to the failed call may still be read by slower peers until they notice: treat the group as dead. Validation
 // errors (InvalidArgument / Unimplemented, messages "[Op] rank r: ...") are local and leave the group usable; the other
-// ranks of that collective will then time out.
+// ranks of that collective will then time out, unless it calls Abort(why): that fails every
+// group of the family (MakeThreadGroup's and all splits made from it) at once, waking every
+// waiter, which returns Aborted with "rank r aborted the communicator: <why>".
 #ifndef DTENSOR_COLLECTIVES_THREADS_THREADS_COMMUNICATOR_H_
 #define DTENSOR_COLLECTIVES_THREADS_THREADS_COMMUNICATOR_H_
 

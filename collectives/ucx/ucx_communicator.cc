@@ -326,6 +326,16 @@ class UcxCommunicator final : public Communicator {
   void SetTimeout(absl::Duration timeout) override { timeout_ = timeout; }
   absl::Duration timeout() const override { return timeout_; }
 
+  // The world's abort (ucx_transport.h): every communicator of this world, on every rank.
+  void Abort(const absl::Status& why) override {
+    world_->comm_thread().Drain();
+    const int world_rank = members_[static_cast<size_t>(rank_)];
+    world_->Abort(absl::AbortedError(
+        absl::StrCat("rank ", rank_, world_rank == rank_ ? "" : absl::StrCat(" (world rank ", world_rank, ")"),
+                     " aborted the communicator: ", why.ok() ? "no reason given" : why.ToString())));
+    if (shm_ != nullptr) shm_->MarkFailed();
+  }
+
   // Each collective: its checks, then either RunNow (the blocking form: on this thread) or
   // Submit (the *Async form: on the comm thread, with copies of what it uses).
   absl::Status CheckAllReduce(const Tensor& input, const Tensor& output, CommReduceOp op) const {
@@ -793,11 +803,11 @@ class UcxCommunicator final : public Communicator {
   // InvalidArgument on every rank and leaves the communicator usable.
   template <typename D, typename F>
   absl::Status Run(const char* op, D&& describe, F&& body) {
-    if (!world_->failure().ok()) {
-      if (shm_ != nullptr) shm_->MarkFailed();  // peers waiting here give up at once
-      return world_->failure();
-    }
     ctx_ = UcxWaitContext{op, rank_, timeout_};
+    if (world_->PollAbort() || !world_->failure().ok()) {
+      if (shm_ != nullptr) shm_->MarkFailed();  // peers waiting here give up at once
+      return world_->Failed(ctx_);
+    }
     reqs_.clear();
     absl::Status s;
     if (debug_ && size() > 1) {
@@ -1660,7 +1670,7 @@ class UcxCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckTensor(op, rank_, "tensor", tensor));
     DT_RETURN_IF_ERROR(CheckPeer(op, rank_, "peer", peer, size()));
     if (peer == rank_) return InvalidArg(op, "rank ", rank_, ": peer is this rank (", peer, ")");
-    if (!world_->failure().ok()) return world_->failure();
+    if (world_->PollAbort() || !world_->failure().ok()) return world_->Failed(UcxWaitContext{op, rank_, timeout_});
     const size_t p = static_cast<size_t>(peer);
     const int src = is_send ? rank_ : peer;
     const uint32_t n = is_send ? send_seq_[p]++ : recv_seq_[p]++;

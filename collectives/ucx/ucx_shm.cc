@@ -306,6 +306,8 @@ absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx)
     if (now - last_check >= kPeerCheckNs || now >= deadline) {
       last_check = now;
       world_->PollPeers();
+      world_->Progress();  // a peer's abort (it may have exited right after sending it)
+      if (world_->PollAbort()) return world_->Failed(ctx);
       for (size_t k = 0; k < members_.size(); ++k) {
         if (static_cast<int>(k) == rank_) continue;
         const std::string& gone = world_->gone(members_[k]);

@@ -167,11 +167,60 @@ absl::Status UcxWorld::Setup(const LaunchInfo& info, StoreClient& store, absl::D
     return absl::OkStatus();
   }();
   store.SetTimeout(old_timeout);
-  return status;
+  DT_RETURN_IF_ERROR(status);
+  // Any peer's abort: the tag's high half, whatever the sender.
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+  void* q =
+      ucp_tag_recv_nbx(worker_, abort_buf_.data(), abort_buf_.size(), AbortTag(0), uint64_t{0xffffffff} << 32, &p);
+  if (UCS_PTR_IS_ERR(q))
+    return UcsError(absl::StrCat(kOp, " rank ", rank_, ": posting the abort receive"), UCS_PTR_STATUS(q));
+  abort_recv_.req = q;
+  abort_recv_.is_recv = true;
+  abort_recv_.expect = abort_buf_.size();
+  return absl::OkStatus();
+}
+
+void UcxWorld::Abort(const absl::Status& status) {
+  if (!failure_.ok() && absl::IsAborted(failure_)) return;  // a peer's abort, or ours, came first
+  Fail(status);
+  // A member: a send that does not finish in time is released, not cancelled, so UCX may
+  // read it later.
+  abort_text_ = std::string(status.message().substr(0, kAbortBytes));
+  const std::string& text = abort_text_;
+  std::vector<void*> sends;
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_ || !gone_[static_cast<size_t>(j)].empty()) continue;
+    ucp_request_param_t p{};
+    void* q = ucp_tag_send_nbx(eps_[static_cast<size_t>(j)], text.data(), text.size(), AbortTag(rank_), &p);
+    if (UCS_PTR_IS_PTR(q)) sends.push_back(q);
+  }
+  // Let them leave before the caller, say, exits (bounded: a peer may be gone).
+  const int64_t until = NowNs() + 500'000'000;
+  for (void* q : sends) {
+    while (ucp_request_check_status(q) == UCS_INPROGRESS && NowNs() < until) ucp_worker_progress(worker_);
+    ucp_request_free(q);  // released by UCX once done
+  }
+  ucp_worker_progress(worker_);
+}
+
+bool UcxWorld::PollAbort() {
+  if (abort_recv_.req != nullptr && !abort_recv_.done && Complete(abort_recv_) && abort_recv_.status == UCS_OK) {
+    const std::string text(abort_buf_.data(), std::min(abort_recv_.received, abort_buf_.size()));
+    // The world's first failure wins, unless it is a later one caused by this abort (a peer
+    // that gave up: Unavailable): the abort says why.
+    if (failure_.ok() || !absl::IsAborted(failure_)) failure_ = absl::AbortedError(text);
+  }
+  return absl::IsAborted(failure_);
 }
 
 UcxWorld::~UcxWorld() {
   if (worker_ != nullptr) {
+    if (abort_recv_.req != nullptr && !abort_recv_.done) {
+      ucp_request_cancel(worker_, abort_recv_.req);
+      ucp_worker_progress(worker_);
+      if (!Complete(abort_recv_)) ucp_request_free(abort_recv_.req);  // released once UCX is done
+    }
     // Deliver what is still buffered (bounded), then drop the endpoints without a handshake:
     // peers may be gone already.
     ucp_request_param_t p{};
@@ -309,9 +358,14 @@ void UcxWorld::Sleep(int ms) {
   }
 }
 
+absl::Status UcxWorld::Failed(const UcxWaitContext& ctx) const {
+  if (!absl::IsAborted(failure_)) return failure_;
+  return absl::AbortedError(absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": ", failure_.message()));
+}
+
 absl::Status UcxWorld::Wait(UcxRequest& r, const UcxWaitContext& ctx) {
   if (r.done) return Finish(r, ctx);
-  if (!failure_.ok()) return failure_;
+  if (!failure_.ok()) return Failed(ctx);
   const int64_t start = NowNs();
   const int64_t deadline = ctx.DeadlineNs(start);
   int64_t last_peer_check = start;
@@ -327,10 +381,12 @@ absl::Status UcxWorld::Wait(UcxRequest& r, const UcxWaitContext& ctx) {
       PollPeers();
       last_peer_check = now;
     }
+    if (PollAbort()) return Failed(ctx);
     const std::string& gone = gone_[static_cast<size_t>(r.world_peer)];
     if (!gone.empty()) {
       ucp_worker_progress(worker_);
       if (Complete(r)) return Finish(r, ctx);
+      if (PollAbort()) return Failed(ctx);  // its abort arrived before it exited
       absl::Status s = absl::UnavailableError(
           absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": peer rank ", r.peer, " is gone (", gone, ")"));
       Fail(s);

@@ -90,6 +90,19 @@ class UcxWorld {
     if (failure_.ok()) failure_ = s;
   }
 
+  // Aborts (Communicator::Abort): a tagged message to every peer, which each world keeps a
+  // receive posted for from setup on. Abort() fails this world with `status` (unless it failed
+  // already) and sends its message (`status`'s text) to every peer that is not gone, waiting up
+  // to 0.5 s for the sends to leave. PollAbort() (no progress of its own: the waits progress)
+  // fails this world with a peer's abort once it arrived; true once this world is aborted.
+  void Abort(const absl::Status& status);
+  bool PollAbort();
+  // The world's failure as ctx's call reports it (an abort gets the call's "[op] rank r: ").
+  absl::Status Failed(const UcxWaitContext& ctx) const;
+  // The tag of an abort from world rank `from` (ranks < 65535, so the [sender:16] field of
+  // every other message is never 0xffff).
+  static uint64_t AbortTag(int from) { return (uint64_t{0xffffffff} << 32) | static_cast<uint32_t>(from); }
+
   // Communicator ids: every id handed out is larger than all ids this process saw before.
   uint16_t next_comm_id() const { return next_comm_id_; }
   void set_next_comm_id(uint16_t id) { next_comm_id_ = id; }
@@ -138,6 +151,11 @@ class UcxWorld {
   uint16_t next_comm_id_ = 1;
   std::vector<std::pair<UcxRequest, std::shared_ptr<const void>>> orphans_;
   CommThread comm_thread_;  // idle by the time the world goes (communicators drain it)
+  // A peer's abort message lands here (PollAbort).
+  static constexpr size_t kAbortBytes = 2048;
+  std::vector<char> abort_buf_ = std::vector<char>(kAbortBytes);
+  UcxRequest abort_recv_;
+  std::string abort_text_;  // what this rank's Abort sent
 };
 
 // out[i] = srcs[0][i] (op) srcs[1][i] (op) ..., combined in source order, in float32 for

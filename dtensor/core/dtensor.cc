@@ -52,6 +52,17 @@ int64_t SumPartialDivisor(const Layout& l, const DeviceMesh& mesh) {
   return divisor;
 }
 
+// `s` failed this rank's checks of its own data (its piece's device or shape: what differs by
+// rank) in a call whose collectives its peers, whose checks passed, are about to enter or
+// already wait in: ranks fail together (Communicator::Abort), so the peers return an error
+// naming this rank at once instead of waiting for the timeout. (Checks of layouts and shapes
+// that every rank passes alike fail alike on every rank: nobody waits, nothing is aborted.)
+// A rank alone has nobody to tell.
+absl::Status FailTogether(const DeviceMesh& mesh, absl::Status s) {
+  if (!s.ok() && mesh.defined() && mesh.world().size() > 1) mesh.world().Abort(s);
+  return s;
+}
+
 absl::Status CheckDevice(const char* op, const Tensor& t, const DeviceMesh& mesh) {
   if (!mesh.defined()) return InvalidArg(op, "undefined (default-constructed) mesh");
   if (!t.defined()) return InvalidArg(op, "undefined tensor");
@@ -115,7 +126,10 @@ absl::StatusOr<DTensor> DTensor::FromLocal(Tensor local, const DeviceMesh& mesh,
   Layout l;
   Shape global;
   const absl::Status checked = CheckLocal(op, local, mesh, layout, options, &l, &global);
-  if (!options.run_check || !mesh.defined()) DT_RETURN_IF_ERROR(checked);
+  if (!checked.ok() && (!options.run_check || !mesh.defined())) {
+    // Without run_check this rank's error reaches the peers only through an abort.
+    return CheckDevice(op, local, mesh).ok() ? checked : FailTogether(mesh, checked);
+  }
   if (options.run_check) {
     // First a fixed-size header from every rank (its own checks passed, dims, dtype), so that
     // a rank whose arguments are wrong still takes part and every rank gets the same verdict.
@@ -175,10 +189,11 @@ absl::StatusOr<DTensor> DTensor::FromLocal(Tensor local, const DeviceMesh& mesh,
   }
   const LocalBox box = LocalBoxOf(global, mesh.shape(), l, mesh.coordinate());
   if (box.shape != Shape(local.shape().begin(), local.shape().end())) {
-    return InvalidArg(op, "local shape ", ShapeString(local.shape()), " is not this rank's piece ",
-                      ShapeString(box.shape), " of global shape ", ShapeString(global), " laid out as ", l.ToString(),
-                      " on ", mesh.ToString(),
-                      options.global_shape ? "" : " (uneven shards: pass global_shape or set run_check)");
+    return FailTogether(
+        mesh,
+        InvalidArg(op, "local shape ", ShapeString(local.shape()), " is not this rank's piece ", ShapeString(box.shape),
+                   " of global shape ", ShapeString(global), " laid out as ", l.ToString(), " on ", mesh.ToString(),
+                   options.global_shape ? "" : " (uneven shards: pass global_shape or set run_check)"));
   }
   return DTensor(std::move(local), mesh, std::move(l), std::move(global));
 }
@@ -186,7 +201,7 @@ absl::StatusOr<DTensor> DTensor::FromLocal(Tensor local, const DeviceMesh& mesh,
 absl::StatusOr<DTensor> DTensor::Distribute(const Tensor& global, const DeviceMesh& mesh, const Layout& layout,
                                             const DistributeOptions& options) {
   const char* op = "Distribute";
-  DT_RETURN_IF_ERROR(CheckDevice(op, global, mesh));
+  DT_RETURN_IF_ERROR(FailTogether(mesh, CheckDevice(op, global, mesh)));
   DT_ASSIGN_OR_RETURN(Layout l, NormalizeLayout(op, layout, global.dim(), mesh.ndim()));
   const Layout base = WithoutPartial(l);
   const Shape shape(global.shape().begin(), global.shape().end());

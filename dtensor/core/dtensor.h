@@ -33,6 +33,13 @@
 // tensor, mixed Partial ops, Shard -> Partial, local shapes that disagree with the global
 // shape, a tensor on the wrong device, meshes over different communicators; transport errors
 // (DeadlineExceeded, Unavailable) come back unchanged from the communicator.
+// Ranks fail together: when a check of this rank's own data fails (FromLocal's local piece
+// of the wrong shape or device, without run_check; Distribute's tensor on the wrong device),
+// the call aborts the mesh's communicators (Communicator::Abort) before returning its
+// InvalidArgument, so peers that already wait in the next collective (a Redistribute, say)
+// return Aborted naming this rank and its error within milliseconds instead of the timeout;
+// the mesh is unusable afterwards. Checks of arguments every rank passes alike (layouts,
+// placements, target meshes) fail alike everywhere and abort nothing.
 #ifndef DTENSOR_CORE_DTENSOR_H_
 #define DTENSOR_CORE_DTENSOR_H_
 

@@ -758,6 +758,48 @@ TEST(ThreadsTest, DepartedRankGivesUnavailable) {
   EXPECT_EQ(comms[0]->Recv(t, 1).code(), absl::StatusCode::kUnavailable);
 }
 
+// Ranks fail together: on a 2x2 grid (rows {0, 1}, {2, 3}; columns {0, 2}, {1, 3}) rank 0
+// aborts the world while rank 1 waits in AllReduce on their row and ranks 2, 3 wait in
+// AllGather on their columns (rank 3's column does not hold rank 0): all three return
+// Aborted naming rank 0 and its reason at once, and every group refuses later calls.
+TEST(ThreadsTest, AbortReachesRanksWaitingOnSubCommunicators) {
+  std::vector<double> waited(4, -1.0);
+  const auto statuses = RunRanks(
+      4,
+      [&](int rank, CommPtr& comm) -> absl::Status {
+        DT_ASSIGN_OR_RETURN(CommPtr row, comm->Split(rank / 2, rank));
+        DT_ASSIGN_OR_RETURN(CommPtr col, comm->Split(rank % 2, rank));
+        DT_ASSIGN_OR_RETURN(Tensor t, Tensor::Empty({4}, DType::kFloat32));
+        absl::Status s;
+        if (rank == 0) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          comm->Abort(absl::InvalidArgumentError("test: rank 0 gives up"));
+          comm->Abort(absl::InternalError("a second abort keeps the first reason"));
+        } else {
+          const auto start = Clock::now();
+          s = rank == 1 ? row->AllReduce(t, t, CommReduceOp::kSum) : col->AllGather(t, Sentinel(8, DType::kFloat32));
+          waited[static_cast<size_t>(rank)] = SecondsSince(start);
+        }
+        // Every group of the family is dead on every rank, and says why.
+        for (Communicator* c : {comm.get(), row.get(), col.get()}) {
+          const absl::Status b = c->Barrier();
+          EXPECT_EQ(b.code(), absl::StatusCode::kAborted) << "rank " << rank << ": " << b;
+          EXPECT_THAT(std::string(b.message()), HasSubstr("rank 0 aborted the communicator: INVALID_ARGUMENT: test"));
+        }
+        return s;
+      },
+      absl::Seconds(20));
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
+  for (int r = 1; r < 4; ++r) {
+    const absl::Status& s = statuses[static_cast<size_t>(r)];
+    EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+    EXPECT_THAT(std::string(s.message()),
+                HasSubstr("rank 0 aborted the communicator: INVALID_ARGUMENT: test: rank 0 gives up"));
+    EXPECT_GE(waited[static_cast<size_t>(r)], 0.15) << "rank " << r << " should have waited for the abort";
+    EXPECT_LT(waited[static_cast<size_t>(r)], 1.0) << "rank " << r;
+  }
+}
+
 TEST(ThreadsTest, MismatchedCallsFailOnEveryRank) {
   setenv("DTENSOR_DEBUG", "1", 1);
   auto comms = testing::Unwrap(MakeThreadGroup(3, absl::Seconds(20)));

@@ -4,8 +4,10 @@
 // cache, and redistribution across meshes over the same world (4 <-> 2x2).
 #include "dtensor/core/dtensor.h"
 
+#include <chrono>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -712,6 +714,74 @@ TEST(DTensorCrossMesh, AnEqualMeshObjectRedistributesOnTheTarget) {
     const Spec want{{Replicate(), Shard(0)}, {}};
     EXPECT_EQ(suite::CompareBits(y.ToLocal(), BoxTensor(v, shape, DType::kFloat32, want, {2, 2}, b.coordinate())), "");
   });
+}
+
+}  // namespace
+}  // namespace dtensor
+
+namespace dtensor {
+namespace {
+
+// ---- Ranks fail together ----
+
+// Rank k's FromLocal fails its shape check (a [3, 3] piece of [8, 6] where S(0) gives [2, 6])
+// while the other three, past their own FromLocal, already wait in the next Redistribute:
+// within 1 s they return Aborted naming rank k and its error (not the 20 s timeout), and
+// every rank's communicators (the world and the mesh's groups) refuse later calls, saying
+// they were aborted.
+TEST(DTensorFailTogether, FromLocalFailureReachesPeersWaitingInRedistribute) {
+  const std::vector<std::vector<int64_t>> meshes = {{4}, {2, 2}};
+  for (const std::vector<int64_t>& shape : meshes) {
+    for (int k : {0, 3}) {
+      SCOPED_TRACE(absl::StrCat("mesh ", ShapeString(shape), ", failing rank ", k));
+      // Every rank's Redistribute to R waits on rank k, directly or through a peer that does
+      // (on 2x2 each all-gather step is over a group of one mesh dim).
+      const Layout sharded = shape.size() == 1 ? Layout({Shard(0)}) : Layout({Shard(0), Shard(1)});
+      const Layout replicated = shape.size() == 1 ? Layout({Replicate()}) : Layout({Replicate(), Replicate()});
+      const Shape piece = shape.size() == 1 ? Shape{2, 6} : Shape{4, 3};  // of [8, 6]
+      std::vector<double> waited(4, -1.0);
+      RunRanks(4, [&](int rank, Communicator& comm) {
+        DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, shape));
+        DTensor::FromLocalOptions o;
+        o.global_shape = Shape{8, 6};
+        if (rank == k) {
+          // The peers are in Redistribute by now (they only wait there).
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+          const Tensor wrong = suite::MakeTensor(std::vector<double>(9, 1.0), {3, 3}, DType::kFloat32);
+          const absl::StatusOr<DTensor> x = DTensor::FromLocal(wrong, mesh, sharded, o);
+          ASSERT_FALSE(x.ok());
+          EXPECT_EQ(x.status().code(), absl::StatusCode::kInvalidArgument) << x.status();
+          EXPECT_THAT(x.status().message(), HasSubstr("is not this rank's piece"));
+        } else {
+          const Tensor local = suite::MakeTensor(std::vector<double>(static_cast<size_t>(piece[0] * piece[1]), 1.0),
+                                                 piece, DType::kFloat32);
+          DTensor x = Unwrap(DTensor::FromLocal(local, mesh, sharded, o));
+          const auto t0 = std::chrono::steady_clock::now();
+          const absl::StatusOr<DTensor> y = x.Redistribute(replicated);
+          waited[static_cast<size_t>(rank)] =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          ASSERT_FALSE(y.ok()) << "rank " << rank;
+          EXPECT_EQ(y.status().code(), absl::StatusCode::kAborted) << y.status();
+          EXPECT_THAT(y.status().message(), HasSubstr(absl::StrCat("rank ", k, " aborted the communicator")));
+          EXPECT_THAT(y.status().message(), HasSubstr("is not this rank's piece"));
+        }
+        // Unusable afterwards, on every rank and every group of the mesh, and it says so.
+        const absl::Status b = comm.Barrier();
+        EXPECT_EQ(b.code(), absl::StatusCode::kAborted)
+            << "mesh " << ShapeString(shape) << ", failing rank " << k << ", rank " << rank << ": " << b;
+        EXPECT_THAT(b.message(), HasSubstr(absl::StrCat("rank ", k, " aborted the communicator")));
+        const absl::Status g = mesh.comm(0).Barrier();
+        EXPECT_EQ(g.code(), absl::StatusCode::kAborted)
+            << "mesh " << ShapeString(shape) << ", failing rank " << k << ", rank " << rank << ": " << g;
+      });
+      for (int r = 0; r < 4; ++r) {
+        if (r == k) continue;
+        // From entering Redistribute (about 200 ms before rank k fails) to the error.
+        EXPECT_GE(waited[static_cast<size_t>(r)], 0.0) << "rank " << r;
+        EXPECT_LT(waited[static_cast<size_t>(r)], 1.0) << "rank " << r;
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -7,8 +7,9 @@
 // on an even and an uneven shape, float32 and int64: Distribute the global tensor, Redistribute,
 // and check FullTensor() against the global tensor bit for bit and the collectives this rank
 // issued against the plan's prediction. Also a cross-mesh move (1-d -> 2-d). Prints each
-// failure; exits 1 if there was one.
+// failure; exits 1 if there was one. With --abort K: ranks failing together (RunAbort).
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -175,10 +176,102 @@ int Run(bool nccl) {
   return g_failures == 0 ? 0 : 1;
 }
 
+// --abort K: ranks fail together. Rank K's FromLocal fails its shape check 200 ms after the
+// others, past their own FromLocal, entered the next Redistribute; they must return Aborted
+// naming rank K and its error within 1 s, and every rank's communicator refuses later calls
+// saying it was aborted. Then the same at the communicator level on a 2x2 split (a fresh
+// world): rank K aborts while its row peer waits in AllReduce on their row communicator and
+// the other two wait in AllGather on their column communicators.
+absl::StatusOr<Tensor> Zeros(IntSpan shape) {
+  return Tensor::FromVector<float>(std::vector<float>(static_cast<size_t>(NumElements(shape)), 0.0f), shape);
+}
+
+int RunAbort(int k) {
+  // Two worlds of the same ranks, one per part (an abort ends its world).
+  absl::StatusOr<LaunchInfo> info = LaunchInfoFromEnv();
+  if (!info.ok()) return 2;
+  auto store = ConnectStore(*info, absl::Seconds(60));
+  if (!store.ok()) return 2;
+  auto made = MakeUcxCommunicator(*info, **store, absl::Seconds(60));
+  auto made2 = MakeUcxCommunicator(*info, **store, absl::Seconds(60));
+  if (!made.ok() || !made2.ok()) {
+    std::fprintf(stderr, "making the ucx communicators: %s %s\n", made.status().ToString().c_str(),
+                 made2.status().ToString().c_str());
+    return 2;
+  }
+  Communicator& world = **made;
+  const int rank = world.rank();
+  if (world.size() != 4 || k < 0 || k >= 4) {
+    std::fprintf(stderr, "--abort needs 4 ranks and 0 <= K < 4\n");
+    return 2;
+  }
+  const std::string named = absl::StrCat("rank ", k, " aborted the communicator");
+  auto expect_aborted = [&](const char* what, const absl::Status& s, absl::Duration took, const char* also) {
+    if (s.code() != absl::StatusCode::kAborted || s.message().find(named) == std::string::npos ||
+        (also != nullptr && s.message().find(also) == std::string::npos)) {
+      Fail(absl::StrCat(what, ": expected Aborted naming rank ", k, ", got ", s.ToString()));
+    } else if (took >= absl::Seconds(1)) {
+      Fail(absl::StrCat(what, ": took ", absl::FormatDuration(took), " (>= 1 s)"));
+    } else {
+      std::printf("%s: Aborted after %.1f ms: %s\n", what, absl::ToDoubleMilliseconds(took),
+                  std::string(s.message()).c_str());
+    }
+  };
+  {
+    auto m = DeviceMesh::Create(world, {4});
+    if (!m.ok()) return 2;
+    DTensor::FromLocalOptions o;
+    o.global_shape = Shape{8, 6};
+    if (rank == k) {
+      absl::SleepFor(absl::Milliseconds(200));
+      auto wrong = Zeros({3, 3});
+      if (!wrong.ok()) return 2;
+      const absl::StatusOr<DTensor> x = DTensor::FromLocal(*wrong, *m, Layout({Shard(0)}), o);
+      if (x.ok() || x.status().code() != absl::StatusCode::kInvalidArgument) {
+        Fail(absl::StrCat("FromLocal of a wrong piece: expected InvalidArgument, got ", x.status().ToString()));
+      }
+    } else {
+      auto local = Zeros({2, 6});
+      if (!local.ok()) return 2;
+      const absl::StatusOr<DTensor> x = DTensor::FromLocal(*local, *m, Layout({Shard(0)}), o);
+      if (!x.ok()) return 2;
+      const absl::Time t0 = absl::Now();
+      const absl::StatusOr<DTensor> y = x->Redistribute(Layout({Replicate()}));
+      expect_aborted("Redistribute", y.status(), absl::Now() - t0, "is not this rank's piece");
+    }
+    const absl::Time t0 = absl::Now();
+    expect_aborted("Barrier afterwards", world.Barrier(), absl::Now() - t0, nullptr);
+  }
+  // Communicator level, on the second world split as a 2x2 mesh: rows {0, 1}, {2, 3},
+  // columns {0, 2}, {1, 3}.
+  Communicator& w2 = **made2;
+  auto row = w2.Split(rank / 2, rank);
+  auto col = w2.Split(rank % 2, rank);
+  if (!row.ok() || !col.ok()) return 2;
+  auto buf = Zeros({4});
+  auto all = Zeros({8});
+  if (!buf.ok() || !all.ok()) return 2;
+  if (rank == k) {
+    absl::SleepFor(absl::Milliseconds(200));
+    w2.Abort(absl::InvalidArgumentError("test: rank gives up"));
+    const absl::Status s = (*col)->AllGather(*buf, *all);
+    expect_aborted("AllGather after its own abort", s, absl::ZeroDuration(), nullptr);
+  } else {
+    const bool same_row = rank / 2 == k / 2;
+    const absl::Time t0 = absl::Now();
+    const absl::Status s = same_row ? (*row)->AllReduce(*buf, *buf, CommReduceOp::kSum) : (*col)->AllGather(*buf, *all);
+    expect_aborted(same_row ? "AllReduce on the row" : "AllGather on the column", s, absl::Now() - t0,
+                   "test: rank gives up");
+  }
+  std::printf("abort: %d failures\n", g_failures);
+  return g_failures == 0 ? 0 : 1;
+}
+
 }  // namespace
 }  // namespace dtensor
 
 int main(int argc, char** argv) {
+  if (argc == 3 && std::strcmp(argv[1], "--abort") == 0) return dtensor::RunAbort(std::atoi(argv[2]));
   const bool nccl = argc == 3 && std::strcmp(argv[1], "--backend") == 0 && std::strcmp(argv[2], "nccl") == 0;
   if (argc != 1 && !nccl) {
     std::fprintf(stderr, "usage: dtensor_ucx_child [--backend nccl]\n");

@@ -2,6 +2,7 @@
 // tests/core/dtensor_ucx_child.cc under dtrun on 2 and 4 ranks (each rank checks its own
 // results against the global tensor and the plan's predicted collectives). Where a GPU is
 // visible, the same on the nccl backend (ranks sharing cuda:0 where GPUs are fewer).
+#include <cstdio>
 #include <string>
 #include <vector>
 
@@ -42,6 +43,27 @@ TEST_P(DTensorUcxTest, RedistributionsMatchTheGlobalTensorAndThePlan) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, DTensorUcxTest, testing::Values(2, 4), RanksName);
+
+// Ranks fail together on processes: rank k's FromLocal fails while the other three wait in
+// Redistribute; they return Aborted naming rank k within 1 s (each rank checks its own time),
+// and an abort on a 2x2 split reaches ranks waiting on row and column communicators.
+class DTensorUcxAbortTest : public testing::TestWithParam<int> {};
+
+TEST_P(DTensorUcxAbortTest, PeersReturnAbortedNamingTheFailingRankWithinOneSecond) {
+  const int k = GetParam();
+  const ProcessRun run = RunChild(4, {"--abort", std::to_string(k)});
+  EXPECT_EQ(run.code, 0) << run.out;
+  EXPECT_EQ(run.out.find("FAIL:"), std::string::npos) << run.out;
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_NE(run.out.find(absl::StrCat("[rank ", r, "] abort: 0 failures")), std::string::npos) << run.out;
+    if (r == k) continue;
+    EXPECT_NE(run.out.find(absl::StrCat("[rank ", r, "] Redistribute: Aborted after")), std::string::npos) << run.out;
+  }
+  std::printf("%s\n", run.out.c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(FailingRank, DTensorUcxAbortTest, testing::Values(0, 2),
+                         [](const testing::TestParamInfo<int>& info) { return absl::StrCat("K", info.param); });
 
 class DTensorNcclProcessesTest : public testing::TestWithParam<int> {};
 

@@ -638,7 +638,8 @@ TEST(RedistributeErrors, FromLocalShapesDisagreeAcrossRanks) {
         << y.status();
   });
   // Without run_check, the global shape given: a local shape that is not the box is an error
-  // on that rank (no communication).
+  // on that rank (no collective; it aborts the group so that no peer waits for it, see
+  // DTensorFailTogether in dtensor_test.cc).
   RunRanks(2, [](int rank, Communicator& comm) {
     DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2}));
     DTensor::FromLocalOptions o;
