@@ -369,8 +369,11 @@ class ThreadGroup {
     return absl::OkStatus();
   }
 
-  // Marks `rank` as arrived at barrier `target` and waits until every rank has.
-  absl::Status Arrive(int rank, uint64_t target, const char* op, absl::Duration timeout) {
+  // Marks `rank` as arrived at barrier `target` and waits until every rank has. A `closing`
+  // barrier (after it no rank reads another's buffers) succeeds once every rank has arrived,
+  // even if the group failed meanwhile: a peer that left it and then aborted must not fail a
+  // collective that completed.
+  absl::Status Arrive(int rank, uint64_t target, const char* op, absl::Duration timeout, bool closing) {
     arrived_[static_cast<size_t>(rank)].store(target, std::memory_order_seq_cst);
     if (waiters_.load(std::memory_order_seq_cst) > 0) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -379,6 +382,7 @@ class ThreadGroup {
     // A failed group fails every wait, also one whose ranks have all arrived: a peer that gave
     // up may be freeing what it published (its staging copy) while this rank would read it.
     for (int i = 0; i < kSpins; ++i) {
+      if (closing && AllArrived(target)) return absl::OkStatus();
       if (failed_.load(std::memory_order_acquire)) break;
       if (AllArrived(target)) return absl::OkStatus();
       if (i >= 20) std::this_thread::yield();
@@ -392,7 +396,7 @@ class ThreadGroup {
     absl::Status result;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      while (!AllArrived(target) || failed_.load(std::memory_order_acquire)) {
+      while (!AllArrived(target) || (!closing && failed_.load(std::memory_order_acquire))) {
         std::vector<int> missing;
         int gone = -1;
         for (int j = 0; j < size_; ++j) {
@@ -783,7 +787,7 @@ class ThreadsCommunicator final : public Communicator {
     }
     // Everyone reaches the closing barrier (peers still read this rank's blocks until then);
     // then the slot lets go of the views, so that they do not keep the caller's memory alive.
-    const absl::Status synced = Sync(kOp);
+    const absl::Status synced = Sync(kOp, /*closing=*/true);
     if (synced.ok()) group_->slot(seq_, rank_).blocks.clear();
     if (!status.ok()) {
       return absl::Status(status.code(), absl::StrCat("[", kOp, "] rank ", rank_, ": ", status.message()));
@@ -810,7 +814,7 @@ class ThreadsCommunicator final : public Communicator {
   absl::Status Barrier() override {
     Call call;
     call.kind = CallKind::kBarrier;
-    return Begin("Barrier", std::move(call));
+    return Begin("Barrier", std::move(call), /*closing=*/true);
   }
 
   absl::StatusOr<std::unique_ptr<Communicator>> Split(int color, int key) override {
@@ -832,7 +836,7 @@ class ThreadsCommunicator final : public Communicator {
         group_->slot(seq_, rank_).split = std::move(split);
       }
     }
-    DT_RETURN_IF_ERROR(Sync("Split"));
+    DT_RETURN_IF_ERROR(Sync("Split", /*closing=*/true));  // the slots stay the group's
     if (color < 0) return std::unique_ptr<Communicator>();
     const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
     return std::unique_ptr<Communicator>(
@@ -874,7 +878,10 @@ class ThreadsCommunicator final : public Communicator {
     return Stage(in, out, Bytes(out) == Bytes(in) + block_start * ElementSizeOf(in) ? Bytes(in) : nullptr);
   }
 
-  absl::Status Sync(const char* op) { return group_->Arrive(rank_, ++epoch_, op, timeout_); }
+  // Waits for every rank; `closing` when no rank reads another's buffers after it (see Arrive).
+  absl::Status Sync(const char* op, bool closing = false) {
+    return group_->Arrive(rank_, ++epoch_, op, timeout_, closing);
+  }
 
   absl::Status CheckDevice(const char* op, const std::string& name, const Tensor& t) const {
     if (t.device().is_cpu()) return absl::OkStatus();
@@ -902,12 +909,13 @@ class ThreadsCommunicator final : public Communicator {
   }
 
   // Publishes `call`, waits for every rank's, and checks that they match (every rank reaches
-  // the same verdict from the same slots).
-  absl::Status Begin(const char* op, Call call) {
+  // the same verdict from the same slots). `closing` for a call that reads nothing but the
+  // slots (a barrier).
+  absl::Status Begin(const char* op, Call call, bool closing = false) {
     DT_RETURN_IF_ERROR(group_->CheckUsable(rank_, op, -1));
     ++seq_;
     group_->slot(seq_, rank_) = std::move(call);
-    DT_RETURN_IF_ERROR(Sync(op));
+    DT_RETURN_IF_ERROR(Sync(op, closing));
     const Call& first = group_->slot(seq_, 0);
     for (int j = 1; j < size(); ++j) {
       const Call& other = group_->slot(seq_, j);
@@ -960,7 +968,7 @@ class ThreadsCommunicator final : public Communicator {
         Copy(Peer((rank_ + k) % size()).out + at * es, out + at * es, m * es);
       }
     }
-    return Sync(op);  // every block is in every output; nobody reads this rank's buffers any more
+    return Sync(op, /*closing=*/true);  // every block is in every output; nobody reads this rank's buffers any more
   }
 
   // AllGather(V): every rank copies every block into its own output.
@@ -977,7 +985,7 @@ class ThreadsCommunicator final : public Communicator {
       Copy(out + offset * es, Peer(j).in, count * es);
       offset += count;
     }
-    return Sync(op);
+    return Sync(op, /*closing=*/true);
   }
 
   // ReduceScatter(V): rank r reduces its block of every input into its output.
@@ -991,7 +999,7 @@ class ThreadsCommunicator final : public Communicator {
     char* out = call.out;
     DT_RETURN_IF_ERROR(Begin(op, std::move(call)));
     Reduce(dtype, rop, Inputs(), begin, count, out);
-    return Sync(op);
+    return Sync(op, /*closing=*/true);
   }
 
   // AllToAll(V): rank r copies block r of every peer's input.
@@ -1010,7 +1018,7 @@ class ThreadsCommunicator final : public Communicator {
       Copy(out + offset * es, peer.in + from * es, count * es);
       offset += count;
     }
-    return Sync(op);
+    return Sync(op, /*closing=*/true);
   }
 
   absl::Status RunBroadcast(Call call) {
@@ -1020,7 +1028,7 @@ class ThreadsCommunicator final : public Communicator {
     char* out = call.out;
     DT_RETURN_IF_ERROR(Begin(op, std::move(call)));
     if (rank_ != root) Copy(out, Peer(root).in, bytes);
-    return Sync(op);
+    return Sync(op, /*closing=*/true);
   }
 
   absl::StatusOr<std::unique_ptr<Work>> PostP2P(const char* op, const Tensor& tensor, int peer, bool is_send) {

@@ -57,6 +57,10 @@ inline void RunMesh(IntSpan mesh_shape, const std::function<void(const DeviceMes
     threads.emplace_back([&, r] {
       auto mesh = DeviceMesh::Create(*(*comms)[static_cast<size_t>(r)], shape);
       ASSERT_TRUE(mesh.ok()) << mesh.status();
+      // Every rank has its mesh before any runs fn: an abort in fn (a deliberately wrong piece
+      // given to FromLocal) must not reach a rank still creating its mesh's groups.
+      const absl::Status st = mesh->world().Barrier();
+      ASSERT_TRUE(st.ok()) << st;
       fn(*mesh);
     });
   }
@@ -66,10 +70,17 @@ inline void RunMesh(IntSpan mesh_shape, const std::function<void(const DeviceMes
 }
 
 // Whether `ok` holds on every rank of the mesh (collective over its world): after an op failed
-// on some ranks only, every rank skips the checks instead of waiting in a collective.
-inline bool AllOk(const DeviceMesh& mesh, bool ok) {
+// on some ranks only, every rank skips the checks instead of waiting in a collective. With
+// `aborted`, a world aborted by a failing rank (DTensor::FromLocal's checks abort the mesh's
+// communicators) sets it and returns false on every rank instead of failing the test: the
+// caller then needs a fresh world.
+inline bool AllOk(const DeviceMesh& mesh, bool ok, bool* aborted = nullptr) {
   Tensor t = Unwrap(Tensor::FromVector<float>({ok ? 1.0f : 0.0f}, {1}), "AllOk");
   absl::Status st = mesh.world().AllReduce(t, t, CommReduceOp::kMin);
+  if (aborted != nullptr && absl::IsAborted(st)) {
+    *aborted = true;
+    return false;
+  }
   if (!st.ok()) {
     ADD_FAILURE() << "AllOk: " << st;
     return false;

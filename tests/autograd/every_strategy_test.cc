@@ -452,55 +452,68 @@ Outcome CheckOp(const OpDef& op, const std::vector<Case>& cases, SkipFn skip) {
         continue;
       }
       int64_t checked = 0, skipped = 0;
-      agtest::RunMesh(ms, [&](const DeviceMesh& mesh) {
-        const int rank = mesh.world().rank();
-        const bool leader = rank == 0;
-        for (size_t k = 0; k < strategies->size(); ++k) {
-          const OpStrategy& s = (*strategies)[k];
-          const std::string what =
-              absl::StrCat(op.name, " ", c.name, " on ", mesh_name, " strategy ", StrategyString(s));
-          if (skip != nullptr) {
-            const std::string why = skip(c, ms, s);
-            if (!why.empty()) {
-              if (leader) {
-                ++skipped;
-                std::printf("[ SKIPPED  ] %s: known bug: %s\n", what.c_str(), why.c_str());
+      // A strategy whose pieces fail FromLocal's check on some rank aborts that world (ranks fail
+      // together): the remaining strategies then run on a fresh one.
+      size_t next = 0;
+      while (next < strategies->size()) {
+        size_t resume = strategies->size();  // written by rank 0 only
+        agtest::RunMesh(ms, [&](const DeviceMesh& mesh) {
+          const int rank = mesh.world().rank();
+          const bool leader = rank == 0;
+          for (size_t k = next; k < strategies->size(); ++k) {
+            const OpStrategy& s = (*strategies)[k];
+            const std::string what =
+                absl::StrCat(op.name, " ", c.name, " on ", mesh_name, " strategy ", StrategyString(s));
+            if (skip != nullptr) {
+              const std::string why = skip(c, ms, s);
+              if (!why.empty()) {
+                if (leader) {
+                  ++skipped;
+                  std::printf("[ SKIPPED  ] %s: known bug: %s\n", what.c_str(), why.c_str());
+                }
+                continue;
+              }
+            }
+            std::vector<Value> in =
+                agtest::DistributeParts(c.inputs, mesh, s.inputs, 1000 * static_cast<uint64_t>(ci) + k);
+            auto out = DispatchWith(op, s, in, c.args);
+            bool aborted = false;
+            if (!agtest::AllOk(mesh, out.ok(), &aborted)) {
+              if (!out.ok()) fail(absl::StrCat(what, ": rank ", rank, ": ", out.status().ToString()));
+              if (aborted) {
+                if (leader) resume = k + 1;
+                return;
               }
               continue;
             }
-          }
-          std::vector<Value> in =
-              agtest::DistributeParts(c.inputs, mesh, s.inputs, 1000 * static_cast<uint64_t>(ci) + k);
-          auto out = DispatchWith(op, s, in, c.args);
-          if (!agtest::AllOk(mesh, out.ok())) {
-            if (!out.ok()) fail(absl::StrCat(what, ": rank ", rank, ": ", out.status().ToString()));
-            continue;
-          }
-          if (leader) ++checked;
-          if (out->size() != ref.size()) {  // the same on every rank
-            if (leader) fail(absl::StrCat(what, ": ", out->size(), " outputs, expected ", ref.size()));
-            continue;
-          }
-          for (size_t o = 0; o < ref.size(); ++o) {
-            const Value& v = (*out)[o];
-            if (!v.is_dtensor()) {  // the same on every rank
-              if (leader) fail(absl::StrCat(what, ": output ", o, " is not a DTensor"));
+            if (leader) ++checked;
+            if (out->size() != ref.size()) {  // the same on every rank
+              if (leader) fail(absl::StrCat(what, ": ", out->size(), " outputs, expected ", ref.size()));
               continue;
             }
-            if (leader && v.dtensor().layout() != s.outputs[o]) {
-              fail(absl::StrCat(what, ": output ", o, " has layout ", v.dtensor().layout().ToString()));
+            for (size_t o = 0; o < ref.size(); ++o) {
+              const Value& v = (*out)[o];
+              if (!v.is_dtensor()) {  // the same on every rank
+                if (leader) fail(absl::StrCat(what, ": output ", o, " is not a DTensor"));
+                continue;
+              }
+              if (leader && v.dtensor().layout() != s.outputs[o]) {
+                fail(absl::StrCat(what, ": output ", o, " has layout ", v.dtensor().layout().ToString()));
+              }
+              // The full value: Partial mesh dims reduced, then gathered (collective).
+              auto full = v.dtensor().FullTensor();
+              if (!agtest::AllOk(mesh, full.ok())) {
+                if (!full.ok())
+                  fail(absl::StrCat(what, ": output ", o, ": rank ", rank, ": ", full.status().ToString()));
+                continue;
+              }
+              const std::string m = Mismatch(testing::Values(*full), ref[o], c.tol);
+              if (!m.empty()) fail(absl::StrCat(what, ": output ", o, " on rank ", rank, ": ", m));
             }
-            // The full value: Partial mesh dims reduced, then gathered (collective).
-            auto full = v.dtensor().FullTensor();
-            if (!agtest::AllOk(mesh, full.ok())) {
-              if (!full.ok()) fail(absl::StrCat(what, ": output ", o, ": rank ", rank, ": ", full.status().ToString()));
-              continue;
-            }
-            const std::string m = Mismatch(testing::Values(*full), ref[o], c.tol);
-            if (!m.empty()) fail(absl::StrCat(what, ": output ", o, " on rank ", rank, ": ", m));
           }
-        }
-      });
+        });
+        next = resume;
+      }
       res.checked[mesh_name] += checked;
       res.skipped[mesh_name] += skipped;
     }
