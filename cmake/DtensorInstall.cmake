@@ -96,7 +96,8 @@ dtensor_component(tensor LINK dtensor_ops
   PC_LIBS ${DTENSOR_OPENBLAS_LIBRARY} ${openmp_pc_libs} -lpthread ${cuda_pc_libs})
 dtensor_component(collectives LINK dtensor_collectives dtensor_collectives_threads dtensor_collectives_store
   TARGETS dtensor_collectives_threads dtensor_collectives_store dtensor_collectives
-  NEEDS tensor PACKAGES absl Threads PC_REQUIRES absl_time absl_span absl_strings absl_status absl_statusor)
+  NEEDS tensor PACKAGES absl Threads OpenSSL
+  PC_REQUIRES absl_time absl_span absl_strings absl_status absl_statusor libcrypto)
 dtensor_component(ucx LINK dtensor_collectives_ucx TARGETS dtensor_collectives_ucx
   NEEDS collectives PC_REQUIRES ucx absl_flat_hash_map)
 set(nccl_targets dtensor_collectives_nccl)

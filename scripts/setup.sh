@@ -9,7 +9,7 @@ packages=(
   build-essential g++ clang cmake ninja-build ccache pkg-config git
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   libopenblas-openmp-dev libomp-dev
-  libucx-dev ucx-utils nlohmann-json3-dev zlib1g-dev
+  libucx-dev ucx-utils nlohmann-json3-dev zlib1g-dev libssl-dev
   openmpi-bin libopenmpi-dev
   clang-format iproute2
   fortunes fortunes-min gnuplot-nox

@@ -5,6 +5,11 @@
 //
 // Each rank gets RANK (node_rank * nproc + local rank), WORLD_SIZE, LOCAL_RANK,
 // LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (127.0.0.1 and a free port on a single node).
+// On a single node dtrun binds the store's port itself and hands the listening socket to rank 0
+// (DTENSOR_STORE_FD), so no other process can take the port before rank 0 serves the store.
+// Every rank gets DTENSOR_STORE_SECRET, a fresh random secret per job (or the one in dtrun's
+// environment: on a multi-node job export the same one on every node, else the store is
+// unauthenticated); the store admits only processes that prove they hold it.
 // Every line a rank writes to stdout/stderr is copied to dtrun's stdout/stderr prefixed
 // "[rank R] ", one write per line (a last line without newline gets one; lines over 64 KiB are
 // split). SIGINT/SIGTERM/SIGHUP are forwarded to the ranks. When a rank
@@ -24,13 +29,10 @@
 // them; with --cpu-bind none ranks keep dtrun's affinity. Two dtrun jobs on one host each
 // split all the CPUs they may use, so their ranks stack on the same CPUs: give each job its
 // own (taskset -c 0-7 dtrun ..., taskset -c 8-15 dtrun ...) or pass --cpu-bind none.
-#include <arpa/inet.h>
 #include <fcntl.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <sched.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -38,6 +40,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -47,6 +50,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "dtensor/collectives/store/cpus.h"
+#include "dtensor/collectives/store/tcp_store.h"
 
 extern char** environ;
 
@@ -142,24 +146,6 @@ int ParseArgs(int argc, char** argv, Options& opt) {
   return -1;
 }
 
-// A free TCP port on `addr`, or -1. (It could be taken again before rank 0 binds it; fine for
-// a single node where nothing else races for ports in practice.)
-int FreePort(const std::string& addr) {
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  if (inet_pton(AF_INET, addr.c_str(), &sa.sin_addr) != 1) sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  socklen_t len = sizeof(sa);
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof(sa)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0) {
-    port = ntohs(sa.sin_port);
-  }
-  close(fd);
-  return port;
-}
-
 int g_signal_pipe = -1;
 void OnSignal(int sig) {
   const int saved = errno;
@@ -241,11 +227,35 @@ std::string DescribeExit(const siginfo_t& info) {
 int main(int argc, char** argv) {
   Options opt;
   if (const int rc = ParseArgs(argc, argv, opt); rc >= 0) return rc;
-  if (opt.master_port < 0) {
-    opt.master_port = opt.nnodes == 1 ? FreePort(opt.master_addr) : 29500;
-    if (opt.master_port < 0) {
-      std::fprintf(stderr, "dtrun: error: cannot find a free port on %s\n", opt.master_addr.c_str());
+  // The store's listening socket, for rank 0 (single node); -1 once handed over.
+  int store_fd = -1;
+  if (opt.nnodes == 1) {
+    absl::StatusOr<dtensor::StoreListener> listener =
+        dtensor::ListenForStore(opt.master_addr, std::max(opt.master_port, 0));
+    if (!listener.ok()) {
+      std::fprintf(stderr, "dtrun: error: %s\n", listener.status().ToString().c_str());
       return 1;
+    }
+    store_fd = listener->fd;
+    opt.master_port = listener->port;
+  } else if (opt.master_port < 0) {
+    opt.master_port = 29500;
+  }
+  std::string secret_env;  // "DTENSOR_STORE_SECRET=..." when dtrun makes the secret
+  const char* given_secret = std::getenv(dtensor::kStoreSecretEnv);
+  if (given_secret == nullptr || given_secret[0] == '\0') {
+    if (opt.nnodes == 1) {
+      absl::StatusOr<std::string> secret = dtensor::NewStoreSecret();
+      if (!secret.ok()) {
+        std::fprintf(stderr, "dtrun: error: %s\n", secret.status().ToString().c_str());
+        return 1;
+      }
+      secret_env = absl::StrCat(dtensor::kStoreSecretEnv, "=", *secret);
+    } else {
+      std::fprintf(stderr,
+                   "dtrun: warning: %s is unset: this multi-node job's store admits any process that can reach it "
+                   "(export the same secret on every node, e.g. from `openssl rand -hex 32`)\n",
+                   dtensor::kStoreSecretEnv);
     }
   }
   const int world = opt.nnodes * opt.nproc;
@@ -269,11 +279,13 @@ int main(int argc, char** argv) {
     const std::string kv = *e;
     const std::string name = kv.substr(0, kv.find('='));
     if (name == "RANK" || name == "WORLD_SIZE" || name == "LOCAL_RANK" || name == "LOCAL_WORLD_SIZE" ||
-        name == "MASTER_ADDR" || name == "MASTER_PORT") {
+        name == "MASTER_ADDR" || name == "MASTER_PORT" || name == "DTENSOR_STORE_FD" ||
+        (!secret_env.empty() && name == dtensor::kStoreSecretEnv)) {
       continue;
     }
     base_env.push_back(kv);
   }
+  if (!secret_env.empty()) base_env.push_back(secret_env);
   std::vector<char*> child_argv;
   for (std::string& a : opt.command) child_argv.push_back(a.data());
   child_argv.push_back(nullptr);
@@ -330,6 +342,8 @@ int main(int argc, char** argv) {
     env.push_back(absl::StrCat("LOCAL_WORLD_SIZE=", opt.nproc));
     env.push_back(absl::StrCat("MASTER_ADDR=", opt.master_addr));
     env.push_back(absl::StrCat("MASTER_PORT=", opt.master_port));
+    const bool gets_store_fd = r.global_rank == 0 && store_fd >= 0;
+    if (gets_store_fd) env.push_back(absl::StrCat("DTENSOR_STORE_FD=", store_fd));
     std::vector<char*> envp;
     for (std::string& kv : env) envp.push_back(kv.data());
     envp.push_back(nullptr);
@@ -355,6 +369,7 @@ int main(int argc, char** argv) {
         close(null_in);
       }
       if (bind[local] != nullptr) sched_setaffinity(0, bind_bytes, bind[local]);  // unbound if it fails
+      if (gets_store_fd) fcntl(store_fd, F_SETFD, 0);                             // rank 0 inherits the store's socket
       dup2(out_pipe[1], 1);
       dup2(err_pipe[1], 2);
       struct sigaction dfl {};
@@ -369,6 +384,10 @@ int main(int argc, char** argv) {
     }
     close(out_pipe[1]);
     close(err_pipe[1]);
+    if (gets_store_fd) {  // rank 0 has it now (or failed to start: then nobody serves it)
+      close(store_fd);
+      store_fd = -1;
+    }
     if (pid < 0) {
       std::perror("dtrun: fork");
       close(out_pipe[0]);
@@ -467,7 +486,8 @@ int main(int argc, char** argv) {
   for (cpu_set_t* set : bind) {
     if (set != nullptr) CPU_FREE(set);
   }
-  signal_all(SIGKILL);  // every rank has exited: nothing it started outlives the run
+  if (store_fd >= 0) close(store_fd);  // rank 0 was never started
+  signal_all(SIGKILL);                 // every rank has exited: nothing it started outlives the run
   for (Rank& r : ranks) {
     if (r.pid > 0) waitpid(r.pid, nullptr, 0);  // now the zombies go
   }

@@ -7,12 +7,16 @@
 //                            (ignoring SIGTERM with ignore-term)
 //   sleep DIR                writes its pid to DIR/R.pid, then sleeps up to 60 s
 //   store                    store rendezvous: Add("counter", 1), Get the final count, print it
+//   auth                     the same, after printing "auth RANK SECRET_CHARS AUTHENTICATED HAS_STORE_FD";
+//                            rank 1 also tries the store with a wrong secret and with none and
+//                            prints "intruders WRONG_SECRET_CODE NO_SECRET_CODE" (absl code names)
 //   cpus                     prints "cpus LOCAL_RANK c0,c1,..." (the CPUs it may run on)
 #include <unistd.h>
 
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -49,7 +53,7 @@ void SleepLong() {
   for (int i = 0; i < 600; ++i) usleep(100 * 1000);
 }
 
-int Store() {
+int Store(bool auth) {
   auto info = dtensor::LaunchInfoFromEnv();
   if (!info.ok()) {
     Out(2, absl::StrCat(info.status().ToString(), "\n"));
@@ -61,6 +65,19 @@ int Store() {
     return 4;
   }
   dtensor::StoreClient& s = **store;
+  if (auth) {
+    const char* secret = std::getenv(dtensor::kStoreSecretEnv);
+    Out(1, absl::StrCat("auth ", info->rank, " ", secret == nullptr ? 0 : std::strlen(secret), " ",
+                        s.authenticated() ? 1 : 0, " ", std::getenv("DTENSOR_STORE_FD") != nullptr ? 1 : 0, "\n"));
+  }
+  if (auth && info->rank == 1) {
+    auto wrong =
+        dtensor::StoreClient::Connect(info->master_addr, info->master_port, absl::Seconds(10), std::string(64, '0'));
+    auto none = dtensor::StoreClient::Connect(info->master_addr, info->master_port, absl::Seconds(10));
+    const absl::Status none_status = none.ok() ? (*none)->Set("intruder", "x") : none.status();
+    Out(1, absl::StrCat("intruders ", absl::StatusCodeToString(wrong.status().code()), " ",
+                        absl::StatusCodeToString(none_status.code()), "\n"));
+  }
   auto n = s.Add("counter", 1);
   if (!n.ok()) return 5;
   if (*n == info->world_size && !s.Set("done", "yes").ok()) return 6;
@@ -111,7 +128,7 @@ int main(int argc, char** argv) {
     SleepLong();
     return 0;
   }
-  if (mode == "store") return Store();
+  if (mode == "store" || mode == "auth") return Store(mode == "auth");
   if (mode == "cpus") {
     Out(1, absl::StrCat("cpus ", Env("LOCAL_RANK"), " ", absl::StrJoin(dtensor::AllowedCpus(), ","), "\n"));
     return 0;

@@ -1,5 +1,10 @@
 #include "dtensor/collectives/store/rendezvous.h"
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#include <atomic>
+#include <cstdio>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -79,6 +84,22 @@ std::string FirstHost(const std::string& list) {
     pos = close + 1;
   }
   return host;
+}
+
+// Whether fd is a listening TCP socket on `port` (an inherited DTENSOR_STORE_FD that is still
+// the one dtrun bound: a second ConnectStore in the process finds it closed, or reused).
+bool IsListeningOn(int fd, int port) {
+  int listening = 0;
+  socklen_t len = sizeof(listening);
+  sockaddr_storage ss{};
+  socklen_t ss_len = sizeof(ss);
+  if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || listening == 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &ss_len) != 0) {
+    return false;
+  }
+  if (ss.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port) == port;
+  if (ss.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port) == port;
+  return false;
 }
 
 }  // namespace
@@ -168,6 +189,15 @@ absl::StatusOr<LaunchInfo> LaunchInfoFromEnv(const std::map<std::string, std::st
   } else {
     info.master_port = info.world_size > 1 ? kDefaultMasterPort : 0;
   }
+  if (const std::string* secret = Find(env, kStoreSecretEnv); secret != nullptr && !secret->empty()) {
+    if (static_cast<int64_t>(secret->size()) < kStoreMinSecretBytes) {
+      return InvalidArg(kOp, kStoreSecretEnv, " has ", secret->size(), " characters; a store secret needs at least ",
+                        kStoreMinSecretBytes);
+    }
+    info.store_secret = *secret;
+  }
+  DT_ASSIGN_OR_RETURN(std::optional<int> store_fd, IntVar(env, "DTENSOR_STORE_FD", 0, 1 << 30));
+  info.store_fd = store_fd.value_or(-1);
   return info;
 }
 
@@ -187,11 +217,27 @@ absl::StatusOr<std::unique_ptr<StoreClient>> ConnectStore(const LaunchInfo& info
     if (info.master_port <= 0) {
       return InvalidArg("ConnectStore", "rank ", info.rank, " needs a master port (got ", info.master_port, ")");
     }
-    return StoreClient::Connect(info.master_addr, info.master_port, timeout);
+    return StoreClient::Connect(info.master_addr, info.master_port, timeout, info.store_secret);
   }
-  DT_ASSIGN_OR_RETURN(std::unique_ptr<StoreServer> server, StoreServer::Start(info.master_addr, info.master_port));
+  std::unique_ptr<StoreServer> server;
+  // The inherited socket is a process resource handed over once: the first ConnectStore takes
+  // it (its server closes it); a later one binds the port itself.
+  static std::atomic<bool> inherited_socket_taken{false};
+  if (info.store_fd >= 0 && IsListeningOn(info.store_fd, info.master_port) && !inherited_socket_taken.exchange(true)) {
+    DT_ASSIGN_OR_RETURN(
+        server, StoreServer::StartOnSocket(info.store_fd, info.master_addr, absl::Seconds(30), info.store_secret));
+  } else {
+    DT_ASSIGN_OR_RETURN(server,
+                        StoreServer::Start(info.master_addr, info.master_port, absl::Seconds(30), info.store_secret));
+  }
+  if (info.store_secret.empty()) {
+    std::fprintf(stderr,
+                 "[rendezvous] the store at %s:%d is unauthenticated (%s is unset): any process that can connect "
+                 "to it may join this job\n",
+                 info.master_addr.c_str(), server->port(), kStoreSecretEnv);
+  }
   DT_ASSIGN_OR_RETURN(std::unique_ptr<StoreClient> client,
-                      StoreClient::Connect(info.master_addr, server->port(), timeout));
+                      StoreClient::Connect(info.master_addr, server->port(), timeout, info.store_secret));
   client->AdoptServer(std::move(server));
   return client;
 }

@@ -4,12 +4,17 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+#include <openssl/rand.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -17,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -29,6 +35,19 @@ namespace dtensor {
 // Response: u8 status (an absl::StatusCode) | u64 length | bytes (value, or error message)
 // All integers little-endian. SET (key, value); GET (key) -> value; ADD (key, i64 delta) ->
 // i64 new value; WAIT (key...) -> empty. GET and WAIT are answered once their keys exist.
+//
+// Authentication, when the server has a secret, before any request (nc, ns: 32 random bytes
+// from the client and the server; HMAC is HMAC-SHA256 keyed with the secret):
+//   client: u32 kAuthMagic | nc
+//   server: response OK, payload ns
+//   client: HMAC("dtensor-store client" | nc | ns)
+//   server: response OK, payload HMAC("dtensor-store server" | nc | ns); or, if the client's
+//           proof is wrong, PermissionDenied, and it closes the connection (and logs the peer)
+//   client: admitted once the server's proof checks out (else it closes: PermissionDenied)
+// A server with a secret answers a request sent without this with Unauthenticated and closes;
+// a server without one answers the client's opening the same way. Labels keep either proof
+// from serving as the other; fresh nonces on both sides keep a recorded exchange from being
+// replayed. MACs are compared in constant time (CRYPTO_memcmp).
 namespace {
 
 constexpr uint32_t kMagic = 0x31535444;  // "DTS1"
@@ -38,6 +57,11 @@ constexpr uint8_t kOpAdd = 3;
 constexpr uint8_t kOpWait = 4;
 constexpr size_t kRequestHeader = 9;
 constexpr size_t kResponseHeader = 9;
+constexpr uint32_t kAuthMagic = 0x31415444;  // "DTA1"
+constexpr size_t kNonceBytes = 32;
+constexpr size_t kMacBytes = 32;  // SHA-256
+constexpr char kServerLabel[] = "dtensor-store server";
+constexpr char kClientLabel[] = "dtensor-store client";
 
 void PutU32(std::string& out, uint32_t v) {
   for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
@@ -130,7 +154,121 @@ int MillisUntil(absl::Time deadline) {
   return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1 << 30));
 }
 
+absl::StatusOr<std::string> RandomBytes(size_t n) {
+  std::string out(n, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(out.data()), static_cast<int>(n)) != 1) {
+    return absl::UnavailableError("[TcpStore] OpenSSL's random generator failed");
+  }
+  return out;
+}
+
+// HMAC-SHA256(secret, label | nc | ns).
+std::string Mac(const std::string& secret, const char* label, const std::string& nc, const std::string& ns) {
+  const std::string msg = absl::StrCat(label, nc, ns);
+  unsigned char mac[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
+           reinterpret_cast<const unsigned char*>(msg.data()), msg.size(), mac, &len) == nullptr ||
+      len != kMacBytes) {
+    return "";  // equal to no MAC (SameMac wants kMacBytes)
+  }
+  return std::string(reinterpret_cast<const char*>(mac), len);
+}
+
+bool SameMac(std::string_view a, std::string_view b) {
+  return a.size() == kMacBytes && b.size() == kMacBytes && CRYPTO_memcmp(a.data(), b.data(), kMacBytes) == 0;
+}
+
+absl::Status CheckSecret(const std::string& secret) {
+  if (!secret.empty() && static_cast<int64_t>(secret.size()) < kStoreMinSecretBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("[TcpStore] a store secret of ", secret.size(),
+                                                   " bytes is too short; use at least ", kStoreMinSecretBytes));
+  }
+  return absl::OkStatus();
+}
+
+std::string PeerName(const sockaddr_storage& ss) {
+  char host[NI_MAXHOST], port[NI_MAXSERV];
+  if (getnameinfo(reinterpret_cast<const sockaddr*>(&ss), sizeof(ss), host, sizeof(host), port, sizeof(port),
+                  NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+    return "an unknown address";
+  }
+  return ss.ss_family == AF_INET6 ? absl::StrCat("[", host, "]:", port) : absl::StrCat(host, ":", port);
+}
+
+// Blocking I/O on a non-blocking socket until `deadline`: 0 done, 1 timed out, 2 failed
+// (errno tells), 3 closed by the peer (RecvAll only).
+int SendAll(int fd, std::string_view bytes, absl::Time deadline) {
+  size_t sent = 0;
+  while (sent < bytes.size()) {
+    const ssize_t n = send(fd, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
+    if (n > 0) {
+      sent += static_cast<size_t>(n);
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno != EAGAIN) return 2;
+    pollfd p{fd, POLLOUT, 0};
+    const int pr = poll(&p, 1, MillisUntil(deadline));
+    if (pr == 0) return 1;
+    if (pr < 0 && errno != EINTR) return 2;
+  }
+  return 0;
+}
+
+int RecvAll(int fd, char* dst, size_t n, absl::Time deadline) {
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = recv(fd, dst + got, n - got, 0);
+    if (r > 0) {
+      got += static_cast<size_t>(r);
+      continue;
+    }
+    if (r == 0) return 3;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN) return 2;
+    pollfd p{fd, POLLIN, 0};
+    const int pr = poll(&p, 1, MillisUntil(deadline));
+    if (pr == 0) return 1;
+    if (pr < 0 && errno != EINTR) return 2;
+  }
+  return 0;
+}
+
 }  // namespace
+
+absl::StatusOr<std::string> NewStoreSecret() {
+  DT_ASSIGN_OR_RETURN(std::string bytes, RandomBytes(32));
+  return absl::BytesToHexString(bytes);
+}
+
+absl::StatusOr<StoreListener> ListenForStore(const std::string& host, int port) {
+  DT_ASSIGN_OR_RETURN(auto addrs, Resolve(host, port, /*passive=*/true));
+  std::string last_error;
+  for (auto& [addr, len] : addrs) {
+    const int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0) {
+      last_error = Errno(errno);
+      continue;
+    }
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || listen(fd, 512) != 0) {
+      last_error = Errno(errno);
+      close(fd);
+      continue;
+    }
+    sockaddr_storage bound{};
+    socklen_t bound_len = sizeof(bound);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &bound_len);
+    const int actual_port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                                        : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    return StoreListener{.fd = fd, .port = actual_port};
+  }
+  return absl::UnavailableError(absl::StrCat("[TcpStore] cannot listen on ", host, ":", port, ": ", last_error));
+}
+
+namespace {}  // namespace
 
 // ---- Server ----
 
@@ -152,8 +290,21 @@ struct Conn {
   bool partial = false;  // the last parse found part of a message and wanted more
   // The client owes the rest of a message: a parse wanted more, nothing is parked, and every
   // reply has gone out (a request held back behind replies is the server's turn, not this).
-  bool mid_message() const { return partial && !closing && pending_op == 0 && out_sent >= out.size(); }
+  // Until it is admitted a client always owes the next step of the handshake.
+  bool mid_message() const {
+    return (partial || auth_stage < 2) && !closing && pending_op == 0 && out_sent >= out.size();
+  }
   bool closing = false;  // close once `out` is sent; read nothing more
+  // A refused client: once the reason is sent, the server shuts its side down and discards what
+  // the client still sends until it closes (or message_timeout passes). Closing with unread
+  // bytes would reset the connection, and the client could lose the reason.
+  bool linger = false;
+  bool draining = false;
+  // Authentication (servers with a secret): 0 expects the client's opening, 1 its proof,
+  // 2 admitted (where connections to a server without a secret start).
+  int auth_stage = 2;
+  std::string nonce_c, nonce_s;
+  std::string peer;  // the client's address, for the log
   // A parked GET (one key) or WAIT (its keys), answered once every key exists.
   uint8_t pending_op = 0;
   std::vector<std::string> pending_keys;
@@ -235,6 +386,55 @@ struct StoreServer::State {
   std::unordered_map<std::string, std::string> data;
   std::map<int, Conn> conns;  // by fd
   bool stop = false;
+  std::string secret;  // empty: no authentication
+  std::string where;   // host:port, for messages
+
+  // Answers `c` with an error, closes it once that is sent, and logs the refusal.
+  void Refuse(Conn& c, absl::StatusCode code, const std::string& why) {
+    std::fprintf(stderr, "[TcpStore] store at %s refused the client at %s: %s\n", where.c_str(), c.peer.c_str(),
+                 why.c_str());
+    c.out += EncodeResponse(code, absl::StrCat("the store at ", where, " refused this client: ", why));
+    c.closing = true;
+    c.linger = true;
+    c.in.clear();
+  }
+
+  // Advances `c`'s handshake with what it sent; true once it is admitted.
+  bool Authenticate(Conn& c) {
+    if (c.auth_stage == 0) {
+      if (c.in.size() >= 4 && GetLE(c.in.data(), 4) != kAuthMagic) {
+        Refuse(c, absl::StatusCode::kUnauthenticated,
+               GetLE(c.in.data(), 4) == kMagic
+                   ? absl::StrCat("it sent a request without authenticating (the store requires the job's secret, ",
+                                  kStoreSecretEnv, ")")
+                   : "it sent something that is not a store handshake");
+        return false;
+      }
+      if (c.in.size() < 4 + kNonceBytes) return false;
+      c.nonce_c = c.in.substr(4, kNonceBytes);
+      c.in.erase(0, 4 + kNonceBytes);
+      absl::StatusOr<std::string> nonce = RandomBytes(kNonceBytes);
+      if (!nonce.ok()) {
+        Refuse(c, absl::StatusCode::kUnavailable, std::string(nonce.status().message()));
+        return false;
+      }
+      c.nonce_s = *std::move(nonce);
+      c.out += EncodeResponse(absl::StatusCode::kOk, c.nonce_s);
+      c.auth_stage = 1;
+    }
+    if (c.auth_stage == 1) {
+      if (c.in.size() < kMacBytes) return false;
+      if (!SameMac(c.in.substr(0, kMacBytes), Mac(secret, kClientLabel, c.nonce_c, c.nonce_s))) {
+        Refuse(c, absl::StatusCode::kPermissionDenied,
+               absl::StrCat("its proof does not match the store's secret (", kStoreSecretEnv, " differs)"));
+        return false;
+      }
+      c.in.erase(0, kMacBytes);
+      c.out += EncodeResponse(absl::StatusCode::kOk, Mac(secret, kServerLabel, c.nonce_c, c.nonce_s));
+      c.auth_stage = 2;
+    }
+    return true;
+  }
 
   // Answers `c`'s parked request if all its keys exist now.
   void TryAnswer(Conn& c) {
@@ -292,6 +492,12 @@ struct StoreServer::State {
   // Parses and executes what `c` has buffered, one request at a time (a parked request blocks
   // the ones behind it).
   void Process(Conn& c) {
+    if (c.auth_stage < 2 && !c.closing && !Authenticate(c)) return;
+    if (secret.empty() && c.in.size() >= 4 && GetLE(c.in.data(), 4) == kAuthMagic) {
+      Refuse(c, absl::StatusCode::kUnauthenticated,
+             absl::StrCat("it wants to authenticate but this store has no secret (", kStoreSecretEnv, " unset)"));
+      return;
+    }
     while (!c.closing && c.pending_op == 0 && !c.backlogged()) {
       Request req;
       std::string error;
@@ -317,39 +523,47 @@ struct StoreServer::State {
 };
 
 absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host, int port,
-                                                                absl::Duration message_timeout) {
-  DT_ASSIGN_OR_RETURN(auto addrs, Resolve(host, port, /*passive=*/true));
-  std::string last_error;
-  for (auto& [addr, len] : addrs) {
-    const int fd = socket(addr.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    if (fd < 0) {
-      last_error = Errno(errno);
-      continue;
-    }
-    const int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, reinterpret_cast<sockaddr*>(&addr), len) != 0 || listen(fd, 512) != 0) {
-      last_error = Errno(errno);
-      close(fd);
-      continue;
-    }
-    sockaddr_storage bound{};
-    socklen_t bound_len = sizeof(bound);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &bound_len);
-    const int actual_port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                                                        : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-    int wake[2];
-    if (pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {
-      const int err = errno;
-      close(fd);
-      return absl::UnavailableError(absl::StrCat("[TcpStore] pipe: ", Errno(err)));
-    }
-    std::unique_ptr<StoreServer> server(new StoreServer(host, actual_port, fd, wake[0], wake[1]));
-    server->message_timeout_ = message_timeout;
-    server->thread_ = std::thread([s = server.get()] { s->Loop(); });
-    return server;
+                                                                absl::Duration message_timeout, std::string secret) {
+  DT_RETURN_IF_ERROR(CheckSecret(secret));
+  DT_ASSIGN_OR_RETURN(StoreListener listener, ListenForStore(host, port));
+  return StartOnSocket(listener.fd, host, message_timeout, std::move(secret));
+}
+
+absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::StartOnSocket(int listen_fd, const std::string& host,
+                                                                        absl::Duration message_timeout,
+                                                                        std::string secret) {
+  int listening = 0;
+  socklen_t opt_len = sizeof(listening);
+  sockaddr_storage bound{};
+  socklen_t bound_len = sizeof(bound);
+  if (getsockopt(listen_fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &opt_len) != 0 || listening == 0 ||
+      getsockname(listen_fd, reinterpret_cast<sockaddr*>(&bound), &bound_len) != 0) {
+    if (listen_fd >= 0) close(listen_fd);
+    return absl::InvalidArgumentError(
+        absl::StrCat("[TcpStore] fd ", listen_fd, " is not a listening socket (for the store on ", host, ")"));
   }
-  return absl::UnavailableError(absl::StrCat("[TcpStore] cannot listen on ", host, ":", port, ": ", last_error));
+  if (absl::Status st = CheckSecret(secret); !st.ok()) {
+    close(listen_fd);
+    return st;
+  }
+  // An inherited socket may be blocking and inheritable: the loop accepts until EAGAIN.
+  fcntl(listen_fd, F_SETFL, fcntl(listen_fd, F_GETFL) | O_NONBLOCK);
+  fcntl(listen_fd, F_SETFD, FD_CLOEXEC);
+  const int actual_port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                                      : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  int wake[2];
+  if (pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {
+    const int err = errno;
+    close(listen_fd);
+    return absl::UnavailableError(absl::StrCat("[TcpStore] pipe: ", Errno(err)));
+  }
+  std::unique_ptr<StoreServer> server(new StoreServer(host, actual_port, listen_fd, wake[0], wake[1]));
+  server->message_timeout_ = message_timeout;
+  server->secret_ = secret;
+  server->state_->secret = std::move(secret);
+  server->state_->where = absl::StrCat(host, ":", actual_port);
+  server->thread_ = std::thread([s = server.get()] { s->Loop(); });
+  return server;
 }
 
 StoreServer::StoreServer(std::string host, int port, int listen_fd, int wake_read_fd, int wake_write_fd)
@@ -380,14 +594,14 @@ void StoreServer::Loop() {
     pfds.push_back({wake_read_fd_, POLLIN, 0});
     pfds.push_back({listen_fd_, POLLIN, 0});
     for (auto& [fd, c] : st.conns) {
-      short events = c.closing || c.backlogged() ? 0 : POLLIN;
+      short events = (c.closing && !c.draining) || c.backlogged() ? 0 : POLLIN;
       if (c.out_sent < c.out.size()) events |= POLLOUT;
       pfds.push_back({fd, events, 0});
     }
     // Wake for the first half-sent message to expire.
     absl::Time expiry = absl::InfiniteFuture();
     for (auto& [fd, c] : st.conns) {
-      if (c.mid_message()) expiry = std::min(expiry, c.last_progress + message_timeout_);
+      if (c.mid_message() || c.draining) expiry = std::min(expiry, c.last_progress + message_timeout_);
     }
     const int wait_ms =
         expiry == absl::InfiniteFuture()
@@ -400,7 +614,9 @@ void StoreServer::Loop() {
     if (pfds[0].revents != 0) return;  // shutdown
     if (pfds[1].revents & POLLIN) {
       for (int i = 0; i < 64; ++i) {
-        const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        sockaddr_storage peer{};
+        socklen_t peer_len = sizeof(peer);
+        const int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer), &peer_len, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) break;
         if (static_cast<int>(st.conns.size()) >= kStoreMaxClients) {
           close(fd);
@@ -408,7 +624,10 @@ void StoreServer::Loop() {
         }
         const int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-        st.conns[fd].fd = fd;
+        Conn& c = st.conns[fd];
+        c.fd = fd;
+        c.peer = PeerName(peer);
+        if (!st.secret.empty()) c.auth_stage = 0;
       }
     }
     std::vector<int> dead;
@@ -420,6 +639,13 @@ void StoreServer::Loop() {
       const short rev = pfds[i].revents;
       if (rev & (POLLERR | POLLNVAL)) {
         dead.push_back(fd);
+        continue;
+      }
+      if (c.draining) {
+        if (rev & (POLLIN | POLLHUP)) {
+          const ssize_t n = read(fd, buf.data(), buf.size());
+          if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) dead.push_back(fd);
+        }
         continue;
       }
       if ((rev & (POLLIN | POLLHUP)) && !c.closing) {
@@ -445,6 +671,7 @@ void StoreServer::Loop() {
     }
     // Sends (also for connections answered by another connection's SET/ADD above).
     for (auto& [fd, c] : st.conns) {
+      if (c.draining) continue;
       // Requests behind a parked one, or held back while replies were backlogged: answered as
       // long as the replies drain.
       for (bool failed = false; !failed;) {
@@ -467,7 +694,13 @@ void StoreServer::Loop() {
         c.out.clear();
         c.out_sent = 0;
         if (c.closing) {
-          dead.push_back(fd);
+          if (c.linger) {
+            shutdown(fd, SHUT_WR);
+            c.draining = true;
+            c.last_progress = absl::Now();
+          } else {
+            dead.push_back(fd);
+          }
           break;
         }
         if (c.in.empty() || c.pending_op != 0 || (tried && c.in.size() == unparsed)) break;  // nothing to answer now
@@ -475,7 +708,7 @@ void StoreServer::Loop() {
     }
     const absl::Time now = absl::Now();
     for (auto& [fd, c] : st.conns) {
-      if (c.mid_message() && now - c.last_progress >= message_timeout_) dead.push_back(fd);
+      if ((c.mid_message() || c.draining) && now - c.last_progress >= message_timeout_) dead.push_back(fd);
     }
     std::sort(dead.begin(), dead.end());
     dead.erase(std::unique(dead.begin(), dead.end()), dead.end());
@@ -488,8 +721,8 @@ void StoreServer::Loop() {
 
 // ---- Client ----
 
-StoreClient::StoreClient(std::string host, int port, absl::Duration timeout)
-    : host_(std::move(host)), port_(port), timeout_(timeout) {}
+StoreClient::StoreClient(std::string host, int port, absl::Duration timeout, std::string secret)
+    : host_(std::move(host)), port_(port), secret_(std::move(secret)), timeout_(timeout) {}
 
 StoreClient::~StoreClient() {
   Close();
@@ -497,11 +730,12 @@ StoreClient::~StoreClient() {
 }
 
 absl::StatusOr<std::unique_ptr<StoreClient>> StoreClient::Connect(const std::string& host, int port,
-                                                                  absl::Duration timeout) {
+                                                                  absl::Duration timeout, std::string secret) {
   if (port <= 0 || port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("[TcpStore] port ", port, " is outside 1..65535"));
   }
-  std::unique_ptr<StoreClient> client(new StoreClient(host, port, timeout));
+  DT_RETURN_IF_ERROR(CheckSecret(secret));
+  std::unique_ptr<StoreClient> client(new StoreClient(host, port, timeout, std::move(secret)));
   std::lock_guard<std::mutex> lock(client->mu_);
   DT_RETURN_IF_ERROR(client->EnsureConnected(absl::Now() + timeout));
   return client;
@@ -560,6 +794,13 @@ absl::Status StoreClient::EnsureConnected(absl::Time deadline) {
       if (err == 0) {
         const int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        if (!secret_.empty()) {
+          // A refusal is final: retrying with the same secret cannot succeed.
+          if (absl::Status st = Authenticate(fd, deadline); !st.ok()) {
+            close(fd);
+            return st;
+          }
+        }
         fd_ = fd;
         return absl::OkStatus();
       }
@@ -573,6 +814,59 @@ absl::Status StoreClient::EnsureConnected(absl::Time deadline) {
   }
   return absl::UnavailableError(absl::StrCat("[TcpStore] cannot connect to ", host_, ":", port_, " within ",
                                              absl::FormatDuration(timeout_), ": ", last_error));
+}
+
+absl::Status StoreClient::Authenticate(int fd, absl::Time deadline) {
+  const std::string where = absl::StrCat(host_, ":", port_);
+  auto io_error = [&](int rc, const char* step) {
+    if (rc == 1) {
+      return absl::DeadlineExceededError(absl::StrCat("[TcpStore] authenticating to the store at ", where,
+                                                      ": no answer to the ", step, " within ",
+                                                      absl::FormatDuration(timeout_)));
+    }
+    if (rc == 3) {
+      return absl::UnauthenticatedError(absl::StrCat("[TcpStore] the store at ", where,
+                                                     " closed the connection after the ", step,
+                                                     " (does it hold the same secret, ", kStoreSecretEnv, "?)"));
+    }
+    return absl::UnavailableError(
+        absl::StrCat("[TcpStore] authenticating to the store at ", where, ": ", step, " failed: ", Errno(errno)));
+  };
+  // One response frame; its status if it is not OK.
+  auto read_response = [&](const char* step) -> absl::StatusOr<std::string> {
+    char head[kResponseHeader];
+    if (const int rc = RecvAll(fd, head, sizeof(head), deadline); rc != 0) return io_error(rc, step);
+    const uint8_t code = static_cast<uint8_t>(head[0]);
+    const uint64_t len = GetLE(head + 1, 8);
+    if (len > 4096 || code > 16) {
+      return absl::UnauthenticatedError(
+          absl::StrCat("[TcpStore] the store at ", where, " answered the ", step, " with a malformed response"));
+    }
+    std::string payload(len, '\0');
+    if (const int rc = RecvAll(fd, payload.data(), len, deadline); rc != 0) return io_error(rc, step);
+    if (code != 0) return absl::Status(static_cast<absl::StatusCode>(code), absl::StrCat("[TcpStore] ", payload));
+    return payload;
+  };
+  DT_ASSIGN_OR_RETURN(std::string nonce_c, RandomBytes(kNonceBytes));
+  std::string hello;
+  PutU32(hello, kAuthMagic);
+  hello += nonce_c;
+  if (const int rc = SendAll(fd, hello, deadline); rc != 0) return io_error(rc, "handshake");
+  DT_ASSIGN_OR_RETURN(std::string nonce_s, read_response("handshake"));
+  if (nonce_s.size() != kNonceBytes) {
+    return absl::UnauthenticatedError(
+        absl::StrCat("[TcpStore] the store at ", where, " answered the handshake with ", nonce_s.size(), " bytes"));
+  }
+  if (const int rc = SendAll(fd, Mac(secret_, kClientLabel, nonce_c, nonce_s), deadline); rc != 0) {
+    return io_error(rc, "proof");
+  }
+  DT_ASSIGN_OR_RETURN(std::string server_proof, read_response("proof"));
+  if (!SameMac(server_proof, Mac(secret_, kServerLabel, nonce_c, nonce_s))) {
+    return absl::PermissionDeniedError(absl::StrCat("[TcpStore] the store at ", where,
+                                                    " failed to prove it holds this client's secret (", kStoreSecretEnv,
+                                                    " differs): not joining it"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> StoreClient::Call(uint8_t op, absl::Span<const std::string_view> fields,
@@ -603,23 +897,7 @@ absl::StatusOr<std::string> StoreClient::Call(uint8_t op, absl::Span<const std::
   header.push_back(static_cast<char>(op));
   PutU32(header, static_cast<uint32_t>(fields.size()));
   // Sends header, then each field's length and bytes, without copying large values.
-  auto send_all = [&](std::string_view bytes) -> int {  // 0 ok, 1 timeout, 2 broken
-    size_t sent = 0;
-    while (sent < bytes.size()) {
-      const ssize_t n = send(fd_, bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
-      if (n > 0) {
-        sent += static_cast<size_t>(n);
-        continue;
-      }
-      if (n < 0 && errno == EINTR) continue;
-      if (n < 0 && errno != EAGAIN) return 2;
-      pollfd p{fd_, POLLOUT, 0};
-      const int pr = poll(&p, 1, MillisUntil(deadline));
-      if (pr == 0) return 1;
-      if (pr < 0 && errno != EINTR) return 2;
-    }
-    return 0;
-  };
+  auto send_all = [&](std::string_view bytes) { return SendAll(fd_, bytes, deadline); };
   auto check = [&](int rc) -> absl::Status {
     if (rc == 1) return timed_out();
     if (rc == 2) return broken(absl::StrCat("failed: ", Errno(errno)));
@@ -633,24 +911,7 @@ absl::StatusOr<std::string> StoreClient::Call(uint8_t op, absl::Span<const std::
     DT_RETURN_IF_ERROR(check(send_all(f)));
   }
 
-  auto recv_all = [&](char* dst, size_t n) -> int {  // 0 ok, 1 timeout, 2 broken, 3 closed
-    size_t got = 0;
-    while (got < n) {
-      const ssize_t r = recv(fd_, dst + got, n - got, 0);
-      if (r > 0) {
-        got += static_cast<size_t>(r);
-        continue;
-      }
-      if (r == 0) return 3;
-      if (errno == EINTR) continue;
-      if (errno != EAGAIN) return 2;
-      pollfd p{fd_, POLLIN, 0};
-      const int pr = poll(&p, 1, MillisUntil(deadline));
-      if (pr == 0) return 1;
-      if (pr < 0 && errno != EINTR) return 2;
-    }
-    return 0;
-  };
+  auto recv_all = [&](char* dst, size_t n) { return RecvAll(fd_, dst, n, deadline); };
   auto check_recv = [&](int rc) -> absl::Status {
     if (rc == 3) return broken("was closed by the server");
     return check(rc);

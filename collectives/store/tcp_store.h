@@ -14,6 +14,14 @@
 // Keys are 1..4 KiB of arbitrary bytes, values up to 64 MiB. Add() keeps its counter as a
 // decimal string, so Get() of a counter returns e.g. "4". Values are never deleted.
 //
+// Authentication: a server started with a secret (dtrun makes one per job and passes it to its
+// ranks as DTENSOR_STORE_SECRET) admits a client only after a mutual challenge-response on it
+// (HMAC-SHA256 over fresh random nonces from both ends; the secret never crosses the socket).
+// A client without the secret, or with a wrong one, is refused and its connection closed (the
+// server logs the peer's address); the other clients are undisturbed. A client with a secret
+// likewise refuses a server that cannot prove it knows the same secret. Without a secret the
+// store is open to any process that can connect (bind it to loopback).
+//
 // Errors: InvalidArgument for keys/values out of bounds; DeadlineExceeded when a call did not
 // finish within the client's timeout (names the key and the server's address); Unavailable when
 // the server cannot be reached or the connection breaks. After an error the client reconnects
@@ -38,8 +46,25 @@ namespace dtensor {
 // Bounds enforced by both ends; a server receiving more drops that connection after an error.
 inline constexpr int64_t kStoreMaxKeyBytes = 4096;
 inline constexpr int64_t kStoreMaxValueBytes = int64_t{64} << 20;
-inline constexpr int kStoreMaxWaitKeys = 1024;  // keys per Wait()
-inline constexpr int kStoreMaxClients = 1024;   // connections a server holds at once
+inline constexpr int kStoreMaxWaitKeys = 1024;   // keys per Wait()
+inline constexpr int kStoreMaxClients = 1024;    // connections a server holds at once
+inline constexpr int kStoreMinSecretBytes = 16;  // a shorter non-empty secret is refused
+
+// The environment variable that carries a job's store secret from dtrun to its ranks.
+inline constexpr char kStoreSecretEnv[] = "DTENSOR_STORE_SECRET";
+// A fresh random secret: 64 hex digits (32 bytes from OpenSSL's CSPRNG). Unavailable if the
+// generator fails.
+absl::StatusOr<std::string> NewStoreSecret();
+
+// A bound, listening TCP socket for a StoreServer that starts later, possibly in another
+// process: dtrun binds the store's port and hands the socket to rank 0 (DTENSOR_STORE_FD), so
+// no other process can take the port in between. The fd is close-on-exec; the caller owns it.
+struct StoreListener {
+  int fd = -1;
+  int port = 0;
+};
+// host and port as for StoreServer::Start (port 0: a free one).
+absl::StatusOr<StoreListener> ListenForStore(const std::string& host, int port);
 
 // Serves one store from a background thread (one poll loop; blocked Get/Wait calls are parked
 // in the server, not in threads). Binds only the given address. Destruction stops the thread and
@@ -50,14 +75,24 @@ class StoreServer {
   // port 0 picks a free port; port() reports it. A connection that sent part of a message and
   // then nothing for `message_timeout` is closed (half-sent messages would otherwise hold one
   // of the kStoreMaxClients places for ever); idle connections between messages stay.
+  // A non-empty `secret` (at least kStoreMinSecretBytes bytes) makes the server authenticate
+  // every client; a connection that has not completed authentication within `message_timeout`
+  // is closed too.
   static absl::StatusOr<std::unique_ptr<StoreServer>> Start(const std::string& host, int port,
-                                                            absl::Duration message_timeout = absl::Seconds(30));
+                                                            absl::Duration message_timeout = absl::Seconds(30),
+                                                            std::string secret = {});
+  // The same on a socket from ListenForStore() (or inherited from dtrun); takes ownership of
+  // listen_fd (also on error). InvalidArgument if it is not a listening socket.
+  static absl::StatusOr<std::unique_ptr<StoreServer>> StartOnSocket(int listen_fd, const std::string& host,
+                                                                    absl::Duration message_timeout = absl::Seconds(30),
+                                                                    std::string secret = {});
   ~StoreServer();
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;
 
   const std::string& host() const { return host_; }
   int port() const { return port_; }
+  bool authenticated() const { return !secret_.empty(); }
 
   struct State;  // private to tcp_store.cc
 
@@ -68,6 +103,7 @@ class StoreServer {
   std::string host_;
   int port_;
   absl::Duration message_timeout_ = absl::Seconds(30);
+  std::string secret_;
   int listen_fd_;
   int wake_read_fd_;
   int wake_write_fd_;
@@ -79,9 +115,10 @@ class StoreServer {
 class StoreClient {
  public:
   // Connects, retrying until `timeout` while the server is not up yet (ranks start in any
-  // order). `timeout` also becomes the timeout of every later call.
-  static absl::StatusOr<std::unique_ptr<StoreClient>> Connect(const std::string& host, int port,
-                                                              absl::Duration timeout);
+  // order). `timeout` also becomes the timeout of every later call. With a non-empty `secret`
+  // every connection (also a reconnection) first authenticates with the server, both ways.
+  static absl::StatusOr<std::unique_ptr<StoreClient>> Connect(const std::string& host, int port, absl::Duration timeout,
+                                                              std::string secret = {});
   ~StoreClient();
   StoreClient(const StoreClient&) = delete;
   StoreClient& operator=(const StoreClient&) = delete;
@@ -102,20 +139,24 @@ class StoreClient {
   absl::Duration timeout() const;
   const std::string& host() const { return host_; }
   int port() const { return port_; }
+  bool authenticated() const { return !secret_.empty(); }
 
   // Makes this client own `server` (the master's store); it is shut down after this client's
   // connection is closed, on destruction.
   void AdoptServer(std::unique_ptr<StoreServer> server);
 
  private:
-  StoreClient(std::string host, int port, absl::Duration timeout);
+  StoreClient(std::string host, int port, absl::Duration timeout, std::string secret);
   // Sends one request and reads its response; `what` names the call in errors.
   absl::StatusOr<std::string> Call(uint8_t op, absl::Span<const std::string_view> fields, const std::string& what);
   absl::Status EnsureConnected(absl::Time deadline);
+  // The client's side of the handshake on a fresh connection `fd`.
+  absl::Status Authenticate(int fd, absl::Time deadline);
   void CloseLocked();
 
   const std::string host_;
   const int port_;
+  const std::string secret_;
   mutable std::mutex mu_;
   absl::Duration timeout_;
   int fd_ = -1;
