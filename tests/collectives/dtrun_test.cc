@@ -10,10 +10,12 @@
 #include <map>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_split.h"
 #include "dtensor/collectives/store/cpus.h"
+#include "dtensor/collectives/store/tcp_store.h"
 #include "gtest/gtest.h"
 #include "tests/testing/run_process.h"
 #include "tests/testing/test_util.h"
@@ -314,6 +316,64 @@ TEST(DtrunTest, StoreRendezvousAcrossFourProcesses) {
   EXPECT_EQ(lines, (std::set<std::string>{"[rank 0] counter 4", "[rank 1] counter 4", "[rank 2] counter 4",
                                           "[rank 3] counter 4"}))
       << run.out << run.err;
+}
+
+// dtrun gives every rank a fresh secret (64 hex digits), rank 0 the store's socket, and the
+// store admits only the ranks: rank 1's intruders (a wrong secret, none) are refused.
+TEST(DtrunTest, JobStoreIsAuthenticatedAndRefusesIntruders) {
+  RunResult run = RunDtrun({"--nproc-per-node", "3", DTRUN_TEST_CHILD_PATH, "auth"});
+  ASSERT_EQ(run.code, 0) << run.out << run.err;
+  std::set<std::string> lines;
+  for (const std::string& line : Lines(run.out)) lines.insert(line);
+  EXPECT_EQ(lines, (std::set<std::string>{"[rank 0] auth 0 64 1 1", "[rank 1] auth 1 64 1 0", "[rank 2] auth 2 64 1 0",
+                                          "[rank 1] intruders PERMISSION_DENIED UNAUTHENTICATED", "[rank 0] counter 3",
+                                          "[rank 1] counter 3", "[rank 2] counter 3"}))
+      << run.out << run.err;
+  EXPECT_NE(run.err.find("refused the client at 127.0.0.1:"), std::string::npos) << run.err;
+  EXPECT_EQ(run.err.find("unauthenticated"), std::string::npos) << run.err;
+}
+
+// A secret in dtrun's environment (the same on every node of a multi-node job) is passed on.
+TEST(DtrunTest, GivenSecretIsPassedOn) {
+  RunResult run = dtensor::testing::RunProcess({DTRUN_PATH, "--nproc-per-node", "2", DTRUN_TEST_CHILD_PATH, "auth"},
+                                               {.env = {"DTENSOR_STORE_SECRET=" + std::string(20, 'z')}});
+  ASSERT_EQ(run.code, 0) << run.out << run.err;
+  EXPECT_NE(run.out.find("[rank 0] auth 0 20 1 1"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("[rank 1] auth 1 20 1 0"), std::string::npos) << run.out;
+}
+
+// dtrun binds the store's port before it starts the ranks, so jobs started at the same moment
+// cannot take each other's port (they did when dtrun only picked a free port for rank 0 to bind
+// later). Several rounds of four simultaneous jobs.
+TEST(DtrunTest, SimultaneousJobsNeverCollideOnTheStorePort) {
+  constexpr int kRounds = 5, kJobs = 4;
+  for (int round = 0; round < kRounds; ++round) {
+    std::vector<RunResult> runs(kJobs);
+    std::vector<std::thread> threads;
+    for (int j = 0; j < kJobs; ++j) {
+      threads.emplace_back([&runs, j] {
+        runs[j] = RunDtrun({"--cpu-bind", "none", "--nproc-per-node", "2", DTRUN_TEST_CHILD_PATH, "store"});
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (int j = 0; j < kJobs; ++j) {
+      EXPECT_EQ(runs[j].code, 0) << "round " << round << " job " << j << ":\n" << runs[j].out << runs[j].err;
+      EXPECT_NE(runs[j].out.find("[rank 1] counter 2"), std::string::npos) << runs[j].out;
+    }
+  }
+}
+
+// A port that is taken fails the job at once, before any rank starts, naming the port.
+TEST(DtrunTest, TakenMasterPortFailsBeforeStartingRanks) {
+  auto held = dtensor::ListenForStore("127.0.0.1", 0);
+  ASSERT_TRUE(held.ok()) << held.status();
+  TempDir dir;
+  RunResult run = RunDtrun({"--nproc-per-node", "2", "--master-port", std::to_string(held->port), DTRUN_TEST_CHILD_PATH,
+                            "sleep", dir.path()});
+  close(held->fd);
+  EXPECT_EQ(run.code, 1) << run.out << run.err;
+  EXPECT_NE(run.err.find("cannot listen on 127.0.0.1:" + std::to_string(held->port)), std::string::npos) << run.err;
+  EXPECT_TRUE(ReadPids(dir.path(), 2).empty()) << "a rank started";
 }
 
 }  // namespace

@@ -202,5 +202,55 @@ TEST(RendezvousTest, ConnectStoreRanksJoinInAnyOrder) {
   for (int r = 0; r < kWorld; ++r) EXPECT_EQ(seen[r], "in") << "rank " << r;
 }
 
+TEST(RendezvousTest, StoreSecretAndInheritedSocketFromTheEnvironment) {
+  const std::string secret(64, 'c');
+  LaunchInfo info =
+      MustParse({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"DTENSOR_STORE_SECRET", secret}, {"DTENSOR_STORE_FD", "7"}});
+  EXPECT_EQ(info.store_secret, secret);
+  EXPECT_EQ(info.store_fd, 7);
+  LaunchInfo plain = MustParse({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"DTENSOR_STORE_SECRET", ""}});
+  EXPECT_EQ(plain.store_secret, "");  // empty counts as unset
+  EXPECT_EQ(plain.store_fd, -1);
+  ExpectError({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"DTENSOR_STORE_SECRET", "short"}},
+              {"DTENSOR_STORE_SECRET", "5 characters"});
+  ExpectError({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"DTENSOR_STORE_FD", "x"}}, {"DTENSOR_STORE_FD", "'x'"});
+}
+
+// As dtrun runs a job: the port is bound before any rank starts (rank 0 serves on the inherited
+// socket), and every rank authenticates with the job's secret.
+TEST(RendezvousTest, ConnectStoreServesOnTheInheritedSocketWithTheSecret) {
+  auto listener = ListenForStore("127.0.0.1", 0);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  auto secret = NewStoreSecret();
+  ASSERT_TRUE(secret.ok());
+  constexpr int kWorld = 3;
+  std::vector<std::string> seen(kWorld);
+  std::vector<std::thread> threads;
+  for (int rank = kWorld - 1; rank >= 0; --rank) {  // the master last
+    threads.emplace_back([&, rank] {
+      LaunchInfo info;
+      info.rank = rank;
+      info.world_size = kWorld;
+      info.master_port = listener->port;
+      info.store_secret = *secret;
+      if (rank == 0) info.store_fd = listener->fd;
+      auto store = ConnectStore(info, absl::Seconds(10));
+      ASSERT_TRUE(store.ok()) << store.status();
+      EXPECT_TRUE((*store)->authenticated());
+      if ((*store)->Add("joined", 1).value_or(-1) == kWorld) {
+        ASSERT_TRUE((*store)->Set("all", "in").ok());
+      }
+      seen[rank] = (*store)->Get("all").value_or("error");
+      ASSERT_TRUE((*store)->Set("ack" + std::to_string(rank), "").ok());
+      if (rank == 0) {
+        ASSERT_TRUE((*store)->Wait({"ack0", "ack1", "ack2"}).ok());
+      }
+    });
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) EXPECT_EQ(seen[r], "in") << "rank " << r;
+}
+
 }  // namespace
 }  // namespace dtensor

@@ -551,5 +551,229 @@ TEST(TcpStoreTest, ClientOwnsAdoptedServer) {
   EXPECT_EQ(RawConnect(port), -1);
 }
 
+// ---- Authentication ----
+
+std::string Secret() {
+  auto s = NewStoreSecret();
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.value_or(std::string(64, 'a'));
+}
+
+std::unique_ptr<StoreServer> StartWithSecret(const std::string& secret,
+                                             absl::Duration message_timeout = absl::Seconds(30)) {
+  auto server = StoreServer::Start("127.0.0.1", 0, message_timeout, secret);
+  EXPECT_TRUE(server.ok()) << server.status();
+  return server.ok() ? std::move(*server) : nullptr;
+}
+
+std::unique_ptr<StoreClient> ConnectWith(const StoreServer& server, const std::string& secret) {
+  auto client = StoreClient::Connect(server.host(), server.port(), absl::Seconds(10), secret);
+  EXPECT_TRUE(client.ok()) << client.status();
+  return client.ok() ? std::move(*client) : nullptr;
+}
+
+TEST(TcpStoreAuthTest, SecretsAreFreshHex) {
+  const std::string a = Secret(), b = Secret();
+  EXPECT_EQ(a.size(), 64u);
+  EXPECT_EQ(a.find_first_not_of("0123456789abcdef"), std::string::npos) << a;
+  EXPECT_NE(a, b);
+}
+
+TEST(TcpStoreAuthTest, ClientsWithTheSecretShareTheStore) {
+  const std::string secret = Secret();
+  auto server = StartWithSecret(secret);
+  ASSERT_NE(server, nullptr);
+  EXPECT_TRUE(server->authenticated());
+  auto a = ConnectWith(*server, secret);
+  auto b = ConnectWith(*server, secret);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  EXPECT_TRUE(a->authenticated());
+  std::string got;
+  std::thread getter([&] { got = b->Get("k").value_or("error"); });  // parked until a sets k
+  absl::SleepFor(absl::Milliseconds(50));
+  ASSERT_TRUE(a->Set("k", std::string("v\0w", 3)).ok());
+  getter.join();
+  EXPECT_EQ(got, std::string("v\0w", 3));
+  EXPECT_EQ(a->Add("n", 2).value_or(-1), 2);
+  EXPECT_EQ(b->Add("n", 3).value_or(-1), 5);
+  // A reconnection authenticates again.
+  a->Close();
+  EXPECT_EQ(a->Get("n").value_or("error"), "5");
+}
+
+// Clients with a wrong secret or none are refused with an error naming the store; the server
+// logs their address; a legitimate client's parked Get and data are undisturbed.
+TEST(TcpStoreAuthTest, WrongOrMissingSecretIsRefusedAndTheJobContinues) {
+  const std::string secret = Secret();
+  auto server = StartWithSecret(secret);
+  ASSERT_NE(server, nullptr);
+  const std::string where = absl::StrCat("127.0.0.1:", server->port());
+  auto legit = ConnectWith(*server, secret);
+  ASSERT_NE(legit, nullptr);
+  ASSERT_TRUE(legit->Set("before", "1").ok());
+  std::string parked;
+  std::thread getter([&] {
+    auto c = ConnectWith(*server, secret);
+    parked = c == nullptr ? "error" : c->Get("after").value_or("error");
+  });
+
+  ::testing::internal::CaptureStderr();
+  std::string wrong_secret = secret;
+  wrong_secret[0] = wrong_secret[0] == '0' ? '1' : '0';
+  auto wrong = StoreClient::Connect("127.0.0.1", server->port(), absl::Seconds(5), wrong_secret);
+  auto none = StoreClient::Connect("127.0.0.1", server->port(), absl::Seconds(5));
+  ASSERT_TRUE(none.ok()) << none.status();  // a client without a secret learns at its first call
+  const absl::Status none_set = (*none)->Set("before", "overwritten");
+  const absl::Status none_get = (*none)->Get("before").status();  // reconnects: refused again
+  absl::SleepFor(absl::Milliseconds(100));                        // the server thread's log lines
+  const std::string log = ::testing::internal::GetCapturedStderr();
+
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kPermissionDenied) << wrong.status();
+  EXPECT_NE(wrong.status().message().find(where), absl::string_view::npos) << wrong.status();
+  for (const absl::Status& st : {none_set, none_get}) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kUnauthenticated) << st;
+    EXPECT_NE(st.message().find(where), absl::string_view::npos) << st;
+    EXPECT_NE(st.message().find("DTENSOR_STORE_SECRET"), absl::string_view::npos) << st;
+  }
+  EXPECT_NE(log.find(absl::StrCat("store at ", where, " refused the client at 127.0.0.1:")), std::string::npos) << log;
+  EXPECT_NE(log.find("does not match"), std::string::npos) << log;
+  EXPECT_NE(log.find("without authenticating"), std::string::npos) << log;
+
+  // Nothing of theirs reached the data; the legitimate clients carry on.
+  EXPECT_EQ(legit->Get("before").value_or("error"), "1");
+  ASSERT_TRUE(legit->Set("after", "ok").ok());
+  getter.join();
+  EXPECT_EQ(parked, "ok");
+}
+
+// Mutual: a client with a secret refuses a store without one and a store that cannot prove it
+// holds the same secret (a fake server that answers the handshake with random bytes).
+TEST(TcpStoreAuthTest, ClientRefusesOpenAndFakeServers) {
+  const std::string secret = Secret();
+  auto open_server = StartServer();
+  ASSERT_NE(open_server, nullptr);
+  auto to_open = StoreClient::Connect("127.0.0.1", open_server->port(), absl::Seconds(5), secret);
+  ASSERT_FALSE(to_open.ok());
+  EXPECT_EQ(to_open.status().code(), absl::StatusCode::kUnauthenticated) << to_open.status();
+  EXPECT_NE(to_open.status().message().find(absl::StrCat("127.0.0.1:", open_server->port())), absl::string_view::npos)
+      << to_open.status();
+  ExpectServerHealthy(*open_server, "open-still-serves");
+
+  auto listener = ListenForStore("127.0.0.1", 0);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  std::string proof_received;
+  std::thread fake([&, fd = listener->fd] {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 5000) != 1) return;
+    const int conn = accept(fd, nullptr, nullptr);
+    if (conn < 0) return;
+    std::mt19937 rng(7);
+    auto respond = [&](size_t n) {  // response OK with n random bytes
+      std::string r(1, '\0');
+      Le(r, n, 8);
+      for (size_t i = 0; i < n; ++i) r.push_back(static_cast<char>(rng()));
+      send(conn, r.data(), r.size(), MSG_NOSIGNAL);
+    };
+    ReadAtLeast(conn, 36, absl::Seconds(5));  // magic + client nonce
+    respond(32);                              // server nonce
+    proof_received = ReadAtLeast(conn, 32, absl::Seconds(5));
+    respond(32);  // a proof made without the secret
+    ReadUntilClosed(conn);
+    close(conn);
+  });
+  auto to_fake = StoreClient::Connect("127.0.0.1", listener->port, absl::Seconds(5), secret);
+  fake.join();
+  close(listener->fd);
+  ASSERT_FALSE(to_fake.ok());
+  EXPECT_EQ(to_fake.status().code(), absl::StatusCode::kPermissionDenied) << to_fake.status();
+  EXPECT_NE(to_fake.status().message().find("failed to prove"), absl::string_view::npos) << to_fake.status();
+  // The secret itself never crossed the socket: the client sent a 32-byte MAC, not the secret.
+  EXPECT_EQ(proof_received.size(), 32u);
+  EXPECT_EQ(proof_received.find(secret.substr(0, 16)), std::string::npos);
+}
+
+// Raw traffic to a store with a secret: malformed openings, oversize requests without a
+// handshake, wrong proofs and silent connections are all dropped; the server keeps serving.
+TEST(TcpStoreAuthTest, UnauthenticatedRawTrafficIsDropped) {
+  const std::string secret = Secret();
+  auto server = StartWithSecret(secret, absl::Milliseconds(300));
+  ASSERT_NE(server, nullptr);
+  std::string big = Header(1, 2);
+  Le(big, 4, 8);
+  big += "key!";
+  Le(big, uint64_t{1} << 40, 8);  // an oversize value, never authenticated
+  std::string opening;
+  Le(opening, 0x31415444, 4);  // "DTA1"
+  opening += std::string(32, 'n');
+  const std::vector<std::pair<const char*, std::string>> cases = {
+      {"garbage", std::string(100, 'x')},
+      {"oversize request", big},
+      {"wrong proof", opening + std::string(32, 'p')},
+      {"opening only, then silence", opening},
+      {"silence", ""},
+  };
+  for (const auto& [name, bytes] : cases) {
+    SCOPED_TRACE(name);
+    const int fd = RawConnect(server->port());
+    ASSERT_GE(fd, 0);
+    if (!bytes.empty()) SendRaw(fd, bytes);
+    auto [reply, closed] = ReadUntilClosed(fd);
+    close(fd);
+    EXPECT_TRUE(closed);
+    // A refusal is a response frame with the error's code (or nothing for silence).
+    if (std::string(name) == "oversize request") {
+      ASSERT_FALSE(reply.empty());
+      EXPECT_EQ(reply[0], static_cast<char>(absl::StatusCode::kUnauthenticated));
+    }
+    if (std::string(name) == "wrong proof") {
+      ASSERT_GT(reply.size(), 9u + 32u);  // the server nonce, then the refusal
+      EXPECT_EQ(reply[9 + 32], static_cast<char>(absl::StatusCode::kPermissionDenied));
+    }
+  }
+  auto c = ConnectWith(*server, secret);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->Set("healthy", "yes").ok());
+  EXPECT_EQ(c->Get("healthy").value_or("error"), "yes");
+}
+
+TEST(TcpStoreAuthTest, ShortSecretsAreRejected) {
+  EXPECT_EQ(StoreServer::Start("127.0.0.1", 0, absl::Seconds(1), "short").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  EXPECT_EQ(StoreClient::Connect("127.0.0.1", server->port(), absl::Seconds(1), "short").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// ListenForStore holds the port from the moment it returns: nobody else can bind it, and a
+// server started on the socket later serves the clients that connected in between.
+TEST(TcpStoreTest, ServerOnAnEarlierBoundSocket) {
+  auto listener = ListenForStore("127.0.0.1", 0);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  auto taken = StoreServer::Start("127.0.0.1", listener->port);
+  EXPECT_FALSE(taken.ok());
+  const std::string secret = Secret();
+  std::string got;
+  std::thread early([&] {  // connects before any server runs
+    auto c = StoreClient::Connect("127.0.0.1", listener->port, absl::Seconds(10), secret);
+    got = c.ok() ? (*c)->Get("k").value_or("error") : c.status().ToString();
+  });
+  absl::SleepFor(absl::Milliseconds(200));
+  auto server = StoreServer::StartOnSocket(listener->fd, "127.0.0.1", absl::Seconds(30), secret);
+  ASSERT_TRUE(server.ok()) << server.status();
+  EXPECT_EQ((*server)->port(), listener->port);
+  auto c = ConnectWith(**server, secret);
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->Set("k", "v").ok());
+  early.join();
+  EXPECT_EQ(got, "v");
+  // Not a listening socket: InvalidArgument (and the fd is closed).
+  const int plain = socket(AF_INET, SOCK_STREAM, 0);
+  auto bad = StoreServer::StartOnSocket(plain, "127.0.0.1");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+}
+
 }  // namespace
 }  // namespace dtensor
