@@ -141,6 +141,9 @@ case "$cmd" in
     trap 'down "$tag"' EXIT
     trap 'exit 130' INT TERM
     export UCX_TLS=tcp,self UCX_WARN_UNUSED_ENV_VARS=n DTENSOR_TIMEOUT_S=20
+    # The same store secret on both hosts (dtrun makes one only for single-node jobs).
+    DTENSOR_STORE_SECRET=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+    export DTENSOR_STORE_SECRET
     rc=0
     for i in 0 1; do
       UCX_NET_DEVICES=$(veth_name "$tag" "$i") timeout -s KILL 120 "$0" exec "$tag" "$i" \

@@ -237,12 +237,21 @@ int main(int argc, char** argv) {
       return 1;
     }
     store_fd = listener->fd;
+    if (store_fd < 3) {  // started with stdio closed: keep clear of the fds the ranks' stdio take
+      store_fd = fcntl(listener->fd, F_DUPFD_CLOEXEC, 3);
+      close(listener->fd);
+    }
     opt.master_port = listener->port;
   } else if (opt.master_port < 0) {
     opt.master_port = 29500;
   }
   std::string secret_env;  // "DTENSOR_STORE_SECRET=..." when dtrun makes the secret
   const char* given_secret = std::getenv(dtensor::kStoreSecretEnv);
+  if (given_secret != nullptr && given_secret[0] != '\0' &&
+      static_cast<int64_t>(std::strlen(given_secret)) < dtensor::kStoreMinSecretBytes) {
+    return UsageError(
+        absl::StrCat(dtensor::kStoreSecretEnv, " has fewer than ", dtensor::kStoreMinSecretBytes, " characters"));
+  }
   if (given_secret == nullptr || given_secret[0] == '\0') {
     if (opt.nnodes == 1) {
       absl::StatusOr<std::string> secret = dtensor::NewStoreSecret();

@@ -23,6 +23,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "dtensor/collectives/store/tcp_store.h"
 #include "gtest/gtest.h"
 #include "tests/testing/test_util.h"
 
@@ -155,7 +156,9 @@ class TwoHosts {
     // Between the hosts only TCP is reachable anyway (different hostnames give peer-failure
     // endpoints); UCX_TLS and UCX_NET_DEVICES make sure it is TCP over the veth, not loopback.
     std::vector<std::string> env = {"UCX_TLS=tcp,sm,self", absl::StrCat("UCX_NET_DEVICES=dtv", node, "_", tag_),
-                                    "UCX_WARN_UNUSED_ENV_VARS=n", "DTENSOR_TIMEOUT_S=20"};
+                                    "UCX_WARN_UNUSED_ENV_VARS=n", "DTENSOR_TIMEOUT_S=20",
+                                    // Both nodes' dtrun pass the job's secret on: an authenticated store.
+                                    absl::StrCat(dtensor::kStoreSecretEnv, "=", secret_)};
     procs_.push_back(std::make_unique<Process>(args, env, absl::StrCat(dir_, "/out", node, "_", procs_.size()),
                                                absl::StrCat(dir_, "/err", node, "_", procs_.size())));
     return *procs_.back();
@@ -171,6 +174,7 @@ class TwoHosts {
 
  private:
   std::string tag_;
+  const std::string secret_ = dtensor::NewStoreSecret().value_or("");
   dtensor::testing::ScopedTempDir temp_{"two_host_test"};  // removed after the destructor's body
   const std::string& dir_ = temp_.path();
   bool up_ = false;
