@@ -926,7 +926,12 @@ absl::StatusOr<std::string> StoreClient::Call(uint8_t op, absl::Span<const std::
   std::string payload(len, '\0');
   DT_RETURN_IF_ERROR(check_recv(recv_all(payload.data(), len)));
   if (code != 0) {
-    return absl::Status(static_cast<absl::StatusCode>(code), absl::StrCat("[TcpStore] ", what, ": ", payload));
+    const auto status_code = static_cast<absl::StatusCode>(code);
+    // A refused client: the server closes this connection; the next call starts afresh.
+    if (status_code == absl::StatusCode::kUnauthenticated || status_code == absl::StatusCode::kPermissionDenied) {
+      CloseLocked();
+    }
+    return absl::Status(status_code, absl::StrCat("[TcpStore] ", what, ": ", payload));
   }
   return payload;
 }
