@@ -1,8 +1,5 @@
 #include "dtensor/collectives/store/rendezvous.h"
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-
 #include <atomic>
 #include <cstdio>
 #include <optional>
@@ -84,22 +81,6 @@ std::string FirstHost(const std::string& list) {
     pos = close + 1;
   }
   return host;
-}
-
-// Whether fd is a listening TCP socket on `port` (an inherited DTENSOR_STORE_FD that is still
-// the one dtrun bound: a second ConnectStore in the process finds it closed, or reused).
-bool IsListeningOn(int fd, int port) {
-  int listening = 0;
-  socklen_t len = sizeof(listening);
-  sockaddr_storage ss{};
-  socklen_t ss_len = sizeof(ss);
-  if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || listening == 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &ss_len) != 0) {
-    return false;
-  }
-  if (ss.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port) == port;
-  if (ss.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port) == port;
-  return false;
 }
 
 }  // namespace
@@ -223,7 +204,8 @@ absl::StatusOr<std::unique_ptr<StoreClient>> ConnectStore(const LaunchInfo& info
   // The inherited socket is a process resource handed over once: the first ConnectStore takes
   // it (its server closes it); a later one binds the port itself.
   static std::atomic<bool> inherited_socket_taken{false};
-  if (info.store_fd >= 0 && IsListeningOn(info.store_fd, info.master_port) && !inherited_socket_taken.exchange(true)) {
+  if (info.store_fd >= 0 && ListeningPort(info.store_fd) == info.master_port &&
+      !inherited_socket_taken.exchange(true)) {
     DT_ASSIGN_OR_RETURN(
         server, StoreServer::StartOnSocket(info.store_fd, info.master_addr, absl::Seconds(30), info.store_secret));
   } else {

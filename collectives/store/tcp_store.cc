@@ -242,6 +242,20 @@ absl::StatusOr<std::string> NewStoreSecret() {
   return absl::BytesToHexString(bytes);
 }
 
+int ListeningPort(int fd) {
+  int listening = 0;
+  socklen_t len = sizeof(listening);
+  sockaddr_storage ss{};
+  socklen_t ss_len = sizeof(ss);
+  if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) != 0 || listening == 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &ss_len) != 0) {
+    return -1;
+  }
+  if (ss.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  if (ss.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port);
+  return -1;
+}
+
 absl::StatusOr<StoreListener> ListenForStore(const std::string& host, int port) {
   DT_ASSIGN_OR_RETURN(auto addrs, Resolve(host, port, /*passive=*/true));
   std::string last_error;
@@ -258,12 +272,7 @@ absl::StatusOr<StoreListener> ListenForStore(const std::string& host, int port) 
       close(fd);
       continue;
     }
-    sockaddr_storage bound{};
-    socklen_t bound_len = sizeof(bound);
-    getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &bound_len);
-    const int actual_port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                                                        : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-    return StoreListener{.fd = fd, .port = actual_port};
+    return StoreListener{.fd = fd, .port = ListeningPort(fd)};
   }
   return absl::UnavailableError(absl::StrCat("[TcpStore] cannot listen on ", host, ":", port, ": ", last_error));
 }
@@ -532,12 +541,8 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const std::strin
 absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::StartOnSocket(int listen_fd, const std::string& host,
                                                                         absl::Duration message_timeout,
                                                                         std::string secret) {
-  int listening = 0;
-  socklen_t opt_len = sizeof(listening);
-  sockaddr_storage bound{};
-  socklen_t bound_len = sizeof(bound);
-  if (getsockopt(listen_fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &opt_len) != 0 || listening == 0 ||
-      getsockname(listen_fd, reinterpret_cast<sockaddr*>(&bound), &bound_len) != 0) {
+  const int actual_port = ListeningPort(listen_fd);
+  if (actual_port < 0) {
     if (listen_fd >= 0) close(listen_fd);
     return absl::InvalidArgumentError(
         absl::StrCat("[TcpStore] fd ", listen_fd, " is not a listening socket (for the store on ", host, ")"));
@@ -549,8 +554,6 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::StartOnSocket(int list
   // An inherited socket may be blocking and inheritable: the loop accepts until EAGAIN.
   fcntl(listen_fd, F_SETFL, fcntl(listen_fd, F_GETFL) | O_NONBLOCK);
   fcntl(listen_fd, F_SETFD, FD_CLOEXEC);
-  const int actual_port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                                                      : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
   int wake[2];
   if (pipe2(wake, O_CLOEXEC | O_NONBLOCK) != 0) {
     const int err = errno;

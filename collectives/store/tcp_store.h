@@ -65,6 +65,8 @@ struct StoreListener {
 };
 // host and port as for StoreServer::Start (port 0: a free one).
 absl::StatusOr<StoreListener> ListenForStore(const std::string& host, int port);
+// The port of a listening TCP socket, or -1 if fd is not one.
+int ListeningPort(int fd);
 
 // Serves one store from a background thread (one poll loop; blocked Get/Wait calls are parked
 // in the server, not in threads). Binds only the given address. Destruction stops the thread and
