@@ -5,6 +5,8 @@
 // must succeed or return a clean error: never crash, throw, read outside the directory or
 // write outside its targets.
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -30,6 +32,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       {.name = "a", .tensor = *a}, {.name = "b", .tensor = *b}, {.name = "c", .tensor = *c, .stored_shape = {6, 2}}};
   LoadStats stats;
   const absl::Status s = LoadCheckpoint(dir, state, &stats);
+  if (std::getenv("FUZZ_VERBOSE") != nullptr) std::fprintf(stderr, "LoadCheckpoint: %s\n", s.ToString().c_str());
   if (!s.ok()) FUZZ_CHECK(fuzz::IsCleanError(s));
   // Only the one data file of the directory can be opened.
   FUZZ_CHECK(stats.files_opened <= 1);

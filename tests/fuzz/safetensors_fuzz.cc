@@ -3,6 +3,8 @@
 // config.json beside it. Both must return a value or a clean error, never crash; a file that
 // reads holds tensors whose bytes add up to at most the file's size.
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "dtensor/nn/safetensors.h"
@@ -21,6 +23,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace dtensor;
   const std::string path = fuzz::WriteTempFile("model.safetensors", data, size);
   absl::StatusOr<NamedTensors> file = ReadSafetensors(path);
+  if (std::getenv("FUZZ_VERBOSE") != nullptr)
+    std::fprintf(stderr, "ReadSafetensors: %s\n", file.status().ToString().c_str());
   if (!file.ok()) {
     FUZZ_CHECK(fuzz::IsCleanError(file.status()));
     return 0;
@@ -34,6 +38,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const std::string config =
       fuzz::WriteTempFile("config.json", reinterpret_cast<const uint8_t*>(kConfig), sizeof(kConfig) - 1);
   absl::StatusOr<gpt::HfGpt2> hf = gpt::ReadHfGpt2(path);
+  if (std::getenv("FUZZ_VERBOSE") != nullptr) std::fprintf(stderr, "ReadHfGpt2: %s\n", hf.status().ToString().c_str());
   if (!hf.ok()) {
     FUZZ_CHECK(fuzz::IsCleanError(hf.status()));
   } else {
