@@ -56,7 +56,7 @@ while read -r name prog corpus; do
   printf '%-22s %12s %8s %8s %8s  %s\n' "$name" "${execs:-?}" "${cov:-?}" "${ft:-?}" "$crashes" "$status"
   if [[ $status != ok ]]; then
     echo "---- $name: the end of its log (whole log and inputs in $findings/$name) ----"
-    grep -v '^#[0-9]' "$log" | tail -40
+    grep -v '^#[0-9]' "$log" | tail -40 | cut -c1-300
     echo "----"
   fi
 done <"$list"
