@@ -391,15 +391,18 @@ class Files {
 // The metadata is read defensively: it is a file, so any value may have any JSON type (reading
 // one as another would throw), and numbers are checked before they are used as sizes.
 
-// `j` as an int64, when it is an integer that fits.
-std::optional<int64_t> AsInt64(const Json& j) {
+// `j` as an int64 when it is an integer that fits, else `fallback`.
+int64_t IntOr(const Json& j, int64_t fallback) {
   if (j.is_number_unsigned()) {
     const uint64_t v = j.get<uint64_t>();
-    if (v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) return std::nullopt;
-    return static_cast<int64_t>(v);
+    return v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ? fallback : static_cast<int64_t>(v);
   }
-  if (j.is_number_integer()) return j.get<int64_t>();
-  return std::nullopt;
+  return j.is_number_integer() ? j.get<int64_t>() : fallback;
+}
+
+// The integer member `key` of the object `j` (see IntOr), or `fallback` when it has none.
+int64_t IntMemberOr(const Json& j, const char* key, int64_t fallback) {
+  return j.contains(key) ? IntOr(j[key], fallback) : fallback;
 }
 
 // `j` as a shape or box (an array of non-negative int64s), when it is one.
@@ -407,9 +410,9 @@ std::optional<Shape> AsShape(const Json& j) {
   if (!j.is_array() || j.size() > 64) return std::nullopt;
   Shape out;
   for (const Json& e : j) {
-    const std::optional<int64_t> v = AsInt64(e);
-    if (!v.has_value() || *v < 0) return std::nullopt;
-    out.push_back(*v);
+    const int64_t v = IntOr(e, -1);
+    if (v < 0) return std::nullopt;
+    out.push_back(v);
   }
   return out;
 }
@@ -452,14 +455,11 @@ absl::StatusOr<PieceInfo> ParsePiece(const Json& j, const Shape& stored, int64_t
       p.file.find('\0') != std::string::npos) {
     return bad(absl::StrCat("file \"", absl::CHexEscape(p.file), "\" (not a file name in the checkpoint directory)"));
   }
-  const std::optional<int64_t> file_offset = j.contains("file_offset") ? AsInt64(j["file_offset"]) : std::nullopt;
-  const std::optional<int64_t> bytes = j.contains("bytes") ? AsInt64(j["bytes"]) : std::nullopt;
-  if (!file_offset.has_value() || !bytes.has_value() || *file_offset < 0 ||
-      *bytes > std::numeric_limits<int64_t>::max() - *file_offset) {
+  p.file_offset = IntMemberOr(j, "file_offset", -1);
+  p.bytes = IntMemberOr(j, "bytes", -1);
+  if (p.file_offset < 0 || p.bytes < 0 || p.bytes > std::numeric_limits<int64_t>::max() - p.file_offset) {
     return bad("no valid file_offset and bytes");
   }
-  p.file_offset = *file_offset;
-  p.bytes = *bytes;
   if (numel > std::numeric_limits<int64_t>::max() / elem || p.bytes != numel * elem) {
     return bad(absl::StrCat(p.bytes, " bytes for a box ", ShapeString(p.box), " of ", elem, "-byte elements"));
   }
@@ -468,9 +468,9 @@ absl::StatusOr<PieceInfo> ParsePiece(const Json& j, const Shape& stored, int64_t
     return bad(absl::StrCat("no crc32 array of ", blocks, " checksums"));
   }
   for (const Json& c : j["crc32"]) {
-    const std::optional<int64_t> v = AsInt64(c);
-    if (!v.has_value() || *v < 0 || *v > int64_t{0xffffffff}) return bad("a crc32 that is not a 32-bit checksum");
-    p.crcs.push_back(static_cast<uint32_t>(*v));
+    const int64_t v = IntOr(c, -1);
+    if (v < 0 || v > int64_t{0xffffffff}) return bad("a crc32 that is not a 32-bit checksum");
+    p.crcs.push_back(static_cast<uint32_t>(v));
   }
   return p;
 }
@@ -690,9 +690,7 @@ absl::Status LoadCheckpoint(const std::string& dir, const CheckpointState& state
     return absl::DataLossError(absl::StrCat("[LoadCheckpoint] ", path, " is not a dtensor checkpoint's metadata"));
   }
   const Json& tensors = meta["tensors"];
-  const std::optional<int64_t> block_bytes_value =
-      meta.contains("block_bytes") ? AsInt64(meta["block_bytes"]) : std::nullopt;
-  const int64_t block_bytes = block_bytes_value.value_or(0);
+  const int64_t block_bytes = IntMemberOr(meta, "block_bytes", 0);
   if (block_bytes < 1) return absl::DataLossError(absl::StrCat("[LoadCheckpoint] ", path, ": bad block_bytes"));
   Files files(dir, stats);
   for (const StateEntry& e : state) {
