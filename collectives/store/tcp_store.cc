@@ -391,6 +391,21 @@ Parse ParseRequest(const std::string& in, Request& req, std::string& error) {
 
 }  // namespace
 
+absl::StatusOr<size_t> ParseStoreRequest(std::string_view bytes) {
+  Request req;
+  std::string error;
+  switch (ParseRequest(std::string(bytes), req, error)) {
+    case Parse::kNeedMore:
+      return size_t{0};
+    case Parse::kMessage:
+      return req.consumed;
+    case Parse::kDrop:
+    case Parse::kErrorAndClose:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("[ParseStoreRequest] ", error));
+}
+
 struct StoreServer::State {
   std::unordered_map<std::string, std::string> data;
   std::map<int, Conn> conns;  // by fd

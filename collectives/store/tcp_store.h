@@ -165,6 +165,12 @@ class StoreClient {
   std::unique_ptr<StoreServer> server_;  // destroyed after fd_ is closed
 };
 
+// The server's parse of the request at the front of `bytes`, for tests and fuzzing (the wire
+// format stays private): the number of bytes the first request takes when `bytes` starts with a
+// whole valid one; 0 when it starts with a valid prefix and more bytes are needed; otherwise
+// InvalidArgument with the reason the server gives when it drops the connection.
+absl::StatusOr<size_t> ParseStoreRequest(std::string_view bytes);
+
 }  // namespace dtensor
 
 #endif  // DTENSOR_COLLECTIVES_STORE_TCP_STORE_H_

@@ -10,11 +10,13 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <optional>
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -386,16 +388,99 @@ class Files {
   std::map<std::string, int> fds_;
 };
 
-Shape ToShape(const Json& j) {
-  const std::vector<int64_t> v = j.get<std::vector<int64_t>>();
-  return Shape(v.begin(), v.end());
+// The metadata is read defensively: it is a file, so any value may have any JSON type (reading
+// one as another would throw), and numbers are checked before they are used as sizes.
+
+// `j` as an int64 when it is an integer that fits, else `fallback`.
+int64_t IntOr(const Json& j, int64_t fallback) {
+  if (j.is_number_unsigned()) {
+    const uint64_t v = j.get<uint64_t>();
+    return v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ? fallback : static_cast<int64_t>(v);
+  }
+  return j.is_number_integer() ? j.get<int64_t>() : fallback;
+}
+
+// The integer member `key` of the object `j` (see IntOr), or `fallback` when it has none.
+int64_t IntMemberOr(const Json& j, const char* key, int64_t fallback) {
+  return j.contains(key) ? IntOr(j[key], fallback) : fallback;
+}
+
+// `j` as a shape or box (an array of non-negative int64s), when it is one.
+std::optional<Shape> AsShape(const Json& j) {
+  if (!j.is_array() || j.size() > 64) return std::nullopt;
+  Shape out;
+  for (const Json& e : j) {
+    const int64_t v = IntOr(e, -1);
+    if (v < 0) return std::nullopt;
+    out.push_back(v);
+  }
+  return out;
+}
+
+// One stored piece, validated against its tensor's stored shape.
+struct PieceInfo {
+  Shape offset;  // in the stored shape
+  Shape box;
+  std::string file;  // a file name in the checkpoint directory
+  int64_t file_offset = 0;
+  int64_t bytes = 0;
+  std::vector<uint32_t> crcs;  // one per block_bytes
+};
+
+absl::StatusOr<PieceInfo> ParsePiece(const Json& j, const Shape& stored, int64_t elem, int64_t block_bytes,
+                                     const std::string& tensor, const std::string& dir) {
+  auto bad = [&](const std::string& what) {
+    return absl::DataLossError(absl::StrCat("[LoadCheckpoint] tensor ", tensor, " in ", dir, ": a piece with ", what));
+  };
+  if (!j.is_object()) return bad("a JSON " + std::string(j.type_name()) + " for a piece");
+  PieceInfo p;
+  const std::optional<Shape> offset = j.contains("offset") ? AsShape(j["offset"]) : std::nullopt;
+  const std::optional<Shape> box = j.contains("box") ? AsShape(j["box"]) : std::nullopt;
+  if (!offset.has_value() || !box.has_value() || offset->size() != stored.size() || box->size() != stored.size()) {
+    return bad(absl::StrCat("no offset and box of ", stored.size(), " non-negative integers"));
+  }
+  p.offset = *offset;
+  p.box = *box;
+  int64_t numel = 1;
+  for (size_t d = 0; d < stored.size(); ++d) {
+    if (p.offset[d] > stored[d] || p.box[d] > stored[d] - p.offset[d]) {
+      return bad(absl::StrCat("offset ", ShapeString(p.offset), " and box ", ShapeString(p.box), " outside ",
+                              ShapeString(stored)));
+    }
+    numel *= p.box[d];  // <= the stored tensor's element count
+  }
+  if (!j.contains("file") || !j["file"].is_string()) return bad("no file name");
+  p.file = j["file"].get<std::string>();
+  if (p.file.empty() || p.file == "." || p.file == ".." || p.file.find('/') != std::string::npos ||
+      p.file.find('\0') != std::string::npos) {
+    return bad(absl::StrCat("file \"", absl::CHexEscape(p.file), "\" (not a file name in the checkpoint directory)"));
+  }
+  p.file_offset = IntMemberOr(j, "file_offset", -1);
+  p.bytes = IntMemberOr(j, "bytes", -1);
+  if (p.file_offset < 0 || p.bytes < 0 || p.bytes > std::numeric_limits<int64_t>::max() - p.file_offset) {
+    return bad("no valid file_offset and bytes");
+  }
+  if (numel > std::numeric_limits<int64_t>::max() / elem || p.bytes != numel * elem) {
+    return bad(absl::StrCat(p.bytes, " bytes for a box ", ShapeString(p.box), " of ", elem, "-byte elements"));
+  }
+  const int64_t blocks = p.bytes / block_bytes + (p.bytes % block_bytes != 0 ? 1 : 0);
+  if (!j.contains("crc32") || !j["crc32"].is_array() || static_cast<int64_t>(j["crc32"].size()) != blocks) {
+    return bad(absl::StrCat("no crc32 array of ", blocks, " checksums"));
+  }
+  for (const Json& c : j["crc32"]) {
+    const int64_t v = IntOr(c, -1);
+    if (v < 0 || v > int64_t{0xffffffff}) return bad("a crc32 that is not a 32-bit checksum");
+    p.crcs.push_back(static_cast<uint32_t>(v));
+  }
+  return p;
 }
 
 // Copies the part of a stored piece that overlaps `box` into `out` (box-shaped, row-major),
 // reading and verifying only the checksum blocks that hold it; returns the elements copied.
-absl::StatusOr<int64_t> CopyOverlap(Files& files, const Json& piece, const LocalBox& box, int64_t elem,
+absl::StatusOr<int64_t> CopyOverlap(Files& files, const PieceInfo& piece, const LocalBox& box, int64_t elem,
                                     int64_t block_bytes, const std::string& tensor, char* out) {
-  const Shape po = ToShape(piece.at("offset")), ps = ToShape(piece.at("box"));
+  const Shape& po = piece.offset;
+  const Shape& ps = piece.box;
   const size_t nd = box.shape.size();
   if (po.size() != nd || ps.size() != nd) {
     return absl::DataLossError(absl::StrCat("[LoadCheckpoint] tensor ", tensor, ": a piece of the wrong rank"));
@@ -414,9 +499,9 @@ absl::StatusOr<int64_t> CopyOverlap(Files& files, const Json& piece, const Local
     run *= ext[--inner];
   }
   if (inner > 0) run *= ext[--inner];  // the dims [inner, nd) form one contiguous run
-  const std::string file = piece.at("file");
-  const int64_t file_offset = piece.at("file_offset"), bytes = piece.at("bytes");
-  const std::vector<uint32_t> crcs = piece.at("crc32");
+  const std::string& file = piece.file;
+  const int64_t file_offset = piece.file_offset, bytes = piece.bytes;
+  const std::vector<uint32_t>& crcs = piece.crcs;
   std::map<int64_t, std::vector<char>> blocks;  // verified blocks of this piece
   auto block = [&](int64_t b) -> absl::StatusOr<const std::vector<char>*> {
     auto it = blocks.find(b);
@@ -600,11 +685,12 @@ absl::Status LoadCheckpoint(const std::string& dir, const CheckpointState& state
   std::stringstream text;
   text << in.rdbuf();
   const Json meta = Json::parse(text.str(), nullptr, false);
-  if (meta.is_discarded() || !meta.is_object() || meta.value("format", "") != kFormat || !meta.contains("tensors")) {
+  if (meta.is_discarded() || !meta.is_object() || !meta.contains("format") || meta["format"] != kFormat ||
+      !meta.contains("tensors") || !meta["tensors"].is_object()) {
     return absl::DataLossError(absl::StrCat("[LoadCheckpoint] ", path, " is not a dtensor checkpoint's metadata"));
   }
   const Json& tensors = meta["tensors"];
-  const int64_t block_bytes = meta.value("block_bytes", int64_t{0});
+  const int64_t block_bytes = IntMemberOr(meta, "block_bytes", 0);
   if (block_bytes < 1) return absl::DataLossError(absl::StrCat("[LoadCheckpoint] ", path, ": bad block_bytes"));
   Files files(dir, stats);
   for (const StateEntry& e : state) {
@@ -617,15 +703,22 @@ absl::Status LoadCheckpoint(const std::string& dir, const CheckpointState& state
                                               absl::StrJoin(have, ", "), ")"));
     }
     const Json& tm = tensors[name];
+    if (!tm.is_object() || !tm.contains("shape") || !tm.contains("dtype") || !tm["dtype"].is_string() ||
+        !tm.contains("pieces") || !tm["pieces"].is_array()) {
+      return absl::DataLossError(absl::StrCat("[LoadCheckpoint] tensor ", name, " in ", path,
+                                              ": no shape, dtype and pieces in ",
+                                              tm.dump(-1, ' ', false, Json::error_handler_t::replace).substr(0, 200)));
+    }
     const DTensor* d = std::get_if<DTensor>(&t);
     const Tensor& local = d != nullptr ? d->ToLocal() : std::get<Tensor>(t);
     DT_ASSIGN_OR_RETURN(auto shapes, Shapes(e));
     const Shape& shape = shapes.first;
-    absl::StatusOr<DType> stored = ParseDType(tm.value("dtype", ""));
-    if (!stored.ok() || ToShape(tm.at("shape")) != shapes.second || *stored != local.dtype()) {
-      return absl::InvalidArgumentError(absl::StrCat("[LoadCheckpoint] tensor ", name, " is ", tm["shape"].dump(), " ",
-                                                     tm.value("dtype", "?"), " in ", dir, ", the target ",
-                                                     ShapeString(shapes.second), " ", DTypeName(local.dtype())));
+    absl::StatusOr<DType> stored = ParseDType(tm["dtype"].get<std::string>());
+    if (!stored.ok() || AsShape(tm["shape"]) != shapes.second || *stored != local.dtype()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "[LoadCheckpoint] tensor ", name, " is ", tm["shape"].dump(-1, ' ', false, Json::error_handler_t::replace),
+          " ", absl::CHexEscape(tm["dtype"].get<std::string>()), " in ", dir, ", the target ",
+          ShapeString(shapes.second), " ", DTypeName(local.dtype())));
     }
     LocalBox box{.offset = Shape(shape.size(), 0), .shape = shape};
     bool zeros = false;  // Partial(sum) off coordinate 0: this rank's part is zero
@@ -649,8 +742,13 @@ absl::Status LoadCheckpoint(const std::string& dir, const CheckpointState& state
       int64_t filled = 0;
       const int64_t elem = static_cast<int64_t>(ElementSize(local.dtype()));
       char* out = static_cast<char*>(buffer.raw_data());
+      std::vector<PieceInfo> pieces;
+      for (const Json& j : tm["pieces"]) {
+        DT_ASSIGN_OR_RETURN(PieceInfo piece, ParsePiece(j, shapes.second, elem, block_bytes, name, dir));
+        pieces.push_back(std::move(piece));
+      }
       for (const LocalBox& sb : StoredBoxes(box, shapes.first, shapes.second)) {  // in order, back to back
-        for (const Json& piece : tm.at("pieces")) {
+        for (const PieceInfo& piece : pieces) {
           DT_ASSIGN_OR_RETURN(int64_t n, CopyOverlap(files, piece, sb, elem, block_bytes, name, out));
           filled += n;
         }

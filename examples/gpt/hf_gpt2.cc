@@ -169,9 +169,11 @@ absl::StatusOr<nn::GPTConfig> GptConfigFromHfJson(const std::string& json_text, 
   if (c.n_embd % c.n_head != 0) {
     return InvalidArg(kOp, "'", source, "': n_embd ", c.n_embd, " is not a multiple of n_head ", c.n_head);
   }
+  // n_inner is compared as n_inner / 4 == n_embd: 4 * n_embd may not fit in 64 bits.
   if (auto it = j.find("n_inner");
-      it != j.end() && !it->is_null() && !(it->is_number_integer() && it->get<int64_t>() == 4 * c.n_embd)) {
-    return unsupported("n_inner", *it, absl::StrCat("null or 4 * n_embd = ", 4 * c.n_embd).c_str());
+      it != j.end() && !it->is_null() &&
+      !(it->is_number_integer() && it->get<int64_t>() % 4 == 0 && it->get<int64_t>() / 4 == c.n_embd)) {
+    return unsupported("n_inner", *it, absl::StrCat("null or 4 * n_embd = 4 * ", c.n_embd).c_str());
   }
   return c;
 }

@@ -18,16 +18,20 @@ using Json = nlohmann::ordered_json;
 
 absl::StatusOr<ParallelDims> ParallelDims::Resolve(int64_t world) const {
   ParallelDims d = *this;
+  // Each known degree is checked against world / (the product so far), so the product of the
+  // degrees never exceeds world and cannot overflow.
   int64_t known = 1, unknown = 0;
+  bool ok = world >= 1;
   for (int64_t* x : {&d.dp_replicate, &d.dp_shard, &d.tp}) {
     if (*x == -1) {
       ++unknown;
+    } else if (*x < 1 || world < 1 || *x > world / known) {
+      ok = false;
     } else {
       known *= *x;
     }
   }
-  bool ok = unknown <= 1 && d.dp_replicate != 0 && d.dp_shard != 0 && d.tp != 0 && d.dp_replicate >= -1 &&
-            d.dp_shard >= -1 && d.tp >= -1 && known > 0;
+  ok = ok && unknown <= 1;
   if (ok && unknown == 1) {
     ok = world % known == 0;
     for (int64_t* x : {&d.dp_replicate, &d.dp_shard, &d.tp}) {
