@@ -13,10 +13,11 @@
 // signal); 2 for usage errors. A failed rank's peers first get --failure-wait-s (default 1 s)
 // to notice it and exit with their own error, which names the operation and the peer (a dead
 // peer is seen within milliseconds); stopped ranks (SIGSTOP) are sent SIGCONT with the SIGTERM.
-// A rank that dies without exiting cleanly (a signal, _exit) leaves its OpenMP runtime's registration
-// file behind (LLVM libomp: /dev/shm/__KMP_REGISTERED_LIB_<pid>_<uid>); dtrun removes the
-// files of its exited ranks, while their pids are still reserved (see below). Each rank runs in its own process group
-// (so the signal reaches its children too, also after the rank itself exited) and dies with dtrun (PR_SET_PDEATHSIG);
+// A rank that dies without exiting cleanly (a signal, _exit) leaves its OpenMP runtime's
+// registration file behind (LLVM libomp: /dev/shm/__KMP_REGISTERED_LIB_<pid>_<uid>); dtrun
+// removes the files of its exited ranks while their pids are still reserved (see below).
+// Each rank runs in its own process group (so the signal reaches its children too, also
+// after the rank itself exited) and dies with dtrun (PR_SET_PDEATHSIG);
 // when every rank has exited, what is left in their groups is killed. Ranks read /dev/null as
 // stdin (a background group reading the terminal would stop).
 // CPU binding (--cpu-bind auto, the default): when this node has at least as many CPUs as ranks
