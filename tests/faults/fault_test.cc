@@ -383,10 +383,12 @@ void FaultTrials::Trial(uint64_t seed, Fault fault, const std::string& kind, int
           for (pid_t c : ChildrenOf(d)) ranks.push_back(c);
         }
       }
-      if (static_cast<int>(ranks.size()) >= expect) break;
+      // Complete once each has exec'd the trainer (a child still in dtrun's fork has no RANK).
+      bool named = static_cast<int>(ranks.size()) >= expect;
+      for (pid_t p : ranks) named = named && (rank_of[p] = RankOf(p)) >= 0;
+      if (named) break;
       absl::SleepFor(absl::Milliseconds(10));
     }
-    for (pid_t p : ranks) rank_of[p] = RankOf(p);
   };
 
   ProcessRun run, run1;
