@@ -294,8 +294,10 @@ class FaultTrials : public ::testing::Test {
         ours |= name.find(absl::StrCat("_", p, "_")) != std::string::npos ||
                 name.find(absl::StrCat("-", p, "-")) != std::string::npos || absl::EndsWith(name, absl::StrCat("_", p));
       }
-      // Entries without a pid in their name (UCX's): new and used by no process.
-      if (ours || !in_use.count("/dev/shm/" + name)) found.push_back("/dev/shm/" + name);
+      // Entries named by another process's pid belong to other jobs on this host; entries
+      // without a pid in their name (UCX's): new and used by no process.
+      const bool other_pid = absl::StartsWith(name, "__KMP_REGISTERED_LIB_") || absl::StartsWith(name, "dtensor-ucx-");
+      if (ours || (!other_pid && !in_use.count("/dev/shm/" + name))) found.push_back("/dev/shm/" + name);
     }
     for (pid_t cpid : SysvCreators()) {
       if (ids.count(cpid) && !sysv_before.count(cpid)) found.push_back(absl::StrCat("sysv shm of process ", cpid));
