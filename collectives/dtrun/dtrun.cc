@@ -15,8 +15,14 @@
 // split). SIGINT/SIGTERM/SIGHUP are forwarded to the ranks. When a rank
 // fails (non-zero exit or a signal), the others get SIGTERM, then SIGKILL after the grace period.
 // Exit status: 0 if all ranks succeed, else the first failure's code (128 + signal for a
-// signal); 2 for usage errors. Each rank runs in its own process group (so the signal reaches
-// its children too, also after the rank itself exited) and dies with dtrun (PR_SET_PDEATHSIG);
+// signal); 2 for usage errors. A failed rank's peers first get --failure-wait-s (default 1 s)
+// to notice it and exit with their own error, which names the operation and the peer (a dead
+// peer is seen within milliseconds); stopped ranks (SIGSTOP) are sent SIGCONT with the SIGTERM.
+// A rank that dies without exiting cleanly (a signal, _exit) leaves its OpenMP runtime's
+// registration file behind (LLVM libomp: /dev/shm/__KMP_REGISTERED_LIB_<pid>_<uid>); dtrun
+// removes the files of its exited ranks while their pids are still reserved (see below).
+// Each rank runs in its own process group (so the signal reaches its children too, also
+// after the rank itself exited) and dies with dtrun (PR_SET_PDEATHSIG);
 // when every rank has exited, what is left in their groups is killed. Ranks read /dev/null as
 // stdin (a background group reading the terminal would stop).
 // CPU binding (--cpu-bind auto, the default): when this node has at least as many CPUs as ranks
@@ -58,13 +64,15 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: dtrun --nproc-per-node N [--nnodes M --node-rank K] [--master-addr A] [--master-port P]\n"
-    "             [--grace-period-s S] [--cpu-bind auto|none] [--] PROGRAM [ARGS...]\n"
+    "             [--grace-period-s S] [--failure-wait-s S] [--cpu-bind auto|none] [--] PROGRAM [ARGS...]\n"
     "  --nproc-per-node N  ranks to start on this node (required, >= 1)\n"
     "  --nnodes M          nodes in the run (default 1)\n"
     "  --node-rank K       this node's index, 0..M-1 (default 0)\n"
     "  --master-addr A     address of rank 0's store (default 127.0.0.1)\n"
     "  --master-port P     its port (default: a free port when M == 1, else 29500)\n"
     "  --grace-period-s S  seconds between SIGTERM and SIGKILL when stopping ranks (default 5)\n"
+    "  --failure-wait-s S  seconds the other ranks get after a rank failed to exit with their own\n"
+    "                      error before they are sent SIGTERM (default 1)\n"
     "  --cpu-bind auto|none  auto (default): bind each rank to its own share of this node's CPUs\n"
     "                      (whole cores), or with more ranks than CPUs consecutive ranks to one\n"
     "                      CPU each; two jobs on one host: give each its own CPUs (taskset) or\n"
@@ -77,6 +85,7 @@ struct Options {
   std::string master_addr = "127.0.0.1";
   int master_port = -1;
   double grace_s = 5;
+  double failure_wait_s = 1;
   bool cpu_bind = true;
   std::vector<std::string> command;
 };
@@ -131,6 +140,8 @@ int ParseArgs(int argc, char** argv, Options& opt) {
       opt.cpu_bind = value == "auto";
     } else if (arg == "--grace-period-s") {
       ok = absl::SimpleAtod(value, &opt.grace_s) && opt.grace_s >= 0 && opt.grace_s <= 3600;
+    } else if (arg == "--failure-wait-s") {
+      ok = absl::SimpleAtod(value, &opt.failure_wait_s) && opt.failure_wait_s >= 0 && opt.failure_wait_s <= 3600;
     } else {
       return UsageError(absl::StrCat("unknown option ", arg));
     }
@@ -220,6 +231,14 @@ int ExitCode(const siginfo_t& info) { return info.si_code == CLD_EXITED ? info.s
 std::string DescribeExit(const siginfo_t& info) {
   if (info.si_code == CLD_EXITED) return absl::StrCat("exited with code ", info.si_status);
   return absl::StrCat("was killed by signal ", info.si_status, " (", strsignal(info.si_status), ")");
+}
+
+// LLVM libomp's registration file of process `pid` (/dev/shm/__KMP_REGISTERED_LIB_<pid>_<uid>,
+// older releases without _<uid>), which it removes only at a clean exit. Call while `pid` is an
+// unreaped zombie, so that no other process can own it.
+void RemoveOpenMpFiles(pid_t pid) {
+  unlink(absl::StrCat("/dev/shm/__KMP_REGISTERED_LIB_", pid, "_", getuid()).c_str());
+  unlink(absl::StrCat("/dev/shm/__KMP_REGISTERED_LIB_", pid).c_str());
 }
 
 }  // namespace
@@ -338,8 +357,12 @@ int main(int argc, char** argv) {
     if (stopping) return;
     stopping = true;
     signal_all(SIGTERM);
+    signal_all(SIGCONT);  // a stopped rank acts on SIGTERM only once continued
     kill_at = absl::Now() + absl::Seconds(opt.grace_s);
   };
+  // After a rank failed: the others get failure_wait_s to exit on their own (with an error
+  // naming the failed peer), then stop_all.
+  absl::Time stop_at = absl::InfiniteFuture();
 
   for (int local = 0; local < opt.nproc; ++local) {
     Rank& r = ranks[local];
@@ -426,6 +449,7 @@ int main(int argc, char** argv) {
         continue;
       }
       r.running = false;
+      RemoveOpenMpFiles(r.pid);  // stale whatever the exit: left by a signal or _exit
       const int code = ExitCode(info);
       if (code != 0 && first_failure == 0) {
         first_failure = code;
@@ -433,7 +457,7 @@ int main(int argc, char** argv) {
           std::fprintf(stderr, "dtrun: rank %d %s; stopping the other ranks\n", r.global_rank,
                        DescribeExit(info).c_str());
         }
-        stop_all();
+        stop_at = absl::Now() + absl::Seconds(opt.failure_wait_s);
       }
     }
     bool any_running = false, any_open = false;
@@ -446,6 +470,10 @@ int main(int argc, char** argv) {
     // Done when every rank is reaped and its output drained (grandchildren that keep the pipes
     // open get one second).
     if (!any_running && (!any_open || now - all_exited_at > absl::Seconds(1))) break;
+    if (any_running && now >= stop_at) {
+      stop_all();
+      stop_at = absl::InfiniteFuture();
+    }
     if (any_running && now >= kill_at) {
       signal_all(SIGKILL);
       kill_at = absl::InfiniteFuture();
@@ -462,8 +490,11 @@ int main(int argc, char** argv) {
       }
     }
     int wait_ms = 100;
-    if (kill_at != absl::InfiniteFuture()) {
-      wait_ms = static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(kill_at - now) + 1, 0, 100));
+    for (const absl::Time at : {kill_at, stop_at}) {
+      if (at != absl::InfiniteFuture()) {
+        wait_ms =
+            std::min(wait_ms, static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(at - now) + 1, 0, 100)));
+      }
     }
     if (poll(pfds.data(), pfds.size(), wait_ms) < 0 && errno != EINTR) break;
     if (pfds[0].revents & POLLIN) {

@@ -311,19 +311,23 @@ absl::Status ShmGroup::WaitFor(int j, uint64_t epoch, const UcxWaitContext& ctx)
       for (size_t k = 0; k < members_.size(); ++k) {
         if (static_cast<int>(k) == rank_) continue;
         const std::string& gone = world_->gone(members_[k]);
+        const UcxRankNames n =
+            NameRanks(ctx.rank, members_[static_cast<size_t>(rank_)], static_cast<int>(k), members_[k]);
         if (!gone.empty()) {
           return absl::UnavailableError(
-              absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": peer rank ", k, " is gone (", gone, ")"));
+              absl::StrCat("[", ctx.op, "] ", n.self, ": peer ", n.peer, " is gone (", gone, ")"));
         }
         if (std::atomic_ref<uint32_t>(*failed_of(static_cast<int>(k))).load(std::memory_order_acquire) != 0) {
           return absl::UnavailableError(
-              absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": peer rank ", k, " failed (see its error)"));
+              absl::StrCat("[", ctx.op, "] ", n.self, ": peer ", n.peer, " failed (see its error)"));
         }
       }
       if (reached()) return absl::OkStatus();
       if (now >= deadline) {
-        return absl::DeadlineExceededError(absl::StrCat("[", ctx.op, "] rank ", ctx.rank, " timed out after ",
-                                                        absl::FormatDuration(ctx.timeout), " waiting for rank ", j));
+        const UcxRankNames n =
+            NameRanks(ctx.rank, members_[static_cast<size_t>(rank_)], j, members_[static_cast<size_t>(j)]);
+        return absl::DeadlineExceededError(absl::StrCat("[", ctx.op, "] ", n.self, " timed out after ",
+                                                        absl::FormatDuration(ctx.timeout), " waiting for ", n.peer));
       }
     }
     if (waited < spin_ns) continue;

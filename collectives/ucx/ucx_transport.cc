@@ -358,6 +358,12 @@ void UcxWorld::Sleep(int ms) {
   }
 }
 
+UcxRankNames NameRanks(int rank, int world_rank, int peer, int peer_world_rank) {
+  if (rank == world_rank && peer == peer_world_rank) return {absl::StrCat("rank ", rank), absl::StrCat("rank ", peer)};
+  return {absl::StrCat("rank ", rank, " (world rank ", world_rank, ")"),
+          absl::StrCat("rank ", peer, " (world rank ", peer_world_rank, ")")};
+}
+
 absl::Status UcxWorld::Failed(const UcxWaitContext& ctx) const {
   if (!absl::IsAborted(failure_)) return failure_;
   return absl::AbortedError(absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": ", failure_.message()));
@@ -387,15 +393,16 @@ absl::Status UcxWorld::Wait(UcxRequest& r, const UcxWaitContext& ctx) {
       ucp_worker_progress(worker_);
       if (Complete(r)) return Finish(r, ctx);
       if (PollAbort()) return Failed(ctx);  // its abort arrived before it exited
-      absl::Status s = absl::UnavailableError(
-          absl::StrCat("[", ctx.op, "] rank ", ctx.rank, ": peer rank ", r.peer, " is gone (", gone, ")"));
+      const UcxRankNames n = NameRanks(ctx.rank, rank_, r.peer, r.world_peer);
+      absl::Status s =
+          absl::UnavailableError(absl::StrCat("[", ctx.op, "] ", n.self, ": peer ", n.peer, " is gone (", gone, ")"));
       Fail(s);
       return s;
     }
     if (now >= deadline) {
-      absl::Status s =
-          absl::DeadlineExceededError(absl::StrCat("[", ctx.op, "] rank ", ctx.rank, " timed out after ",
-                                                   absl::FormatDuration(ctx.timeout), " waiting for rank ", r.peer));
+      const UcxRankNames n = NameRanks(ctx.rank, rank_, r.peer, r.world_peer);
+      absl::Status s = absl::DeadlineExceededError(absl::StrCat(
+          "[", ctx.op, "] ", n.self, " timed out after ", absl::FormatDuration(ctx.timeout), " waiting for ", n.peer));
       Fail(s);
       return s;
     }

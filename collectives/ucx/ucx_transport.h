@@ -54,6 +54,14 @@ struct UcxWaitContext {
   }
 };
 
+// How a wait's errors name this rank and the peer: their ranks in the group, and in a split
+// whose numbering differs from the world's also their world ranks (the numbers RANK and
+// dtrun's "[rank N]" prefixes use), e.g. "rank 1 (world rank 2)" / "rank 0 (world rank 0)".
+struct UcxRankNames {
+  std::string self, peer;
+};
+UcxRankNames NameRanks(int rank, int world_rank, int peer, int peer_world_rank);
+
 // A process's UCX state for one world, shared by the world communicator, its splits and their
 // pending point-to-point Works. Used by one thread at a time (the caller or its comm thread).
 class UcxWorld {
