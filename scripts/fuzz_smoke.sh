@@ -36,9 +36,14 @@ while read -r name prog corpus; do
   mkdir -p "$work/$name/corpus" "$work/$name/artifacts"
   cp -r "$corpus"/. "$work/$name/corpus/" 2>/dev/null
   log="$work/$name/log"
-  (cd "$work/$name" && "$prog" corpus -max_total_time="$seconds" -rss_limit_mb="${FUZZ_RSS_LIMIT_MB:-2048}" \
-    -timeout="${FUZZ_TIMEOUT_S:-10}" -print_final_stats=1 -artifact_prefix="$work/$name/artifacts/" >"$log" 2>&1)
+  (cd "$work/$name" && exec "$prog" corpus -max_total_time="$seconds" -rss_limit_mb="${FUZZ_RSS_LIMIT_MB:-2048}" \
+    -timeout="${FUZZ_TIMEOUT_S:-10}" -print_final_stats=1 -artifact_prefix="$work/$name/artifacts/" >"$log" 2>&1) &
+  pid=$!
+  wait "$pid"
   rc=$?
+  # libFuzzer ends with _exit, so the OpenMP runtime (LLVM's libomp with clang) leaves its
+  # registration file behind: remove it (the pid was this target's).
+  rm -f /dev/shm/__KMP_REGISTERED_LIB_"${pid}"_*
   execs=$(sed -n 's/^Done \([0-9]*\) runs.*/\1/p' "$log" | tail -1)
   [[ -z "$execs" ]] && execs=$(sed -n 's/^stat::number_of_executed_units: *\([0-9]*\).*/\1/p' "$log" | tail -1)
   covline=$(grep -E '^#[0-9]+.*cov: [0-9]+' "$log" | tail -1)
