@@ -256,6 +256,12 @@ absl::StatusOr<Flags> ReadFlags(const std::set<std::string>& given_flags) {
   if (f.steps < 0) return bad("steps", f.steps, "must be >= 0");
   if (f.log_every < 1) return bad("log-every", f.log_every, "must be >= 1");
   if (f.grad_accum < 1) return bad("grad-accum", f.grad_accum, "must be >= 1");
+  if (f.n_layer < 1) return bad("n-layer", f.n_layer, "must be >= 1");
+  if (f.warmup < 0) return bad("warmup", f.warmup, "must be >= 0");
+  if (!(f.grad_clip >= 0)) return bad("grad-clip", f.grad_clip, "must be >= 0 (0: no clipping)");
+  if (!(f.lr >= 0)) return bad("lr", f.lr, "must be >= 0");
+  if (!(f.min_lr >= 0)) return bad("min-lr", f.min_lr, "must be >= 0");
+  if (!(f.weight_decay >= 0)) return bad("weight-decay", f.weight_decay, "must be >= 0");
   if (!one_of(f.lr_schedule, {"constant", "cosine"})) return bad("lr-schedule", f.lr_schedule, "constant|cosine");
   if (!one_of(f.device, {"auto", "cpu", "cuda"})) return bad("device", f.device, "auto|cpu|cuda");
   if (!one_of(f.param_dtype, {"fp32", "bf16"})) return bad("param-dtype", f.param_dtype, "fp32|bf16");
