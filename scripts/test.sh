@@ -63,7 +63,7 @@ if [ "${DTENSOR_SKIP_CLANG:-0}" != "1" ]; then
       -DCMAKE_CXX_COMPILER=clang++ -DDTENSOR_CUDA=OFF -DDTENSOR_SANITIZE=thread -DDTENSOR_BUILD_BENCHMARKS=OFF
     cmake --build "${build_dir}-tsan" -j "$jobs" --target collectives_test core_test autograd_test gpt_test
     threads='ThreadsTest|All/ThreadsSweepTest|CommThreadTest'
-    dtensor='DTensor[A-Za-z]*|Meshes/|Plan[A-Za-z]*|Random/PlanRandomTest|Small/PlanSweepTest|Redistribute[A-Za-z]*'
+    dtensor='DTensor[A-Za-z]*|Meshes/(RedistributeSuite|MeshLayouts)|Plan[A-Za-z]*|Random/PlanRandomTest|Small/PlanSweepTest|Redistribute[A-Za-z]*'
     autograd='ActivationCheckpoint|Engine|EveryStrategy[A-Za-z]*|OpDefs/EveryStrategy|OpsStrategy|Grad'
     trainer='GptTrainTest\.DataParallelLossesEqualSingleRank|GptFsdpTest\.(FsdpOnTwoThreeAndFourThreadRanksEqualsOneRank|NoReshardHsdpAndDdpEqualOneRank|TensorParallelRunsEqualOneRank)'
     TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$san/tsan.supp" \
