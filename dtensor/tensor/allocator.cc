@@ -28,6 +28,43 @@
 namespace dtensor {
 namespace {
 
+// absl::Mutex is compiled in Debian's libabsl without ThreadSanitizer, which then cannot see it
+// order the accesses it guards (every reuse of a cached block reads as a race). Under TSan each
+// lock also tells it: acquire after locking, release before unlocking. Otherwise absl::MutexLock.
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define DTENSOR_TSAN 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define DTENSOR_TSAN 1
+#endif
+#ifdef DTENSOR_TSAN
+}  // namespace
+}  // namespace dtensor
+#include <sanitizer/tsan_interface.h>
+namespace dtensor {
+namespace {
+class ABSL_SCOPED_LOCKABLE MutexLock {
+ public:
+  explicit MutexLock(absl::Mutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) {
+    mu_->Lock();
+    __tsan_acquire(mu_);
+  }
+  ~MutexLock() ABSL_UNLOCK_FUNCTION() {
+    __tsan_release(mu_);
+    mu_->Unlock();
+  }
+  MutexLock(const MutexLock&) = delete;
+  MutexLock& operator=(const MutexLock&) = delete;
+
+ private:
+  absl::Mutex* const mu_;
+};
+#else
+using MutexLock = absl::MutexLock;
+#endif
+
 constexpr size_t kSmallGranule = 512;
 constexpr size_t kLargeGranule = 64 << 10;
 constexpr size_t kLargeThreshold = 1 << 20;
@@ -77,7 +114,7 @@ class CachingAllocator final : public Allocator {
     if (nbytes == 0) return nullptr;
     const size_t size = RoundSize(nbytes);
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       auto it = free_.lower_bound(size);
       if (it != free_.end() && it->first <= size + size / 8) {
         const size_t block = it->first;
@@ -101,14 +138,14 @@ class CachingAllocator final : public Allocator {
       got = system_.Alloc(size);
       if (!got.ok()) return got.status();
     }
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     ++stats_.num_system_allocs;
     return HandedLocked(*got, size);
   }
 
   void Free(void* ptr) override {
     if (ptr == nullptr) return;
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     auto it = live_.find(ptr);
     if (it == live_.end()) return;  // not ours: ignore rather than corrupt the cache
     const size_t block = it->second;
@@ -119,11 +156,11 @@ class CachingAllocator final : public Allocator {
   }
 
   AllocatorStats Stats() const override {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     return stats_;
   }
   void ResetPeakStats() override {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     stats_.peak_bytes_in_use = stats_.bytes_in_use;
   }
   void EmptyCache() override {
@@ -137,7 +174,7 @@ class CachingAllocator final : public Allocator {
   void ReleaseCache() ABSL_EXCLUSIVE_LOCKS_REQUIRED(release_mu_) {
     std::multimap<size_t, void*> blocks;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       blocks.swap(free_);
       stats_.bytes_cached = 0;
     }
@@ -202,7 +239,7 @@ class CpuAllocator final : public Allocator {
     void* p = nullptr;
     size_t block = size;
     {
-      absl::MutexLock lock(&mu_);
+      MutexLock lock(&mu_);
       auto it = free_.lower_bound(size);
       while (want_shared && it != free_.end() && it->first <= size + size / 8 && HeaderOf(it->second)->shared_id == 0) {
         bytes_cached_.fetch_sub(static_cast<int64_t>(it->first), std::memory_order_relaxed);
@@ -250,7 +287,7 @@ class CpuAllocator final : public Allocator {
       tc->entries[tc->n++] = {block, ptr};
       return;
     }
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     free_.emplace(block, ptr);
   }
 
@@ -269,7 +306,7 @@ class CpuAllocator final : public Allocator {
   // exit or reuse them).
   void EmptyCache() override {
     ThreadCache* tc = Local();
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     for (int i = 0; tc != nullptr && i < tc->n; ++i) free_.emplace(tc->entries[i].first, tc->entries[i].second);
     if (tc != nullptr) tc->n = 0;
     for (auto& [size, p] : free_) {
@@ -331,7 +368,7 @@ class CpuAllocator final : public Allocator {
   }
   bool shared_enabled() const { return shared_on_.load(std::memory_order_relaxed); }
   bool Forgotten(void* p) {
-    absl::MutexLock lock(&shared_mu_);
+    MutexLock lock(&shared_mu_);
     return forgotten_.count(reinterpret_cast<uintptr_t>(p)) != 0;
   }
   // A new block of `size` bytes may be shared: enabled, under the cap (half of it for blocks
@@ -344,7 +381,7 @@ class CpuAllocator final : public Allocator {
   std::optional<SharedCpuRange> FindShared(const void* p, size_t bytes) {
     if (bytes == 0 || !shared_enabled()) return std::nullopt;
     const auto a = reinterpret_cast<uintptr_t>(p);
-    absl::MutexLock lock(&shared_mu_);
+    MutexLock lock(&shared_mu_);
     auto it = shared_.upper_bound(a);
     if (it == shared_.begin()) return std::nullopt;
     --it;
@@ -375,7 +412,7 @@ class CpuAllocator final : public Allocator {
     ~ThreadCache() {  // a thread that ends gives its blocks to the shared cache
       ThreadCacheGone() = true;
       if (owner == nullptr || n == 0) return;
-      absl::MutexLock lock(&owner->mu_);
+      MutexLock lock(&owner->mu_);
       for (int i = 0; i < n; ++i) owner->free_.emplace(entries[i].first, entries[i].second);
       n = 0;
     }
@@ -410,7 +447,7 @@ class CpuAllocator final : public Allocator {
   void* SharedAlloc(size_t block) {
     uint64_t id;
     {
-      absl::MutexLock lock(&shared_mu_);
+      MutexLock lock(&shared_mu_);
       id = ++last_shared_id_;
     }
     std::optional<internal::OwnedSharedCpuBlock> b = internal::CreateSharedCpuBlock(block, id);
@@ -422,7 +459,7 @@ class CpuAllocator final : public Allocator {
     }
     shared_count_.fetch_add(1, std::memory_order_relaxed);
     *HeaderOf(b->user) = Header{block, kTag, id};
-    absl::MutexLock lock(&shared_mu_);
+    MutexLock lock(&shared_mu_);
     shared_.emplace(reinterpret_cast<uintptr_t>(b->user), SharedEntry{id, *b});
     return b->user;
   }
@@ -433,7 +470,7 @@ class CpuAllocator final : public Allocator {
     }
     internal::OwnedSharedCpuBlock b;
     {
-      absl::MutexLock lock(&shared_mu_);
+      MutexLock lock(&shared_mu_);
       auto it = shared_.find(reinterpret_cast<uintptr_t>(p));
       if (it == shared_.end()) return;
       b = it->second.block;
