@@ -22,6 +22,7 @@
 #include <cstring>
 #include <iterator>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -42,12 +43,12 @@ bool NcclBuilt() { return true; }
 namespace {
 
 using internal::CheckContiguous;
-using internal::Nccl;
 using internal::CheckCounts;
 using internal::CheckNumel;
 using internal::CheckReducible;
 using internal::CheckSameDType;
 using internal::DeviceGuard;
+using internal::Nccl;
 using internal::Overlap;
 using internal::PrefixOffsets;
 using internal::ToStatus;
@@ -514,11 +515,47 @@ char* MutAt(const Tensor& t, int64_t elements) {
 // ---------------------------------------------------------------------------------------------
 // NcclCommunicator
 
+// Every communicator split (transitively) from one MakeNcclCommunicator: an Abort on any of
+// them aborts them all on this rank (ncclCommAbort each), as the threads and UCX backends do, so
+// that the rank's later calls on any mesh dim's group fail at once. A split made after the abort
+// fails at once too.
+class NcclFamily {
+ public:
+  void Join(const std::shared_ptr<NcclState>& state) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.ok()) {
+      (void)state->Fail(aborted_);
+      return;
+    }
+    members_.push_back(state);
+  }
+  void Abort(const absl::Status& why) {
+    std::vector<std::shared_ptr<NcclState>> live;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborted_.ok()) aborted_ = why;
+      for (const std::weak_ptr<NcclState>& m : members_) {
+        if (std::shared_ptr<NcclState> s = m.lock()) live.push_back(std::move(s));
+      }
+      members_.clear();
+    }
+    for (const std::shared_ptr<NcclState>& s : live) (void)s->Fail(why);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::weak_ptr<NcclState>> members_;
+  absl::Status aborted_;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   // `debug`: the DTENSOR_DEBUG checks, agreed by all ranks (MakeNcclCommunicator; a split
   // inherits its parent's).
-  NcclCommunicator(std::shared_ptr<NcclState> state, bool debug) : state_(std::move(state)), debug_(debug) {}
+  NcclCommunicator(std::shared_ptr<NcclState> state, bool debug, std::shared_ptr<NcclFamily> family)
+      : state_(std::move(state)), debug_(debug), family_(std::move(family)) {
+    family_->Join(state_);
+  }
 
   int rank() const override { return state_->rank(); }
   int size() const override { return state_->size(); }
@@ -527,9 +564,10 @@ class NcclCommunicator final : public Communicator {
   void SetTimeout(absl::Duration timeout) override { state_->set_timeout(timeout); }
   absl::Duration timeout() const override { return state_->timeout(); }
 
-  // ncclCommAbort on this communicator; later calls fail quoting `why` (CheckAlive).
+  // ncclCommAbort on this communicator and every one of its family (NcclFamily); later calls
+  // fail quoting `why` (CheckAlive).
   void Abort(const absl::Status& why) override {
-    (void)state_->Fail(absl::AbortedError(
+    family_->Abort(absl::AbortedError(
         absl::StrCat("rank ", rank(), " aborted the communicator: ", why.ok() ? "no reason given" : why.ToString())));
   }
 
@@ -788,7 +826,7 @@ class NcclCommunicator final : public Communicator {
     }
     if (child == nullptr) return std::unique_ptr<Communicator>();  // negative color
     DT_ASSIGN_OR_RETURN(auto state, NcclState::Create(child, device, state_->timeout()));
-    return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(std::move(state), debug_));
+    return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(std::move(state), debug_, family_));
   }
 
  private:
@@ -930,8 +968,9 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::shared_ptr<NcclState> state_;
-  const bool debug_;  // CheckSameCall on every call
-  Tensor debug_buf_;  // [size * 4] int64 on the device, for CheckSameCall
+  const bool debug_;                    // CheckSameCall on every call
+  std::shared_ptr<NcclFamily> family_;  // this communicator and its splits
+  Tensor debug_buf_;                    // [size * 4] int64 on the device, for CheckSameCall
 };
 
 }  // namespace
@@ -1005,7 +1044,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const LaunchI
     return debug_count.status();
   }
   DT_ASSIGN_OR_RETURN(auto state, NcclState::Create(comm, device_index, timeout));
-  return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(std::move(state), *debug_count > 0));
+  return std::unique_ptr<Communicator>(
+      std::make_unique<NcclCommunicator>(std::move(state), *debug_count > 0, std::make_shared<NcclFamily>()));
 }
 
 }  // namespace dtensor
