@@ -72,15 +72,17 @@ function(dtensor_component name)
   install(FILES ${PROJECT_BINARY_DIR}/pkgconfig/${pcname}.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)
 endfunction()
 
-# What the CPU components link of CUDA when CUDA is built: dtensor_tensor links cudart (the
-# allocator's cudaMalloc, device counting), dtensor_kernels links dtensor_kernels_cuda (cudart,
-# cuBLAS). dtensor_CPU_LINKS_CUDA in the package config says so; clear it when they no longer do.
-set(DTENSOR_CPU_LINKS_CUDA ${DTENSOR_HAVE_CUDA})
+# CUDA is the cuda component's alone (dtensor/tensor/cuda_hooks.h): the CPU components (tensor
+# and everything above it) compile without CUDA's headers and link no CUDA library; the cuda
+# and nccl components link the static CUDA runtime and load cuBLAS / NCCL with dlopen, so no
+# program needs a CUDA library to start. dtensor_CPU_LINKS_CUDA in the package config says
+# whether the CPU components link CUDA (OFF; the consumer tests check it).
+set(DTENSOR_CPU_LINKS_CUDA OFF)
 set(cuda_packages "")
 set(cuda_pc_libs "")
 if(DTENSOR_HAVE_CUDA)
   set(cuda_packages CUDAToolkit)
-  set(cuda_pc_libs ${CUDA_cudart_LIBRARY} ${CUDA_cublas_LIBRARY})
+  set(cuda_pc_libs ${CUDA_cudart_static_LIBRARY} -ldl -lrt -lpthread)
 endif()
 set(openmp_pc_libs ${OpenMP_CXX_FLAGS})  # -fopenmp links libgomp with g++ (OpenBLAS's pool)
 foreach(lib ${OpenMP_CXX_LIB_NAMES})
@@ -90,10 +92,19 @@ foreach(lib ${OpenMP_CXX_LIB_NAMES})
 endforeach()
 
 dtensor_component(tensor LINK dtensor_ops
-  TARGETS dtensor_ops dtensor_kernels dtensor_kernels_cpu dtensor_kernels_cuda dtensor_tensor dtensor_openblas
-  PACKAGES absl Threads OpenMP ${cuda_packages}
+  TARGETS dtensor_ops dtensor_kernels dtensor_kernels_cpu dtensor_tensor dtensor_openblas
+  PACKAGES absl Threads OpenMP
   PC_REQUIRES absl_status absl_statusor absl_strings absl_span absl_inlined_vector absl_synchronization
-  PC_LIBS ${DTENSOR_OPENBLAS_LIBRARY} ${openmp_pc_libs} -lpthread ${cuda_pc_libs})
+  PC_LIBS ${DTENSOR_OPENBLAS_LIBRARY} ${openmp_pc_libs} -lpthread)
+# The CUDA kernels and device memory (a placeholder library without CUDA). The --undefined
+# flag takes the hooks' object from the archive (cuda_hooks.h); CMake consumers get it from the
+# target's link options.
+set(cuda_hook_flags "")
+if(DTENSOR_HAVE_CUDA)
+  set(cuda_hook_flags -Wl,--undefined=dtensor_cuda_hooks_v1)
+endif()
+dtensor_component(cuda LINK dtensor_kernels_cuda TARGETS dtensor_kernels_cuda
+  NEEDS tensor PACKAGES ${cuda_packages} PC_LIBS ${cuda_hook_flags} ${cuda_pc_libs})
 dtensor_component(collectives LINK dtensor_collectives dtensor_collectives_threads dtensor_collectives_store
   TARGETS dtensor_collectives_threads dtensor_collectives_store dtensor_collectives
   NEEDS tensor PACKAGES absl Threads OpenSSL
@@ -104,7 +115,7 @@ set(nccl_targets dtensor_collectives_nccl)
 set(nccl_pc_libs "")
 if(DTENSOR_HAVE_CUDA)
   list(APPEND nccl_targets dtensor_nccl)
-  set(nccl_pc_libs ${DTENSOR_NCCL_LIBRARY} ${CUDA_cudart_LIBRARY})
+  set(nccl_pc_libs ${cuda_pc_libs})  # NCCL itself is loaded with dlopen
 endif()
 dtensor_component(nccl LINK dtensor_collectives_nccl TARGETS ${nccl_targets}
   NEEDS collectives PACKAGES ${cuda_packages} PC_LIBS ${nccl_pc_libs})
@@ -119,7 +130,7 @@ dtensor_component(nn LINK dtensor_nn TARGETS dtensor_nn dtensor_nn_io
 dtensor_component(parallel LINK dtensor_nn_parallel TARGETS dtensor_nn_parallel
   NEEDS nn PACKAGES nlohmann_json PC_REQUIRES nlohmann_json)
 dtensor_component(dtensor TARGETS dtensor_collectives_all
-  NEEDS tensor collectives ucx nccl core checkpoint autograd nn parallel)
+  NEEDS tensor cuda collectives ucx nccl core checkpoint autograd nn parallel)
 
 # Every library belongs to exactly one component: a new one must be added above.
 get_property(dtensor_libs GLOBAL PROPERTY DTENSOR_LIBRARIES)

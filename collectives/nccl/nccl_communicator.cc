@@ -22,6 +22,7 @@
 #include <cstring>
 #include <iterator>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -31,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "dtensor/collectives/checks.h"
+#include "dtensor/collectives/nccl/nccl_api.h"
 #include "dtensor/kernels/cuda/cuda_common.h"
 #include "dtensor/tensor/status.h"
 
@@ -46,6 +48,7 @@ using internal::CheckNumel;
 using internal::CheckReducible;
 using internal::CheckSameDType;
 using internal::DeviceGuard;
+using internal::Nccl;
 using internal::Overlap;
 using internal::PrefixOffsets;
 using internal::ToStatus;
@@ -67,7 +70,7 @@ struct EventDeleter {
 // into ncclCommAbort instead (NcclState::Abort).
 struct CommDeleter {
   void operator()(ncclComm_t c) const {
-    if (c != nullptr) ncclCommDestroy(c);
+    if (c != nullptr) Nccl().ncclCommDestroy(c);
   }
 };
 using StreamPtr = std::unique_ptr<CUstream_st, StreamDeleter>;
@@ -100,8 +103,8 @@ absl::StatusCode NcclCode(ncclResult_t r) {
 // "[op] rank r (cuda:d): NCCL <error string>: <ncclGetLastError>"; OK for ncclSuccess.
 absl::Status NcclStatus(ncclResult_t r, const char* op, int rank, int device, ncclComm_t comm) {
   if (r == ncclSuccess) return absl::OkStatus();
-  const char* last = ncclGetLastError(comm);
-  std::string msg = absl::StrCat("[", op, "] rank ", rank, " (cuda:", device, "): NCCL ", ncclGetErrorString(r));
+  const char* last = Nccl().ncclGetLastError(comm);
+  std::string msg = absl::StrCat("[", op, "] rank ", rank, " (cuda:", device, "): NCCL ", Nccl().ncclGetErrorString(r));
   if (last != nullptr && last[0] != '\0') absl::StrAppend(&msg, ": ", last);
   return absl::Status(NcclCode(r), msg);
 }
@@ -124,7 +127,7 @@ ncclResult_t PollComm(ncclComm_t comm, ncclResult_t first, absl::Time deadline, 
   if (first != ncclInProgress) return first;
   for (int i = 0;; ++i) {
     ncclResult_t state = ncclInProgress;
-    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
+    const ncclResult_t r = Nccl().ncclCommGetAsyncError(comm, &state);
     if (r != ncclSuccess) return r;
     if (state != ncclInProgress) return state;
     if (absl::Now() >= deadline) {
@@ -165,11 +168,11 @@ class NcclState : public std::enable_shared_from_this<NcclState> {
     DeviceGuard guard(device);
     if (!guard.ok()) return ToStatus(guard.error(), op, device);
     int rank = 0, size = 0;
-    ncclResult_t r = ncclCommUserRank(comm.get(), &rank);
-    if (r == ncclSuccess) r = ncclCommCount(comm.get(), &size);
+    ncclResult_t r = Nccl().ncclCommUserRank(comm.get(), &rank);
+    if (r == ncclSuccess) r = Nccl().ncclCommCount(comm.get(), &size);
     if (r != ncclSuccess) {
       const absl::Status s = NcclStatus(r, op, rank, device, comm.get());
-      ncclCommAbort(comm.release());
+      Nccl().ncclCommAbort(comm.release());
       return s;
     }
     cudaStream_t stream = nullptr;
@@ -177,7 +180,7 @@ class NcclState : public std::enable_shared_from_this<NcclState> {
     StreamPtr stream_ptr(stream);
     absl::StatusOr<EventPtr> ready = s.ok() ? NewEvent(op, device) : absl::StatusOr<EventPtr>(s);
     if (!ready.ok()) {
-      ncclCommAbort(comm.release());
+      Nccl().ncclCommAbort(comm.release());
       return ready.status();
     }
     return std::shared_ptr<NcclState>(
@@ -190,8 +193,9 @@ class NcclState : public std::enable_shared_from_this<NcclState> {
       // Flush outstanding work (polled, so a dead peer cannot hang the destructor), then
       // destroy; abort if that fails or takes longer than the timeout.
       bool timed_out = false;
-      const ncclResult_t r = PollComm(comm_.get(), ncclCommFinalize(comm_.get()), absl::Now() + timeout_, &timed_out);
-      if (r != ncclSuccess || timed_out) ncclCommAbort(comm_.release());
+      const ncclResult_t r =
+          PollComm(comm_.get(), Nccl().ncclCommFinalize(comm_.get()), absl::Now() + timeout_, &timed_out);
+      if (r != ncclSuccess || timed_out) Nccl().ncclCommAbort(comm_.release());
       comm_.reset();
     }
     // scratch_ (and the stream, the event) are released after this body, once the
@@ -217,7 +221,7 @@ class NcclState : public std::enable_shared_from_this<NcclState> {
     if (failure_.ok()) failure_ = s;
     if (comm_ != nullptr) {
       DeviceGuard guard(device_);
-      ncclCommAbort(comm_.release());
+      Nccl().ncclCommAbort(comm_.release());
     }
     return s;
   }
@@ -273,7 +277,7 @@ class NcclState : public std::enable_shared_from_this<NcclState> {
       if (q != cudaErrorNotReady) return Fail(ToStatus(q, op, device_));
       DT_RETURN_IF_ERROR(CheckAlive(op));  // aborted by another Work of this communicator
       ncclResult_t async = ncclSuccess;
-      const ncclResult_t r = ncclCommGetAsyncError(comm_.get(), &async);
+      const ncclResult_t r = Nccl().ncclCommGetAsyncError(comm_.get(), &async);
       if (r != ncclSuccess) return Fail(NcclStatus(r, op, rank_, device_, comm_.get()));
       if (async != ncclSuccess && async != ncclInProgress) {
         const absl::Status s = NcclStatus(async, op, rank_, device_, comm_.get());
@@ -392,7 +396,7 @@ class NcclWork final : public Work {
     if (q != cudaErrorNotReady) return true;  // done, or a CUDA error Wait() returns at once
     if (!state_->CheckAlive(op_).ok()) return true;
     ncclResult_t async = ncclSuccess;
-    const ncclResult_t r = ncclCommGetAsyncError(state_->comm(), &async);
+    const ncclResult_t r = Nccl().ncclCommGetAsyncError(state_->comm(), &async);
     return r != ncclSuccess || (async != ncclSuccess && async != ncclInProgress);
   }
 
@@ -431,10 +435,10 @@ absl::StatusOr<std::unique_ptr<Work>> NcclState::Launch(const char* op, WaitTarg
 // ncclGroupStart(); body(); ncclGroupEnd() — the group is closed even when body fails.
 template <typename F>
 ncclResult_t Grouped(F&& body) {
-  ncclResult_t r = ncclGroupStart();
+  ncclResult_t r = Nccl().ncclGroupStart();
   if (r != ncclSuccess) return r;
   const ncclResult_t first = body();
-  const ncclResult_t end = ncclGroupEnd();
+  const ncclResult_t end = Nccl().ncclGroupEnd();
   return first != ncclSuccess ? first : end;
 }
 
@@ -511,11 +515,47 @@ char* MutAt(const Tensor& t, int64_t elements) {
 // ---------------------------------------------------------------------------------------------
 // NcclCommunicator
 
+// Every communicator split (transitively) from one MakeNcclCommunicator: an Abort on any of
+// them aborts them all on this rank (ncclCommAbort each), as the threads and UCX backends do, so
+// that the rank's later calls on any mesh dim's group fail at once. A split made after the abort
+// fails at once too.
+class NcclFamily {
+ public:
+  void Join(const std::shared_ptr<NcclState>& state) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!aborted_.ok()) {
+      (void)state->Fail(aborted_);
+      return;
+    }
+    members_.push_back(state);
+  }
+  void Abort(const absl::Status& why) {
+    std::vector<std::shared_ptr<NcclState>> live;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (aborted_.ok()) aborted_ = why;
+      for (const std::weak_ptr<NcclState>& m : members_) {
+        if (std::shared_ptr<NcclState> s = m.lock()) live.push_back(std::move(s));
+      }
+      members_.clear();
+    }
+    for (const std::shared_ptr<NcclState>& s : live) (void)s->Fail(why);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::weak_ptr<NcclState>> members_;
+  absl::Status aborted_;
+};
+
 class NcclCommunicator final : public Communicator {
  public:
   // `debug`: the DTENSOR_DEBUG checks, agreed by all ranks (MakeNcclCommunicator; a split
   // inherits its parent's).
-  NcclCommunicator(std::shared_ptr<NcclState> state, bool debug) : state_(std::move(state)), debug_(debug) {}
+  NcclCommunicator(std::shared_ptr<NcclState> state, bool debug, std::shared_ptr<NcclFamily> family)
+      : state_(std::move(state)), debug_(debug), family_(std::move(family)) {
+    family_->Join(state_);
+  }
 
   int rank() const override { return state_->rank(); }
   int size() const override { return state_->size(); }
@@ -524,9 +564,10 @@ class NcclCommunicator final : public Communicator {
   void SetTimeout(absl::Duration timeout) override { state_->set_timeout(timeout); }
   absl::Duration timeout() const override { return state_->timeout(); }
 
-  // ncclCommAbort on this communicator; later calls fail quoting `why` (CheckAlive).
+  // ncclCommAbort on this communicator and every one of its family (NcclFamily); later calls
+  // fail quoting `why` (CheckAlive).
   void Abort(const absl::Status& why) override {
-    (void)state_->Fail(absl::AbortedError(
+    family_->Abort(absl::AbortedError(
         absl::StrCat("rank ", rank(), " aborted the communicator: ", why.ok() ? "no reason given" : why.ToString())));
   }
 
@@ -540,7 +581,8 @@ class NcclCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckSameCall(kOp, input.dtype(), input.numel(), static_cast<int64_t>(op)));
     const size_t n = static_cast<size_t>(input.numel());
     return state_->Launch(kOp, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
-      return n == 0 ? ncclSuccess : ncclAllReduce(in.raw_data(), output.raw_data(), n, red.type, red.op, comm, stream);
+      return n == 0 ? ncclSuccess
+                    : Nccl().ncclAllReduce(in.raw_data(), output.raw_data(), n, red.type, red.op, comm, stream);
     });
   }
 
@@ -554,7 +596,7 @@ class NcclCommunicator final : public Communicator {
     const size_t n = static_cast<size_t>(input.numel());
     const ncclDataType_t type = MoveType(input.dtype());
     return state_->Launch(kOp, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
-      return n == 0 ? ncclSuccess : ncclAllGather(in.raw_data(), output.raw_data(), n, type, comm, stream);
+      return n == 0 ? ncclSuccess : Nccl().ncclAllGather(in.raw_data(), output.raw_data(), n, type, comm, stream);
     });
   }
 
@@ -570,7 +612,7 @@ class NcclCommunicator final : public Communicator {
     const size_t n = static_cast<size_t>(output.numel());
     return state_->Launch(kOp, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
       return n == 0 ? ncclSuccess
-                    : ncclReduceScatter(in.raw_data(), output.raw_data(), n, red.type, red.op, comm, stream);
+                    : Nccl().ncclReduceScatter(in.raw_data(), output.raw_data(), n, red.type, red.op, comm, stream);
     });
   }
 
@@ -595,7 +637,8 @@ class NcclCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckSameCall(kOp, tensor.dtype(), tensor.numel(), root));
     const ncclDataType_t type = MoveType(tensor.dtype());
     return state_->Launch(kOp, -1, {tensor}, [&](ncclComm_t comm, cudaStream_t stream) {
-      return n == 0 ? ncclSuccess : ncclBroadcast(tensor.raw_data(), tensor.raw_data(), n, type, root, comm, stream);
+      return n == 0 ? ncclSuccess
+                    : Nccl().ncclBroadcast(tensor.raw_data(), tensor.raw_data(), n, type, root, comm, stream);
     });
   }
 
@@ -627,8 +670,8 @@ class NcclCommunicator final : public Communicator {
               if (n == 0) continue;
               const ncclDataType_t type = MoveType(o.tensor.dtype());
               const ncclResult_t r = o.kind == PeerOp::Kind::kSend
-                                         ? ncclSend(o.tensor.raw_data(), n, type, o.peer, comm, stream)
-                                         : ncclRecv(o.tensor.raw_data(), n, type, o.peer, comm, stream);
+                                         ? Nccl().ncclSend(o.tensor.raw_data(), n, type, o.peer, comm, stream)
+                                         : Nccl().ncclRecv(o.tensor.raw_data(), n, type, o.peer, comm, stream);
               if (r != ncclSuccess) return r;
             }
             return ncclSuccess;
@@ -651,9 +694,9 @@ class NcclCommunicator final : public Communicator {
     const ncclDataType_t type = MoveType(input.dtype());
     if (AllEqual(counts)) {
       return state_->Launch(kOp, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
-        return mine == 0
-                   ? ncclSuccess
-                   : ncclAllGather(in.raw_data(), output.raw_data(), static_cast<size_t>(mine), type, comm, stream);
+        return mine == 0 ? ncclSuccess
+                         : Nccl().ncclAllGather(in.raw_data(), output.raw_data(), static_cast<size_t>(mine), type, comm,
+                                                stream);
       });
     }
     // Own block: a copy on the communication stream; the others: grouped send / recv.
@@ -666,12 +709,12 @@ class NcclCommunicator final : public Communicator {
           if (j == me) continue;
           const size_t uj = static_cast<size_t>(j);
           if (mine > 0) {
-            const ncclResult_t r = ncclSend(in.raw_data(), static_cast<size_t>(mine), type, j, comm, stream);
+            const ncclResult_t r = Nccl().ncclSend(in.raw_data(), static_cast<size_t>(mine), type, j, comm, stream);
             if (r != ncclSuccess) return r;
           }
           if (counts[uj] > 0) {
             const ncclResult_t r =
-                ncclRecv(MutAt(output, offsets[uj]), static_cast<size_t>(counts[uj]), type, j, comm, stream);
+                Nccl().ncclRecv(MutAt(output, offsets[uj]), static_cast<size_t>(counts[uj]), type, j, comm, stream);
             if (r != ncclSuccess) return r;
           }
         }
@@ -697,8 +740,8 @@ class NcclCommunicator final : public Communicator {
       return state_->Launch(kOp, -1, {in, output}, [&](ncclComm_t comm, cudaStream_t stream) {
         return output.numel() == 0
                    ? ncclSuccess
-                   : ncclReduceScatter(in.raw_data(), output.raw_data(), static_cast<size_t>(output.numel()), red.type,
-                                       red.op, comm, stream);
+                   : Nccl().ncclReduceScatter(in.raw_data(), output.raw_data(), static_cast<size_t>(output.numel()),
+                                              red.type, red.op, comm, stream);
       });
     }
     // One ncclReduce per destination rank, grouped (root j receives block j in its output).
@@ -712,7 +755,7 @@ class NcclCommunicator final : public Communicator {
           const char* send = At(in, offsets[uj]);
           void* recv = j == me ? output.raw_data() : const_cast<char*>(send);
           const ncclResult_t r =
-              ncclReduce(send, recv, static_cast<size_t>(counts[uj]), red.type, red.op, j, comm, stream);
+              Nccl().ncclReduce(send, recv, static_cast<size_t>(counts[uj]), red.type, red.op, j, comm, stream);
           if (r != ncclSuccess) return r;
         }
         return ncclSuccess;
@@ -739,7 +782,7 @@ class NcclCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckSameCall(kOp, DType::kFloat32, -1, -1));
     DT_ASSIGN_OR_RETURN(Tensor scratch, state_->Scratch());
     DT_ASSIGN_OR_RETURN(auto work, state_->Launch(kOp, -1, {scratch}, [&](ncclComm_t comm, cudaStream_t stream) {
-      return ncclAllReduce(scratch.raw_data(), scratch.raw_data(), 1, ncclFloat32, ncclSum, comm, stream);
+      return Nccl().ncclAllReduce(scratch.raw_data(), scratch.raw_data(), 1, ncclFloat32, ncclSum, comm, stream);
     }));
     return work->Wait();  // host wait: every rank has reached the barrier when it returns
   }
@@ -753,7 +796,8 @@ class NcclCommunicator final : public Communicator {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t child = nullptr;
-    const ncclResult_t r = ncclCommSplit(state_->comm(), color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config);
+    const ncclResult_t r =
+        Nccl().ncclCommSplit(state_->comm(), color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config);
     // The split is collective over this communicator and runs as an NCCL job attached to it,
     // which writes `child` when it completes (the call may return before that, even with
     // ncclSuccess): poll this communicator until the job is done whatever the call returned,
@@ -777,12 +821,12 @@ class NcclCommunicator final : public Communicator {
       }
     }
     if (!s.ok()) {
-      if (child != nullptr) ncclCommAbort(child);
+      if (child != nullptr) Nccl().ncclCommAbort(child);
       return s;
     }
     if (child == nullptr) return std::unique_ptr<Communicator>();  // negative color
     DT_ASSIGN_OR_RETURN(auto state, NcclState::Create(child, device, state_->timeout()));
-    return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(std::move(state), debug_));
+    return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(std::move(state), debug_, family_));
   }
 
  private:
@@ -827,12 +871,12 @@ class NcclCommunicator final : public Communicator {
           const size_t uj = static_cast<size_t>(j);
           if (send_counts[uj] > 0) {
             const ncclResult_t r =
-                ncclSend(At(in, send_off[uj]), static_cast<size_t>(send_counts[uj]), type, j, comm, stream);
+                Nccl().ncclSend(At(in, send_off[uj]), static_cast<size_t>(send_counts[uj]), type, j, comm, stream);
             if (r != ncclSuccess) return r;
           }
           if (recv_counts[uj] > 0) {
-            const ncclResult_t r =
-                ncclRecv(MutAt(output, recv_off[uj]), static_cast<size_t>(recv_counts[uj]), type, j, comm, stream);
+            const ncclResult_t r = Nccl().ncclRecv(MutAt(output, recv_off[uj]), static_cast<size_t>(recv_counts[uj]),
+                                                   type, j, comm, stream);
             if (r != ncclSuccess) return r;
           }
         }
@@ -849,8 +893,8 @@ class NcclCommunicator final : public Communicator {
     const ncclDataType_t type = MoveType(tensor.dtype());
     return state_->Launch(op, peer, {tensor}, [&](ncclComm_t comm, cudaStream_t stream) {
       if (n == 0) return ncclSuccess;
-      return is_send ? ncclSend(tensor.raw_data(), n, type, peer, comm, stream)
-                     : ncclRecv(tensor.raw_data(), n, type, peer, comm, stream);
+      return is_send ? Nccl().ncclSend(tensor.raw_data(), n, type, peer, comm, stream)
+                     : Nccl().ncclRecv(tensor.raw_data(), n, type, peer, comm, stream);
     });
   }
 
@@ -876,7 +920,7 @@ class NcclCommunicator final : public Communicator {
           dev));
     }
     DT_ASSIGN_OR_RETURN(auto work, state_->Launch(op, -1, {debug_buf_}, [&](ncclComm_t comm, cudaStream_t stream) {
-      return ncclAllGather(buf + rank() * kWords, buf, kWords, ncclInt64, comm, stream);
+      return Nccl().ncclAllGather(buf + rank() * kWords, buf, kWords, ncclInt64, comm, stream);
     }));
     DT_RETURN_IF_ERROR(work->Wait());
     std::vector<int64_t> all(static_cast<size_t>(size()) * kWords);
@@ -924,8 +968,9 @@ class NcclCommunicator final : public Communicator {
   }
 
   std::shared_ptr<NcclState> state_;
-  const bool debug_;  // CheckSameCall on every call
-  Tensor debug_buf_;  // [size * 4] int64 on the device, for CheckSameCall
+  const bool debug_;                    // CheckSameCall on every call
+  std::shared_ptr<NcclFamily> family_;  // this communicator and its splits
+  Tensor debug_buf_;                    // [size * 4] int64 on the device, for CheckSameCall
 };
 
 }  // namespace
@@ -942,13 +987,18 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const LaunchI
                                                       " is not a visible device (", count, " CUDA devices visible)"));
   }
 
+  // Loads NCCL (nccl_api.h), or says it is missing, before meeting the peers.
+  if (absl::Status loaded = internal::LoadNccl(); !loaded.ok()) {
+    return absl::Status(loaded.code(), absl::StrCat("[", kOp, "] rank ", info.rank, ": ", loaded.message()));
+  }
+
   // The n-th communicator of this rank on this store meets the n-th of every other rank.
   DT_ASSIGN_OR_RETURN(const int64_t n, store.Add(absl::StrCat("dtensor/nccl/created/", info.rank), 1));
   const std::string key = absl::StrCat("dtensor/nccl/", n, "/id");
   ncclUniqueId id;
   std::memset(&id, 0, sizeof(id));
   if (info.rank == 0) {
-    DT_RETURN_IF_ERROR(NcclStatus(ncclGetUniqueId(&id), kOp, info.rank, device_index, nullptr));
+    DT_RETURN_IF_ERROR(NcclStatus(Nccl().ncclGetUniqueId(&id), kOp, info.rank, device_index, nullptr));
     DT_RETURN_IF_ERROR(store.Set(key, std::string(id.internal, sizeof(id.internal))));
   } else {
     DT_ASSIGN_OR_RETURN(const std::string bytes, store.Get(key));
@@ -973,7 +1023,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const LaunchI
   ncclComm_t comm = nullptr;
   const absl::Time deadline = absl::Now() + timeout;
   bool timed_out = false;
-  const ncclResult_t started = ncclCommInitRankConfig(&comm, info.world_size, id, info.rank, &config);
+  const ncclResult_t started = Nccl().ncclCommInitRankConfig(&comm, info.world_size, id, info.rank, &config);
   // Polled even after ncclSuccess: the init job may still be finishing in the background.
   const ncclResult_t r = comm != nullptr && (started == ncclSuccess || started == ncclInProgress)
                              ? PollComm(comm, ncclInProgress, deadline, &timed_out)
@@ -985,16 +1035,17 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeNcclCommunicator(const LaunchI
                                      info.world_size, " ranks did not form within ", absl::FormatDuration(timeout),
                                      " (are all ranks running, each on its own GPU?)"))
                                : NcclStatus(r, kOp, info.rank, device_index, comm);
-    if (comm != nullptr) ncclCommAbort(comm);
+    if (comm != nullptr) Nccl().ncclCommAbort(comm);
     return s;
   }
   absl::StatusOr<int64_t> debug_count = store.Add(debug_key, 0);
   if (!debug_count.ok()) {
-    ncclCommAbort(comm);
+    Nccl().ncclCommAbort(comm);
     return debug_count.status();
   }
   DT_ASSIGN_OR_RETURN(auto state, NcclState::Create(comm, device_index, timeout));
-  return std::unique_ptr<Communicator>(std::make_unique<NcclCommunicator>(std::move(state), *debug_count > 0));
+  return std::unique_ptr<Communicator>(
+      std::make_unique<NcclCommunicator>(std::move(state), *debug_count > 0, std::make_shared<NcclFamily>()));
 }
 
 }  // namespace dtensor

@@ -83,7 +83,8 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
 
 // A save whose files are written by a background thread while training goes on (the trainer's
 // --ckpt-async): Start stages this rank's pieces in host memory (a copy: training may change
-// the tensors at once; collective, as Partial values are reduced) and returns; Finish waits
+// the tensors at once; collective, as Partial values are reduced; pieces on a GPU are copied
+// into pinned memory, Tensor::EmptyPinned, which stays cached for the next save) and returns; Finish waits
 // for the files and commits (collective: every rank calls it, e.g. before the next save).
 // Until Finish the checkpoint is incomplete: a crash leaves the previous one. Destroying an
 // unfinished save waits for its thread and commits nothing.

@@ -17,13 +17,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "dtensor/tensor/cuda_hooks.h"
 #include "dtensor/tensor/shared_cpu_block.h"
-
-#ifdef DTENSOR_WITH_CUDA
-#include <cuda_runtime.h>
-
-#include "dtensor/tensor/cuda_device_guard.h"
-#endif
 
 namespace dtensor {
 namespace {
@@ -75,40 +70,43 @@ size_t RoundSize(size_t n) {
   return (n + g - 1) / g * g;
 }
 
-// Raw memory of one CUDA device (the CPU has its own allocator below).
+// Raw memory of one CUDA device, or page-locked host memory (Device::Cuda(kPinnedHost)), from
+// the cuda component (cuda_hooks.h). The CPU has its own allocator below.
+constexpr int kPinnedHost = -1;
+
 class SystemMemory {
  public:
-  explicit SystemMemory(Device d) : device_(d) {}
-  absl::StatusOr<void*> Alloc([[maybe_unused]] size_t n) {
-#ifdef DTENSOR_WITH_CUDA
-    internal::DeviceGuard guard(device_.index);
-    void* p = nullptr;
-    const cudaError_t err = guard.ok() ? cudaMalloc(&p, n) : guard.error();
-    if (err != cudaSuccess) {
-      cudaGetLastError();  // clear the (non-sticky) error state
-      return absl::ResourceExhaustedError(absl::StrCat("[Allocate] ", device_.ToString(), ": cudaMalloc of ", n,
-                                                       " bytes failed: ", cudaGetErrorString(err)));
+  explicit SystemMemory(int device) : device_(device) {}
+  absl::StatusOr<void*> Alloc(size_t n) {
+    const internal::CudaHooks* cuda = internal::GetCudaHooks();
+    if (cuda == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat("[Allocate] ", Name(), ": ", internal::CudaNotLinkedMessage()));
     }
-    return p;
-#else
-    return absl::FailedPreconditionError(
-        absl::StrCat("[Allocate] ", device_.ToString(), ": this build has no CUDA support"));
-#endif
+    if (device_ != kPinnedHost) return cuda->malloc(device_, n);
+    if (CudaDeviceCount() == 0) {
+      return absl::FailedPreconditionError("[Allocate] pinned host memory needs a CUDA device; 0 are visible");
+    }
+    return cuda->host_malloc(n);
   }
-  void Release([[maybe_unused]] void* p) {
-#ifdef DTENSOR_WITH_CUDA
-    internal::DeviceGuard guard(device_.index);
-    if (guard.ok()) cudaFree(p);
-#endif
+  void Release(void* p) {
+    const internal::CudaHooks* cuda = internal::GetCudaHooks();
+    if (cuda == nullptr) return;
+    if (device_ == kPinnedHost) {
+      cuda->host_free(p);
+    } else {
+      cuda->free(device_, p);
+    }
   }
 
  private:
-  Device device_;
+  std::string Name() const { return device_ == kPinnedHost ? "pinned host memory" : absl::StrCat("cuda:", device_); }
+  int device_;
 };
 
 class CachingAllocator final : public Allocator {
  public:
-  explicit CachingAllocator(Device d) : device_(d), system_(d) {}
+  // `d`: a CUDA device, or the CPU for pinned host memory.
+  explicit CachingAllocator(Device d) : device_(d), system_(d.is_cpu() ? kPinnedHost : d.index) {}
 
   absl::StatusOr<void*> Allocate(size_t nbytes) override {
     if (nbytes == 0) return nullptr;
@@ -534,6 +532,13 @@ Allocator& DefaultAllocator(Device device) {
   std::call_once(once[device.index], [&] { cuda[device.index] = new CachingAllocator(device); });
   return *cuda[device.index];
 }
+
+Allocator& PinnedHostAllocator() {
+  static CachingAllocator* const pinned = new CachingAllocator(Device::Cpu());
+  return *pinned;
+}
+
+bool PinnedHostAvailable() { return internal::GetCudaHooks() != nullptr && CudaDeviceCount() > 0; }
 
 void EnableSharedCpuBlocks() { TheCpuAllocator().EnableShared(); }
 bool SharedCpuBlocksEnabled() { return TheCpuAllocator().shared_enabled(); }

@@ -70,6 +70,13 @@ class Allocator {
 // [0, 16) the CPU allocator is never substituted: Allocate() then fails with InvalidArgument.
 Allocator& DefaultAllocator(Device device);
 
+// Page-locked ("pinned") host memory, as PyTorch's pin_memory: a CPU allocator (device() is
+// cpu) whose blocks the GPU copies to and from at full bus speed, cached as the CUDA
+// allocator's. Allocate fails with FailedPrecondition unless PinnedHostAvailable(): the cuda
+// component is linked in and a CUDA device is visible. Tensor::EmptyPinned uses it.
+Allocator& PinnedHostAllocator();
+bool PinnedHostAvailable();
+
 }  // namespace dtensor
 
 #endif  // DTENSOR_TENSOR_ALLOCATOR_H_

@@ -1,10 +1,10 @@
 #include "dtensor/tensor/device.h"
 
 #include "absl/strings/str_cat.h"
+#include "dtensor/tensor/cuda_hooks.h"
 
-#ifdef DTENSOR_WITH_CUDA
-#include <cuda_runtime.h>
-#endif
+// Weak: null unless the cuda component is linked in (cuda_hooks.h).
+extern "C" __attribute__((weak)) const dtensor::internal::CudaHooks* dtensor_cuda_hooks_v1(void);
 
 namespace dtensor {
 
@@ -12,28 +12,29 @@ std::string Device::ToString() const { return is_cpu() ? std::string("cpu") : ab
 
 std::ostream& operator<<(std::ostream& os, const Device& d) { return os << d.ToString(); }
 
-bool CudaBuilt() {
-#ifdef DTENSOR_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
+namespace internal {
+
+const CudaHooks* GetCudaHooks() {
+  static const CudaHooks* hooks = dtensor_cuda_hooks_v1 != nullptr ? dtensor_cuda_hooks_v1() : nullptr;
+  return hooks;
 }
 
+std::string CudaNotLinkedMessage() {
+  return "this program has no CUDA support: dtensor was built without the CUDA Toolkit, or the program was "
+         "linked without dtensor's cuda component (CMake: dtensor::cuda, or dtensor::dtensor; pkg-config: "
+         "dtensor-cuda)";
+}
+
+}  // namespace internal
+
+bool CudaBuilt() { return internal::GetCudaHooks() != nullptr; }
+
 int CudaDeviceCount() {
-#ifdef DTENSOR_WITH_CUDA
   static const int count = [] {
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-      cudaGetLastError();
-      return 0;
-    }
-    return n;
+    const internal::CudaHooks* cuda = internal::GetCudaHooks();
+    return cuda == nullptr ? 0 : cuda->device_count();
   }();
   return count;
-#else
-  return 0;
-#endif
 }
 
 }  // namespace dtensor

@@ -32,11 +32,13 @@ struct Device {
 
 std::ostream& operator<<(std::ostream& os, const Device& d);
 
-// True when this build compiled the CUDA kernels (DTENSOR_CUDA found the toolkit).
+// True when this program has dtensor's CUDA support: built with the CUDA Toolkit and linked
+// with the cuda component (dtensor::cuda, part of dtensor::dtensor). A program linked only
+// with the CPU components has no CUDA code and needs no CUDA library.
 bool CudaBuilt();
 
-// Number of CUDA devices visible to this process; 0 when CUDA is not built, no driver is
-// loaded or no GPU is present. Never fails.
+// Number of CUDA devices visible to this process; 0 when CUDA is not built or linked, no
+// driver is installed or no GPU is present. Never fails.
 int CudaDeviceCount();
 
 }  // namespace dtensor

@@ -1,44 +1,20 @@
 #include "dtensor/tensor/device_info.h"
 
+#include "dtensor/tensor/cuda_hooks.h"
 #include "dtensor/tensor/device.h"
-
-#ifdef DTENSOR_WITH_CUDA
-#include <cuda_runtime.h>
-#endif
 
 namespace dtensor {
 
-namespace {
-
-#ifdef DTENSOR_WITH_CUDA
-bool Properties(int index, cudaDeviceProp* prop) {
-  if (index < 0 || index >= CudaDeviceCount()) return false;
-  if (cudaGetDeviceProperties(prop, index) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return true;
-}
-#endif
-
-}  // namespace
-
 std::string CudaDeviceName(int index) {
-#ifdef DTENSOR_WITH_CUDA
-  cudaDeviceProp prop{};
-  if (Properties(index, &prop)) return prop.name;
-#endif
-  (void)index;
-  return "";
+  const internal::CudaHooks* cuda = internal::GetCudaHooks();
+  if (cuda == nullptr || index < 0 || index >= CudaDeviceCount()) return "";
+  return cuda->device_name(index);
 }
 
 int64_t CudaDeviceTotalMemory(int index) {
-#ifdef DTENSOR_WITH_CUDA
-  cudaDeviceProp prop{};
-  if (Properties(index, &prop)) return static_cast<int64_t>(prop.totalGlobalMem);
-#endif
-  (void)index;
-  return 0;
+  const internal::CudaHooks* cuda = internal::GetCudaHooks();
+  if (cuda == nullptr || index < 0 || index >= CudaDeviceCount()) return 0;
+  return cuda->total_memory(index);
 }
 
 }  // namespace dtensor

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "dtensor/tensor/cuda_hooks.h"
 #include "dtensor/tensor/status.h"
 
 namespace dtensor {
@@ -98,7 +99,7 @@ absl::Status CheckDevice(const char* op, Device device) {
   if (device.is_cuda()) {
     if (!CudaBuilt()) {
       return absl::FailedPreconditionError(
-          absl::StrCat("[", op, "] ", device.ToString(), " requested but this build has no CUDA support"));
+          absl::StrCat("[", op, "] ", device.ToString(), " requested but ", internal::CudaNotLinkedMessage()));
     }
     if (device.index < 0 || device.index >= CudaDeviceCount()) {
       return absl::FailedPreconditionError(absl::StrCat("[", op, "] ", device.ToString(), " requested but ",
@@ -120,6 +121,16 @@ absl::StatusOr<Tensor> Tensor::Empty(IntSpan shape, DType dtype, Device device) 
   return Tensor(std::move(storage), Shape(shape.begin(), shape.end()), ContiguousStrides(shape), 0, dtype);
 }
 
+absl::StatusOr<Tensor> Tensor::EmptyPinned(IntSpan shape, DType dtype) {
+  if (!PinnedHostAvailable()) return Empty(shape, dtype, Device::Cpu());
+  DT_RETURN_IF_ERROR(CheckShape("EmptyPinned", shape));
+  const size_t nbytes = static_cast<size_t>(NumElements(shape)) * ElementSize(dtype);
+  Allocator& alloc = PinnedHostAllocator();
+  DT_ASSIGN_OR_RETURN(void* p, alloc.Allocate(nbytes));
+  auto storage = std::make_shared<Storage>(p, nbytes, Device::Cpu(), &alloc);
+  return Tensor(std::move(storage), Shape(shape.begin(), shape.end()), ContiguousStrides(shape), 0, dtype);
+}
+
 absl::StatusOr<Tensor> Tensor::FromBlob(void* data, IntSpan shape, DType dtype, Device device, IntSpan strides) {
   DT_RETURN_IF_ERROR(CheckShape("FromBlob", shape));
   if (!strides.empty() && strides.size() != shape.size()) {
@@ -136,6 +147,8 @@ absl::StatusOr<Tensor> Tensor::FromBlob(void* data, IntSpan shape, DType dtype, 
   auto storage = std::make_shared<Storage>(data, static_cast<size_t>(extent) * ElementSize(dtype), device, nullptr);
   return Tensor(std::move(storage), Shape(shape.begin(), shape.end()), std::move(st), 0, dtype);
 }
+
+bool Tensor::is_pinned() const { return storage_ != nullptr && storage_->allocator() == &PinnedHostAllocator(); }
 
 bool Tensor::is_contiguous() const {
   int64_t expected = 1;

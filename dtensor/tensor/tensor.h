@@ -64,6 +64,7 @@ class Storage {
   void* data() const { return data_; }
   size_t nbytes() const { return nbytes_; }
   Device device() const { return device_; }
+  Allocator* allocator() const { return allocator_; }
 
   // PyTorch's storage resize_(0) / resize_(n), which FSDP uses to free unsharded parameters
   // between forward and backward while the autograd graph keeps views of them: Release()
@@ -90,6 +91,9 @@ class Tensor {
   // Uninitialised contiguous tensor from the device's DefaultAllocator. Negative sizes,
   // more than kMaxDims dims or an unavailable device -> error.
   static absl::StatusOr<Tensor> Empty(IntSpan shape, DType dtype, Device device = Device::Cpu());
+  // A contiguous CPU tensor in pinned host memory (PinnedHostAllocator) where that is
+  // available, else as Empty on the CPU: the staging buffer of device-to-host copies.
+  static absl::StatusOr<Tensor> EmptyPinned(IntSpan shape, DType dtype);
   // Borrows `data` (not owned; must outlive every view). Empty `strides` means contiguous.
   static absl::StatusOr<Tensor> FromBlob(void* data, IntSpan shape, DType dtype, Device device, IntSpan strides = {});
   // A contiguous CPU tensor holding a copy of `values`; numel(shape) must equal values.size().
@@ -122,6 +126,8 @@ class Tensor {
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
   bool is_contiguous() const;
+  // Whether its memory comes from PinnedHostAllocator (EmptyPinned on a machine with a GPU).
+  bool is_pinned() const;
   const std::shared_ptr<Storage>& storage() const { return storage_; }
 
   // Address of element [0, ..., 0].

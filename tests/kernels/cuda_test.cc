@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -21,6 +22,7 @@
 #include "dtensor/kernels/cuda/cuda_kernels.h"
 #include "dtensor/kernels/kernels.h"
 #include "dtensor/ops/ops.h"
+#include "dtensor/tensor/allocator.h"
 #include "gtest/gtest.h"
 #include "tests/testing/test_util.h"
 
@@ -171,6 +173,18 @@ TEST(CudaKernelsTest, DeviceMemcpyAndSynchronize) {
   testing::ExpectNear(testing::Values(back), testing::Values(host), kExact, "round trip");
   ExpectOk(Gpu()->MemcpyToDevice(nullptr, nullptr, 0), "empty MemcpyToDevice");
   ExpectOk(Gpu()->Synchronize(), "Synchronize");
+}
+
+// Device -> host into pinned memory (the checkpoint's staging): the same bytes as the CPU source.
+TEST(CudaKernelsTest, CopyToPinnedHostMemory) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  ASSERT_TRUE(PinnedHostAvailable());
+  const Tensor cpu = HostRandom({37, 11}, DType::kFloat32, 77);
+  const Tensor gpu = ToGpu(cpu);
+  Tensor staged = Unwrap(Tensor::EmptyPinned({37, 11}, DType::kFloat32));
+  EXPECT_TRUE(staged.is_pinned());
+  ASSERT_TRUE(Copy_(staged, gpu).ok());
+  EXPECT_EQ(std::memcmp(staged.raw_data(), cpu.raw_data(), cpu.nbytes()), 0);
 }
 
 TEST(CudaKernelsTest, CopyMatchesCpuBitForBitForEveryDTypePair) {

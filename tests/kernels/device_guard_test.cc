@@ -1,4 +1,4 @@
-// DeviceGuard (dtensor/tensor/cuda_device_guard.h): it must not create a CUDA context on the
+// DeviceGuard (dtensor/kernels/cuda/cuda_device_guard.h): it must not create a CUDA context on the
 // device it restores. Each case runs in a fresh process (a death-test child), the only place
 // where "no context exists yet" can be checked. Needs 1 GPU for the context check itself and
 // 2 for the guard; skips with the reason otherwise.
@@ -11,7 +11,7 @@
 #ifdef DTENSOR_WITH_CUDA
 #include <cuda_runtime_api.h>
 
-#include "dtensor/tensor/cuda_device_guard.h"
+#include "dtensor/kernels/cuda/cuda_device_guard.h"
 #endif
 
 namespace dtensor {

@@ -188,5 +188,38 @@ TEST(AllocatorTest, HugeRequestIsResourceExhausted) {
   EXPECT_TRUE(absl::IsResourceExhausted(p.status())) << p.status();
 }
 
+// Pinned host memory: on a machine without a GPU (or a program without the cuda component),
+// EmptyPinned falls back to ordinary CPU memory and the pinned allocator refuses with a reason;
+// with a GPU, the tensor is pinned and its blocks are cached for the next request.
+TEST(PinnedHostTest, EmptyPinnedHoldsValuesAndSaysWhereItsMemoryIsFrom) {
+  Tensor t = testing::Unwrap(Tensor::EmptyPinned({3, 5}, DType::kFloat32));
+  EXPECT_TRUE(t.device().is_cpu());
+  EXPECT_TRUE(t.is_contiguous());
+  EXPECT_EQ(t.is_pinned(), PinnedHostAvailable());
+  float* p = t.data<float>();
+  for (int i = 0; i < 15; ++i) p[i] = static_cast<float>(i) * 0.5f;
+  const std::vector<double> v = testing::Values(t);
+  for (int i = 0; i < 15; ++i) EXPECT_EQ(v[static_cast<size_t>(i)], i * 0.5) << i;
+  EXPECT_FALSE(testing::Unwrap(Tensor::Empty({3}, DType::kFloat32)).is_pinned());
+  EXPECT_FALSE(Tensor::EmptyPinned({-1}, DType::kFloat32).ok());
+
+  Allocator& pinned = PinnedHostAllocator();
+  EXPECT_TRUE(pinned.device().is_cpu());
+  auto block = pinned.Allocate(4096);
+  if (!PinnedHostAvailable()) {
+    ASSERT_FALSE(block.ok());
+    EXPECT_EQ(block.status().code(), absl::StatusCode::kFailedPrecondition) << block.status();
+    EXPECT_NE(block.status().message().find("pinned host memory"), std::string::npos) << block.status();
+    return;
+  }
+  ASSERT_TRUE(block.ok()) << block.status();
+  const AllocatorStats before = pinned.Stats();
+  pinned.Free(*block);
+  void* again = testing::Unwrap(pinned.Allocate(4096));
+  EXPECT_EQ(again, *block) << "the freed pinned block should be reused";
+  EXPECT_EQ(pinned.Stats().num_cache_hits, before.num_cache_hits + 1);
+  pinned.Free(again);
+}
+
 }  // namespace
 }  // namespace dtensor

@@ -1,5 +1,5 @@
 // Host-side helpers of the CUDA backend (internal; not installed): error conversion, the
-// device guard (from dtensor/tensor/cuda_device_guard.h), and Tensor -> gpu::Layout conversion.
+// device guard (from dtensor/kernels/cuda/cuda_device_guard.h), and Tensor -> gpu::Layout conversion.
 //
 //   DeviceGuard guard(index_);                         // cudaSetDevice (see cuda_device_guard.h)
 //   if (!guard.ok()) return ToStatus(guard.error(), "Softmax", index_);
@@ -17,8 +17,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "dtensor/kernels/cuda/cublas_api.h"
+#include "dtensor/kernels/cuda/cuda_device_guard.h"  // DeviceGuard
 #include "dtensor/kernels/cuda/launch.h"
-#include "dtensor/tensor/cuda_device_guard.h"  // DeviceGuard
 #include "dtensor/tensor/tensor.h"
 
 namespace dtensor::internal {
@@ -57,8 +58,12 @@ inline absl::Status ToStatus(cudaError_t err, const char* op, int device) {
 // "[op] cuda:N: cuBLAS CUBLAS_STATUS_X (description)"; OK for CUBLAS_STATUS_SUCCESS.
 inline absl::Status ToStatus(cublasStatus_t st, const char* op, int device) {
   if (st == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  const std::string msg = absl::StrCat("[", op, "] cuda:", device, ": cuBLAS ", cublasGetStatusName(st), " (",
-                                       cublasGetStatusString(st), ")");
+  // A status comes from a loaded cuBLAS (cublas_api.h).
+  const absl::StatusOr<const CublasApi*> cublas = Cublas();
+  const std::string msg = cublas.ok()
+                              ? absl::StrCat("[", op, "] cuda:", device, ": cuBLAS ", (*cublas)->status_name(st), " (",
+                                             (*cublas)->status_string(st), ")")
+                              : absl::StrCat("[", op, "] cuda:", device, ": cuBLAS status ", static_cast<int>(st));
   switch (st) {
     case CUBLAS_STATUS_ALLOC_FAILED:
       return absl::ResourceExhaustedError(msg);

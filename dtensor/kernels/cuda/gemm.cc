@@ -9,14 +9,15 @@
 // (e.g. a stride-0 row dim) is first packed into a contiguous scratch. Batch strides pass
 // through as they are (0 broadcasts).
 //
-// One cuBLAS handle per (thread, device), created on first use, bound to the thread's stream
-// (cudaStreamPerThread) and destroyed when the thread exits.
+// cuBLAS is loaded on first use (cublas_api.h). One handle per (thread, device), created on first use, bound to the
+// thread's stream (cudaStreamPerThread) and destroyed when the thread exits.
 #include <algorithm>
 #include <array>
 #include <climits>
 #include <memory>
 #include <type_traits>
 
+#include "dtensor/kernels/cuda/cublas_api.h"
 #include "dtensor/kernels/cuda/cuda_backend.h"
 #include "dtensor/kernels/cuda/cuda_common.h"
 #include "dtensor/kernels/cuda/launch.h"
@@ -29,9 +30,10 @@ constexpr int kMaxDevices = 16;
 
 struct CublasDeleter {
   int device = 0;
+  const CublasApi* cublas = nullptr;
   void operator()(cublasHandle_t h) const {
     DeviceGuard guard(device);
-    cublasDestroy(h);
+    cublas->destroy(h);
   }
 };
 using CublasHandle = std::unique_ptr<std::remove_pointer_t<cublasHandle_t>, CublasDeleter>;
@@ -44,10 +46,11 @@ absl::StatusOr<cublasHandle_t> ThreadHandle(int device) {
   }
   CublasHandle& h = handles[static_cast<size_t>(device)];
   if (!h) {
+    DT_ASSIGN_OR_RETURN(const CublasApi* cublas, Cublas());
     cublasHandle_t raw = nullptr;
-    DT_RETURN_IF_ERROR(ToStatus(cublasCreate(&raw), "Gemm", device));
-    CublasHandle owned(raw, CublasDeleter{device});
-    DT_RETURN_IF_ERROR(ToStatus(cublasSetStream(raw, cudaStreamPerThread), "Gemm", device));
+    DT_RETURN_IF_ERROR(ToStatus(cublas->create(&raw), "Gemm", device));
+    CublasHandle owned(raw, CublasDeleter{device, cublas});
+    DT_RETURN_IF_ERROR(ToStatus(cublas->set_stream(raw, cudaStreamPerThread), "Gemm", device));
     h = std::move(owned);
   }
   return h.get();
@@ -152,9 +155,10 @@ absl::Status CudaBackend::Gemm(const Tensor& a, const Tensor& b, const Tensor& c
     }
   }
   DT_ASSIGN_OR_RETURN(cublasHandle_t handle, ThreadHandle(index_));
+  DT_ASSIGN_OR_RETURN(const CublasApi* cublas, Cublas());  // loaded by ThreadHandle
   const cudaDataType_t type = CudaType(c.dtype());
   // c^T [N, M] = op(b) [N, K] @ op(a) [K, M] in cuBLAS's column-major terms.
-  const cublasStatus_t st = cublasGemmStridedBatchedEx(
+  const cublasStatus_t st = cublas->gemm_strided_batched_ex(
       handle, ob.layout.trans ? CUBLAS_OP_T : CUBLAS_OP_N, oa.layout.trans ? CUBLAS_OP_T : CUBLAS_OP_N,
       static_cast<int>(n), static_cast<int>(m), static_cast<int>(k), &alpha, ob.data, type,
       static_cast<int>(ob.layout.ld), static_cast<long long>(ob.batch_stride), oa.data, type,

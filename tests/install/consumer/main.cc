@@ -1,9 +1,12 @@
-// Uses the installed dtensor: a matmul checked against a naive loop; exits non-zero on error.
+// Uses the installed dtensor (everything, dtensor::dtensor): a matmul checked against a naive
+// loop, and what a CUDA request says on a machine without a GPU (or without the CUDA
+// libraries); exits non-zero on error.
 #include <cmath>
 #include <cstdio>
 #include <vector>
 
 #include "dtensor/ops/ops.h"
+#include "dtensor/tensor/device.h"
 
 int main() {
   using namespace dtensor;
@@ -31,6 +34,11 @@ int main() {
   }
   auto bad = Matmul(*a, *a);
   if (bad.ok()) return 1;
-  std::printf("consumer OK: %s, bad input says: %s\n", c->ToString().c_str(), bad.status().ToString().c_str());
+  // No GPU here (or no driver): a CUDA tensor is refused with a reason, never a crash.
+  auto gpu = Tensor::Empty({2}, DType::kFloat32, Device::Cuda(0));
+  if (CudaDeviceCount() == 0 && gpu.ok()) return 1;
+  std::printf("consumer OK: %s, bad input says: %s; CUDA built: %d, devices: %d, cuda:0 says: %s\n",
+              c->ToString().c_str(), bad.status().ToString().c_str(), CudaBuilt() ? 1 : 0, CudaDeviceCount(),
+              gpu.ok() ? "OK" : gpu.status().ToString().c_str());
   return 0;
 }

@@ -1,5 +1,6 @@
 // DeviceGuard: makes a CUDA device current for a scope (internal; CUDA builds only; not
-// installed). Used by the caching allocator and by the CUDA kernels and NCCL backend.
+// installed). Used by the cuda component's hooks (the caching allocator's device memory), the
+// CUDA kernels and the NCCL backend.
 //
 //   DeviceGuard guard(index_);                         // cudaSetDevice; see below for the exit
 //   if (!guard.ok()) return ToStatus(guard.error(), "Softmax", index_);
@@ -10,8 +11,8 @@
 // 0.5 GiB of GPU 0 taken by every rank process of a multi-GPU node whose rank works on
 // cuda:3. PyTorch's MaybeSetDevice makes the same check. Where the check cannot be made (a
 // driver without the entry point), the previous device is restored as before.
-#ifndef DTENSOR_TENSOR_CUDA_DEVICE_GUARD_H_
-#define DTENSOR_TENSOR_CUDA_DEVICE_GUARD_H_
+#ifndef DTENSOR_KERNELS_CUDA_CUDA_DEVICE_GUARD_H_
+#define DTENSOR_KERNELS_CUDA_CUDA_DEVICE_GUARD_H_
 
 #include <cuda.h>  // driver API types only: the functions are looked up through the runtime
 #include <cuda_runtime_api.h>
@@ -93,4 +94,4 @@ class DeviceGuard {
 
 }  // namespace dtensor::internal
 
-#endif  // DTENSOR_TENSOR_CUDA_DEVICE_GUARD_H_
+#endif  // DTENSOR_KERNELS_CUDA_CUDA_DEVICE_GUARD_H_
