@@ -61,7 +61,7 @@ if [ "${DTENSOR_SKIP_CLANG:-0}" != "1" ] && [ "${DTENSOR_SANITIZERS:-0}" = "1" ]
   ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:strict_string_checks=1:check_initialization_order=1" \
     LSAN_OPTIONS="suppressions=$san/lsan.supp:print_suppressions=0" \
     UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$san/ubsan.supp" \
-    ctest --test-dir "${build_dir}-asan" -j "$jobs" --output-on-failure --timeout 900 -L unit
+    DTENSOR_TEST_TIME_SCALE=4 ctest --test-dir "${build_dir}-asan" -j "$jobs" --output-on-failure --timeout 900 -L unit
   if [ -x scripts/fuzz_smoke.sh ]; then bash scripts/fuzz_smoke.sh "${build_dir}-asan"; fi
 
   if [ "${DTENSOR_SKIP_TSAN:-0}" != "1" ]; then
@@ -80,7 +80,7 @@ if [ "${DTENSOR_SKIP_CLANG:-0}" != "1" ] && [ "${DTENSOR_SANITIZERS:-0}" = "1" ]
     autograd='ActivationCheckpoint|Engine|EveryStrategy[A-Za-z]*|OpDefs/EveryStrategy|OpsStrategy|Grad'
     trainer='GptTrainTest\.DataParallelLossesEqualSingleRank|GptFsdpTest\.(FsdpOnTwoThreeAndFourThreadRanksEqualsOneRank|NoReshardHsdpAndDdpEqualOneRank|TensorParallelRunsEqualOneRank)'
     TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$san/tsan.supp" \
-      OMP_THREAD_LIMIT=1 OPENBLAS_NUM_THREADS=1 \
+      OMP_THREAD_LIMIT=1 OPENBLAS_NUM_THREADS=1 DTENSOR_TEST_TIME_SCALE=10 \
       ctest --test-dir "${build_dir}-tsan" -j "$jobs" --output-on-failure --timeout 900 -L unit \
       -R "^(${threads}|${dtensor}|${autograd})\.|^(${trainer})\$"
   fi

@@ -66,7 +66,7 @@ inline void RunMesh(IntSpan mesh_shape, const std::function<void(const DeviceMes
   }
   for (auto& t : threads) t.join();
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_LT(s, 15.0) << MeshName(shape) << ": took too long (a rank waited for a timeout?)";
+  EXPECT_LT(s, 15.0 * testing::TimeScale()) << MeshName(shape) << ": took too long (a rank waited for a timeout?)";
 }
 
 // Whether `ok` holds on every rank of the mesh (collective over its world): after an op failed

@@ -37,6 +37,7 @@
 #include "dtensor/placements/placement.h"
 #include "dtensor/tensor/tensor.h"
 #include "gtest/gtest.h"
+#include "tests/testing/test_util.h"
 
 // In a test body or a void lambda: `DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2, 2}));`
 // declares `DeviceMesh& mesh`, or fails the test and returns.
@@ -574,7 +575,7 @@ inline double RunThreads(int world, const std::function<void(int rank, Communica
 inline void RunRanks(int world, const std::function<void(int rank, Communicator& comm)>& fn) {
   const double seconds = RunThreads(world, fn);
   EXPECT_GE(seconds, 0) << "MakeThreadGroup failed";
-  EXPECT_LT(seconds, 10.0) << "took too long: something waited for a timeout";
+  EXPECT_LT(seconds, 10.0 * dtensor::testing::TimeScale()) << "took too long: something waited for a timeout";
 }
 
 }  // namespace dtensor::suite

@@ -7,6 +7,7 @@
 #ifndef DTENSOR_TESTS_TESTING_TEST_UTIL_H_
 #define DTENSOR_TESTS_TESTING_TEST_UTIL_H_
 
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <vector>
@@ -24,6 +25,17 @@ T Unwrap(absl::StatusOr<T> v, const char* what = "") {
     return T{};
   }
   return *std::move(v);
+}
+
+// How much slower than a plain build this test binary is allowed to run: the factor in
+// DTENSOR_TEST_TIME_SCALE (>= 1; 1 when unset or unreadable). Checks that a run "waited for a
+// timeout" multiply their limit by it, as the sanitizer builds of scripts/test.sh set it.
+inline double TimeScale() {
+  const char* v = std::getenv("DTENSOR_TEST_TIME_SCALE");
+  if (v == nullptr) return 1.0;
+  char* end = nullptr;
+  const double f = std::strtod(v, &end);
+  return end != v && f >= 1.0 ? f : 1.0;
 }
 
 // Uniform values in [lo, hi) on `device`, rounded to `dtype` (seeded, reproducible).
