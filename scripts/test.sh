@@ -58,7 +58,9 @@ if [ "${DTENSOR_SKIP_CLANG:-0}" != "1" ] && [ "${DTENSOR_SANITIZERS:-0}" = "1" ]
     -DCMAKE_CXX_COMPILER=clang++ -DDTENSOR_CUDA=OFF -DDTENSOR_SANITIZE=address,undefined -DDTENSOR_FUZZ=ON
   cmake --build "${build_dir}-asan" -j "$jobs"
   # Child processes (dtrun ranks, gpt_train, forks) inherit these and fail the same way.
-  ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:strict_string_checks=1:check_initialization_order=1" \
+  # allocator_may_return_null: an impossible allocation must fail as the library expects
+  # (ResourceExhausted), not stop the process (SharedCpuBlockTest.AnImpossibleSizeStaysPrivate).
+  ASAN_OPTIONS="halt_on_error=1:detect_leaks=1:strict_string_checks=1:check_initialization_order=1:allocator_may_return_null=1" \
     LSAN_OPTIONS="suppressions=$san/lsan.supp:print_suppressions=0" \
     UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:suppressions=$san/ubsan.supp" \
     DTENSOR_TEST_TIME_SCALE=4 ctest --test-dir "${build_dir}-asan" -j "$jobs" --output-on-failure --timeout 900 -L unit

@@ -1625,7 +1625,10 @@ class UcxCommunicator final : public Communicator {
     const size_t r = static_cast<size_t>(rank_);
     const BufferDesc mine = DescribeBuffer(in, len * members_.size());
     return CmaStep(
-        &mine, sizeof(mine), [&] { std::memcpy(out + r * len, in + r * len, len); },
+        &mine, sizeof(mine),
+        [&] {
+          if (len > 0) std::memcpy(out + r * len, in + r * len, len);  // empty blocks may be null
+        },
         [&](int j, const char* desc) {
           const BufferDesc d = DescIn(desc);
           return ReadFrom(j, d, Mapped(j, d), r * len, out + static_cast<size_t>(j) * len, len);
