@@ -14,6 +14,10 @@
 //   ucx_test_child setup       makes the world communicator and does a Barrier (with
 //                              DTENSOR_UCX_INFO=1 rank 0 prints the agreed paths);
 //   ucx_test_child setup-mixed SETTING   the same with SETTING on odd ranks only.
+//   ucx_test_child listening   makes the world communicator, does an AllReduce, and prints
+//                              every TCP socket this process listens on ("listening ADDR:PORT",
+//                              read from /proc/net/tcp and tcp6 for this process's socket fds),
+//                              then "listening done".
 //   ucx_test_child dead-peer   the last rank exits while the others are inside an AllReduce;
 //                              they must get Unavailable (printed), then exit 0.
 //   ucx_test_child timeout     rank 1 never joins an AllReduce; the others must get
@@ -42,6 +46,8 @@
 //   ucx_test_child bench       not a test: timings.
 //   ucx_test_child bench-blocks   not a test: AllToAllBlocks of S(0) -> S(1) column blocks
 //                              beside the default's pack + AllToAll and a plain AllToAll.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sched.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -53,6 +59,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -831,6 +838,62 @@ int RunSetup() {
   return comm->Barrier().ok() ? 0 : 1;
 }
 
+// The local addresses of the TCP sockets in LISTEN state among this process's file
+// descriptors: /proc/self/fd's "socket:[inode]" links matched against /proc/net/tcp{,6}, whose
+// addresses are the kernel's in_addr / in6_addr words printed as hex.
+std::vector<std::string> ListeningSockets() {
+  std::set<std::string> inodes;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const std::string target = std::filesystem::read_symlink(entry.path(), ec).string();
+    if (!ec && target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+  }
+  std::vector<std::string> found;
+  for (const bool v6 : {false, true}) {
+    std::ifstream table(v6 ? "/proc/net/tcp6" : "/proc/net/tcp");
+    std::string line;
+    std::getline(table, line);  // header
+    while (std::getline(table, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >> inode;
+      const size_t colon = local.find(':');
+      if (state != "0A" || inodes.count(inode) == 0 || colon == std::string::npos) continue;  // 0A: LISTEN
+      const std::string hex = local.substr(0, colon);
+      const int port = static_cast<int>(std::strtol(local.substr(colon + 1).c_str(), nullptr, 16));
+      char text[INET6_ADDRSTRLEN] = {};
+      if (!v6 && hex.size() == 8) {
+        in_addr a{};
+        a.s_addr = static_cast<uint32_t>(std::strtoul(hex.c_str(), nullptr, 16));
+        inet_ntop(AF_INET, &a, text, sizeof(text));
+        found.push_back(absl::StrCat(text, ":", port));
+      } else if (v6 && hex.size() == 32) {
+        in6_addr a{};
+        for (int w = 0; w < 4; ++w) {
+          const uint32_t word = static_cast<uint32_t>(std::strtoul(hex.substr(8 * w, 8).c_str(), nullptr, 16));
+          std::memcpy(reinterpret_cast<char*>(&a) + 4 * w, &word, 4);
+        }
+        inet_ntop(AF_INET6, &a, text, sizeof(text));
+        found.push_back(absl::StrCat("[", text, "]:", port));
+      } else {
+        found.push_back(absl::StrCat("unreadable:", local));
+      }
+    }
+  }
+  return found;
+}
+
+int RunListening() {
+  std::unique_ptr<Communicator> comm = MakeWorld(absl::Seconds(30));
+  if (comm == nullptr) return 2;
+  Tensor t = Make<float>(1024);
+  if (!comm->AllReduce(t, t, CommReduceOp::kSum).ok()) return 1;
+  for (const std::string& addr : ListeningSockets()) std::printf("listening %s\n", addr.c_str());
+  std::printf("listening done\n");
+  std::fflush(stdout);
+  return comm->Barrier().ok() ? 0 : 1;
+}
+
 // The inode of the shared block holding t (0: not shared).
 int64_t BlockInode(const Tensor& t) {
   const std::optional<SharedCpuRange> r = FindSharedCpuRange(t.raw_data(), t.nbytes());
@@ -1200,8 +1263,9 @@ int main(int argc, char** argv) {
   if (mode == "debug-mismatch") return dtensor::RunDebugMismatch();
   if (mode == "setup") return dtensor::RunSetup();
   if (mode == "late-ranks") return dtensor::RunLateRanks();
-  std::fprintf(
-      stderr,
-      "usage: ucx_test_child battery|battery-mixed SETTING|dead-peer|timeout|debug-mismatch|bench|bench-blocks\n");
+  if (mode == "listening") return dtensor::RunListening();
+  std::fprintf(stderr,
+               "usage: ucx_test_child battery|battery-mixed "
+               "SETTING|dead-peer|timeout|debug-mismatch|setup|late-ranks|listening|bench|bench-blocks\n");
   return 2;
 }

@@ -1,7 +1,12 @@
 #include "dtensor/collectives/ucx/ucx_transport.h"
 
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <sched.h>
 #include <sys/epoll.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -10,6 +15,8 @@
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -37,6 +44,58 @@ std::string HostIdentity() {
   };
   return absl::StrCat(host, "/", boot_id, "/net:", ns_inode("/proc/self/ns/net"),
                       "/pid:", ns_inode("/proc/self/ns/pid"));
+}
+
+// The network interface this host reaches `addr` (the store's host) through: the source
+// address the kernel picks for a datagram socket connected there, matched to an interface.
+// Connecting a datagram socket sends nothing. Empty when it cannot be told (the caller then
+// leaves UCX's choice alone).
+std::string InterfaceToward(const std::string& addr) {
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* found = nullptr;
+  if (getaddrinfo(addr.c_str(), "9", &hints, &found) != 0 || found == nullptr) return "";
+  std::string name;
+  for (addrinfo* a = found; a != nullptr && name.empty(); a = a->ai_next) {
+    const int fd = socket(a->ai_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) continue;
+    sockaddr_storage local{};
+    socklen_t len = sizeof(local);
+    const bool ok =
+        connect(fd, a->ai_addr, a->ai_addrlen) == 0 && getsockname(fd, reinterpret_cast<sockaddr*>(&local), &len) == 0;
+    close(fd);
+    if (!ok) continue;
+    ifaddrs* ifs = nullptr;
+    if (getifaddrs(&ifs) != 0) continue;
+    for (ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
+      if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != local.ss_family) continue;
+      const bool same = local.ss_family == AF_INET
+                            ? reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr ==
+                                  reinterpret_cast<sockaddr_in*>(&local)->sin_addr.s_addr
+                            : std::memcmp(&reinterpret_cast<sockaddr_in6*>(i->ifa_addr)->sin6_addr,
+                                          &reinterpret_cast<sockaddr_in6*>(&local)->sin6_addr, sizeof(in6_addr)) == 0;
+      if (same) {
+        name = i->ifa_name;
+        break;
+      }
+    }
+    freeifaddrs(ifs);
+  }
+  freeaddrinfo(found);
+  return name;
+}
+
+// The interfaces UCX's network transports may use (and listen on), chosen from the hosts of
+// the world's ranks: all on this host, loopback only ("lo"; between them the shared-memory
+// transports carry the bytes, TCP over loopback where a peer needs error handling); ranks on
+// other hosts too, the interface that reaches the store's host, so that no socket listens on
+// an interface the job does not use. Empty: UCX's default (every interface), when the
+// interface cannot be told. A UCX_NET_DEVICES in the environment overrides this (the caller
+// does not ask then).
+std::string JobNetDevices(const std::vector<std::string>& hosts, const std::string& self,
+                          const std::string& master_addr) {
+  if (std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == self; })) return "lo";
+  return InterfaceToward(master_addr);
 }
 
 int64_t NowNs() {
@@ -76,9 +135,46 @@ absl::Status UcxWorld::Setup(const LaunchInfo& info, StoreClient& store, absl::D
   rank_ = info.rank;
   size_ = info.world_size;
 
+  // Namespace: the how-manyth world communicator this rank makes. Before UCX starts, every
+  // rank says which host it is on, so that its network transports listen only where the job
+  // needs them (JobNetDevices).
+  const std::string host = HostIdentity();
+  const absl::Duration old_timeout = store.timeout();
+  store.SetTimeout(timeout);
+  std::string prefix;
+  std::string net_devices;
+  absl::Status status = [&]() -> absl::Status {
+    DT_ASSIGN_OR_RETURN(const int64_t n, store.Add(absl::StrCat("ucx/made/", rank_), 1));
+    prefix = absl::StrCat("ucx/", n, "/");
+    DT_RETURN_IF_ERROR(store.Set(absl::StrCat(prefix, "host/", rank_), host));
+    if (std::getenv("UCX_NET_DEVICES") != nullptr) return absl::OkStatus();  // the user's choice
+    std::vector<std::string> hosts(static_cast<size_t>(size_), host);
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_) continue;
+      DT_ASSIGN_OR_RETURN(hosts[static_cast<size_t>(j)], store.Get(absl::StrCat(prefix, "host/", j)));
+    }
+    net_devices = JobNetDevices(hosts, host, info.master_addr);
+    return absl::OkStatus();
+  }();
+  store.SetTimeout(old_timeout);
+  DT_RETURN_IF_ERROR(status);
+
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
   if (st != UCS_OK) return UcsError(absl::StrCat(kOp, " ucp_config_read"), st);
+  if (!net_devices.empty()) {
+    st = ucp_config_modify(config, "NET_DEVICES", net_devices.c_str());
+    if (st != UCS_OK) {
+      ucp_config_release(config);
+      return UcsError(absl::StrCat(kOp, " setting UCX's NET_DEVICES to ", net_devices), st);
+    }
+  }
+  if (const char* v = std::getenv("DTENSOR_UCX_INFO"); rank_ == 0 && v != nullptr && std::string(v) == "1") {
+    std::fprintf(stderr, "dtensor ucx: network interfaces: %s\n",
+                 std::getenv("UCX_NET_DEVICES") != nullptr ? "UCX_NET_DEVICES (the user's)"
+                 : net_devices.empty()                     ? "UCX's default (the store's interface was not found)"
+                                                           : net_devices.c_str());
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_ESTIMATED_NUM_EPS | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
@@ -108,25 +204,20 @@ absl::Status UcxWorld::Setup(const LaunchInfo& info, StoreClient& store, absl::D
   size_t address_len = 0;
   st = ucp_worker_get_address(worker_, &address, &address_len);
   if (st != UCS_OK) return UcsError(absl::StrCat(kOp, " ucp_worker_get_address"), st);
-  const std::string host = HostIdentity();
   std::string mine = absl::StrCat(host, "\n", getpid(), "\n");
   mine.append(reinterpret_cast<const char*>(address), address_len);
   ucp_worker_release_address(worker_, address);
 
-  // Namespace: the how-manyth world communicator this rank makes.
-  const absl::Duration old_timeout = store.timeout();
   store.SetTimeout(timeout);
-  absl::Status status = [&]() -> absl::Status {
-    DT_ASSIGN_OR_RETURN(const int64_t n, store.Add(absl::StrCat("ucx/made/", rank_), 1));
-    const std::string prefix = absl::StrCat("ucx/", n, "/addr/");
-    DT_RETURN_IF_ERROR(store.Set(absl::StrCat(prefix, rank_), mine));
+  status = [&]() -> absl::Status {
+    DT_RETURN_IF_ERROR(store.Set(absl::StrCat(prefix, "addr/", rank_), mine));
     eps_.assign(static_cast<size_t>(size_), nullptr);
     gone_.assign(static_cast<size_t>(size_), "");
     pids_.assign(static_cast<size_t>(size_), -1);
     pidfds_.assign(static_cast<size_t>(size_), -1);
     for (int j = 0; j < size_; ++j) {
       if (j == rank_) continue;
-      DT_ASSIGN_OR_RETURN(const std::string theirs, store.Get(absl::StrCat(prefix, j)));
+      DT_ASSIGN_OR_RETURN(const std::string theirs, store.Get(absl::StrCat(prefix, "addr/", j)));
       const size_t a = theirs.find('\n');
       const size_t b = a == std::string::npos ? a : theirs.find('\n', a + 1);
       int pid = -1;

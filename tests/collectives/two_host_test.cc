@@ -25,6 +25,7 @@
 #include "absl/time/time.h"
 #include "dtensor/collectives/store/tcp_store.h"
 #include "gtest/gtest.h"
+#include "tests/testing/run_process.h"
 #include "tests/testing/test_util.h"
 
 #if defined(UCX_TEST_CHILD_PATH) && defined(DTRUN_PATH) && defined(NETNS_TWO_HOSTS_SCRIPT)
@@ -146,8 +147,9 @@ class TwoHosts {
     return code == 0 ? "" : absl::StrCat("netns_two_hosts.sh up failed: ", out);
   }
 
-  // Starts `dtrun --nnodes 2 --node-rank node ...` in namespace `node` with UCX on TCP over the veth.
-  Process& StartNode(int node, int nproc, const std::string& mode) {
+  // Starts `dtrun --nnodes 2 --node-rank node ...` in namespace `node` with UCX on TCP over the
+  // veth (with `pin_veth` false the ranks choose UCX's interfaces themselves).
+  Process& StartNode(int node, int nproc, const std::string& mode, bool pin_veth = true) {
     const std::string n = std::to_string(node);
     std::vector<std::string> args = {"/bin/bash", NETNS_TWO_HOSTS_SCRIPT, "exec", tag_, n, DTRUN_PATH};
     args.insert(args.end(), {"--nnodes", "2", "--node-rank", n, "--nproc-per-node", std::to_string(nproc)});
@@ -155,10 +157,10 @@ class TwoHosts {
     args.insert(args.end(), {UCX_TEST_CHILD_PATH, mode});
     // Between the hosts only TCP is reachable anyway (different hostnames give peer-failure
     // endpoints); UCX_TLS and UCX_NET_DEVICES make sure it is TCP over the veth, not loopback.
-    std::vector<std::string> env = {"UCX_TLS=tcp,sm,self", absl::StrCat("UCX_NET_DEVICES=dtv", node, "_", tag_),
-                                    "UCX_WARN_UNUSED_ENV_VARS=n", "DTENSOR_TIMEOUT_S=20",
+    std::vector<std::string> env = {"UCX_TLS=tcp,sm,self", "UCX_WARN_UNUSED_ENV_VARS=n", "DTENSOR_TIMEOUT_S=20",
                                     // Both nodes' dtrun pass the job's secret on: an authenticated store.
                                     absl::StrCat(dtensor::kStoreSecretEnv, "=", secret_)};
+    env.push_back(pin_veth ? absl::StrCat("UCX_NET_DEVICES=dtv", node, "_", tag_) : "DTENSOR_UCX_INFO=1");
     procs_.push_back(std::make_unique<Process>(args, env, absl::StrCat(dir_, "/out", node, "_", procs_.size()),
                                                absl::StrCat(dir_, "/err", node, "_", procs_.size())));
     return *procs_.back();
@@ -215,6 +217,30 @@ TEST_P(TwoHostBatteryTest, EveryCollectiveMatchesItsReference) {
 
 INSTANTIATE_TEST_SUITE_P(RanksPerNode, TwoHostBatteryTest, testing::Values(1, 2),
                          [](const testing::TestParamInfo<int>& info) { return absl::StrCat("P", info.param); });
+
+// Left to choose, the ranks of a two-host job listen only on the interface that reaches the
+// other host (the veth): not on loopback, where UCX's TCP transport also listens by default.
+TEST(TwoHostListenTest, RanksListenOnlyOnTheInterfaceToTheOtherHost) {
+  MAKE_TWO_HOSTS_OR_SKIP(hosts);
+  Process& node0 = hosts.StartNode(0, 2, "listening", /*pin_veth=*/false);
+  Process& node1 = hosts.StartNode(1, 2, "listening", /*pin_veth=*/false);
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  ASSERT_TRUE(node0.Wait(deadline)) << "node 0 hung: " << node0.out() << node0.err();
+  ASSERT_TRUE(node1.Wait(deadline)) << "node 1 hung: " << node1.out() << node1.err();
+  ASSERT_EQ(node0.code(), 0) << node0.out() << node0.err();
+  ASSERT_EQ(node1.code(), 0) << node1.out() << node1.err();
+  EXPECT_TRUE(Contains(node0.err(), "[rank 0] dtensor ucx: network interfaces: dtv0_")) << node0.err();
+  for (int r = 0; r < 4; ++r) {
+    const std::string veth = r < 2 ? "10.231.7.1:" : "10.231.7.2:";
+    const std::vector<std::string> addrs =
+        dtensor::testing::LinesAfter(r < 2 ? node0.out() : node1.out(), absl::StrCat("[rank ", r, "] listening "));
+    ASSERT_FALSE(addrs.empty() || addrs.back() != "done") << "rank " << r << ": " << node0.out() << node1.out();
+    EXPECT_GE(addrs.size(), 2u) << "rank " << r << " has no UCX listener: " << node0.out() << node1.out();
+    for (size_t i = 0; i + 1 < addrs.size(); ++i) {
+      EXPECT_EQ(addrs[i].rfind(veth, 0), 0u) << "rank " << r << " listens on " << addrs[i];
+    }
+  }
+}
 
 TEST(TwoHostFailureTest, DeadPeerOnOtherHostGivesUnavailable) {
   // Rank 1 (node 1) exits with code 9 while rank 0 (node 0) is inside a 4 MiB AllReduce. The

@@ -1,7 +1,10 @@
 // The ucx backend end to end: runs collectives/ucx/ucx_test_child under the real launcher on 2, 3
 // and 4 processes (every collective, dtype and size class checked against references the child
 // computes itself), and checks that a dead peer and a stalled peer give errors, not hangs.
+#include <ifaddrs.h>
 #include <linux/membarrier.h>
+#include <net/if.h>
+#include <netinet/in.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -342,6 +345,52 @@ INSTANTIATE_TEST_SUITE_P(Channels, UcxFailureTest, testing::Values("1", "0"),
                          [](const testing::TestParamInfo<std::string>& info) {
                            return info.param == "1" ? "SharedMemory" : "UcxOnly";
                          });
+
+// Whether this host has an interface that is up, not loopback, with an IPv4 address: where
+// UCX's TCP transport would listen by default.
+bool HasExternalInterface() {
+  ifaddrs* ifs = nullptr;
+  if (getifaddrs(&ifs) != 0) return false;
+  bool found = false;
+  for (ifaddrs* i = ifs; i != nullptr; i = i->ifa_next) {
+    found = found || (i->ifa_addr != nullptr && i->ifa_addr->sa_family == AF_INET && (i->ifa_flags & IFF_UP) != 0 &&
+                      (i->ifa_flags & IFF_LOOPBACK) == 0);
+  }
+  freeifaddrs(ifs);
+  return found;
+}
+
+bool IsLoopback(const std::string& addr) { return addr.rfind("127.", 0) == 0 || addr.rfind("[::1]:", 0) == 0; }
+
+// A job whose ranks all share this host listens on loopback only: the store (rank 0) and every
+// rank's UCX worker, whose TCP transport would otherwise listen on every interface of the host.
+// With UCX_NET_DEVICES given (the user's choice, here every interface) UCX's default listens
+// beyond loopback: the check sees UCX's sockets, so it can fail.
+TEST(UcxListenTest, OneHostJobListensOnLoopbackOnly) {
+  for (const bool users_choice : {false, true}) {
+    std::vector<std::string> env = {"DTENSOR_UCX_INFO=1"};
+    if (users_choice) env.push_back("UCX_NET_DEVICES=all");
+    const RunResult run = RunDtrun({"--nproc-per-node", "2", UCX_TEST_CHILD_PATH, "listening"}, env);
+    ASSERT_EQ(run.code, 0) << run.out << run.err;
+    std::vector<std::string> beyond;
+    for (int r = 0; r < 2; ++r) {
+      const std::vector<std::string> addrs =
+          dtensor::testing::LinesAfter(run.out, absl::StrCat("[rank ", r, "] listening "));
+      ASSERT_FALSE(addrs.empty() || addrs.back() != "done") << run.out;
+      ASSERT_GE(addrs.size(), r == 0 ? 2u : 1u) << "rank 0 serves the store: " << run.out;
+      for (size_t i = 0; i + 1 < addrs.size(); ++i) {
+        if (!IsLoopback(addrs[i])) beyond.push_back(absl::StrCat("rank ", r, ": ", addrs[i]));
+      }
+    }
+    if (!users_choice) {
+      EXPECT_TRUE(beyond.empty()) << testing::PrintToString(beyond) << "\n" << run.out;
+      EXPECT_TRUE(Contains(run.err, "[rank 0] dtensor ucx: network interfaces: lo\n")) << run.err;
+    } else if (HasExternalInterface()) {
+      EXPECT_FALSE(beyond.empty()) << "UCX's default listened on loopback only: " << run.out;
+      EXPECT_TRUE(Contains(run.err, "network interfaces: UCX_NET_DEVICES (the user's)")) << run.err;
+    }
+  }
+}
 
 }  // namespace
 

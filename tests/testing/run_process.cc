@@ -94,4 +94,17 @@ ProcessRun RunProcess(const std::vector<std::string>& argv, const ProcessOptions
   return run;
 }
 
+std::vector<std::string> LinesAfter(const std::string& out, const std::string& prefix) {
+  std::vector<std::string> found;
+  for (size_t at = 0; at < out.size();) {
+    size_t end = out.find('\n', at);
+    if (end == std::string::npos) end = out.size();
+    if (out.compare(at, prefix.size(), prefix) == 0 && end - at >= prefix.size()) {
+      found.push_back(out.substr(at + prefix.size(), end - at - prefix.size()));
+    }
+    at = end + 1;
+  }
+  return found;
+}
+
 }  // namespace dtensor::testing

@@ -36,6 +36,10 @@ struct ProcessOptions {
 // timeout also kills what it started.
 ProcessRun RunProcess(const std::vector<std::string>& argv, const ProcessOptions& options = {});
 
+// The rest of every line of `out` that starts with `prefix`, in order (e.g. prefix
+// "[rank 1] listening " for what dtrun's rank 1 printed after "listening ").
+std::vector<std::string> LinesAfter(const std::string& out, const std::string& prefix);
+
 }  // namespace dtensor::testing
 
 #endif  // DTENSOR_TESTS_TESTING_RUN_PROCESS_H_
