@@ -130,10 +130,11 @@ class Tensor {
   bool is_pinned() const;
   const std::shared_ptr<Storage>& storage() const { return storage_; }
 
-  // Address of element [0, ..., 0].
+  // Address of element [0, ..., 0]; nullptr without memory (also an empty view at an offset into
+  // an empty storage, whose data() is null: offsetting null is undefined).
   void* raw_data() const {
-    return storage_ ? static_cast<char*>(storage_->data()) + offset_ * static_cast<int64_t>(ElementSize(dtype_))
-                    : nullptr;
+    char* base = storage_ ? static_cast<char*>(storage_->data()) : nullptr;
+    return base != nullptr ? base + offset_ * static_cast<int64_t>(ElementSize(dtype_)) : nullptr;
   }
   // Typed address of element [0, ..., 0]. Precondition: DTypeOf<T> == dtype().
   template <typename T>

@@ -218,6 +218,16 @@ TEST(TensorTest, BroadcastShapes) {
   EXPECT_NE(bad.status().message().find("[Add]"), std::string::npos);
 }
 
+// An empty view at an offset into an empty tensor (a shard of a [0, 3] tensor, narrowed past
+// row 0) has no memory to point into: its address is null, never null + offset.
+TEST(TensorTest, EmptyViewAtAnOffsetHasNoAddress) {
+  Tensor t = testing::Unwrap(Tensor::Empty({0, 3}, DType::kFloat32));
+  Tensor v = testing::Unwrap(t.Narrow(1, 2, 1));
+  EXPECT_EQ(v.numel(), 0);
+  EXPECT_EQ(v.raw_data(), nullptr);
+  EXPECT_EQ(v.data<float>(), nullptr);
+}
+
 // Release / Reallocate (FSDP's resize_(0) / resize_(n)): the memory goes back to the
 // allocator while views keep their Storage, and comes back shared by every view.
 TEST(StorageTest, ReleaseAndReallocateKeepViews) {
@@ -228,6 +238,7 @@ TEST(StorageTest, ReleaseAndReallocateKeepViews) {
   ASSERT_TRUE(t.storage()->Release().ok());
   EXPECT_TRUE(row.storage()->released());
   EXPECT_EQ(row.storage()->data(), nullptr);
+  EXPECT_EQ(row.raw_data(), nullptr);  // not null + 3 rows (undefined; UBSan found it)
   EXPECT_EQ(alloc.Stats().bytes_in_use, in_use - 256 * 16 * 4);
   ASSERT_TRUE(t.storage()->Reallocate().ok());
   EXPECT_FALSE(t.storage()->released());
