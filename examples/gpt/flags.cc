@@ -1,6 +1,9 @@
 #include "examples/gpt/flags.h"
 
+#include <omp.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "absl/flags/reflection.h"
@@ -45,6 +48,10 @@ std::set<std::string> GivenFlagNames(const std::vector<std::string>& args) {
     if (absl::StartsWith(args[i], "--") && args[i].size() > 2) names.insert(args[i].substr(2, args[i].find('=') - 2));
   }
   return names;
+}
+
+void SetRankThreads(int n) {
+  if (std::getenv("OMP_NUM_THREADS") == nullptr) omp_set_num_threads(n < 1 ? 1 : n);
 }
 
 }  // namespace dtensor::gpt

@@ -25,6 +25,11 @@ std::vector<char*> AbslStyleArgs(int argc, char** argv, std::vector<std::string>
 // boolean's "--noprefetch" gives "noprefetch"): what the user set, as opposed to defaults.
 std::set<std::string> GivenFlagNames(const std::vector<std::string>& args);
 
+// The OpenMP threads of the calling thread's parallel regions (a rank's kernels and OpenBLAS):
+// `n`, unless the environment sets OMP_NUM_THREADS, which then stands (the user's choice, as
+// OpenMP reads it at start-up). The tools share the cores among their ranks with it.
+void SetRankThreads(int n);
+
 }  // namespace dtensor::gpt
 
 #endif  // DTENSOR_EXAMPLES_GPT_FLAGS_H_

@@ -271,7 +271,7 @@ int main(int argc, char** argv) {
   std::vector<std::thread> threads;
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back([&, r] {
-      omp_set_num_threads(std::max(1, cores / ranks));
+      gpt::SetRankThreads(cores / ranks);
       status[static_cast<size_t>(r)] =
           GenerateRank(*(*comms)[static_cast<size_t>(r)], *setup, dev == "cuda" ? Device::Cuda(0) : Device::Cpu());
     });

@@ -858,7 +858,7 @@ int main(int argc, char** argv) {
     // Bound to fewer CPUs than the host has: those are this rank's own. Otherwise the host's
     // processes share them.
     const char* local = std::getenv("LOCAL_WORLD_SIZE");
-    omp_set_num_threads(cores < online ? cores : std::max(1, cores / std::max(1, local ? std::atoi(local) : 1)));
+    gpt::SetRankThreads(cores < online ? cores : std::max(1, cores / std::max(1, local ? std::atoi(local) : 1)));
     absl::StatusOr<std::unique_ptr<Communicator>> comm;
     std::unique_ptr<StoreClient> store;  // NCCL's rendezvous store lives as long as the run
     Device device = Device::Cpu();
@@ -910,7 +910,7 @@ int main(int argc, char** argv) {
   std::vector<std::thread> threads;
   for (int r = 0; r < f.ranks; ++r) {
     threads.emplace_back([&, r] {
-      omp_set_num_threads(std::max(1, cores / f.ranks));
+      gpt::SetRankThreads(cores / f.ranks);
       status[static_cast<size_t>(r)] =
           TrainRank(*(*comms)[static_cast<size_t>(r)], f, use_cuda ? Device::Cuda(0) : Device::Cpu());
     });
