@@ -27,6 +27,7 @@
 #include "dtensor/placements/placement.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/test_util.h"
 
 namespace dtensor {
 namespace {
@@ -1033,8 +1034,10 @@ TEST_P(PlanSweepTest, EveryPairOfLayouts) {
   for (int64_t d = 0; d < static_cast<int64_t>(global.size()); ++d) options.push_back(Shard(d));
   if (mesh.size() >= 3) options = {R, Psum, S0, S1};  // keep the 3-d and 4-d sweeps small
   const std::vector<Layout> layouts = AllLayouts(static_cast<int>(mesh.size()), options);
-  // 4-d: every 48th source (11 of 536) to every target, a few seconds.
-  const size_t stride = mesh.size() == 4 ? 48 : 1;
+  // 4-d: every 48th source (11 of 536) to every target, a few seconds. The sanitizer runs
+  // (testing::SweepStride k) take every k-th of those, yet at least 4 sources.
+  const size_t k = static_cast<size_t>(dtensor::testing::SweepStride());
+  const size_t stride = std::max<size_t>(1, std::min((mesh.size() == 4 ? 48 : 1) * k, layouts.size() / 4));
   ReferencePlanner reference(global, mesh);
   int planned = 0, rejected = 0;
   for (size_t si = 0; si < layouts.size(); si += stride) {

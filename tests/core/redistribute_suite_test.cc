@@ -249,6 +249,11 @@ TEST_P(RedistributeSuite, AllPairs) {
       }
     }
   }
+  if (const int64_t k = testing::SweepStride(); k > 1) {  // the sanitizer runs: every k-th case
+    std::vector<SuiteCase> some;
+    for (size_t i = 0; i < cases.size(); i += static_cast<size_t>(k)) some.push_back(cases[i]);
+    cases = std::move(some);
+  }
   const RunStats st = suite::RunMeshCases(mesh, static_cast<int64_t>(cases.size()), [&](RankEnv& env, int64_t i) {
     const SuiteCase& c = cases[static_cast<size_t>(i)];
     const bool exact = suite::HasPartial(specs[c.src]) || suite::HasPartial(specs[c.dst]);

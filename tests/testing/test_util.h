@@ -38,6 +38,18 @@ inline double TimeScale() {
   return end != v && f >= 1.0 ? f : 1.0;
 }
 
+// How many of an exhaustive sweep's cases a test runs: every k-th, k from
+// DTENSOR_TEST_SWEEP_STRIDE (>= 1; 1 when unset or unreadable). The sanitizer builds of
+// scripts/test.sh set it (their checks make the sweeps 8-20x slower; every code path a sweep
+// reaches is still reached by a sample), while the plain build runs every case.
+inline int64_t SweepStride() {
+  const char* v = std::getenv("DTENSOR_TEST_SWEEP_STRIDE");
+  if (v == nullptr) return 1;
+  char* end = nullptr;
+  const long long k = std::strtoll(v, &end, 10);
+  return end != v && k >= 1 ? static_cast<int64_t>(k) : 1;
+}
+
 // Uniform values in [lo, hi) on `device`, rounded to `dtype` (seeded, reproducible).
 Tensor Random(IntSpan shape, DType dtype, uint64_t seed, double lo = -1.0, double hi = 1.0,
               Device device = Device::Cpu());
