@@ -8,20 +8,19 @@
 #include <cblas.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "benchmarks/ops/time_once.h"
 #include "dtensor/kernels/cpu/blas_core.h"
 #include "dtensor/ops/ops.h"
 
 namespace {
 
 using namespace dtensor;
-using Clock = std::chrono::steady_clock;
 
 template <typename T>
 T Must(absl::StatusOr<T> v) {
@@ -38,27 +37,13 @@ void Must(const absl::Status& s) {
   }
 }
 
-// Seconds per call of f: calls it until ~min_seconds have passed (at least 3 times).
-double TimeOnce(const std::function<void()>& f, double min_seconds) {
-  f();  // warm-up (allocator cache, page faults, thread pool)
-  int iters = 0;
-  const auto start = Clock::now();
-  double elapsed = 0;
-  do {
-    f();
-    ++iters;
-    elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-  } while (elapsed < min_seconds || iters < 3);
-  return elapsed / iters;
-}
-
 // Median seconds per call of a and b, measured alternately over `trials` trials.
 std::pair<double, double> SideBySide(const std::function<void()>& a, const std::function<void()>& b, int trials,
                                      double min_seconds) {
   std::vector<double> ta, tb;
   for (int t = 0; t < trials; ++t) {
-    ta.push_back(TimeOnce(a, min_seconds));
-    tb.push_back(TimeOnce(b, min_seconds));
+    ta.push_back(bench::TimeOnce(a, min_seconds));
+    tb.push_back(bench::TimeOnce(b, min_seconds));
   }
   std::sort(ta.begin(), ta.end());
   std::sort(tb.begin(), tb.end());

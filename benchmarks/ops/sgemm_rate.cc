@@ -20,7 +20,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -29,11 +28,10 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/ops/time_once.h"
 #include "dtensor/kernels/cpu/blas_core.h"
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 struct Config {
   int64_t batch = 4, seq = 64, n_layer = 12, n_head = 12, n_embd = 768, vocab = 50304;
@@ -76,20 +74,6 @@ std::vector<GemmShape> StepShapes(const Config& c) {
   return shapes;
 }
 
-// Seconds per call of f: calls it until ~min_seconds have passed (at least 3 times).
-double TimeOnce(const std::function<void()>& f, double min_seconds) {
-  f();  // warm-up (page faults, thread pool)
-  int iters = 0;
-  const auto start = Clock::now();
-  double elapsed = 0;
-  do {
-    f();
-    ++iters;
-    elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-  } while (elapsed < min_seconds || iters < 3);
-  return elapsed / iters;
-}
-
 std::vector<float> Random(int64_t n, uint32_t seed) {
   std::mt19937 gen(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -118,7 +102,7 @@ double TimeShape(const GemmShape& s, const Config& c) {
     for (int64_t i = 0; i < s.batch; ++i) one(i);
   };
   std::vector<double> t;
-  for (int trial = 0; trial < c.trials; ++trial) t.push_back(TimeOnce(call, c.min_seconds));
+  for (int trial = 0; trial < c.trials; ++trial) t.push_back(dtensor::bench::TimeOnce(call, c.min_seconds));
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
