@@ -80,13 +80,16 @@ absl::Status CheckConfig(const char* op, const std::string& path, const LlmcConf
 }
 
 // Total parameter elements in the file (padded wte), computed without overflow; -1 when it
-// exceeds 2^62 (no such file can exist).
+// exceeds 2^60 (no such file can exist).
 int64_t FileElements(const LlmcConfig& c) {
   using u128 = unsigned __int128;
   const u128 L = static_cast<u128>(c.num_layers), C = static_cast<u128>(c.channels);
   const u128 n = static_cast<u128>(c.padded_vocab_size) * C + static_cast<u128>(c.max_seq_len) * C +
                  L * (12 * C * C + 13 * C) + 2 * C;
-  return n > (static_cast<u128>(1) << 62) ? -1 : static_cast<int64_t>(n);
+  // Past 2^60 elements no file holds them, and their bytes (x 4, plus the header) would not fit
+  // int64 (2^62 let a fuzzed header overflow the byte count: UBSan,
+  // tests/fuzz/regressions/llmc_checkpoint/bytes_overflow).
+  return n > (static_cast<u128>(1) << 60) ? -1 : static_cast<int64_t>(n);
 }
 
 // Reads exactly n bytes from fd at its current position; false with errno set (0 at end of file).
