@@ -6,6 +6,37 @@
 
 namespace dtensor {
 
+absl::Status Kernels::GemmBias(const Tensor& a, const Tensor& b, const Tensor& bias, bool gelu, const Tensor& c,
+                               const Tensor& pre) {
+  const Tensor& target = gelu ? pre : c;  // a @ b + bias goes here
+  const int64_t m = c.size(0), n = c.size(1);
+  auto three_d = [](const Tensor& t) { return t.Unsqueeze(0); };
+  absl::StatusOr<Tensor> a3 = three_d(a), b3 = three_d(b), t3 = three_d(target);
+  if (!a3.ok()) return a3.status();
+  if (!b3.ok()) return b3.status();
+  if (!t3.ok()) return t3.status();
+  // An empty product (K = 0) is zeros.
+  absl::Status s = a.size(1) == 0 ? Fill(target, 0.0) : Gemm(*a3, *b3, *t3, 1.0f, 0.0f);
+  if (!s.ok()) return s;
+  const int64_t rows_cols[2] = {m, n};
+  absl::StatusOr<Tensor> rows = bias.Unsqueeze(0);
+  if (rows.ok()) rows = rows->Expand(rows_cols);  // [M, N], row stride 0
+  if (!rows.ok()) return rows.status();
+  s = Binary(BinaryOp::kAdd, target, *rows, target);  // in place: out is exactly `a`
+  if (!s.ok() || !gelu) return s;
+  return Unary(UnaryOp::kGelu, pre, c);
+}
+
+absl::Status Kernels::AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) {
+  for (const AdamWTensors& t : list) {
+    AdamWParams one = p;
+    one.step = t.step;
+    absl::Status s = AdamW(t.param, t.grad, t.m, t.v, one);
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<Kernels*> KernelsFor(Device device) {
   if (device.is_cpu()) return CpuKernels();
   // The CUDA backend comes from the cuda component when it is linked in (cuda_hooks.h).

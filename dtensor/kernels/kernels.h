@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "dtensor/tensor/tensor.h"
 
 namespace dtensor {
@@ -48,6 +49,13 @@ struct AdamWParams {
   float eps = 1e-8f;
   float weight_decay = 0.0f;
   int64_t step = 1;  // 1-based step count, for bias correction
+};
+
+// One parameter of a multi-tensor AdamW step (Kernels::AdamWMulti): the tensors AdamW takes,
+// and this parameter's own 1-based update count for its bias correction.
+struct AdamWTensors {
+  Tensor param, grad, m, v;
+  int64_t step = 1;
 };
 
 class Kernels {
@@ -118,6 +126,16 @@ class Kernels {
   // the last dim has stride 1 (row-major) or the middle dim has stride 1 (a transposed view);
   // the batch stride may be anything, 0 included. beta = 0 ignores c's old contents (NaN too).
   virtual absl::Status Gemm(const Tensor& a, const Tensor& b, const Tensor& c, float alpha, float beta) = 0;
+  // nn.Linear's forward with its epilogue: c = a @ b + bias (bias [N] added to every row); with
+  // `gelu`, c = gelu(a @ b + bias) (tanh approximation) and `pre` receives a @ b + bias, for the
+  // backward (`pre` is ignored, and may be undefined, without gelu). a [M, K] and b [K, N] with
+  // Gemm's operand layouts (row-major or a transposed view); bias, c and pre contiguous; all of
+  // one float dtype; c and pre do not overlap the inputs. This default is Gemm, then Binary (and
+  // Unary) on this backend, each rounding its result once, as the unfused ops would; CUDA
+  // applies the epilogue inside cuBLASLt's matmul (bias added in float32 before the result's one
+  // rounding) where cuBLASLt takes the problem, and falls back to this default where not.
+  virtual absl::Status GemmBias(const Tensor& a, const Tensor& b, const Tensor& bias, bool gelu, const Tensor& c,
+                                const Tensor& pre);
 
   // ---- Embedding ----
   // out[n, :] = weight[ids[n], :]. weight contiguous [V, C]; ids contiguous [N] int32/int64;
@@ -156,6 +174,10 @@ class Kernels {
   // float32 or param's dtype.
   virtual absl::Status AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                              const AdamWParams& p) = 0;
+  // AdamW on every entry of `list` (each with its own step; p.step is not used), with AdamW's
+  // contract per entry and the same results. This default calls AdamW once per entry; CUDA
+  // updates many parameters per kernel launch.
+  virtual absl::Status AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p);
 
   // ---- Host <-> device (CUDA only; CPU returns Unimplemented) ----
   // Copies nbytes between host memory and this device (or within it); synchronous w.r.t. the

@@ -944,6 +944,44 @@ absl::Status MatmulInto(const Tensor& a, const Tensor& b, const Tensor& out, boo
   return RunGemm(op, p, out, alpha, beta);
 }
 
+absl::StatusOr<Tensor> LinearBias(const Tensor& x, const Tensor& w, const Tensor& bias, bool gelu, Tensor* pre) {
+  constexpr const char* op = "LinearBias";
+  DT_RETURN_IF_ERROR(CheckDefined(op, bias, "bias"));
+  if (x.dim() != 2 || w.dim() != 2 || bias.dim() != 1) {
+    return InvalidArg(op, "expects x [M, K], w [N, K] and bias [N], got ", ShapeString(x.shape()), ", ",
+                      ShapeString(w.shape()), " and ", ShapeString(bias.shape()));
+  }
+  DT_ASSIGN_OR_RETURN(MatmulPlan p, PlanMatmul(op, x, w, false, true));
+  DT_RETURN_IF_ERROR(CheckSameDevice(op, x, bias));
+  DT_RETURN_IF_ERROR(CheckSameDType(op, x, bias));
+  if (bias.size(0) != w.size(0)) {
+    return InvalidArg(op, "bias ", ShapeString(bias.shape()), " does not fit w ", ShapeString(w.shape()),
+                      " (bias must be [N] for w [N, K])");
+  }
+  DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(p.out_shape, x.dtype(), x.device()));
+  Tensor before;
+  if (gelu) {
+    DT_ASSIGN_OR_RETURN(before, Tensor::Empty(p.out_shape, x.dtype(), x.device()));
+  }
+  if (out.numel() > 0) {
+    if (x.size(1) == 0) {  // K == 0: the product is zeros, the result the bias (through GELU)
+      DT_RETURN_IF_ERROR(Fill_(gelu ? before : out, 0.0));
+      DT_RETURN_IF_ERROR(Add_(gelu ? before : out, bias));
+      if (gelu) {
+        DT_ASSIGN_OR_RETURN(out, Gelu(before));
+      }
+    } else {
+      DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, x));
+      DT_ASSIGN_OR_RETURN(Tensor b, Contiguous(bias));
+      DT_ASSIGN_OR_RETURN(Tensor a2, p.a3.Select(0, 0));
+      DT_ASSIGN_OR_RETURN(Tensor w2, p.b3.Select(0, 0));
+      DT_RETURN_IF_ERROR(PrefixStatus(op, k->GemmBias(a2, w2, b, gelu, out, before)));
+    }
+  }
+  if (pre != nullptr) *pre = before;
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Embedding
 // ---------------------------------------------------------------------------------------------
@@ -1156,9 +1194,10 @@ absl::StatusOr<AttentionGrads> CausalAttentionBackward(const Tensor& dout, const
 // Optimizer
 // ---------------------------------------------------------------------------------------------
 
-absl::Status AdamWStep_(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+namespace {
+// AdamWStep_'s checks of one parameter's tensors and the hyperparameters.
+absl::Status CheckAdamW(const char* op, const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                         const AdamWParams& p) {
-  constexpr const char* op = "AdamW";
   DT_RETURN_IF_ERROR(CheckDefined(op, param, "param"));
   DT_RETURN_IF_ERROR(CheckDefined(op, grad, "grad"));
   DT_RETURN_IF_ERROR(CheckDefined(op, m, "m"));
@@ -1187,10 +1226,50 @@ absl::Status AdamWStep_(const Tensor& param, const Tensor& grad, const Tensor& m
   if (!(p.lr >= 0.0f) || !(p.eps >= 0.0f) || !(p.weight_decay >= 0.0f)) {
     return InvalidArg(op, "lr ", p.lr, ", eps ", p.eps, " and weight_decay ", p.weight_decay, " must be >= 0");
   }
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status AdamWStep_(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                        const AdamWParams& p) {
+  constexpr const char* op = "AdamW";
+  DT_RETURN_IF_ERROR(CheckAdamW(op, param, grad, m, v, p));
   if (param.numel() == 0) return absl::OkStatus();
   DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, param));
   DT_ASSIGN_OR_RETURN(Tensor g, Contiguous(grad));
   return PrefixStatus(op, k->AdamW(param, g, m, v, p));
+}
+
+absl::Status AdamWStepMulti_(absl::Span<const AdamWTensors> list, const AdamWParams& p) {
+  constexpr const char* op = "AdamW";
+  // Checked first, all of them: nothing moves when one entry is bad.
+  std::vector<AdamWTensors> todo;
+  todo.reserve(list.size());
+  for (size_t i = 0; i < list.size(); ++i) {
+    AdamWParams one = p;
+    one.step = list[i].step;
+    const absl::Status s = CheckAdamW(op, list[i].param, list[i].grad, list[i].m, list[i].v, one);
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat(s.message(), " (entry ", i, " of ", list.size(), ")"));
+    if (list[i].param.numel() > 0) todo.push_back(list[i]);
+  }
+  // One backend call per device, in the order the devices first appear.
+  std::vector<Device> devices;
+  for (const AdamWTensors& t : todo) {
+    if (std::find(devices.begin(), devices.end(), t.param.device()) == devices.end())
+      devices.push_back(t.param.device());
+  }
+  for (const Device& d : devices) {
+    std::vector<AdamWTensors> group;
+    for (const AdamWTensors& t : todo) {
+      if (t.param.device() != d) continue;
+      AdamWTensors c = t;
+      DT_ASSIGN_OR_RETURN(c.grad, Contiguous(t.grad));
+      group.push_back(std::move(c));
+    }
+    DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, group.front().param));
+    DT_RETURN_IF_ERROR(PrefixStatus(op, k->AdamWMulti(group, p)));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Synchronize(Device device) {

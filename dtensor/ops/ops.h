@@ -136,6 +136,13 @@ absl::StatusOr<Tensor> Matmul(const Tensor& a, const Tensor& b, bool trans_a = f
 absl::Status MatmulInto(const Tensor& a, const Tensor& b, const Tensor& out, bool trans_a = false, bool trans_b = false,
                         float alpha = 1.0f, float beta = 0.0f);
 
+// nn.Linear on rows: x [M, K] @ w [N, K]^T + bias [N] -> [M, N] in one backend call
+// (Kernels::GemmBias: cuBLASLt's bias epilogue on CUDA). With gelu: gelu(x w^T + bias) (tanh
+// approximation), and *pre (when not null) receives x w^T + bias, which the backward needs.
+// On the CPU the result equals Add(Matmul(x, w, false, true), bias) (then Gelu) bit for bit.
+absl::StatusOr<Tensor> LinearBias(const Tensor& x, const Tensor& w, const Tensor& bias, bool gelu = false,
+                                  Tensor* pre = nullptr);
+
 // ---- Embedding ----
 // weight [V, C]; ids any shape, int32/int64 -> [*ids.shape, C]. Out-of-range ids -> error (CPU).
 absl::StatusOr<Tensor> Embedding(const Tensor& weight, const Tensor& ids);
@@ -173,6 +180,11 @@ absl::StatusOr<AttentionGrads> CausalAttentionBackward(const Tensor& dout, const
 // One fused AdamW step in place on param, m and v (see Kernels::AdamW for dtypes).
 absl::Status AdamWStep_(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                         const AdamWParams& p);
+// AdamWStep_ on every entry of `list`, each with its own step (p.step is not used): the same
+// checks and results, with the entries of one device updated by one backend call
+// (Kernels::AdamWMulti: on CUDA, one launch per 64 parameters of one dtype pair). An error
+// names the entry; nothing is updated when any entry is invalid.
+absl::Status AdamWStepMulti_(absl::Span<const AdamWTensors> list, const AdamWParams& p);
 
 // Waits for the device work this thread issued (no-op on CPU).
 absl::Status Synchronize(Device device);

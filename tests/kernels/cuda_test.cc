@@ -6,6 +6,7 @@
 //
 // Every test needs a visible GPU and skips without one, except CudaAvailabilityTest, which
 // checks that asking for a missing device fails cleanly.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -387,6 +388,43 @@ TEST(CudaKernelsTest, AdamWMatchesCpu) {
 // Reductions, softmax, normalisation
 // ---------------------------------------------------------------------------------------
 
+// The multi-tensor AdamW (64 parameters per launch, grouped by dtype pair) against the CPU's
+// one-by-one AdamW: 150 parameters of 4 dtype pairs, sizes from 0 to 70001 and their own steps.
+TEST(CudaKernelsTest, AdamWMultiMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const std::pair<DType, DType> combos[] = {{DType::kFloat32, DType::kFloat32},
+                                            {DType::kBFloat16, DType::kBFloat16},
+                                            {DType::kBFloat16, DType::kFloat32},
+                                            {DType::kFloat16, DType::kFloat16}};
+  const int64_t sizes[] = {1, 3, 0, 2047, 2048, 2049, 70001, 768};
+  std::vector<Pair> params, grads, ms, vs;
+  std::vector<AdamWTensors> cpu, gpu;
+  for (int i = 0; i < 150; ++i) {
+    const auto& [pd, gd] = combos[i % 4];
+    const Shape shape = {sizes[i % 8]};
+    const uint64_t seed = 100 + 4 * static_cast<uint64_t>(i);
+    params.push_back(RandomBoth(shape, pd, seed));
+    grads.push_back(RandomBoth(shape, gd, seed + 1));
+    ms.push_back(RandomBoth(shape, DType::kFloat32, seed + 2, -0.1, 0.1));
+    vs.push_back(RandomBoth(shape, DType::kFloat32, seed + 3, 0.0, 0.01));
+    const int64_t step = 1 + i % 5;
+    cpu.push_back({params[i].cpu, grads[i].cpu, ms[i].cpu, vs[i].cpu, step});
+    gpu.push_back({params[i].gpu, grads[i].gpu, ms[i].gpu, vs[i].gpu, step});
+  }
+  AdamWParams hp;
+  hp.lr = 1e-2f;
+  hp.weight_decay = 0.1f;
+  ExpectOk(Cpu()->AdamWMulti(cpu, hp), "cpu");
+  ExpectOk(Gpu()->AdamWMulti(gpu, hp), "gpu");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const std::string what = absl::StrCat("adamw multi entry ", i, " ", Name(params[i].cpu.dtype()), " [",
+                                          params[i].cpu.numel(), "] step ", cpu[i].step);
+    ExpectSame(params[i], testing::Tol(params[i].cpu.dtype()), what + " param");
+    ExpectSame(ms[i], {1e-5, 1e-6}, what + " m");
+    ExpectSame(vs[i], {1e-5, 1e-7}, what + " v");
+  }
+}
+
 TEST(CudaKernelsTest, ReduceMatchesCpu) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
   struct Case {
@@ -571,6 +609,40 @@ TEST(CudaKernelsTest, GemmMatchesCpu) {
 // Embedding and cross-entropy
 // ---------------------------------------------------------------------------------------
 
+// GemmBias (cuBLASLt's bias / bias + GELU epilogues, or the unfused fallback where cuBLASLt
+// declines: N not a multiple of 8 with GELU, K = 0) against the CPU's unfused computation, on
+// row-major and transposed operands. The fused path adds the bias before its one rounding, so
+// bfloat16 / float16 results may differ from the CPU's (which rounds the product first) by an ulp.
+TEST(CudaKernelsTest, GemmBiasMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  struct Case {
+    int64_t m, n, k;
+  };
+  const Case cases[] = {{1, 8, 1}, {5, 3, 7}, {64, 3072, 768}, {130, 2304, 768}, {33, 40, 0}, {256, 768, 3072}};
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    const Tolerance tol = d == DType::kFloat32 ? kF32Sum : testing::Tol(d);
+    for (const Case& c : cases) {
+      for (Layout la : {Layout::kRowMajor, Layout::kTransposed}) {
+        for (bool gelu : {false, true}) {
+          const std::string what = absl::StrCat("gemm_bias ", Name(d), " m", c.m, " n", c.n, " k", c.k, " a layout ",
+                                                static_cast<int>(la), gelu ? " gelu" : "");
+          const Pair a3 = GemmOperand(1, c.m, c.k, d, la, 51);
+          const Pair b3 = GemmOperand(1, c.k, c.n, d, Layout::kTransposed, 52);  // w^T, as Linear passes it
+          const Pair a = {Unwrap(a3.cpu.Select(0, 0)), Unwrap(a3.gpu.Select(0, 0))};
+          const Pair b = {Unwrap(b3.cpu.Select(0, 0)), Unwrap(b3.gpu.Select(0, 0))};
+          const Pair bias = RandomBoth({c.n}, d, 53);
+          const Pair out = EmptyBoth({c.m, c.n}, d), pre = EmptyBoth({c.m, c.n}, d);
+          for (int side : {0, 1}) {
+            ExpectOk((side ? Gpu() : Cpu())->GemmBias(a[side], b[side], bias[side], gelu, out[side], pre[side]), what);
+          }
+          ExpectSame(out, tol, what + " out");
+          if (gelu) ExpectSame(pre, tol, what + " pre");
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaKernelsTest, EmbeddingMatchesCpuAndZeroesOutOfRangeIds) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
   const int64_t v = 11, c = 7;
@@ -715,6 +787,57 @@ TEST(CudaKernelsTest, CausalAttentionMatchesCpu) {
   const absl::Status s = Gpu()->CausalAttention(q, q, q, 1.0f, out, lse);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(s.message().find("160"), std::string::npos) << s;
+}
+
+// The tensor-core kernels (flash_attention.cu: bfloat16 / float16, D = 64, and D = 128 forward)
+// and the simple ones (DTENSOR_CUDA_ATTENTION=simple) on the same inputs, each against the CPU's
+// float32 computation. The tensor-core kernels round P and dS to the input dtype before their
+// products (as FlashAttention does), so they are held to the tensor's relative L2 error (1e-2
+// bfloat16, 2e-3 float16) and to an elementwise bound scaled by the largest reference value.
+TEST(CudaKernelsTest, FlashAttentionMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  struct Case {
+    int64_t b, h, t, d;
+  };
+  // One 64-row tile and less, several with a ragged end, GPT-2's T = 1024, D = 128.
+  const Case cases[] = {{1, 1, 1, 64}, {1, 2, 64, 64}, {2, 3, 130, 64}, {1, 2, 1024, 64}, {1, 2, 200, 128}};
+  struct Mode {
+    const char* env;  // DTENSOR_CUDA_ATTENTION
+    const char* name;
+  };
+  for (const Mode mode : {Mode{"auto", "tensor cores"}, Mode{"simple", "simple kernels"}}) {
+    ASSERT_EQ(setenv("DTENSOR_CUDA_ATTENTION", mode.env, 1), 0);
+    for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+      const double norm_tol = dt == DType::kBFloat16 ? 1e-2 : 2e-3;
+      for (const Case& c : cases) {
+        const std::string what =
+            absl::StrCat("attention (", mode.name, ") ", Name(dt), " [", c.b, ", ", c.h, ", ", c.t, ", ", c.d, "]");
+        const Shape shape = {c.b, c.h, c.t, c.d};
+        const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+        const Pair q = RandomBoth(shape, dt, 41, -2.0, 2.0), k = RandomBoth(shape, dt, 42, -2.0, 2.0),
+                   v = RandomBoth(shape, dt, 43), dout = RandomBoth(shape, dt, 44);
+        const Pair out = EmptyBoth(shape, dt), lse = EmptyBoth({c.b, c.h, c.t}, DType::kFloat32);
+        const Pair dq = EmptyBoth(shape, dt), dk = EmptyBoth(shape, dt), dv = EmptyBoth(shape, dt);
+        for (int side : {0, 1}) {
+          Kernels* kern = side ? Gpu() : Cpu();
+          ExpectOk(kern->CausalAttention(q[side], k[side], v[side], scale, out[side], lse[side]), what);
+          ExpectOk(kern->CausalAttentionBackward(dout[side], q[side], k[side], v[side], out[side], lse[side], scale,
+                                                 dq[side], dk[side], dv[side]),
+                   what);
+        }
+        ExpectOk(Gpu()->Synchronize(), what);
+        for (const auto& [name, p] :
+             {std::pair<const char*, const Pair*>{"out", &out}, {"lse", &lse}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
+          const std::vector<double> got = Vals(p->gpu), want = Vals(p->cpu);
+          double peak = 0;
+          for (double x : want) peak = std::max(peak, std::fabs(x));
+          testing::ExpectNormNear(got, want, norm_tol, what + " " + name);
+          testing::ExpectNear(got, want, Tolerance{0.0, 5 * norm_tol * peak}, what + " " + name);
+        }
+      }
+    }
+  }
+  ASSERT_EQ(unsetenv("DTENSOR_CUDA_ATTENTION"), 0);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 // Fused AdamW on the CPU backend against a float64 reference over several steps (PyTorch
 // semantics: decoupled weight decay first, bias-corrected moments).
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -126,6 +127,80 @@ TEST(CpuAdamWTest, KernelRejectsStepZero) {
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_EQ(AdamWStep_(p, p, Unwrap(Zeros({2}, DType::kFloat32)), Unwrap(Zeros({2}, DType::kFloat32)), hp).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// AdamWStepMulti_ over parameters of mixed dtypes, sizes (empty too) and step counts against
+// AdamWStep_ on copies of the same tensors, one by one: bit for bit, since each entry is the same
+// kernel with that entry's step.
+TEST(CpuAdamWTest, MultiMatchesOneByOne) {
+  struct Entry {
+    DType param, grad;
+    int64_t n, step;
+  };
+  const Entry entries[] = {{DType::kFloat32, DType::kFloat32, 33, 1},
+                           {DType::kBFloat16, DType::kFloat32, 127, 4},
+                           {DType::kFloat32, DType::kFloat32, 0, 2},
+                           {DType::kFloat16, DType::kFloat16, 70001, 7},
+                           {DType::kFloat32, DType::kFloat32, 5000, 3}};
+  AdamWParams hp;
+  hp.lr = 1e-2f;
+  hp.weight_decay = 0.1f;
+  hp.step = 99;  // not used by the multi-tensor form
+  std::vector<AdamWTensors> multi, single;
+  uint64_t seed = 1;
+  for (const Entry& e : entries) {
+    AdamWTensors a{.param = testing::Random({e.n}, e.param, seed++),
+                   .grad = testing::Random({e.n}, e.grad, seed++),
+                   .m = testing::Random({e.n}, DType::kFloat32, seed++, -0.1, 0.1),
+                   .v = testing::Random({e.n}, DType::kFloat32, seed++, 0.0, 0.01),
+                   .step = e.step};
+    AdamWTensors b{.param = Unwrap(Clone(a.param)),
+                   .grad = a.grad,
+                   .m = Unwrap(Clone(a.m)),
+                   .v = Unwrap(Clone(a.v)),
+                   .step = e.step};
+    multi.push_back(a);
+    single.push_back(b);
+  }
+  ASSERT_TRUE(AdamWStepMulti_(multi, hp).ok());
+  for (size_t i = 0; i < single.size(); ++i) {
+    AdamWParams one = hp;
+    one.step = single[i].step;
+    ASSERT_TRUE(AdamWStep_(single[i].param, single[i].grad, single[i].m, single[i].v, one).ok());
+    const std::string what = "entry " + std::to_string(i);
+    EXPECT_EQ(Values(multi[i].param), Values(single[i].param)) << what;
+    EXPECT_EQ(Values(multi[i].m), Values(single[i].m)) << what;
+    EXPECT_EQ(Values(multi[i].v), Values(single[i].v)) << what;
+  }
+  // The entries' own steps matter: the same tensors under another step give other values.
+  AdamWParams other = hp;
+  other.step = 1;
+  const Tensor p = Unwrap(Clone(single[1].param));
+  ASSERT_TRUE(AdamWStep_(p, single[1].grad, Unwrap(Clone(single[1].m)), Unwrap(Clone(single[1].v)), other).ok());
+  EXPECT_NE(Values(p), Values(single[1].param));
+}
+
+TEST(CpuAdamWTest, MultiRefusesABadEntryAndUpdatesNothing) {
+  const Tensor p0 = testing::Random({4}, DType::kFloat32, 1);
+  const Tensor before = Unwrap(Clone(p0));
+  const Tensor z4 = Unwrap(Zeros({4}, DType::kFloat32));
+  std::vector<AdamWTensors> list = {
+      {.param = p0, .grad = testing::Random({4}, DType::kFloat32, 2), .m = z4, .v = Unwrap(Clone(z4)), .step = 1},
+      {.param = Unwrap(Zeros({5}, DType::kFloat32)),
+       .grad = Unwrap(Zeros({4}, DType::kFloat32)),
+       .m = Unwrap(Zeros({5}, DType::kFloat32)),
+       .v = Unwrap(Zeros({5}, DType::kFloat32)),
+       .step = 1}};
+  const absl::Status s = AdamWStepMulti_(list, AdamWParams{});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("entry 1 of 2"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("[5]"), std::string::npos) << s;
+  EXPECT_EQ(Values(p0), Values(before)) << "the valid entry must not move when another is refused";
+  list[1].step = 0;
+  list[1].grad = Unwrap(Zeros({5}, DType::kFloat32));
+  const absl::Status z = AdamWStepMulti_(list, AdamWParams{});
+  EXPECT_EQ(z.code(), absl::StatusCode::kInvalidArgument) << z;
+  EXPECT_NE(z.message().find("step"), std::string::npos) << z;
 }
 
 }  // namespace

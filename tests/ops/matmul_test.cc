@@ -4,6 +4,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dtensor/kernels/cpu/cpu_kernels.h"
@@ -212,6 +213,76 @@ TEST(CpuMatmulTest, KernelRejectsBadArguments) {
   EXPECT_EQ(CpuKernels()->Gemm(ai, bi, ci, 1.0f, 0.0f).code(), absl::StatusCode::kUnimplemented);
   const Tensor b5 = Unwrap(Tensor::Empty({1, 5, 4}, DType::kFloat32));
   EXPECT_EQ(CpuKernels()->Gemm(a, b5, c, 1.0f, 0.0f).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// LinearBias (Kernels::GemmBias, nn.Linear's bias and bias + GELU epilogue): against a float64
+// reference, and bit for bit against the unfused ops it replaces on the CPU.
+TEST(CpuLinearBiasTest, MatchesReferenceAndTheUnfusedOps) {
+  for (DType d : kFloatTypes) {
+    for (bool gelu : {false, true}) {
+      for (const auto& [m, k, n] : {std::tuple<int64_t, int64_t, int64_t>{5, 7, 3}, {64, 48, 40}, {1, 1, 1}}) {
+        const std::string what = What(d, m, k, n, false, true) + (gelu ? " gelu" : "");
+        const Tensor x = testing::Random({m, k}, d, 11), w = testing::Random({n, k}, d, 12),
+                     b = testing::Random({n}, d, 13);
+        Tensor pre;
+        const Tensor y = Unwrap(LinearBias(x, w, b, gelu, &pre));
+        // float64 reference of x w^T + b (and GELU's tanh form).
+        const std::vector<double> xv = testing::Values(x), wv = testing::Values(w), bv = testing::Values(b);
+        std::vector<double> wt(static_cast<size_t>(k * n));
+        for (int64_t i = 0; i < n; ++i) {
+          for (int64_t q = 0; q < k; ++q) wt[static_cast<size_t>(q * n + i)] = wv[static_cast<size_t>(i * k + q)];
+        }
+        RefGemm ref = Reference(xv, wt, 1, 1, m, k, n);
+        for (size_t i = 0; i < ref.c.size(); ++i) {
+          ref.c[i] += bv[i % static_cast<size_t>(n)];
+          ref.mag[i] += std::fabs(bv[i % static_cast<size_t>(n)]);
+        }
+        ExpectGemmNear(testing::Values(gelu ? pre : y), ref, d, what + " (pre)");
+        if (gelu) {
+          std::vector<double> act(ref.c.size());
+          for (size_t i = 0; i < act.size(); ++i) {
+            const double v = ref.c[i];
+            act[i] = 0.5 * v * (1.0 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+          }
+          testing::ExpectNear(testing::Values(y), act,
+                              d == DType::kFloat32 ? testing::Tolerance{1e-4, 1e-5} : testing::Tol(d), what);
+        }
+        // The ops it replaces, bit for bit.
+        const Tensor unfused = Unwrap(Add(Unwrap(Matmul(x, w, false, true)), b));
+        EXPECT_EQ(testing::Values(gelu ? pre : y), testing::Values(unfused)) << what;
+        if (gelu) {
+          EXPECT_EQ(testing::Values(y), testing::Values(Unwrap(Gelu(unfused)))) << what;
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuLinearBiasTest, StridedInputsEmptyProductsAndErrors) {
+  // x non-contiguous (a transposed view), K = 0 (the bias alone), M = 0.
+  const Tensor xt = Unwrap(testing::Random({6, 4}, DType::kFloat32, 21).Transpose(0, 1));  // [4, 6]
+  const Tensor w = testing::Random({3, 6}, DType::kFloat32, 22), b = testing::Random({3}, DType::kFloat32, 23);
+  EXPECT_EQ(testing::Values(Unwrap(LinearBias(xt, w, b))),
+            testing::Values(Unwrap(Add(Unwrap(Matmul(xt, w, false, true)), b))));
+  const Tensor x0 = Unwrap(Zeros({2, 0}, DType::kFloat32)), w0 = Unwrap(Zeros({3, 0}, DType::kFloat32));
+  Tensor pre;
+  const Tensor g0 = Unwrap(LinearBias(x0, w0, b, true, &pre));
+  EXPECT_EQ(testing::Values(pre),
+            (std::vector<double>{testing::Values(b)[0], testing::Values(b)[1], testing::Values(b)[2],
+                                 testing::Values(b)[0], testing::Values(b)[1], testing::Values(b)[2]}));
+  EXPECT_EQ(testing::Values(g0), testing::Values(Unwrap(Gelu(pre))));
+  EXPECT_EQ(Unwrap(LinearBias(Unwrap(Zeros({0, 6}, DType::kFloat32)), w, b)).numel(), 0);
+  // Errors name the offending shapes / dtypes.
+  const absl::Status bad_bias = LinearBias(xt, w, testing::Random({4}, DType::kFloat32, 24)).status();
+  EXPECT_EQ(bad_bias.code(), absl::StatusCode::kInvalidArgument) << bad_bias;
+  EXPECT_NE(bad_bias.message().find("[4]"), std::string::npos) << bad_bias;
+  const absl::Status bad_k = LinearBias(testing::Random({4, 5}, DType::kFloat32, 25), w, b).status();
+  EXPECT_EQ(bad_k.code(), absl::StatusCode::kInvalidArgument) << bad_k;
+  const absl::Status bad_dtype = LinearBias(xt, w, testing::Random({3}, DType::kBFloat16, 26)).status();
+  EXPECT_EQ(bad_dtype.code(), absl::StatusCode::kInvalidArgument) << bad_dtype;
+  const absl::Status three_d = LinearBias(testing::Random({2, 4, 6}, DType::kFloat32, 27), w, b).status();
+  EXPECT_EQ(three_d.code(), absl::StatusCode::kInvalidArgument) << three_d;
+  EXPECT_NE(three_d.message().find("[LinearBias]"), std::string::npos) << three_d;
 }
 
 }  // namespace

@@ -3,6 +3,10 @@
 // Legend: q, k, v, out, dout, dq, dk, dv [BH, T, D] contiguous (BH = batch * heads); lse,
 // delta float32 [BH, T]. D <= kMaxAttentionHeadDim (128). Everything accumulates in float32.
 //
+// Where flash_attention.cu's tensor-core kernels take the problem (bfloat16 / float16 heads of
+// D = 64, or 128 forward; FlashAttentionSupported) the launchers below hand it to them; the rest
+// (float32, other head dims) runs here.
+//
 // A straightforward tiled design (correctness first, not FlashAttention speed): a block is
 // 4 warps; each warp owns 4 rows and each lane owns the head dims lane, lane + 32, ... of
 // their accumulators. Tiles of 32 rows of the other operand sit in shared memory as float32,
@@ -17,6 +21,8 @@
 //            dk, dv: block = (bh, 16 key rows), loop over query tiles from the diagonal:
 //                dv += P dout, dk += scale dS q
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "dtensor/kernels/cuda/device_common.cuh"
 
@@ -288,6 +294,12 @@ cudaError_t AllowSmem(Kernel kernel, size_t bytes) {
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
 }
 
+// DTENSOR_CUDA_ATTENTION=simple: these kernels even where the tensor-core ones would run.
+bool ForceSimple() {
+  const char* e = std::getenv("DTENSOR_CUDA_ATTENTION");
+  return e != nullptr && std::strcmp(e, "simple") == 0;
+}
+
 bool Supported(int64_t bh, int64_t t, int64_t d) {
   return d >= 1 && d <= kMaxAttentionHeadDim && bh <= 0x7fffffff && (t + kBlockRows - 1) / kBlockRows <= 65535;
 }
@@ -297,6 +309,9 @@ bool Supported(int64_t bh, int64_t t, int64_t d) {
 cudaError_t LaunchAttention(DType dtype, const void* q, const void* k, const void* v, float scale, void* out,
                             float* lse, int64_t bh, int64_t t, int64_t d) {
   if (bh <= 0 || t <= 0) return cudaSuccess;
+  if (!ForceSimple() && FlashAttentionSupported(dtype, bh, t, d, /*backward=*/false, {q, k, v, out})) {
+    return LaunchFlashAttention(dtype, q, k, v, scale, out, lse, bh, t, d);
+  }
   if (!Supported(bh, t, d)) return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(bh), static_cast<unsigned>((t + kBlockRows - 1) / kBlockRows));
   const size_t smem = sizeof(float) * static_cast<size_t>(kBlockRows * d + d * kPitch + kTile * d);
@@ -330,6 +345,9 @@ cudaError_t LaunchAttentionBackward(DType dtype, const void* dout, const void* q
     const int64_t rows = bh * t;
     AttentionDeltaKernel<T>
         <<<GridFor(rows * 32), kThreads, 0, cudaStreamPerThread>>>(pdo, static_cast<const T*>(out), delta, rows, di);
+    if (!ForceSimple() && FlashAttentionSupported(dtype, bh, t, d, /*backward=*/true, {dout, q, k, v, dq, dk, dv})) {
+      return LaunchFlashAttentionBackward(dtype, dout, q, k, v, lse, delta, scale, dq, dk, dv, bh, t, d);
+    }
     cudaError_t err = AllowSmem(AttentionDqKernel<T>, smem_dq);
     if (err == cudaSuccess) err = AllowSmem(AttentionDkvKernel<T>, smem_dkv);
     if (err != cudaSuccess) return err;

@@ -36,6 +36,8 @@ class CudaBackend final : public Kernels {
   absl::Status RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
                                const Tensor& dx, const Tensor& dweight) override;
   absl::Status Gemm(const Tensor& a, const Tensor& b, const Tensor& c, float alpha, float beta) override;
+  absl::Status GemmBias(const Tensor& a, const Tensor& b, const Tensor& bias, bool gelu, const Tensor& c,
+                        const Tensor& pre) override;
   absl::Status Embedding(const Tensor& weight, const Tensor& ids, const Tensor& out) override;
   absl::Status EmbeddingBackward(const Tensor& dout, const Tensor& ids, const Tensor& dweight) override;
   absl::Status CrossEntropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& losses,
@@ -49,6 +51,7 @@ class CudaBackend final : public Kernels {
                                        const Tensor& dk, const Tensor& dv) override;
   absl::Status AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                      const AdamWParams& p) override;
+  absl::Status AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) override;
   absl::Status MemcpyToDevice(void* dst, const void* src, size_t nbytes) override;
   absl::Status MemcpyToHost(void* dst, const void* src, size_t nbytes) override;
   absl::Status Synchronize() override;

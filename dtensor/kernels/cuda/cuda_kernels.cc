@@ -13,6 +13,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "dtensor/kernels/cuda/cuda_backend.h"
@@ -446,10 +447,11 @@ absl::Status CudaBackend::CausalAttentionBackward(const Tensor& dout, const Tens
 
 // ---- Optimizer ----
 
-absl::Status CudaBackend::AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
-                                const AdamWParams& p) {
-  constexpr const char* op = "AdamW";
-  if (p.step < 1) return InvalidArg(op, "step must be >= 1 (1-based), got ", p.step);
+namespace {
+// AdamW's checks of one parameter's tensors (the kernels' own contract).
+absl::Status CheckAdamWTensors(const char* op, const Tensor& param, const Tensor& grad, const Tensor& m,
+                               const Tensor& v, int64_t step) {
+  if (step < 1) return InvalidArg(op, "step must be >= 1 (1-based), got ", step);
   if (m.dtype() != DType::kFloat32 || v.dtype() != DType::kFloat32) {
     return InvalidArg(op, "m and v must be float32, got ", DTypeName(m.dtype()), " and ", DTypeName(v.dtype()));
   }
@@ -459,21 +461,73 @@ absl::Status CudaBackend::AdamW(const Tensor& param, const Tensor& grad, const T
   if (grad.numel() != n || m.numel() != n || v.numel() != n) {
     return InvalidArg(op, "numel differs: param ", n, ", grad ", grad.numel(), ", m ", m.numel(), ", v ", v.numel());
   }
-  if (n == 0) return absl::OkStatus();
-  // The same scalars as the CPU backend: bias corrections in double, rounded to float once.
-  const double t = static_cast<double>(p.step);
+  return absl::OkStatus();
+}
+
+// The shared scalars; bias corrections as the CPU backend computes them (in double, rounded
+// to float once).
+gpu::AdamWArgs AdamWScalars(const AdamWParams& p) {
   gpu::AdamWArgs args;
   args.lr = p.lr;
   args.beta1 = p.beta1;
   args.beta2 = p.beta2;
   args.eps = p.eps;
   args.decay = 1.0f - p.lr * p.weight_decay;
-  args.inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(p.beta1), t)));
-  args.inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(p.beta2), t)));
+  args.inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(p.step))));
+  args.inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(p.step))));
+  return args;
+}
+}  // namespace
+
+absl::Status CudaBackend::AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                                const AdamWParams& p) {
+  constexpr const char* op = "AdamW";
+  DT_RETURN_IF_ERROR(CheckAdamWTensors(op, param, grad, m, v, p.step));
+  const int64_t n = param.numel();
+  if (n == 0) return absl::OkStatus();
+  const gpu::AdamWArgs args = AdamWScalars(p);
   return OnDevice(index_, op, [&] {
     return gpu::LaunchAdamW(param.dtype(), param.raw_data(), grad.dtype(), grad.raw_data(), m.data<float>(),
                             v.data<float>(), n, args);
   });
+}
+
+// Parameters of one (param, grad) dtype pair go kAdamWMultiMax per launch, in list order.
+absl::Status CudaBackend::AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) {
+  constexpr const char* op = "AdamW";
+  for (const AdamWTensors& t : list) DT_RETURN_IF_ERROR(CheckAdamWTensors(op, t.param, t.grad, t.m, t.v, t.step));
+  std::vector<bool> done(list.size(), false);
+  for (size_t first = 0; first < list.size(); ++first) {
+    if (done[first]) continue;
+    const DType pd = list[first].param.dtype(), gd = list[first].grad.dtype();
+    gpu::AdamWMultiList batch;
+    auto launch = [&]() -> absl::Status {
+      const gpu::AdamWArgs args = AdamWScalars(p);
+      absl::Status s = OnDevice(index_, op, [&] { return gpu::LaunchAdamWMulti(pd, gd, batch, args); });
+      batch.count = 0;
+      return s;
+    };
+    for (size_t i = first; i < list.size(); ++i) {
+      const AdamWTensors& t = list[i];
+      if (done[i] || t.param.dtype() != pd || t.grad.dtype() != gd) continue;
+      done[i] = true;
+      if (t.param.numel() == 0) continue;
+      AdamWParams one = p;
+      one.step = t.step;
+      const gpu::AdamWArgs a = AdamWScalars(one);
+      const int k = batch.count++;
+      batch.param[k] = t.param.raw_data();
+      batch.grad[k] = t.grad.raw_data();
+      batch.m[k] = t.m.data<float>();
+      batch.v[k] = t.v.data<float>();
+      batch.n[k] = t.param.numel();
+      batch.inv_bc1[k] = a.inv_bc1;
+      batch.inv_bc2[k] = a.inv_bc2;
+      if (batch.count == gpu::kAdamWMultiMax) DT_RETURN_IF_ERROR(launch());
+    }
+    if (batch.count > 0) DT_RETURN_IF_ERROR(launch());
+  }
+  return absl::OkStatus();
 }
 
 // ---- Host <-> device ----

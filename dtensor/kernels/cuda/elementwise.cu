@@ -207,15 +207,40 @@ __global__ void UnaryBackwardKernel(UnOp op, T* dx, const T* dy, const T* x, int
 
 // PyTorch AdamW: p *= 1 - lr wd; m, v updated; p -= lr * mhat / (sqrt(vhat) + eps).
 template <typename P, typename G>
+__device__ __forceinline__ void AdamWElement(P* param, const G* grad, float* m, float* v, int64_t i,
+                                             const AdamWArgs& h) {
+  const float g = ToFloat(grad[i]);
+  const float mi = h.beta1 * m[i] + (1.0f - h.beta1) * g;
+  const float vi = h.beta2 * v[i] + (1.0f - h.beta2) * g * g;
+  m[i] = mi;
+  v[i] = vi;
+  const float p = ToFloat(param[i]) * h.decay;
+  param[i] = FromFloat<P>(p - h.lr * (mi * h.inv_bc1) / (sqrtf(vi * h.inv_bc2) + h.eps));
+}
+
+template <typename P, typename G>
 __global__ void AdamWKernel(P* param, const G* grad, float* m, float* v, int64_t n, AdamWArgs h) {
-  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) {
-    const float g = ToFloat(grad[i]);
-    const float mi = h.beta1 * m[i] + (1.0f - h.beta1) * g;
-    const float vi = h.beta2 * v[i] + (1.0f - h.beta2) * g * g;
-    m[i] = mi;
-    v[i] = vi;
-    const float p = ToFloat(param[i]) * h.decay;
-    param[i] = FromFloat<P>(p - h.lr * (mi * h.inv_bc1) / (sqrtf(vi * h.inv_bc2) + h.eps));
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) AdamWElement(param, grad, m, v, i, h);
+}
+
+// AdamWMultiKernel: block b updates elements [c * kAdamWChunk, (c + 1) * kAdamWChunk) of the
+// tensor whose blocks (first[i] <= b < first[i + 1]) hold it, chunk c = b - first[i].
+constexpr int64_t kAdamWChunk = 8 * kThreads;
+struct AdamWBlocks {
+  int first[kAdamWMultiMax + 1];
+};
+
+template <typename P, typename G>
+__global__ void __launch_bounds__(kThreads)
+    AdamWMultiKernel(const AdamWMultiList list, const AdamWBlocks blocks, AdamWArgs h) {
+  int i = 0;
+  while (i + 1 < list.count && blocks.first[i + 1] <= static_cast<int>(blockIdx.x)) ++i;
+  h.inv_bc1 = list.inv_bc1[i];
+  h.inv_bc2 = list.inv_bc2[i];
+  const int64_t begin = static_cast<int64_t>(blockIdx.x - blocks.first[i]) * kAdamWChunk;
+  const int64_t end = min(list.n[i], begin + kAdamWChunk);
+  for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
+    AdamWElement(static_cast<P*>(list.param[i]), static_cast<const G*>(list.grad[i]), list.m[i], list.v[i], j, h);
   }
 }
 
@@ -289,6 +314,27 @@ cudaError_t LaunchAdamW(DType param_dtype, void* param, DType grad_dtype, const 
       using G = typename decltype(gtag)::type;
       AdamWKernel<P, G><<<GridFor(n), kThreads, 0, cudaStreamPerThread>>>(static_cast<P*>(param),
                                                                           static_cast<const G*>(grad), m, v, n, args);
+      return cudaGetLastError();
+    });
+  });
+}
+
+cudaError_t LaunchAdamWMulti(DType param_dtype, DType grad_dtype, const AdamWMultiList& list, const AdamWArgs& args) {
+  if (list.count <= 0 || list.count > kAdamWMultiMax) return list.count == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  AdamWBlocks blocks;
+  int64_t total = 0;
+  for (int i = 0; i < list.count; ++i) {
+    blocks.first[i] = static_cast<int>(total);
+    total += (list.n[i] + kAdamWChunk - 1) / kAdamWChunk;
+  }
+  blocks.first[list.count] = static_cast<int>(total);
+  if (total == 0) return cudaSuccess;
+  if (total > 0x7fffffff) return cudaErrorInvalidValue;
+  return DispatchFloat(param_dtype, [&](auto ptag) {
+    using P = typename decltype(ptag)::type;
+    return DispatchFloat(grad_dtype, [&](auto gtag) {
+      using G = typename decltype(gtag)::type;
+      AdamWMultiKernel<P, G><<<static_cast<unsigned>(total), kThreads, 0, cudaStreamPerThread>>>(list, blocks, args);
       return cudaGetLastError();
     });
   });

@@ -9,15 +9,30 @@
 // (e.g. a stride-0 row dim) is first packed into a contiguous scratch. Batch strides pass
 // through as they are (0 broadcasts).
 //
+// GemmBias (nn.Linear's forward with its bias, or bias + GELU) runs on cuBLASLt with the
+// CUBLASLT_EPILOGUE_BIAS / GELU_AUX_BIAS epilogues, in the same column-major terms (the bias is a
+// vector over the rows of cuBLAS's D, which are our columns); the pre-GELU values go to the
+// epilogue's aux matrix. Per (thread, device): a cuBLASLt handle, a 32 MiB workspace from
+// dtensor's allocator, and the chosen algorithm per problem (shapes, layouts, dtype, epilogue
+// and the pointers' alignments), so cuBLASLt's heuristic runs once per problem. Where cuBLASLt
+// is missing or declines a problem (no algorithm, an aux leading dim not a multiple of 8, a
+// batched operand), GemmBias falls back to Kernels' default: Gemm, then the bias and GELU
+// kernels.
+//
 // cuBLAS is loaded on first use (cublas_api.h). One handle per (thread, device), created on first use, bound to the
 // thread's stream (cudaStreamPerThread) and destroyed when the thread exits.
 #include <algorithm>
 #include <array>
 #include <climits>
+#include <cstdint>
+#include <cstring>
+#include <map>
 #include <memory>
+#include <tuple>
 #include <type_traits>
 
 #include "dtensor/kernels/cuda/cublas_api.h"
+#include "dtensor/kernels/cuda/cublaslt_api.h"
 #include "dtensor/kernels/cuda/cuda_backend.h"
 #include "dtensor/kernels/cuda/cuda_common.h"
 #include "dtensor/kernels/cuda/launch.h"
@@ -112,7 +127,189 @@ absl::Status MakeOperand(const Tensor& x, int device, Operand* o) {
   return absl::OkStatus();
 }
 
+// ---- cuBLASLt (GemmBias) ----
+
+// One problem's cuBLASLt objects and chosen algorithm (pointers are set per call).
+struct LtPlan {
+  const CublasLtApi* lt = nullptr;
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo = {};
+  bool usable = false;  // false: cuBLASLt declined; GemmBias runs unfused
+  ~LtPlan() {
+    if (lt == nullptr) return;
+    if (desc != nullptr) lt->desc_destroy(desc);
+    for (cublasLtMatrixLayout_t l : {a, b, d}) {
+      if (l != nullptr) lt->layout_destroy(l);
+    }
+  }
+};
+
+// (m, n, k, trans a, trans b, ld a, ld b, dtype, gelu, alignments of a, b, d, bias, aux)
+using LtKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int, bool, int, int, int, int, int>;
+
+// This thread's cuBLASLt state for one device.
+struct LtState {
+  const CublasLtApi* lt = nullptr;
+  cublasLtHandle_t handle = nullptr;
+  Tensor workspace;
+  std::map<LtKey, std::unique_ptr<LtPlan>> plans;
+  ~LtState() {
+    plans.clear();
+    if (handle != nullptr) lt->destroy(handle);
+  }
+};
+
+constexpr size_t kLtWorkspaceBytes = size_t{32} << 20;
+
+// The largest power of two (up to 256) that divides the address.
+int Alignment(const void* p) {
+  const uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  int a = 1;
+  while (a < 256 && (v % static_cast<uintptr_t>(2 * a)) == 0) a *= 2;
+  return a;
+}
+
+absl::StatusOr<LtState*> ThreadLt(int device) {
+  thread_local std::array<std::unique_ptr<LtState>, kMaxDevices> states;
+  if (device < 0 || device >= kMaxDevices) {
+    return absl::InvalidArgumentError(absl::StrCat("[GemmBias] cuda:", device, " is outside [0, ", kMaxDevices, ")"));
+  }
+  std::unique_ptr<LtState>& st = states[static_cast<size_t>(device)];
+  if (!st) {
+    auto fresh = std::make_unique<LtState>();
+    DT_ASSIGN_OR_RETURN(fresh->lt, CublasLt());
+    DT_RETURN_IF_ERROR(ToStatus(fresh->lt->create(&fresh->handle), "GemmBias", device));
+    DT_ASSIGN_OR_RETURN(fresh->workspace, Tensor::Empty({static_cast<int64_t>(kLtWorkspaceBytes / 4)}, DType::kInt32,
+                                                        Device::Cuda(device)));
+    st = std::move(fresh);
+  }
+  return st.get();
+}
+
+// Makes the plan for a problem: descriptors, then cuBLASLt's best algorithm (usable stays false
+// when there is none).
+absl::Status MakeLtPlan(const LtState& st, int device, const Operand& oa, const Operand& ob, int64_t m, int64_t n,
+                        int64_t k, cudaDataType_t type, bool gelu, const void* a_ptr, const void* b_ptr,
+                        const void* d_ptr, const void* bias, const void* aux, LtPlan* plan) {
+  const CublasLtApi* lt = st.lt;
+  plan->lt = lt;
+  auto ok = [&](cublasStatus_t s) { return ToStatus(s, "GemmBias", device); };
+  DT_RETURN_IF_ERROR(ok(lt->desc_create(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F)));
+  // cuBLAS's A is our b (N x K after op), its B our a (K x M after op), D is N x M (ld N).
+  const cublasOperation_t ta = ob.layout.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t tb = oa.layout.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
+  DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta))));
+  DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb))));
+  const cublasLtEpilogue_t epilogue = gelu ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_BIAS;
+  DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue))));
+  const int32_t bias_type = type;
+  DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type))));
+  // The heuristic reads the alignment of these pointers (GemmBias sets them again per call).
+  DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias))));
+  if (gelu) {
+    const int64_t aux_ld = n;
+    DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux))));
+    DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld))));
+  }
+  const auto u = [](int64_t v) { return static_cast<uint64_t>(v); };
+  // A stored as op N: [N rows, K cols]; op T: [K rows, N cols] (column-major, leading dim ld).
+  DT_RETURN_IF_ERROR(ok(
+      lt->layout_create(&plan->a, type, ob.layout.trans ? u(k) : u(n), ob.layout.trans ? u(n) : u(k), ob.layout.ld)));
+  DT_RETURN_IF_ERROR(ok(
+      lt->layout_create(&plan->b, type, oa.layout.trans ? u(m) : u(k), oa.layout.trans ? u(k) : u(m), oa.layout.ld)));
+  DT_RETURN_IF_ERROR(ok(lt->layout_create(&plan->d, type, u(n), u(m), n)));
+  cublasLtMatmulPreference_t pref = nullptr;
+  DT_RETURN_IF_ERROR(ok(lt->pref_create(&pref)));
+  const uint64_t ws = kLtWorkspaceBytes;
+  const uint32_t align_a = static_cast<uint32_t>(Alignment(b_ptr)), align_b = static_cast<uint32_t>(Alignment(a_ptr)),
+                 align_d = static_cast<uint32_t>(Alignment(d_ptr));
+  cublasStatus_t s = lt->pref_set(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
+  if (s == CUBLAS_STATUS_SUCCESS) s = lt->pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, 4);
+  if (s == CUBLAS_STATUS_SUCCESS) s = lt->pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, 4);
+  if (s == CUBLAS_STATUS_SUCCESS) s = lt->pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, 4);
+  if (s == CUBLAS_STATUS_SUCCESS) s = lt->pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, 4);
+  cublasLtMatmulHeuristicResult_t result = {};
+  int found = 0;
+  if (s == CUBLAS_STATUS_SUCCESS) {
+    s = lt->heuristic(st.handle, plan->desc, plan->a, plan->b, plan->d, plan->d, pref, 1, &result, &found);
+  }
+  lt->pref_destroy(pref);
+  // NOT_SUPPORTED or no algorithm: cuBLASLt declines; anything else is an error.
+  if (s != CUBLAS_STATUS_SUCCESS && s != CUBLAS_STATUS_NOT_SUPPORTED) return ok(s);
+  if (s == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
+    plan->algo = result.algo;
+    plan->usable = true;
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+absl::Status CudaBackend::GemmBias(const Tensor& a, const Tensor& b, const Tensor& bias, bool gelu, const Tensor& c,
+                                   const Tensor& pre) {
+  constexpr const char* op = "GemmBias";
+  if (a.dim() != 2 || b.dim() != 2 || c.dim() != 2 || bias.dim() != 1) {
+    return InvalidArg(op, "expects 2-d a, b, c and a 1-d bias; got ", ShapeString(a.shape()), ", ",
+                      ShapeString(b.shape()), ", ", ShapeString(c.shape()), ", ", ShapeString(bias.shape()));
+  }
+  const int64_t m = c.size(0), n = c.size(1), k = a.size(1);
+  if (a.size(0) != m || b.size(0) != k || b.size(1) != n || bias.size(0) != n ||
+      (gelu && (!pre.defined() || pre.dim() != 2 || pre.size(0) != m || pre.size(1) != n))) {
+    return InvalidArg(op, "shapes do not match: a ", ShapeString(a.shape()), ", b ", ShapeString(b.shape()), ", bias ",
+                      ShapeString(bias.shape()), ", c ", ShapeString(c.shape()));
+  }
+  if (m == 0 || n == 0 || k == 0 || !IsComputeFloat(c.dtype()) || a.dtype() != c.dtype() || b.dtype() != c.dtype() ||
+      bias.dtype() != c.dtype() || !c.is_contiguous() || !bias.is_contiguous() ||
+      (gelu && (!pre.is_contiguous() || pre.dtype() != c.dtype() || n % 8 != 0)) || m > INT_MAX || n > INT_MAX ||
+      k > INT_MAX) {
+    return Kernels::GemmBias(a, b, bias, gelu, c, pre);  // Gemm's checks and errors, or unfused
+  }
+  DeviceGuard guard(index_);
+  if (!guard.ok()) return ToStatus(guard.error(), op, index_);
+  absl::StatusOr<LtState*> st = ThreadLt(index_);
+  if (!st.ok()) return Kernels::GemmBias(a, b, bias, gelu, c, pre);  // no cuBLASLt: unfused
+  DT_ASSIGN_OR_RETURN(Tensor a3, a.Unsqueeze(0));
+  DT_ASSIGN_OR_RETURN(Tensor b3, b.Unsqueeze(0));
+  Operand oa, ob;
+  DT_RETURN_IF_ERROR(MakeOperand(a3, index_, &oa));
+  DT_RETURN_IF_ERROR(MakeOperand(b3, index_, &ob));
+  const void* aux = gelu ? pre.raw_data() : nullptr;
+  const cudaDataType_t type = CudaType(c.dtype());
+  const LtKey key{m,
+                  n,
+                  k,
+                  oa.layout.trans,
+                  ob.layout.trans,
+                  oa.layout.ld,
+                  ob.layout.ld,
+                  static_cast<int>(type),
+                  gelu,
+                  Alignment(oa.data),
+                  Alignment(ob.data),
+                  Alignment(c.raw_data()),
+                  Alignment(bias.raw_data()),
+                  gelu ? Alignment(aux) : 0};
+  std::unique_ptr<LtPlan>& plan = (*st)->plans[key];
+  if (!plan) {
+    auto fresh = std::make_unique<LtPlan>();
+    DT_RETURN_IF_ERROR(MakeLtPlan(**st, index_, oa, ob, m, n, k, type, gelu, oa.data, ob.data, c.raw_data(),
+                                  bias.raw_data(), aux, fresh.get()));
+    plan = std::move(fresh);
+  }
+  if (!plan->usable) return Kernels::GemmBias(a, b, bias, gelu, c, pre);
+  const CublasLtApi* lt = (*st)->lt;
+  auto ok = [&](cublasStatus_t s) { return ToStatus(s, op, index_); };
+  const void* bias_ptr = bias.raw_data();
+  DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr))));
+  if (gelu) {
+    DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux))));
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  return ok(lt->matmul((*st)->handle, plan->desc, &alpha, ob.data, plan->a, oa.data, plan->b, &beta, c.raw_data(),
+                       plan->d, c.raw_data(), plan->d, &plan->algo, (*st)->workspace.raw_data(), kLtWorkspaceBytes,
+                       cudaStreamPerThread));
+}
 
 absl::Status CudaBackend::Gemm(const Tensor& a, const Tensor& b, const Tensor& c, float alpha, float beta) {
   constexpr const char* op = "Gemm";

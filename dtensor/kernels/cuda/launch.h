@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 #include "dtensor/tensor/dtype.h"
 
@@ -71,6 +72,22 @@ struct AdamWArgs {
 };
 cudaError_t LaunchAdamW(DType param_dtype, void* param, DType grad_dtype, const void* grad, float* m, float* v,
                         int64_t n, const AdamWArgs& args);
+// AdamW over up to kAdamWMultiMax parameters of one (param, grad) dtype pair in one launch,
+// passed by value (about 3.6 KB, under the 4 KB kernel-parameter limit of older drivers):
+// tensor i has n[i] elements and its own bias corrections; lr, betas, eps and decay are shared
+// (those of `args`; its inv_bc1/2 are unused).
+inline constexpr int kAdamWMultiMax = 64;
+struct AdamWMultiList {
+  int count = 0;
+  void* param[kAdamWMultiMax];
+  const void* grad[kAdamWMultiMax];
+  float* m[kAdamWMultiMax];
+  float* v[kAdamWMultiMax];
+  int64_t n[kAdamWMultiMax];
+  float inv_bc1[kAdamWMultiMax];
+  float inv_bc2[kAdamWMultiMax];
+};
+cudaError_t LaunchAdamWMulti(DType param_dtype, DType grad_dtype, const AdamWMultiList& list, const AdamWArgs& args);
 
 // ---- reduce.cu ----
 // Contiguous x [outer, reduce, inner] -> out [outer, inner]. `scratch` holds
@@ -124,9 +141,24 @@ inline constexpr int64_t kMaxAttentionHeadDim = 128;
 cudaError_t LaunchAttention(DType dtype, const void* q, const void* k, const void* v, float scale, void* out,
                             float* lse, int64_t bh, int64_t t, int64_t d);
 // Its backward; `delta` is float32 scratch [bh, t] (rowwise dout . out).
+// Both run the tensor-core kernels of flash_attention.cu where FlashAttentionSupported, else
+// the simple float32 kernels; DTENSOR_CUDA_ATTENTION=simple in the environment (read on each
+// call) forces the simple ones.
 cudaError_t LaunchAttentionBackward(DType dtype, const void* dout, const void* q, const void* k, const void* v,
                                     const void* out, const float* lse, float scale, void* dq, void* dk, void* dv,
                                     float* delta, int64_t bh, int64_t t, int64_t d);
+
+// ---- flash_attention.cu ----
+// Whether the tensor-core kernels take this problem: bfloat16 / float16, D = 64 (D = 128 for
+// the forward only), every pointer 16-byte aligned, a device of compute capability >= 8.
+bool FlashAttentionSupported(DType dtype, int64_t bh, int64_t t, int64_t d, bool backward,
+                             std::initializer_list<const void*> pointers);
+// As LaunchAttention / LaunchAttentionBackward (same arguments; `delta` already computed).
+cudaError_t LaunchFlashAttention(DType dtype, const void* q, const void* k, const void* v, float scale, void* out,
+                                 float* lse, int64_t bh, int64_t t, int64_t d);
+cudaError_t LaunchFlashAttentionBackward(DType dtype, const void* dout, const void* q, const void* k, const void* v,
+                                         const float* lse, const float* delta, float scale, void* dq, void* dk,
+                                         void* dv, int64_t bh, int64_t t, int64_t d);
 
 }  // namespace dtensor::internal::gpu
 
