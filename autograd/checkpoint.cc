@@ -63,18 +63,35 @@ class SavedOps : public internal::DispatchObserver {
                                                         ShapesString(shapes), " where the forward ran ", was,
                                                         ": the function is not deterministic"));
     }
-    return std::optional<std::vector<Value>>(entries_[next_++].outputs);
+    const Entry& e = entries_[next_++];
+    if (op.ac_rebuild != nullptr) {  // only one output was kept: the others come from it
+      DT_ASSIGN_OR_RETURN(std::vector<Value> outputs, op.ac_rebuild(e.outputs[0], *e.args));
+      return std::optional<std::vector<Value>>(std::move(outputs));
+    }
+    return std::optional<std::vector<Value>>(e.outputs);
   }
 
-  void Ran(const OpDef& op, absl::Span<const Value> inputs, const std::vector<Value>& outputs) override {
-    if (recording_ && names_.contains(op.name)) entries_.push_back({&op, ShapesOf(inputs), outputs});
+  void Ran(const OpDef& op, absl::Span<const Value> inputs, const OpArgs& args,
+           const std::vector<Value>& outputs) override {
+    if (!recording_ || !names_.contains(op.name)) return;
+    if (op.ac_rebuild != nullptr && op.ac_kept_output >= 0 && static_cast<size_t>(op.ac_kept_output) < outputs.size()) {
+      entries_.push_back({&op,
+                          ShapesOf(inputs),
+                          {outputs[static_cast<size_t>(op.ac_kept_output)]},
+                          std::make_shared<const OpArgs>(args)});
+      return;
+    }
+    entries_.push_back({&op, ShapesOf(inputs), outputs, nullptr});
   }
 
  private:
   struct Entry {
     const OpDef* op;
     std::vector<Shape> input_shapes;
-    std::vector<Value> outputs;
+    std::vector<Value> outputs;  // all of them, or the kept one (OpDef::ac_rebuild)
+    // For ac_rebuild (behind a pointer: g++ 12 reports a false "maybe uninitialized" when an
+    // absl::InlinedVector is moved inside this struct).
+    std::shared_ptr<const OpArgs> args;
   };
   static std::vector<Shape> ShapesOf(absl::Span<const Value> inputs) {
     std::vector<Shape> out;

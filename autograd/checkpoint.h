@@ -37,7 +37,8 @@
 //
 // Selective checkpointing (torch's create_selective_checkpoint_contexts, CheckpointPolicy
 // MUST_SAVE): CheckpointOptions::save_ops names dispatcher ops (OpDef::name, dispatch.h, e.g.
-// "linear", "matmul", "causal_attention") whose outputs the forward keeps; the
+// "linear", "linear_bias", "linear_bias_gelu", "matmul", "causal_attention") whose outputs the
+// forward keeps (of an op with OpDef::ac_rebuild, one output that rebuilds the others); the
 // recomputation receives those outputs again instead of running the ops (matched in order:
 // op name and input shapes must agree, or FailedPrecondition), and recomputes only the rest
 // (layer norms, GELU, adds, reshapes: the cheap ops).

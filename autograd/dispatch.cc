@@ -343,7 +343,7 @@ absl::StatusOr<std::vector<Value>> Dispatch(const OpDef& op, absl::Span<const Va
   DT_ASSIGN_OR_RETURN(std::optional<std::vector<Value>> replaced, observer->Replace(op, inputs, args));
   if (replaced.has_value()) return *std::move(replaced);
   DT_ASSIGN_OR_RETURN(std::vector<Value> out, DispatchUnobserved(op, inputs, args));
-  observer->Ran(op, inputs, out);
+  observer->Ran(op, inputs, args, out);
   return out;
 }
 

@@ -87,6 +87,12 @@ struct OpDef {
   absl::StatusOr<std::vector<TensorMeta>> (*meta)(absl::Span<const TensorMeta> in, const OpArgs& args);
   // The computation on local pieces: one tensor per output, of the output layout's local shape.
   absl::StatusOr<std::vector<Tensor>> (*local)(const LocalCall& call);
+  // Optional, for selective activation checkpointing (checkpoint.h): when set, a forward that
+  // keeps this op's outputs keeps only output `ac_kept_output`, and the recomputation gets all
+  // outputs back from ac_rebuild(kept, args), which must be cheap (linear_bias_gelu keeps the
+  // pre-activation and rebuilds the activation with one GELU pass, as llm.c's recompute does).
+  absl::StatusOr<std::vector<Value>> (*ac_rebuild)(const Value& kept, const OpArgs& args) = nullptr;
+  int ac_kept_output = 0;
 };
 
 // Runs `op` on `inputs`. Collective over the mesh when any input is a DTensor.
@@ -129,7 +135,8 @@ class DispatchObserver {
   virtual absl::StatusOr<std::optional<std::vector<Value>>> Replace(const OpDef& op, absl::Span<const Value> inputs,
                                                                     const OpArgs& args) = 0;
   // After `op` ran (not when Replace gave its outputs).
-  virtual void Ran(const OpDef& op, absl::Span<const Value> inputs, const std::vector<Value>& outputs) = 0;
+  virtual void Ran(const OpDef& op, absl::Span<const Value> inputs, const OpArgs& args,
+                   const std::vector<Value>& outputs) = 0;
 };
 
 // Installs `observer` on this thread (null: none) and returns the one it replaces.

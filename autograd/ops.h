@@ -40,6 +40,9 @@ absl::StatusOr<Variable> Max(const Variable& x, std::vector<int64_t> dims = {}, 
 // ---- Linear algebra ----
 // x [..., in], w [out, in], b [out] or undefined -> [..., out]
 absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const Variable& b = Variable());
+// gelu(x w^T + b) (tanh approximation) in one kernel (the matrix multiply's GELU epilogue on
+// CUDA): Gelu(Linear(x, w, b)) with the same values and gradients. b must be defined.
+absl::StatusOr<Variable> LinearGelu(const Variable& x, const Variable& w, const Variable& b);
 absl::StatusOr<Variable> Matmul(const Variable& a, const Variable& b, bool trans_a = false, bool trans_b = false);
 
 // ---- Normalisation, softmax ----

@@ -111,6 +111,16 @@ absl::StatusOr<Variable> Linear::Forward(const Variable& x) {
   });
 }
 
+absl::StatusOr<Variable> Linear::ForwardGelu(const Variable& x) {
+  return WithHooks(x, [&](const Variable& x) -> absl::StatusOr<Variable> {
+    if (bias_ == nullptr) {
+      DT_ASSIGN_OR_RETURN(Variable y, dtensor::Linear(x, *weight_));
+      return dtensor::Gelu(y);
+    }
+    return dtensor::LinearGelu(x, *weight_, *bias_);
+  });
+}
+
 Embedding::Embedding(int64_t num, int64_t dim, DType dtype) {
   weight_ = RegisterParameter("weight", ZerosOrUndefined({num, dim}, dtype));
 }
@@ -230,9 +240,8 @@ MLP::MLP(int64_t c, double dropout, uint64_t seed) {
 
 absl::StatusOr<Variable> MLP::Forward(const Variable& x) {
   return WithHooks(x, [&](const Variable& x) -> absl::StatusOr<Variable> {
-    DT_ASSIGN_OR_RETURN(Variable h, c_fc_->Forward(x));  // [B, T, 4C]
-    DT_ASSIGN_OR_RETURN(h, dtensor::Gelu(h));
-    DT_ASSIGN_OR_RETURN(h, c_proj_->Forward(h));  // [B, T, C]
+    DT_ASSIGN_OR_RETURN(Variable h, c_fc_->ForwardGelu(x));  // [B, T, 4C], through GELU
+    DT_ASSIGN_OR_RETURN(h, c_proj_->Forward(h));             // [B, T, C]
     return dropout_->Forward(h);
   });
 }

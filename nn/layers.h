@@ -27,8 +27,11 @@ class Linear : public Module {
   // lm_head uses transformer.wte.weight, listed under that first name).
   explicit Linear(Variable* tied_weight);
   absl::StatusOr<Variable> Forward(const Variable& x);  // [..., in] -> [..., out]
-  Variable* weight() { return weight_; }                // [out, in]
-  Variable* bias() { return bias_; }                    // [out] or nullptr
+  // Gelu(Forward(x)), with the bias and GELU applied by the matrix multiply (LinearGelu) when
+  // the layer has a bias. The layer's hooks see x and the activated output.
+  absl::StatusOr<Variable> ForwardGelu(const Variable& x);
+  Variable* weight() { return weight_; }  // [out, in]
+  Variable* bias() { return bias_; }      // [out] or nullptr
 
  private:
   Variable* weight_;

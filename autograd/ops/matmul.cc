@@ -3,6 +3,11 @@
 //   linear       x [..., in] · w [out, in]^T -> [..., out]
 //     S(d)·R -> S(d) (batch/data parallel)   R·S(0) -> S(-1) (colwise)
 //     S(-1)·S(1) -> P(sum) (rowwise)         P·R, R·P -> P
+//   linear_bias  x · w^T + b (b [out]) in one kernel (Kernels::GemmBias); linear_bias_gelu the
+//                same through GELU (outputs y and the pre-GELU values, saved for the backward):
+//     linear's strategies with b R, S(0) where the output is S(-1), and P where the output is
+//     P (b made Partial locally, no communication); with GELU only those without P (GELU is
+//     not linear)
 //   linear_dx    dy [..., out] · w [out, in] -> [..., in]
 //     S(d)·R -> S(d)   S(-1)·S(0) -> P   R·S(1) -> S(-1)   P·R, R·P -> P
 //   linear_dw    sum over leading dims of dy^T x -> [out, in]
@@ -67,6 +72,60 @@ absl::StatusOr<std::vector<Tensor>> LinearLocal(const LocalCall& c) {
   return One(Unflatten(y2, x.shape().subspan(0, static_cast<size_t>(x.dim() - 1)), y2.size(1)));
 }
 const OpDef kLinear = {"linear", LinearRule, LinearMeta, LinearLocal};
+
+// ---- linear_bias: (x, w, b); args.ints = {gelu} -> y, and with gelu also pre ----
+absl::StatusOr<std::vector<TensorMeta>> LinearBiasMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
+  DT_ASSIGN_OR_RETURN(std::vector<TensorMeta> out, LinearMeta(in.subspan(0, 2), args));
+  const Shape& b = in[2].shape;
+  if (b.size() != 1 || b[0] != in[1].shape[0] || in[2].dtype != in[0].dtype) {
+    return op_util::Invalid(
+        "Linear", absl::StrCat("bias ", ShapeString(b), " ", DTypeName(in[2].dtype), " does not fit w ",
+                               ShapeString(in[1].shape), " ", DTypeName(in[1].dtype), " (bias must be [out])"));
+  }
+  if (args.ints[0] != 0) out.push_back(out[0]);
+  return out;
+}
+void LinearBiasRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan, std::vector<DimStrategy>* s) {
+  const int64_t nd = static_cast<int64_t>(in[0].shape.size());
+  const bool gelu = args.ints[0] != 0;
+  auto add = [&](Placement x, Placement w, Placement b, Placement y) {
+    DimStrategy d{{x, w, b}, {y}};
+    if (gelu) d.outputs.push_back(y);
+    s->push_back(std::move(d));
+  };
+  for (int64_t d = 0; d + 1 < nd; ++d) add(Shard(d), Replicate(), Replicate(), Shard(d));
+  add(Replicate(), Shard(0), Shard(0), Shard(nd - 1));
+  if (!gelu) {
+    add(Shard(nd - 1), Shard(1), kP, kP);
+    add(kP, Replicate(), kP, kP);
+    add(Replicate(), kP, kP, kP);
+  }
+}
+absl::StatusOr<std::vector<Tensor>> LinearBiasLocal(const LocalCall& c) {
+  const Tensor& x = c.inputs[0];
+  const bool gelu = c.args.ints[0] != 0;
+  DT_ASSIGN_OR_RETURN(Tensor x2, As2d(x));
+  Tensor pre2;
+  DT_ASSIGN_OR_RETURN(Tensor y2, dtensor::LinearBias(x2, c.inputs[1], c.inputs[2], gelu, &pre2));
+  const IntSpan lead = x.shape().subspan(0, static_cast<size_t>(x.dim() - 1));
+  std::vector<Tensor> out;
+  DT_ASSIGN_OR_RETURN(Tensor y, Unflatten(y2, lead, y2.size(1)));
+  out.push_back(std::move(y));
+  if (gelu) {
+    DT_ASSIGN_OR_RETURN(Tensor pre, Unflatten(pre2, lead, pre2.size(1)));
+    out.push_back(std::move(pre));
+  }
+  return out;
+}
+const OpDef kLinearBias = {"linear_bias", LinearBiasRule, LinearBiasMeta, LinearBiasLocal};
+// The GELU form under its own name (args.ints = {1}), so that activation checkpointing policies
+// can name it; selective checkpointing keeps its pre-activation only and rebuilds the
+// activation from it (one GELU pass, no matrix multiply).
+absl::StatusOr<std::vector<Value>> RebuildGelu(const Value& pre, const OpArgs&) {
+  DT_ASSIGN_OR_RETURN(Value y, fn::Unary(UnaryOp::kGelu, pre));
+  return std::vector<Value>{std::move(y), pre};
+}
+const OpDef kLinearBiasGelu = {"linear_bias_gelu", LinearBiasRule, LinearBiasMeta, LinearBiasLocal, RebuildGelu, 1};
 
 // ---- linear_dx ----
 absl::StatusOr<std::vector<TensorMeta>> LinearDxMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
@@ -179,10 +238,14 @@ absl::StatusOr<Value> Matmul(const Value& a, const Value& b, bool trans_a, bool 
 }  // namespace fn
 
 absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const Variable& b) {
-  DT_ASSIGN_OR_RETURN(Value y, fn::Linear(x.value(), w.value()));
   const bool has_bias = b.defined();
-  if (has_bias) {
-    DT_ASSIGN_OR_RETURN(y, fn::Add(y, b.value()));
+  Value y;
+  if (has_bias) {  // the bias added by the matrix multiply's epilogue
+    OpArgs args;
+    args.ints = {0};
+    DT_ASSIGN_OR_RETURN(y, op_util::First(Dispatch(kLinearBias, {x.value(), w.value(), b.value()}, args)));
+  } else {
+    DT_ASSIGN_OR_RETURN(y, fn::Linear(x.value(), w.value()));
   }
   Variable none;
   if (!AnyRequiresGrad({x, w, has_bias ? b : none})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
@@ -200,6 +263,31 @@ absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const Vari
                             }
                             if (nb) {
                               DT_ASSIGN_OR_RETURN(r[2], fn::SumTo(g, bshape));
+                            }
+                            return r;
+                          });
+}
+
+absl::StatusOr<Variable> LinearGelu(const Variable& x, const Variable& w, const Variable& b) {
+  if (!b.defined()) return absl::InvalidArgumentError("[LinearGelu] needs a bias (use Gelu(Linear(x, w)) without)");
+  OpArgs args;
+  args.ints = {1};
+  DT_ASSIGN_OR_RETURN(std::vector<Value> yp, Dispatch(kLinearBiasGelu, {x.value(), w.value(), b.value()}, args));
+  if (!AnyRequiresGrad({x, w, b})) return Variable::Leaf(std::move(yp[0]));  // no tape: skip the captures
+  return op_util::Result1("LinearGelu", {x, w, b}, std::move(yp[0]),
+                          [xv = x.value(), wv = w.value(), pre = yp[1], nx = x.requires_grad(), nw = w.requires_grad(),
+                           nb = b.requires_grad(), bshape = op_util::ToVec(b.value().shape())](
+                              const Value& g) -> absl::StatusOr<std::vector<Value>> {
+                            DT_ASSIGN_OR_RETURN(Value dpre, fn::UnaryBackward(UnaryOp::kGelu, g, pre));
+                            std::vector<Value> r(3);
+                            if (nx) {
+                              DT_ASSIGN_OR_RETURN(r[0], fn::LinearInputGrad(dpre, wv));
+                            }
+                            if (nw) {
+                              DT_ASSIGN_OR_RETURN(r[1], fn::LinearWeightGrad(dpre, xv));
+                            }
+                            if (nb) {
+                              DT_ASSIGN_OR_RETURN(r[2], fn::SumTo(dpre, bshape));
                             }
                             return r;
                           });
@@ -237,6 +325,8 @@ absl::StatusOr<Variable> Matmul(const Variable& a, const Variable& b, bool ta, b
 
 namespace op_defs {
 const OpDef& Linear() { return kLinear; }
+const OpDef& LinearBias() { return kLinearBias; }
+const OpDef& LinearBiasGelu() { return kLinearBiasGelu; }
 const OpDef& LinearDx() { return kLinearDx; }
 const OpDef& LinearDw() { return kLinearDw; }
 const OpDef& Matmul() { return kMatmul; }

@@ -15,6 +15,8 @@ const OpDef& EmbeddingBackward();     // embedding.cc: (dout, ids); args.ints = 
 const OpDef& CrossEntropy();          // loss.cc: (logits, targets) -> (loss, lse, count); args.ints = {ignore_index}
 const OpDef& CrossEntropyBackward();  // loss.cc: (dloss, logits, targets, lse, count); args.ints = {ignore_index}
 const OpDef& Linear();                // matmul.cc: (x [..., in], w [out, in])
+const OpDef& LinearBias();            // matmul.cc: (x, w, b [out]) -> y; args.ints = {0}
+const OpDef& LinearBiasGelu();        // matmul.cc: (x, w, b [out]) -> (gelu(y), y); args.ints = {1}
 const OpDef& LinearDx();              // matmul.cc: (dy, w)
 const OpDef& LinearDw();              // matmul.cc: (dy, x)
 const OpDef& Matmul();                // matmul.cc: args.ints = {trans_a, trans_b}

@@ -237,17 +237,42 @@ TEST(ActivationCheckpoint, MultipleInputsAndOutputs) {
   ExpectBitwise(run(true), want);
 }
 
-// Selective checkpointing keeps "linear"'s output: changing w in place between forward and
-// backward then affects the gradients as it does without checkpointing (the Linear node's
-// backward reads w; its output is the forward's), while full recomputation computes a new
-// output from the new w.
+// Selective checkpointing keeps the linear ops' outputs ("linear", and "linear_bias" where the
+// layer has a bias): changing w in place between forward and backward then affects the
+// gradients as it does without checkpointing (the Linear node's backward reads w; its output
+// is the forward's), while full recomputation computes a new output from the new w.
 TEST(ActivationCheckpoint, SelectiveReusesTheSavedOpsOutputs) {
   auto run = [](int mode) {  // 0: no checkpoint, 1: full, 2: selective
     Params p = MakeParams();
     Variable x = Input();
     CheckpointOptions o;
-    if (mode == 2) o.save_ops = {"linear"};
+    if (mode == 2) o.save_ops = {"linear", "linear_bias", "linear_bias_gelu"};
     auto fn = [&](const Variable& in) { return Body(p, in); };
+    Variable y = mode == 0 ? Unwrap(fn(x)) : Unwrap(ActivationCheckpoint(fn, x, o));
+    EXPECT_TRUE(Fill_(p.w.value().local(), 0.25).ok());
+    Variable loss = Unwrap(Loss(y));
+    EXPECT_TRUE(Backward(loss).ok());
+    return Collect(loss, x, p);
+  };
+  const Grads plain = run(0), full = run(1), selective = run(2);
+  ExpectBitwise(selective, plain);
+  EXPECT_NE(full.grads[0], plain.grads[0]);
+}
+
+// The fused linear + GELU keeps only its pre-activation and rebuilds the activation from it
+// (OpDef::ac_rebuild): the same gradients as without checkpointing, bit for bit, and its matrix
+// multiply is not run again (changing w between forward and backward leaves the saved values
+// alone, as without checkpointing; full recomputation sees the new w).
+TEST(ActivationCheckpoint, SelectiveRebuildsTheFusedGeluFromItsPreActivation) {
+  auto run = [](int mode) {  // 0: no checkpoint, 1: full, 2: selective
+    Params p = MakeParams();
+    Variable x = Input();
+    CheckpointOptions o;
+    if (mode == 2) o.save_ops = {"linear_bias_gelu"};
+    auto fn = [&](const Variable& in) -> absl::StatusOr<Variable> {
+      DT_ASSIGN_OR_RETURN(Variable h, LayerNorm(in, p.g, p.b));
+      return LinearGelu(h, p.w, p.bias);
+    };
     Variable y = mode == 0 ? Unwrap(fn(x)) : Unwrap(ActivationCheckpoint(fn, x, o));
     EXPECT_TRUE(Fill_(p.w.value().local(), 0.25).ok());
     Variable loss = Unwrap(Loss(y));
@@ -264,7 +289,7 @@ TEST(ActivationCheckpoint, SelectiveIsBitIdenticalWithEveryMatmulSaved) {
   Params p = MakeParams();
   Variable x = Input();
   CheckpointOptions o;
-  o.save_ops = {"linear", "matmul", "causal_attention", "layer_norm"};
+  o.save_ops = {"linear", "linear_bias", "linear_bias_gelu", "matmul", "causal_attention", "layer_norm"};
   Variable y = Unwrap(ActivationCheckpoint([&](const Variable& in) { return Body(p, in); }, x, o));
   Variable loss = Unwrap(Loss(y));
   ASSERT_TRUE(Backward(loss).ok());

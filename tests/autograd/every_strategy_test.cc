@@ -244,6 +244,22 @@ std::vector<Case> LinearCases() {
   };
 }
 
+std::vector<Case> LinearBiasCases() {
+  return {
+      {"[5,10] x [7,10] + b", {Rand({5, 10}, 137), Rand({7, 10}, 138), Rand({7}, 139)}, Args({0})},
+      {"[2,5,10] x [7,10] + b", {Rand({2, 5, 10}, 140), Rand({7, 10}, 141), Rand({7}, 142)}, Args({0})},
+      {"[5,6] x [3,6] + b (empty pieces)", {Rand({5, 6}, 143), Rand({3, 6}, 144), Rand({3}, 145)}, Args({0})},
+  };
+}
+
+std::vector<Case> LinearBiasGeluCases() {
+  return {
+      {"[5,10] x [7,10] + b", {Rand({5, 10}, 237), Rand({7, 10}, 238), Rand({7}, 239)}, Args({1})},
+      {"[2,5,10] x [7,10] + b", {Rand({2, 5, 10}, 240), Rand({7, 10}, 241), Rand({7}, 242)}, Args({1})},
+      {"[5,6] x [3,6] + b (empty pieces)", {Rand({5, 6}, 246), Rand({3, 6}, 247), Rand({3}, 248)}, Args({1})},
+  };
+}
+
 std::vector<Case> LinearDxCases() {
   return {
       {"dy [5,7] w [7,10]", {Rand({5, 7}, 141), Rand({7, 10}, 142)}, {}},
@@ -537,6 +553,8 @@ const OpSpec kSpecs[] = {
     {"CrossEntropy", op_defs::CrossEntropy, CrossEntropyCases},
     {"CrossEntropyBackward", op_defs::CrossEntropyBackward, CrossEntropyBackwardCases},
     {"Linear", op_defs::Linear, LinearCases},
+    {"LinearBias", op_defs::LinearBias, LinearBiasCases},
+    {"LinearBiasGelu", op_defs::LinearBiasGelu, LinearBiasGeluCases},
     {"LinearDx", op_defs::LinearDx, LinearDxCases},
     {"LinearDw", op_defs::LinearDw, LinearDwCases},
     {"Matmul", op_defs::Matmul, MatmulCases},
@@ -586,7 +604,7 @@ INSTANTIATE_TEST_SUITE_P(OpDefs, EveryStrategy, ::testing::Range(0, kNumSpecs),
                          [](const ::testing::TestParamInfo<int>& info) { return kSpecs[info.param].test_name; });
 
 TEST(EveryStrategyTable, CoversEveryOpDefOnce) {
-  EXPECT_EQ(kNumSpecs, 29);
+  EXPECT_EQ(kNumSpecs, 31);
   for (int i = 0; i < kNumSpecs; ++i) {
     for (int j = 0; j < i; ++j) {
       EXPECT_NE(&kSpecs[i].op(), &kSpecs[j].op()) << kSpecs[i].test_name << " and " << kSpecs[j].test_name;

@@ -349,6 +349,32 @@ TEST(Grad, Linear) {
   CheckGrad({"linear, weight only", {x, w}, {false, true}, lin, {{S0, R}, {R, S0}, {S1, S1}}});
 }
 
+TEST(Grad, LinearGelu) {
+  // The fused bias + GELU (linear_bias with gelu): data parallel, colwise, replicated, and
+  // inputs that its strategies do not take as they are (rowwise pieces, a Partial x: the
+  // dispatcher redistributes them first, since GELU cannot run on partial sums).
+  const Tensor x = Rand({5, 8}, 35), w = Rand({4, 8}, 36), b = Rand({4}, 37), x3 = Rand({2, 5, 8}, 38);
+  auto fused = [](const std::vector<Variable>& in) { return LinearGelu(in[0], in[1], in[2]); };
+  CheckGrad({"linear + gelu",
+             {x, w, b},
+             {true, true, true},
+             fused,
+             {{S0, R, R}, {R, S0, S0}, {S1, S1, R}, {R, R, R}, {P, R, R}}});
+  CheckGrad({"linear + gelu 3-d x", {x3, w, b}, {true, true, true}, fused, {{S1, R, R}, {R, S0, S0}, {S2, S1, R}}});
+  // The same values and gradients as the unfused Gelu(Linear(x, w, b)), on one rank.
+  const Variable vx = Variable::Leaf(x, true), vw = Variable::Leaf(w, true), vb = Variable::Leaf(b, true);
+  const Variable ux = Variable::Leaf(x, true), uw = Variable::Leaf(w, true), ub = Variable::Leaf(b, true);
+  const Variable y = Unwrap(LinearGelu(vx, vw, vb));
+  const Variable z = Unwrap(Gelu(Unwrap(Linear(ux, uw, ub))));
+  EXPECT_EQ(testing::Values(y.value().local()), testing::Values(z.value().local()));
+  ASSERT_TRUE(Backward(Unwrap(Sum(y))).ok());
+  ASSERT_TRUE(Backward(Unwrap(Sum(z))).ok());
+  for (const auto& [a, c] : {std::pair{vx, ux}, std::pair{vw, uw}, std::pair{vb, ub}}) {
+    EXPECT_EQ(testing::Values(a.grad().local()), testing::Values(c.grad().local()));
+  }
+  EXPECT_EQ(LinearGelu(vx, vw, Variable()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(Grad, Matmul) {
   auto mm = [](bool ta, bool tb) {
     return FwdFn([ta, tb](const std::vector<Variable>& in) { return Matmul(in[0], in[1], ta, tb); });
