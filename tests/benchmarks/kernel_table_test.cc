@@ -81,7 +81,8 @@ TEST(KernelTable, FormatsSortedRowsPerStepAndTheRest) {
   EXPECT_NE(all.find("| xxxxxxxxxxxxxxxxx... |"), std::string::npos) << all;
   EXPECT_EQ(all.find("more)"), std::string::npos) << all;
   // An empty table prints its heading and a zero total.
-  EXPECT_NE(KernelTable().Format(KernelTable::FormatOptions()).find("0 activities, 0.000 ms in all"), std::string::npos);
+  EXPECT_NE(KernelTable().Format(KernelTable::FormatOptions()).find("0 activities, 0.000 ms in all"),
+            std::string::npos);
 }
 
 TEST(KernelTable, ShortKernelNames) {
