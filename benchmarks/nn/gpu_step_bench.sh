@@ -202,6 +202,8 @@ done
 profile_note=""
 if [[ $profile -eq 0 ]]; then
   profile_note="kernel profile: not run ($([[ $smoke -eq 1 ]] && echo "--cpu-smoke" || echo "--no-profile"))"
+elif [[ ! -s "$out/speed_bf16.jsonl" ]]; then
+  profile_note="kernel profile: not run: the bf16 speed run failed (its log: $out/speed_bf16.log)"
 elif [[ ! -f "$profiler" ]]; then
   profile_note="kernel profile: not run: no $profiler (built with the CUDA Toolkit's CUPTI: set DT_KERNEL_PROFILE)"
   failed=1
