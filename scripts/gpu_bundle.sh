@@ -23,6 +23,11 @@
 # another parallelism (stage ckpt); generation on the GPU against the CPU (stage generate); and compute-sanitizer's memcheck over a 2-process FSDP run. With fewer
 # GPUs than ranks the processes share cuda:0, each naming itself a host (NCCL_HOSTID) since NCCL
 # refuses two ranks of one host on one GPU; they then talk over sockets on loopback.
+# Last, stage speed: benchmarks/nn/gpu_step_bench.sh (issue 31) from the bundle's bin/, GPT-2 124M
+# steps at B=16 T=1024 in bf16 and fp32 (tokens/s, MFU, peak memory against the 460K tokens/s
+# target), the bf16-vs-fp32 loss checks and a per-kernel table of a bf16 step through
+# lib/libdtensor_kernel_profile.so (CUPTI; the bundle carries lib/libcupti.so.13 too); about 3
+# minutes on an H100, its logs in LOGDIR/speed. Alone: DT_STAGES=speed bash /tmp/gpu/run.sh "$PWD"
 set -euo pipefail
 
 [[ $# -eq 2 ]] || { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
@@ -41,10 +46,18 @@ for b in "${bins[@]}"; do
   [[ -x "$build/$b" ]] || { echo "gpu_bundle.sh: $build/$b is not built" >&2; exit 1; }
   strip -o "$stage/bin/$(basename "$b")" "$build/$b"
 done
+# The step benchmark and the kernel profiler it loads into gpt_train (CUDA's injection hook), with
+# CUPTI from this toolkit: a GPU machine's driver does not bring it.
+cp "$src/benchmarks/nn/gpu_step_bench.sh" "$stage/bin/"
+profiler="$build/benchmarks/libdtensor_kernel_profile.so"
+[[ -f "$profiler" ]] || { echo "gpu_bundle.sh: $profiler is not built (it needs the CUDA Toolkit's CUPTI)" >&2; exit 1; }
+strip --strip-unneeded -o "$stage/lib/libdtensor_kernel_profile.so" "$profiler"
 # Shared libraries outside glibc/libstdc++ and the CUDA libraries the GPU machine provides.
-for b in "$stage"/bin/*; do ldd "$b"; done | awk '/=>/ {print $3}' | sort -u |
-  grep -Ev '/(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|ld-linux[^/]*)\.so|libcublas|libnccl|libcuda\.so' |
+for b in "$stage"/bin/* "$stage/lib/libdtensor_kernel_profile.so"; do [[ "$b" == *.sh ]] || ldd "$b"; done |
+  awk '/=>/ {print $3}' | sort -u |
+  grep -Ev '/(libc|libm|libdl|libpthread|librt|libutil|libstdc\+\+|libgcc_s|ld-linux[^/]*)\.so|libcublas|libnccl|libcuda\.so' |
   while read -r lib; do cp -L "$lib" "$stage/lib/"; done
+[[ -f "$stage/lib/libcupti.so.13" ]] || { echo "gpu_bundle.sh: libcupti.so.13 (the profiler's) was not found by ldd" >&2; exit 1; }
 if [[ -d /usr/lib/x86_64-linux-gnu/ucx ]]; then  # UCX's transport modules, found beside libucs
   mkdir -p "$stage/lib/ucx"
   cp -L /usr/lib/x86_64-linux-gnu/ucx/*.so.0 "$stage/lib/ucx/" 2>/dev/null || true
@@ -225,6 +238,15 @@ if want sanitizer; then
   else
     echo "compute-sanitizer: not installed"
   fi
+fi
+# Last (nothing else on the GPU while it measures): the step benchmark, its table printed whole.
+if want speed; then
+  timeout "\${DT_STEP_TIMEOUT:-600}" bash "\$here/bin/gpu_step_bench.sh" "\$here/bin" --repo "\$repo" --out "\$logs/speed" \\
+    > "\$logs/speed.log" 2> "\$logs/speed_progress.log"; s=\$?
+  [[ \$s -eq 0 ]] || rc=1
+  echo "speed: exit \$s (0: runs and checks passed; 1: one failed; 4: no GPU visible; 124: timed out)"
+  cat "\$logs/speed.log"
+  [[ \$s -eq 0 ]] || tail -n 20 "\$logs/speed_progress.log"
 fi
 exit \$rc
 EOF
