@@ -35,6 +35,12 @@ absl::Status ReduceGradients(const std::vector<Variable*>& params, int64_t bucke
 // One all_reduce of a float32 [k] per group of ranks that shard gradients (k: its parameters),
 // recorded in the mesh's CommCounter.
 absl::StatusOr<double> ClipGradNorm(const std::vector<Variable*>& params, double max_norm);
+// ClipGradNorm without waiting for the device: returns the norm as a float32 [1] tensor on the
+// gradients' device (read it when convenient: gpt_train reads it a step later on GPUs), and
+// clips as torch.nn.utils.clip_grad_norm_ does, multiplying every gradient by
+// min(1, max_norm / (norm + 1e-6)) computed on the device. The sums add up in float32 here
+// (ClipGradNorm adds them in float64 on the host). Gradients on one device per rank.
+absl::StatusOr<Tensor> ClipGradNormAsync(const std::vector<Variable*>& params, double max_norm);
 
 struct AdamWOptions {
   double lr = 1e-3;

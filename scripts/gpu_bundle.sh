@@ -28,6 +28,10 @@
 # target), the bf16-vs-fp32 loss checks and a per-kernel table of a bf16 step through
 # lib/libdtensor_kernel_profile.so (CUPTI; the bundle carries lib/libcupti.so.13 too); about 3
 # minutes on an H100, its logs in LOGDIR/speed. Alone: DT_STAGES=speed bash /tmp/gpu/run.sh "$PWD"
+# A short lend (15 minutes of device time, start-up included) fits the new kernels' tests and the
+# speed stage, in one call: DT_STAGES="kernels speed" bash /tmp/gpu/run.sh "$PWD" (the kernels
+# stage checks the tensor-core attention, cuBLASLt epilogues and multi-tensor AdamW against the
+# CPU; DTENSOR_CUDA_ATTENTION=simple falls back to the old attention kernels if those fail).
 set -euo pipefail
 
 [[ $# -eq 2 ]] || { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }

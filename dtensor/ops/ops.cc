@@ -447,8 +447,9 @@ absl::StatusOr<Tensor> BinaryScalar(BinaryOp bop, const Tensor& a, double s, boo
 absl::StatusOr<Tensor> AddScalar(const Tensor& a, double s) { return BinaryScalar(BinaryOp::kAdd, a, s); }
 absl::StatusOr<Tensor> Scale(const Tensor& a, double s) { return BinaryScalar(BinaryOp::kMul, a, s); }
 
-absl::Status Add_(const Tensor& a, const Tensor& b) {
-  constexpr const char* op = "Add_";
+namespace {
+// a (op)= b with b broadcast to a's shape (Add_, Mul_).
+absl::Status BinaryInPlace(const char* op, BinaryOp bop, const Tensor& a, const Tensor& b) {
   DT_RETURN_IF_ERROR(CheckDefined(op, a, "a"));
   DT_RETURN_IF_ERROR(CheckDefined(op, b, "b"));
   DT_RETURN_IF_ERROR(CheckSameDevice(op, a, b));
@@ -464,12 +465,16 @@ absl::Status Add_(const Tensor& a, const Tensor& b) {
     DT_ASSIGN_OR_RETURN(bb, Clone(bb));
   }
   if (!a.is_contiguous()) {
-    DT_ASSIGN_OR_RETURN(Tensor sum, Add(a, bb));
-    return Copy_(a, sum);
+    DT_ASSIGN_OR_RETURN(Tensor r, Binary(bop, a, bb));
+    return Copy_(a, r);
   }
   DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, a));
-  return PrefixStatus(op, k->Binary(BinaryOp::kAdd, a, bb, a));
+  return PrefixStatus(op, k->Binary(bop, a, bb, a));
 }
+}  // namespace
+
+absl::Status Add_(const Tensor& a, const Tensor& b) { return BinaryInPlace("Add_", BinaryOp::kAdd, a, b); }
+absl::Status Mul_(const Tensor& a, const Tensor& b) { return BinaryInPlace("Mul_", BinaryOp::kMul, a, b); }
 
 absl::Status Scale_(const Tensor& a, double s) {
   constexpr const char* op = "Scale_";

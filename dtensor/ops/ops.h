@@ -79,8 +79,9 @@ absl::StatusOr<Tensor> BinaryScalar(BinaryOp op, const Tensor& a, double s, bool
 absl::StatusOr<Tensor> AddScalar(const Tensor& a, double s);
 // a * s
 absl::StatusOr<Tensor> Scale(const Tensor& a, double s);
-// a += b (b broadcast to a's shape) in place.
+// a += b, a *= b (b broadcast to a's shape) in place.
 absl::Status Add_(const Tensor& a, const Tensor& b);
+absl::Status Mul_(const Tensor& a, const Tensor& b);
 // a *= s in place.
 absl::Status Scale_(const Tensor& a, double s);
 

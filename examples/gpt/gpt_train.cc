@@ -650,7 +650,15 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     const auto t3 = std::chrono::steady_clock::now();
     count(2);
     if (!fsdp) DT_RETURN_IF_ERROR(nn::ReduceGradients(params));  // DDP: -> Replicate, bucketed all_reduces
-    DT_ASSIGN_OR_RETURN(double norm, nn::ClipGradNorm(params, f.grad_clip));
+    // On a GPU the norm stays on the device until the loss is read below: no host sync between
+    // backward and the update.
+    double norm = 0;
+    Tensor norm_on_device;
+    if (device.is_cuda()) {
+      DT_ASSIGN_OR_RETURN(norm_on_device, nn::ClipGradNormAsync(params, f.grad_clip));
+    } else {
+      DT_ASSIGN_OR_RETURN(norm, nn::ClipGradNorm(params, f.grad_clip));
+    }
     const double lr =
         f.lr_schedule == "cosine"
             ? nn::WarmupCosineLr(step, {.max_lr = f.lr, .min_lr = f.min_lr, .warmup = f.warmup, .total = f.steps})
@@ -678,6 +686,10 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       loss_sum += lv[0];
     }
     const std::vector<double> lv = {loss_sum / static_cast<double>(f.grad_accum)};
+    if (norm_on_device.defined()) {
+      DT_ASSIGN_OR_RETURN(std::vector<double> nv, ToDoubleVector(norm_on_device));
+      norm = nv[0];
+    }
     const auto t4 = std::chrono::steady_clock::now();
     if (mesh.defined()) SetCommCounter(mesh, nullptr);
     auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };

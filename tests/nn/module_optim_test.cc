@@ -153,6 +153,23 @@ TEST(OptimTest, BucketedReductionAndGlobalNormOverRanks) {
         const double clipped = Unwrap(nn::ClipGradNorm(m->Parameters(), norm / 2));
         EXPECT_NEAR(clipped, ref_norm, 1e-5 * ref_norm);
         EXPECT_NEAR(Unwrap(nn::ClipGradNorm(m->Parameters(), 0.0)), norm / 2, 1e-4 * norm);
+        // The device-side form: the same norm (summed in float32), and the same clipping.
+        const Tensor async_norm = Unwrap(nn::ClipGradNormAsync(m->Parameters(), 0.0));
+        EXPECT_NEAR(testing::Values(async_norm)[0], norm / 2, 1e-4 * norm);
+        std::vector<std::vector<double>> before;
+        for (Variable* p : m->Parameters()) before.push_back(testing::Values(p->grad().local()));
+        const Tensor clip_norm = Unwrap(nn::ClipGradNormAsync(m->Parameters(), norm / 8));
+        EXPECT_NEAR(testing::Values(clip_norm)[0], norm / 2, 1e-4 * norm) << "the norm before clipping";
+        EXPECT_NEAR(Unwrap(nn::ClipGradNorm(m->Parameters(), 0.0)), norm / 8, 1e-4 * norm);
+        for (size_t i = 0; i < before.size(); ++i) {  // each gradient times 1/4
+          const std::vector<double> after = testing::Values(m->Parameters()[i]->grad().local());
+          for (size_t j = 0; j < after.size(); ++j)
+            EXPECT_NEAR(after[j], before[i][j] / 4, 1e-5 * std::fabs(before[i][j]) + 1e-9);
+        }
+        // Below the threshold nothing changes, bit for bit (the factor is exactly 1).
+        const std::vector<double> kept = testing::Values(m->Parameters()[0]->grad().local());
+        ASSERT_TRUE(nn::ClipGradNormAsync(m->Parameters(), 1e9).ok());
+        EXPECT_EQ(testing::Values(m->Parameters()[0]->grad().local()), kept);
       });
     }
     for (auto& t : threads) t.join();
