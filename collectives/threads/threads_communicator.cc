@@ -27,25 +27,42 @@ namespace {
 
 // ---------------------------------------------------------------------------------------------
 // Reductions: out[i] = in_0[i] (op) in_1[i] (op) ... in rank order, so every rank that reads a
-// block gets the same bits. Chunks are loaded from every source before they are stored, which
-// makes dst == one of the sources (in place) safe.
+// block gets the same bits. Every element is loaded from every source before it is stored,
+// which makes dst == one of the sources (in place) safe.
+//
+// A left fold fused so that two sources take one pass, and more take one pass each through a
+// cache-resident accumulator whose first pass combines two sources and whose last stores.
+// (The earlier loop copied the first source into the accumulator, which GCC made a `rep movsq`
+// per 2 KiB chunk: two threads reducing 128 KiB each from two sources took 32 us against 14 us
+// fused, 1 MiB of inputs 151-160 against 45-57 us, on this 2-core AMD EPYC VM.)
 
 constexpr int64_t kChunk = 512;
 
 template <typename T, typename A, typename Load, typename Combine, typename Store>
 void ReduceChunks(absl::Span<const char* const> srcs, int64_t begin, int64_t n, char* dst, Load load, Combine combine,
                   Store store) {
-  A acc[kChunk];
   T* d = reinterpret_cast<T*>(dst);
+  auto src = [&](size_t j) { return reinterpret_cast<const T*>(srcs[j]) + begin; };
+  const T* s0 = src(0);
+  if (srcs.size() == 1) {
+    for (int64_t i = 0; i < n; ++i) d[i] = store(load(s0[i]));
+    return;
+  }
+  const T* s1 = src(1);
+  if (srcs.size() == 2) {
+    for (int64_t i = 0; i < n; ++i) d[i] = store(combine(load(s0[i]), load(s1[i])));
+    return;
+  }
+  A acc[kChunk];
+  const T* last = src(srcs.size() - 1);
   for (int64_t c = 0; c < n; c += kChunk) {
     const int64_t m = std::min(kChunk, n - c);
-    const T* s0 = reinterpret_cast<const T*>(srcs[0]) + begin + c;
-    for (int64_t i = 0; i < m; ++i) acc[i] = load(s0[i]);
-    for (size_t j = 1; j < srcs.size(); ++j) {
-      const T* s = reinterpret_cast<const T*>(srcs[j]) + begin + c;
+    for (int64_t i = 0; i < m; ++i) acc[i] = combine(load(s0[c + i]), load(s1[c + i]));
+    for (size_t j = 2; j + 1 < srcs.size(); ++j) {
+      const T* s = src(j) + c;
       for (int64_t i = 0; i < m; ++i) acc[i] = combine(acc[i], load(s[i]));
     }
-    for (int64_t i = 0; i < m; ++i) d[c + i] = store(acc[i]);
+    for (int64_t i = 0; i < m; ++i) d[c + i] = store(combine(acc[i], load(last[c + i])));
   }
 }
 
