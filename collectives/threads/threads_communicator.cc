@@ -561,21 +561,24 @@ class ThreadGroup {
     // A failed group fails every wait, also one whose ranks have all arrived: a peer that gave
     // up may be freeing what it published (its staging copy) while this rank would read it.
     const bool share = family_->share_cpus();
-    const int spins = share ? kSharedCpuRoundSpins : kRoundSpins;
     const int64_t spin_ns = share ? 0 : kSpinNs;
     const int64_t start = NowNs();
     for (;;) {
+      // Unbound threads may be put on one CPU by the scheduler (another program keeps the other
+      // CPUs busy): a late rank that last arrived on this CPU is likely waiting for it, so this
+      // rank yields at once instead of spinning (2 ranks so placed, 4 KiB all_gather: 104 us
+      // spinning first, 4.9 us after a round of 32 pauses, 2.4 us with no round).
+      const bool late_here = cpu >= 0 && LateRankOn(cpu, target);
+      const int spins = late_here ? 1 : share ? kSharedCpuRoundSpins : kRoundSpins;
       for (int i = 0; i < spins; ++i) {
         if (closing && AllArrived(target)) return absl::OkStatus();
         if (failed_.load(std::memory_order_acquire)) return Sleep(rank, target, op, timeout, closing);
         if (AllArrived(target)) return absl::OkStatus();
-        CpuRelax();
+        if (!late_here) CpuRelax();
       }
       const int64_t waited = NowNs() - start;
       if (waited >= kYieldNs) break;
-      // Unbound threads may be put on one CPU by the scheduler (another program keeps the other
-      // CPUs busy): spinning then only delays the peer that waits for this CPU.
-      if (waited >= spin_ns || (cpu >= 0 && LateRankOn(cpu, target))) sched_yield();
+      if (late_here || waited >= spin_ns) sched_yield();
     }
     return Sleep(rank, target, op, timeout, closing);
   }
