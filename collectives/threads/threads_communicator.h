@@ -13,15 +13,19 @@
 // communicator marks its rank gone: peers waiting for it get Unavailable naming it.
 //
 // Algorithms: every rank publishes pointers to its buffers, then reads its share straight
-// from its peers' buffers (AllReduce: rank r reduces block r of all inputs into its output,
-// then every rank copies the other blocks; AllGather / AllToAll / Broadcast: each rank copies
-// what it needs). Reductions run in float32 for bfloat16 / float16 (rounded once), exactly
-// (wrapping) for int32 / int64, with kAvg on integers dividing the sum by the group size
-// with truncation toward zero; bool uses or (sum, max) and and (min, product), avg on bool
-// is InvalidArgument; float8 tensors can be moved but not reduced (Unimplemented). Max / min
-// propagate NaN like torch. In-place calls (input == output, or AllGather input == its own
-// output block, ReduceScatter output == its own input block) work; other overlaps of input
-// and output are staged through a private copy.
+// from its peers' buffers (AllReduce: rank r reduces block r of all inputs and copies each
+// reduced chunk into every output while it is in cache; ReduceScatter: rank r reduces block
+// r; AllGather / AllToAll / Broadcast: each rank copies what it needs), between two barriers.
+// Small reductions (AllReduce up to 4 KiB, ReduceScatter(V) up to 16 KiB of input) take one
+// barrier instead: each rank copies its input into a mailbox of the group and every rank
+// reduces its share from the mailboxes (AllReduce: all of it, each rank alike). A rank
+// waiting at a barrier spins (when every rank has a CPU: more CPUs than MakeThreadGroup's
+// ranks, and no peer last seen on its own CPU), then yields, then sleeps on a futex. Reductions run in float32 for
+// bfloat16 / float16 (rounded once), exactly (wrapping) for int32 / int64, with kAvg on integers dividing the sum by
+// the group size with truncation toward zero; bool uses or (sum, max) and and (min, product), avg on bool is
+// InvalidArgument; float8 tensors can be moved but not reduced (Unimplemented). Max / min propagate NaN like torch.
+// In-place calls (input == output, or AllGather input == its own output block, ReduceScatter output == its own input
+// block) work; other overlaps of input and output are staged through a private copy.
 //
 // Calls are checked across ranks on every collective (shared memory makes it free, so it is
 // always on, DTENSOR_DEBUG or not): mismatched ops, dtypes, counts, reductions or roots give

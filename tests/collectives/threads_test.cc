@@ -762,6 +762,38 @@ TEST(ThreadsTest, DepartedRankGivesUnavailable) {
 // aborts the world while rank 1 waits in AllReduce on their row and ranks 2, 3 wait in
 // AllGather on their columns (rank 3's column does not hold rank 0): all three return
 // Aborted naming rank 0 and its reason at once, and every group refuses later calls.
+// A rank late past the spinning and yielding phases of the wait (200 us) finds its peers
+// asleep on the group's futex word; its arrival must wake them. A lost wake-up would leave
+// them asleep until the timeout (DeadlineExceeded). Each round another rank is late, through
+// the one-barrier path (small all_reduce), the two-barrier path (a larger one) and Barrier.
+TEST(ThreadsTest, LateRanksWakeSleepingPeers) {
+  constexpr int kWorld = 3, kRounds = 60;
+  const auto start = Clock::now();
+  ExpectAllOk(RunRanks(
+      kWorld,
+      [](int rank, CommPtr& comm) -> absl::Status {
+        for (int it = 0; it < kRounds; ++it) {
+          for (const int64_t n : {int64_t{4}, int64_t{64} << 10}) {
+            if (it % kWorld == rank) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            DT_ASSIGN_OR_RETURN(Tensor t,
+                                Tensor::FromVector<float>(
+                                    std::vector<float>(static_cast<size_t>(n), static_cast<float>(rank + it)), {n}));
+            DT_RETURN_IF_ERROR(comm->AllReduce(t, t, CommReduceOp::kSum));
+            const float want = static_cast<float>(kWorld * it + kWorld * (kWorld - 1) / 2);
+            if (t.data<float>()[0] != want || t.data<float>()[n - 1] != want) {
+              return absl::InternalError(absl::StrCat("round ", it, ": sum ", t.data<float>()[0], ", want ", want));
+            }
+          }
+          if (it % kWorld == (rank + 1) % kWorld) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          DT_RETURN_IF_ERROR(comm->Barrier());
+        }
+        return absl::OkStatus();
+      },
+      absl::Seconds(5)));
+  // About 3 ms a round; a lost wake-up costs the 5 s timeout.
+  EXPECT_LT(SecondsSince(start), 4.0);
+}
+
 TEST(ThreadsTest, AbortReachesRanksWaitingOnSubCommunicators) {
   std::vector<double> waited(4, -1.0);
   const auto statuses = RunRanks(
