@@ -116,6 +116,26 @@ __device__ __forceinline__ void AFromC(const float (&c)[kCols / 8][4], int kk, u
   a[3] = Pack<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
 }
 
+// c1 += a1 @ tile1^T and c2 += a2 @ tile2^T, a1 and a2 the warp's 16 x D A operands (D / 16
+// k-steps), tile1 and tile2 64-row shared tiles (row-major, pitch D + 8): c[n] is the 16 x 8
+// piece against tile rows [8n, 8n + 8).
+template <typename T, int D>
+__device__ __forceinline__ void TileProducts(const uint32_t (&a1)[D / 16][4], const T* tile1, float (&c1)[kCols / 8][4],
+                                             const uint32_t (&a2)[D / 16][4], const T* tile2, float (&c2)[kCols / 8][4],
+                                             int g, int t) {
+#pragma unroll
+  for (int n = 0; n < kCols / 8; ++n) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t b0, b1;
+      LoadB(tile1, kPitch<D>, 8 * n, 16 * kk, g, t, b0, b1);
+      Mma<T>(c1[n], a1[kk], b0, b1);
+      LoadB(tile2, kPitch<D>, 8 * n, 16 * kk, g, t, b0, b1);
+      Mma<T>(c2[n], a2[kk], b0, b1);
+    }
+  }
+}
+
 // ---- Tiles ----
 
 // Rows [row0, row0 + 64) of a [t_len, D] head into shared memory, zeros past t_len: row-major
@@ -291,17 +311,7 @@ __global__ void __launch_bounds__(kThreadsFa)
     }
     __syncthreads();
     float p[kCols / 8][4] = {}, dp[kCols / 8][4] = {};  // rows: this warp's keys; columns: queries
-#pragma unroll
-    for (int n = 0; n < kCols / 8; ++n) {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t b0, b1;
-        LoadB(qs, kPitch<D>, 8 * n, 16 * kk, g, t, b0, b1);
-        Mma<T>(p[n], ka[kk], b0, b1);
-        LoadB(dos, kPitch<D>, 8 * n, 16 * kk, g, t, b0, b1);
-        Mma<T>(dp[n], va[kk], b0, b1);
-      }
-    }
+    TileProducts<T, D>(ka, qs, p, va, dos, dp, g, t);   // S^T = K Q^T, dP^T = V dO^T
 #pragma unroll
     for (int n = 0; n < kCols / 8; ++n) {
 #pragma unroll
@@ -379,17 +389,7 @@ __global__ void __launch_bounds__(kThreadsFa)
     LoadTile<T, D>(v + head, j0, t_len, vs, nullptr);
     __syncthreads();
     float p[kCols / 8][4] = {}, ds[kCols / 8][4] = {};
-#pragma unroll
-    for (int n = 0; n < kCols / 8; ++n) {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t b0, b1;
-        LoadB(ks, kPitch<D>, 8 * n, 16 * kk, g, t, b0, b1);
-        Mma<T>(p[n], qa[kk], b0, b1);
-        LoadB(vs, kPitch<D>, 8 * n, 16 * kk, g, t, b0, b1);
-        Mma<T>(ds[n], da[kk], b0, b1);
-      }
-    }
+    TileProducts<T, D>(qa, ks, p, da, vs, ds, g, t);  // S = Q K^T, dP = dO V^T
 #pragma unroll
     for (int n = 0; n < kCols / 8; ++n) {
 #pragma unroll
