@@ -22,6 +22,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "dtensor/collectives/checks.h"
@@ -37,8 +41,11 @@ namespace {
 // block gets the same bits. Every element is loaded from every source before it is stored,
 // which makes dst == one of the sources (in place) safe.
 //
-// A left fold fused so that two sources take one pass, and more take one pass each through a
-// cache-resident accumulator whose first pass combines two sources and whose last stores.
+// A left fold fused so that two to four sources take one pass, and more take one pass each
+// through a cache-resident accumulator whose first pass combines two sources and whose last
+// stores. (Four sources through the accumulator, 2 KiB of each at a time, kept the memory
+// streams from ramping up: 4 ranks on 2 cores, reduce_scatter 4 MiB 380-450 against 197 us
+// fused, 64 MiB 12.7-12.9 against 8.1-8.4 ms, 0.78x ucx before.)
 // (The earlier loop copied the first source into the accumulator, which GCC made a `rep movsq`
 // per 2 KiB chunk: two threads reducing 128 KiB each from two sources took 32 us against 14 us
 // fused, 1 MiB of inputs 151-160 against 45-57 us, on this 2-core AMD EPYC VM.)
@@ -58,6 +65,18 @@ void ReduceChunks(absl::Span<const char* const> srcs, int64_t begin, int64_t n, 
   const T* s1 = src(1);
   if (srcs.size() == 2) {
     for (int64_t i = 0; i < n; ++i) d[i] = store(combine(load(s0[i]), load(s1[i])));
+    return;
+  }
+  const T* s2 = src(2);
+  if (srcs.size() == 3) {
+    for (int64_t i = 0; i < n; ++i) d[i] = store(combine(combine(load(s0[i]), load(s1[i])), load(s2[i])));
+    return;
+  }
+  if (srcs.size() == 4) {
+    const T* s3 = src(3);
+    for (int64_t i = 0; i < n; ++i) {
+      d[i] = store(combine(combine(combine(load(s0[i]), load(s1[i])), load(s2[i])), load(s3[i])));
+    }
     return;
   }
   A acc[kChunk];
@@ -179,6 +198,57 @@ void Copy(char* dst, const char* src, int64_t bytes) {
   if (bytes > 0 && dst != src) std::memcpy(dst, src, static_cast<size_t>(bytes));
 }
 
+// AllReduce writes its results with streaming (non-temporal) stores where the group's inputs
+// alone fill a last-level cache (this VM's 16 MiB; sysconf says 256 MiB here, so it is a constant):
+// a plain store first reads the line it writes, which then only evicts what the next chunks need.
+// DTENSOR_THREADS_STREAMING=0 / 1 forces them off / on. (2 ranks, 16-64 MiB: 8-10% faster; 4 ranks on 2 cores, 4-64
+// MiB: 1.2-1.4x; below that plain stores win, 2 ranks 4 MiB 180 against 300 us. ReduceScatter, whose results are a
+// quarter of its traffic or less, was 5-25% slower with them (4 ranks, 4-64 MiB, through a 16 KiB chunk in L1).)
+constexpr int64_t kStreamingMinInputBytes = int64_t{16} << 20;
+
+bool UseStreaming(int64_t input_bytes) {
+  static const int64_t forced = [] {
+    const char* e = std::getenv("DTENSOR_THREADS_STREAMING");
+    return e != nullptr && (e[0] == '0' || e[0] == '1') && e[1] == 0 ? int64_t{e[0] - '0'} : int64_t{-1};
+  }();
+  return forced >= 0 ? forced == 1 : input_bytes >= kStreamingMinInputBytes;
+}
+
+// dst = src with streaming stores (plain ones up to 16-byte alignment and for the tail); the
+// caller fences (StreamFence) before publishing.
+void StreamCopy(char* dst, const char* src, int64_t bytes) {
+  if (bytes <= 0) return;
+  size_t n = static_cast<size_t>(bytes);
+#if defined(__x86_64__)
+  const size_t head = std::min(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
+  std::memcpy(dst, src, head);
+  size_t i = head;
+  for (; i + 64 <= n; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
+    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
+  }
+  std::memcpy(dst + i, src + i, n - i);
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
+
+void StreamFence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
+// A reduced chunk of the streaming paths: small enough to stay in L1 between the reduction and
+// the streaming copy.
+constexpr int64_t kStreamChunkBytes = int64_t{16} << 10;
+
 // ---------------------------------------------------------------------------------------------
 // Deadlines on the steady clock; an enormous timeout means "wait forever".
 
@@ -285,8 +355,16 @@ constexpr int kSpins = 200;
 // 2 ranks, all_reduce 4 KiB 3.3-4.9 against 4.5-8.1, 64 KiB worse; reduce_scatter 16 KiB
 // 4.1-5.8 against 6.1-9.9, 64 KiB even. 4 ranks on 2 cores: all_reduce 4 KiB 8.8-12.4 against
 // 11.4-14.6, 16 KiB 20-35 against 14-18; reduce_scatter 16 KiB 10.5-20 against 14-14.
+// Those cut-offs hold where ranks share CPUs (a barrier costs a switch). Where every rank has a
+// CPU (spinning waiters) the second barrier is cheap and the mailbox copy is not: 2 ranks on this
+// quiet VM (after the waits became ucx's, 3 runs each, us, mailbox against direct): all_reduce
+// 256-512 B 0.37-0.38 against 0.42-0.43, 1 KiB 1.40-1.58 against 0.78-1.17 in a slow phase,
+// 4 KiB 2.5 against 1.5; reduce_scatter 1 KiB 0.38-0.39 against 0.42-0.43, 4 KiB 0.54 against
+// 0.50-0.52, 8 KiB 2.2-2.5 against 1.3-1.4, 16 KiB 3.3-3.5 against 1.5-1.6 (0.30x ucx before).
 constexpr int64_t kInlineAllReduceBytes = int64_t{4} << 10;
 constexpr int64_t kInlineReduceScatterBytes = int64_t{16} << 10;
+constexpr int64_t kOwnCpuInlineAllReduceBytes = 512;
+constexpr int64_t kOwnCpuInlineReduceScatterBytes = int64_t{2} << 10;
 
 // ---------------------------------------------------------------------------------------------
 // One rank's collective call, published in shared memory for its peers.
@@ -892,7 +970,7 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
     Call call = NewCall(CallKind::kAllReduce, input, output);
     call.op = op;
-    if (static_cast<int64_t>(input.nbytes()) <= kInlineAllReduceBytes) {
+    if (static_cast<int64_t>(input.nbytes()) <= InlineBytes(CallKind::kAllReduce)) {
       return Done(RunInline(std::move(call), input, output, /*block_start=*/0, input.numel()));
     }
     call.in = Stage(input, output, Bytes(output));
@@ -938,7 +1016,7 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckReducible(kOp, rank_, input.dtype(), op));
     Call call = NewCall(CallKind::kReduceScatter, input, output);
     call.op = op;
-    if (static_cast<int64_t>(input.nbytes()) <= kInlineReduceScatterBytes) {
+    if (static_cast<int64_t>(input.nbytes()) <= InlineBytes(CallKind::kReduceScatter)) {
       return Done(RunInline(std::move(call), input, output, rank_ * output.numel(), output.numel()));
     }
     call.in = StageForScatter(input, output, rank_ * output.numel());
@@ -960,7 +1038,7 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     Call call = NewCall(CallKind::kReduceScatterV, input, output);
     call.op = op;
     call.counts.assign(counts.begin(), counts.end());
-    if (static_cast<int64_t>(input.nbytes()) <= kInlineReduceScatterBytes) {
+    if (static_cast<int64_t>(input.nbytes()) <= InlineBytes(CallKind::kReduceScatter)) {
       return Done(RunInline(std::move(call), input, output, Prefix(counts, rank_), output.numel()));
     }
     call.in = StageForScatter(input, output, Prefix(counts, rank_));
@@ -1252,6 +1330,17 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     const int64_t begin = BlockStart(n, rank_), end = BlockStart(n, rank_ + 1);
     const int64_t chunk = std::max<int64_t>(1, kPushChunkBytes / es);
     const std::vector<const char*> in = Inputs();
+    if (UseStreaming(n * es * size())) {
+      const int64_t sc = std::max<int64_t>(1, kStreamChunkBytes / es);
+      alignas(64) char tmp[kStreamChunkBytes];
+      for (int64_t at = begin; at < end; at += sc) {
+        const int64_t m = std::min(sc, end - at);
+        Reduce(dtype, rop, in, at, m, tmp);
+        for (int k = 0; k < size(); ++k) StreamCopy(Head((rank_ + k) % size()).out + at * es, tmp, m * es);
+      }
+      StreamFence();
+      return Sync(op, /*closing=*/true);
+    }
     for (int64_t at = begin; at < end; at += chunk) {
       const int64_t m = std::min(chunk, end - at);
       Reduce(dtype, rop, in, at, m, out + at * es);
@@ -1330,6 +1419,13 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     p2p->tensor = tensor;
     group_->Post(is_send ? rank_ : peer, is_send ? peer : rank_, is_send, p2p);
     return std::unique_ptr<Work>(std::make_unique<P2PWork>(group_, std::move(p2p), rank_, peer, is_send, timeout_));
+  }
+
+  // The largest input a reduction of `kind` sends through the mailboxes (RunInline).
+  int64_t InlineBytes(CallKind kind) const {
+    const bool share = group_->family()->share_cpus();
+    if (kind == CallKind::kAllReduce) return share ? kInlineAllReduceBytes : kOwnCpuInlineAllReduceBytes;
+    return share ? kInlineReduceScatterBytes : kOwnCpuInlineReduceScatterBytes;
   }
 
   std::shared_ptr<ThreadGroup> group_;

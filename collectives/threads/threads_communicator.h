@@ -16,7 +16,10 @@
 // from its peers' buffers (AllReduce: rank r reduces block r of all inputs and copies each
 // reduced chunk into every output while it is in cache; ReduceScatter: rank r reduces block
 // r; AllGather / AllToAll / Broadcast: each rank copies what it needs), between two barriers.
-// Small reductions (AllReduce up to 4 KiB, ReduceScatter(V) up to 16 KiB of input) take one
+// AllReduce writes its results with streaming stores once the group's inputs reach 16 MiB
+// (DTENSOR_THREADS_STREAMING=0 / 1 forces them off / on).
+// Small reductions (AllReduce up to 4 KiB, ReduceScatter(V) up to 16 KiB of input where ranks
+// share CPUs; 512 B and 2 KiB where each rank has a CPU of its own) take one
 // barrier instead: each rank copies its input into a mailbox of the group and every rank
 // reduces its share from the mailboxes (AllReduce: all of it, each rank alike). A rank
 // waiting at a barrier spins (when every rank has a CPU: more CPUs than MakeThreadGroup's

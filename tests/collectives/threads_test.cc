@@ -431,7 +431,9 @@ TEST(ThreadsTest, NanPropagatesThroughMaxAndMin) {
 // every element of every rank's output is the sum of the ranks' values (small integers, so
 // float32 sums are exact), checked against a sum computed here.
 TEST(ThreadsTest, LargeAllReduceReachesEveryElementOfEveryRank) {
-  const int64_t n = (int64_t{1} << 20) + 7;  // 4 MiB of float32
+  // 4 MiB of float32; 4 ranks' 16 MiB of inputs take the streaming stores, at blocks that start
+  // and end off 16-byte alignment.
+  const int64_t n = (int64_t{1} << 20) + 7;
   for (int world : {2, 3, 4}) {
     ExpectAllOk(RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
       auto value = [](int r, int64_t i) { return static_cast<float>((i * 7 + r * 13) % 101); };
