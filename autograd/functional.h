@@ -110,6 +110,17 @@ struct CrossEntropyResult {
 absl::StatusOr<CrossEntropyResult> CrossEntropy(const Value& logits, const Value& targets, int64_t ignore_index = -100);
 absl::StatusOr<Value> CrossEntropyBackward(const Value& dloss, const Value& logits, const Value& targets,
                                            const CrossEntropyResult& saved, int64_t ignore_index = -100);
+// Training form: the loss and, from the same pass over the logits, dlogits for an upstream
+// gradient `expected_dloss` (float32 0-d dloss_seen holds it). Batch-sharded or replicated
+// inputs only (a vocab-sharded logits is gathered: use CrossEntropy for loss parallel).
+struct CrossEntropyFusedResult {
+  Value loss;        // as CrossEntropyResult::loss
+  Value dlogits;     // logits' shape, dtype and layout
+  Value count;       // as CrossEntropyResult::count
+  Value dloss_seen;  // float32 0-d: the upstream gradient dlogits are for
+};
+absl::StatusOr<CrossEntropyFusedResult> CrossEntropyFused(const Value& logits, const Value& targets,
+                                                          int64_t ignore_index = -100, double expected_dloss = 1.0);
 
 // ---- Attention ----
 struct AttentionResult {

@@ -54,6 +54,14 @@ absl::StatusOr<Variable> LogSoftmax(const Variable& x, int64_t dim = -1);
 // ---- Embedding, loss, attention ----
 absl::StatusOr<Variable> Embedding(const Variable& weight, const Variable& ids);
 absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Variable& targets, int64_t ignore_index = -100);
+// CrossEntropy's value and gradient, for training (llm.c's fused classifier): the forward
+// reads the logits once for the loss and the gradient and keeps only the gradient (the logits
+// may be freed at once); the backward scales it in place by dloss / expected_dloss, on the
+// device, a no-op pass when they are equal (grad accumulation over K micro-batches: pass
+// 1/K). Not for vocab-sharded logits (loss parallel): it would gather them; use CrossEntropy.
+// Without a gradient to compute it is CrossEntropy.
+absl::StatusOr<Variable> CrossEntropyFused(const Variable& logits, const Variable& targets, int64_t ignore_index = -100,
+                                           double expected_dloss = 1.0);
 absl::StatusOr<Variable> CausalAttention(const Variable& q, const Variable& k, const Variable& v, double scale = 0);
 
 // ---- Views ----

@@ -101,7 +101,20 @@ absl::StatusOr<GPT::Output> GPT::Forward(const Variable& ids, const Variable& ta
   DT_RETURN_IF_ERROR(RunForwardHooks(out.logits));
   AttachBackwardPreHooks(out.logits);
   if (targets.defined()) {
-    DT_ASSIGN_OR_RETURN(out.loss, dtensor::CrossEntropy(out.logits, targets));
+    // Training reads the logits once for the loss and its gradient (CrossEntropyFused) and
+    // keeps only the gradient; vocab-sharded logits (loss parallel) keep the sharded op.
+    bool vocab_sharded = false;
+    const Value& lv = out.logits.value();
+    if (lv.is_dtensor()) {
+      for (const Placement& p : lv.dtensor().placements()) {
+        vocab_sharded = vocab_sharded || (p.is_shard() && (p.shard_dim() == lv.dim() - 1 || p.shard_dim() == -1));
+      }
+    }
+    if (vocab_sharded) {
+      DT_ASSIGN_OR_RETURN(out.loss, dtensor::CrossEntropy(out.logits, targets));
+    } else {
+      DT_ASSIGN_OR_RETURN(out.loss, dtensor::CrossEntropyFused(out.logits, targets));
+    }
   }
   return out;
 }

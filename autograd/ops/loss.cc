@@ -10,6 +10,14 @@
 //                                     (one small all_reduce of the counts), so the Partial
 //                                     sum is the global mean, for uneven shards too.
 //   cross_entropy_backward (dloss, logits, targets, lse, count) -> dlogits, sharded as logits.
+//
+//   cross_entropy_fused (logits [..., V], targets [...]) -> (loss, dlogits, count, dloss_seen)
+//     S(d), S(d) -> P(sum), S(d), R, R   for batch dims d (no loss parallel: callers keep the
+//                                        unfused op for vocab-sharded logits)
+//     The training form (llm.c's fused classifier): one pass over the logits gives the loss
+//     and the gradient for an upstream gradient args.floats[0] (1: the loss backpropagated as
+//     is). The backward node keeps that gradient instead of the logits and rescales it in
+//     place by dloss / dloss_seen on the device, which skips the pass when they are equal.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -246,6 +254,46 @@ absl::StatusOr<std::vector<Tensor>> CeBwdLocal(const LocalCall& c) {
 }
 const OpDef kCrossEntropyBackward = {"cross_entropy_backward", CeBwdRule, CeBwdMeta, CeBwdLocal};
 
+// (logits, targets) -> (loss, dlogits, count, dloss_seen); args.ints = {ignore_index},
+// args.floats = {the upstream gradient the dlogits are for}.
+absl::StatusOr<std::vector<TensorMeta>> CeFusedMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
+  DT_ASSIGN_OR_RETURN(std::vector<TensorMeta> m, CeMeta(in, args));
+  return std::vector<TensorMeta>{m[0], in[0], m[2], m[2]};
+}
+void CeFusedRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  for (int64_t d = 0; d < static_cast<int64_t>(in[1].shape.size()); ++d) {
+    s->push_back({{Shard(d), Shard(d)}, {kP, Shard(d), Replicate(), Replicate()}});
+  }
+}
+absl::StatusOr<std::vector<Tensor>> CeFusedLocal(const LocalCall& c) {
+  const Tensor& logits = c.inputs[0];
+  const int64_t ignore = c.args.ints[0];
+  // The count over every batch shard, summed on the device (no host read).
+  DT_ASSIGN_OR_RETURN(Tensor count, CountTargets(c.inputs[1], c.input_meta[0].shape.back(), ignore));
+  if (c.mesh != nullptr) {
+    std::vector<int> dims;
+    const Layout& l = c.input_layouts[1];
+    for (int m = 0; m < l.ndim(); ++m) {
+      if (l[m].is_shard() && c.mesh->size(m) > 1) dims.push_back(m);
+    }
+    DT_RETURN_IF_ERROR(AllReduce(c, dims, count, CommReduceOp::kSum));
+  }
+  DT_ASSIGN_OR_RETURN(Tensor seen, Full({}, c.args.floats[0], DType::kFloat32, logits.device()));
+  DT_ASSIGN_OR_RETURN(CrossEntropyWithGradOutput o,
+                      dtensor::CrossEntropyWithGrad(logits, c.inputs[1], seen, ignore, count));
+  return std::vector<Tensor>{o.loss, o.dlogits, o.count, seen};
+}
+const OpDef kCrossEntropyFused = {"cross_entropy_fused", CeFusedRule, CeFusedMeta, CeFusedLocal};
+
+// This rank's piece of a scalar gradient as the whole value (a Partial one is reduced first).
+absl::StatusOr<Tensor> WholeScalar(const Value& g) {
+  if (!g.is_dtensor()) return g.local();
+  const DTensor& d = g.dtensor();
+  if (d.layout().is_replicated()) return d.ToLocal();
+  DT_ASSIGN_OR_RETURN(DTensor r, d.Redistribute(Layout(Placements(d.layout().placements().size(), Replicate()))));
+  return r.ToLocal();
+}
+
 }  // namespace
 
 namespace fn {
@@ -265,6 +313,19 @@ absl::StatusOr<Value> CrossEntropyBackward(const Value& dloss, const Value& logi
   args.ints.push_back(ignore_index);
   return op_util::First(Dispatch(kCrossEntropyBackward, {dloss, logits, targets, saved.lse, saved.count}, args));
 }
+absl::StatusOr<CrossEntropyFusedResult> CrossEntropyFused(const Value& logits, const Value& targets,
+                                                          int64_t ignore_index, double expected_dloss) {
+  OpArgs args;
+  args.ints.push_back(ignore_index);
+  args.floats.push_back(expected_dloss);
+  DT_ASSIGN_OR_RETURN(std::vector<Value> r, Dispatch(kCrossEntropyFused, {logits, targets}, args));
+  CrossEntropyFusedResult out;
+  out.loss = r[0];
+  out.dlogits = r[1];
+  out.count = r[2];
+  out.dloss_seen = r[3];
+  return out;
+}
 }  // namespace fn
 
 absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Variable& targets, int64_t ignore_index) {
@@ -278,9 +339,35 @@ absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Variable& ta
                           });
 }
 
+absl::StatusOr<Variable> CrossEntropyFused(const Variable& logits, const Variable& targets, int64_t ignore_index,
+                                           double expected_dloss) {
+  if (!AnyRequiresGrad({logits, targets})) return CrossEntropy(logits, targets, ignore_index);
+  DT_ASSIGN_OR_RETURN(fn::CrossEntropyFusedResult r,
+                      fn::CrossEntropyFused(logits.value(), targets.value(), ignore_index, expected_dloss));
+  // The first backward rescales the kept gradient in place and hands it on; a later one
+  // (retain_graph) leaves it as the first handed it on and returns a rescaled copy.
+  return op_util::Result1("CrossEntropyFused", {logits, targets}, r.loss,
+                          [r, first = true](const Value& g) mutable -> absl::StatusOr<std::vector<Value>> {
+                            DT_ASSIGN_OR_RETURN(Tensor dloss, WholeScalar(g));
+                            DT_ASSIGN_OR_RETURN(dloss, Cast(dloss, DType::kFloat32));
+                            DT_ASSIGN_OR_RETURN(dloss, dloss.View(IntSpan()));
+                            const Tensor& seen = r.dloss_seen.local();
+                            if (first) {
+                              first = false;
+                              DT_RETURN_IF_ERROR(ScaleByRatio_(r.dlogits.local(), dloss, seen));
+                              DT_RETURN_IF_ERROR(Copy_(seen, dloss));
+                              return std::vector<Value>{r.dlogits, Value()};
+                            }
+                            DT_ASSIGN_OR_RETURN(Tensor ratio, Div(dloss, seen));
+                            DT_ASSIGN_OR_RETURN(Value d, fn::Mul(r.dlogits, Value(ratio)));
+                            return std::vector<Value>{d, Value()};
+                          });
+}
+
 namespace op_defs {
 const OpDef& CrossEntropy() { return kCrossEntropy; }
 const OpDef& CrossEntropyBackward() { return kCrossEntropyBackward; }
+const OpDef& CrossEntropyFused() { return kCrossEntropyFused; }
 }  // namespace op_defs
 
 }  // namespace dtensor

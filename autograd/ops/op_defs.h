@@ -14,6 +14,7 @@ const OpDef& Embedding();             // embedding.cc: (w [V, C], ids)
 const OpDef& EmbeddingBackward();     // embedding.cc: (dout, ids); args.ints = {V}
 const OpDef& CrossEntropy();          // loss.cc: (logits, targets) -> (loss, lse, count); args.ints = {ignore_index}
 const OpDef& CrossEntropyBackward();  // loss.cc: (dloss, logits, targets, lse, count); args.ints = {ignore_index}
+const OpDef& CrossEntropyFused();     // loss.cc: (logits, targets) -> (loss, dlogits, count, dloss_seen)
 const OpDef& Linear();                // matmul.cc: (x [..., in], w [out, in])
 const OpDef& LinearBias();            // matmul.cc: (x, w, b [out]) -> y; args.ints = {0}
 const OpDef& LinearBiasGelu();        // matmul.cc: (x, w, b [out]) -> (gelu(y), y); args.ints = {1}

@@ -27,6 +27,18 @@ absl::Status Kernels::GemmBias(const Tensor& a, const Tensor& b, const Tensor& b
   return Unary(UnaryOp::kGelu, pre, c);
 }
 
+absl::Status Kernels::CrossEntropyWithGrad(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                           const Tensor& grad, const Tensor& losses, const Tensor& dlogits) {
+  const int64_t n1[1] = {targets.numel()};
+  absl::StatusOr<Tensor> valid = Tensor::Empty(n1, DType::kFloat32, logits.device());
+  if (!valid.ok()) return valid.status();
+  absl::StatusOr<Tensor> lse = Tensor::Empty(n1, DType::kFloat32, logits.device());
+  if (!lse.ok()) return lse.status();
+  absl::Status s = CrossEntropy(logits, targets, ignore_index, losses, *valid, *lse);
+  if (!s.ok()) return s;
+  return CrossEntropyBackward(logits, targets, *lse, grad, ignore_index, dlogits);
+}
+
 absl::Status Kernels::AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) {
   for (const AdamWTensors& t : list) {
     AdamWParams one = p;

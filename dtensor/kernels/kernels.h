@@ -157,6 +157,20 @@ class Kernels {
   // ignored targets. grad is float32 [N] with any stride (0 to broadcast one value).
   virtual absl::Status CrossEntropyBackward(const Tensor& logits, const Tensor& targets, const Tensor& lse,
                                             const Tensor& grad, int64_t ignore_index, const Tensor& dlogits) = 0;
+  // count (float32 0-d) = the number of targets [N] that are not ignore_index. A target
+  // outside [0, v) that is not ignore_index: CPU returns InvalidArgument; CUDA does not count
+  // it (CrossEntropy treats it as ignored).
+  virtual absl::Status CountTargets(const Tensor& targets, int64_t ignore_index, int64_t v, const Tensor& count) = 0;
+  // CrossEntropy's losses and CrossEntropyBackward's dlogits for `grad` in one pass over the
+  // logits (llm.c's fused classifier: each row is read for its logsumexp and then, still in
+  // cache, for its gradient). dlogits must not overlap logits. The default runs the two above
+  // (valid and lse in scratch tensors).
+  virtual absl::Status CrossEntropyWithGrad(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                            const Tensor& grad, const Tensor& losses, const Tensor& dlogits);
+  // x *= num / den in place (x contiguous float; num, den float32 0-d on x's device). When
+  // num == den, x is not touched: the check runs where the values are (on a GPU every block
+  // returns after reading them), so the host never waits for them.
+  virtual absl::Status ScaleByRatio(const Tensor& x, const Tensor& num, const Tensor& den) = 0;
 
   // ---- Causal scaled-dot-product attention ----
   // q, k, v, out contiguous [B, H, T, D]; lse float32 [B, H, T] (logsumexp of each score row,

@@ -1124,6 +1124,73 @@ absl::StatusOr<Tensor> CrossEntropyBackward(const Tensor& dloss, const Tensor& l
   return dlogits;
 }
 
+absl::StatusOr<Tensor> CountTargets(const Tensor& targets, int64_t num_classes, int64_t ignore_index) {
+  constexpr const char* op = "CountTargets";
+  DT_RETURN_IF_ERROR(CheckDefined(op, targets, "targets"));
+  DT_RETURN_IF_ERROR(CheckIndex(op, targets, "targets"));
+  DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, targets));
+  DT_ASSIGN_OR_RETURN(Tensor t, Contiguous(targets));
+  DT_ASSIGN_OR_RETURN(Tensor count, Tensor::Empty({}, DType::kFloat32, targets.device()));
+  DT_RETURN_IF_ERROR(PrefixStatus(op, k->CountTargets(t, ignore_index, num_classes, count)));
+  return count;
+}
+
+absl::StatusOr<CrossEntropyWithGradOutput> CrossEntropyWithGrad(const Tensor& logits, const Tensor& targets,
+                                                                const Tensor& dloss, int64_t ignore_index,
+                                                                const Tensor& count) {
+  constexpr const char* op = "CrossEntropyWithGrad";
+  DT_ASSIGN_OR_RETURN(CeShapes s, CheckCrossEntropyArgs(op, logits, targets));
+  DT_RETURN_IF_ERROR(CheckDefined(op, dloss, "dloss"));
+  if (dloss.numel() != 1 || dloss.dtype() != DType::kFloat32) {
+    return InvalidArg(op, "dloss must be a float32 scalar, got ", dloss.ToString());
+  }
+  DT_RETURN_IF_ERROR(CheckSameDevice(op, dloss, logits));
+  CrossEntropyWithGradOutput o;
+  if (count.defined()) {
+    if (count.numel() != 1 || count.dtype() != DType::kFloat32) {
+      return InvalidArg(op, "count must be a float32 scalar, got ", count.ToString());
+    }
+    DT_RETURN_IF_ERROR(CheckSameDevice(op, count, logits));
+    DT_ASSIGN_OR_RETURN(o.count, Reshape(count, {}));
+  } else {
+    DT_ASSIGN_OR_RETURN(o.count, CountTargets(s.targets1, logits.dim() == 0 ? 1 : logits.size(-1), ignore_index));
+  }
+  DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, logits));
+  // The gradient's weight per row, as CrossEntropyBackward computes it (mean reduction).
+  DT_ASSIGN_OR_RETURN(Tensor d0, Reshape(dloss, {}));
+  DT_ASSIGN_OR_RETURN(Tensor grad0, Div(d0, o.count));
+  const int64_t n1[1] = {s.n};
+  DT_ASSIGN_OR_RETURN(Tensor grad, grad0.Expand(n1));
+  DT_ASSIGN_OR_RETURN(Tensor losses, Tensor::Empty(n1, DType::kFloat32, logits.device()));
+  DT_ASSIGN_OR_RETURN(o.dlogits, Tensor::Empty(logits.shape(), logits.dtype(), logits.device()));
+  if (s.n > 0) {
+    const int64_t shape2[2] = {s.n, logits.size(-1)};
+    DT_ASSIGN_OR_RETURN(Tensor d2, o.dlogits.View(shape2));
+    DT_RETURN_IF_ERROR(
+        PrefixStatus(op, k->CrossEntropyWithGrad(s.logits2, s.targets1, ignore_index, grad, losses, d2)));
+  }
+  DT_ASSIGN_OR_RETURN(Tensor total, Sum(losses));
+  DT_ASSIGN_OR_RETURN(o.loss, Div(total, o.count));
+  return o;
+}
+
+absl::Status ScaleByRatio_(const Tensor& x, const Tensor& num, const Tensor& den) {
+  constexpr const char* op = "ScaleByRatio_";
+  DT_RETURN_IF_ERROR(CheckDefined(op, x, "x"));
+  DT_RETURN_IF_ERROR(CheckFloat(op, x));
+  for (const Tensor* t : {&num, &den}) {
+    DT_RETURN_IF_ERROR(CheckDefined(op, *t, "num/den"));
+    if (t->numel() != 1 || t->dtype() != DType::kFloat32) {
+      return InvalidArg(op, "num and den must be float32 scalars, got ", t->ToString());
+    }
+    DT_RETURN_IF_ERROR(CheckSameDevice(op, x, *t));
+  }
+  if (!x.is_contiguous()) return InvalidArg(op, "x must be contiguous, got ", x.ToString());
+  if (x.numel() == 0) return absl::OkStatus();
+  DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, x));
+  return PrefixStatus(op, k->ScaleByRatio(x, num, den));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Attention
 // ---------------------------------------------------------------------------------------------

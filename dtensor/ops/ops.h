@@ -163,6 +163,26 @@ absl::StatusOr<CrossEntropyOutput> CrossEntropy(const Tensor& logits, const Tens
 absl::StatusOr<Tensor> CrossEntropyBackward(const Tensor& dloss, const Tensor& logits, const Tensor& targets,
                                             const CrossEntropyOutput& saved, int64_t ignore_index = -100);
 
+// The cross-entropy and its gradient from one pass over the logits, for training (llm.c's
+// fused classifier). loss is CrossEntropy's; dlogits is CrossEntropyBackward's for the upstream
+// gradient `dloss` (float32 0-d), which the caller knows before the backward (1 for a loss
+// that is backpropagated as is). `count` (float32 0-d) divides both: every batch shard's
+// targets != ignore_index (CountTargets, summed over the shards); undefined: this call's own.
+struct CrossEntropyWithGradOutput {
+  Tensor loss;     // float32 0-d: the sum of this call's losses / count
+  Tensor dlogits;  // logits' shape and dtype
+  Tensor count;    // float32 0-d: the count used
+};
+absl::StatusOr<CrossEntropyWithGradOutput> CrossEntropyWithGrad(const Tensor& logits, const Tensor& targets,
+                                                                const Tensor& dloss, int64_t ignore_index = -100,
+                                                                const Tensor& count = Tensor());
+// float32 0-d on targets' device: the number of targets that are not ignore_index (a target
+// outside [0, num_classes): InvalidArgument on the CPU, not counted on a GPU).
+absl::StatusOr<Tensor> CountTargets(const Tensor& targets, int64_t num_classes, int64_t ignore_index = -100);
+// x *= num / den in place (num, den float32 scalars on x's device; x contiguous float). x is
+// not touched when num == den; on a GPU that check runs there: the host does not wait.
+absl::Status ScaleByRatio_(const Tensor& x, const Tensor& num, const Tensor& den);
+
 // ---- Causal attention ----
 struct AttentionOutput {
   Tensor out;  // [B, H, T, D]

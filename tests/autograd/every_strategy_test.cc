@@ -389,6 +389,13 @@ std::vector<Case> CrossEntropyBackwardCases() {
   return cs;
 }
 
+// The cases above; every other one for an upstream gradient of 0.5 instead of 1.
+std::vector<Case> CrossEntropyFusedCases() {
+  std::vector<Case> cs = CrossEntropyCases();
+  for (size_t i = 0; i < cs.size(); ++i) cs[i].args.floats.push_back(i % 2 == 0 ? 1.0 : 0.5);
+  return cs;
+}
+
 std::vector<Case> EmbeddingCases() {
   const Tensor w = Rand({11, 4}, 231);  // 11 rows: uneven over 2 and 4
   const Tensor w6 = Rand({6, 5}, 232);  // 5 channels, 6 rows (an empty piece over 4)
@@ -552,6 +559,7 @@ const OpSpec kSpecs[] = {
     {"EmbeddingBackward", op_defs::EmbeddingBackward, EmbeddingBackwardCases},
     {"CrossEntropy", op_defs::CrossEntropy, CrossEntropyCases},
     {"CrossEntropyBackward", op_defs::CrossEntropyBackward, CrossEntropyBackwardCases},
+    {"CrossEntropyFused", op_defs::CrossEntropyFused, CrossEntropyFusedCases},
     {"Linear", op_defs::Linear, LinearCases},
     {"LinearBias", op_defs::LinearBias, LinearBiasCases},
     {"LinearBiasGelu", op_defs::LinearBiasGelu, LinearBiasGeluCases},
@@ -604,7 +612,7 @@ INSTANTIATE_TEST_SUITE_P(OpDefs, EveryStrategy, ::testing::Range(0, kNumSpecs),
                          [](const ::testing::TestParamInfo<int>& info) { return kSpecs[info.param].test_name; });
 
 TEST(EveryStrategyTable, CoversEveryOpDefOnce) {
-  EXPECT_EQ(kNumSpecs, 31);
+  EXPECT_EQ(kNumSpecs, 32);
   for (int i = 0; i < kNumSpecs; ++i) {
     for (int j = 0; j < i; ++j) {
       EXPECT_NE(&kSpecs[i].op(), &kSpecs[j].op()) << kSpecs[i].test_name << " and " << kSpecs[j].test_name;

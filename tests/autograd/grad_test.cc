@@ -473,6 +473,49 @@ TEST(Grad, CrossEntropy) {
   CheckGrad({"cross_entropy [2,3,7]", {l3, t3}, {true, false}, ce, {{S0, S0}, {S1, S1}, {S2, R}, {R, R}}});
 }
 
+TEST(Grad, CrossEntropyFused) {
+  // The upstream gradient here is the random weight W, not the 1.0 the forward assumed: the
+  // backward's rescale runs. Vocab-sharded logits are gathered (no loss parallel) but exact.
+  const Tensor l = Rand({5, 7}, 93, -2, 2), t = Ids({3, 6, 0, -100, 2}, {5});
+  auto ce = Fwd2([](auto& a, auto& b) { return CrossEntropyFused(a, b); });
+  CheckGrad({"cross_entropy_fused [5,7]", {l, t}, {true, false}, ce, {{S0, S0}, {S1, R}, {R, R}, {P, R}}});
+  const Tensor l3 = Rand({2, 3, 7}, 94, -2, 2), t3 = Ids({1, 6, 2, 0, -100, 5}, {2, 3});
+  auto ce_half = Fwd2([](auto& a, auto& b) { return CrossEntropyFused(a, b, -100, 0.5); });
+  CheckGrad(
+      {"cross_entropy_fused [2,3,7] for dloss 0.5", {l3, t3}, {true, false}, ce_half, {{S0, S0}, {S1, S1}, {R, R}}});
+}
+
+// Backpropagated as is (dloss = 1, the forward's assumption), the fused loss gives the unfused
+// one's value and gradient bit for bit; any other dloss, and a second backward, rescale.
+TEST(Grad, CrossEntropyFusedSkipsTheRescaleOnlyWhenExact) {
+  const Tensor l = Rand({6, 9}, 95, -3, 3), t = Ids({3, -100, 8, 0, 2, 2}, {6});
+  auto run = [&](bool fused, const std::vector<double>& dlosses) {
+    Variable x = Variable::Leaf(Value(l), true, "logits");
+    Variable loss = Unwrap(fused ? CrossEntropyFused(x, Variable::Constant(Value(t)))
+                                 : CrossEntropy(x, Variable::Constant(Value(t))));
+    for (size_t i = 0; i < dlosses.size(); ++i) {
+      const Value g(testing::FromDoubles({dlosses[i]}, {}, DType::kFloat32));
+      const Variable roots[] = {loss};
+      const Value grads[] = {g};
+      EXPECT_TRUE(Backward(roots, grads, /*retain_graph=*/i + 1 < dlosses.size()).ok());
+    }
+    return std::make_pair(testing::Values(loss.value().local())[0], testing::Values(x.grad().local()));
+  };
+  const auto [loss0, g0] = run(false, {1.0});
+  const auto [loss1, g1] = run(true, {1.0});
+  EXPECT_EQ(loss1, loss0);
+  EXPECT_EQ(g1, g0) << "dloss 1: the gradient computed in the forward is handed on as is";
+  // dloss 2.5, then (retain_graph) 0.5 more: the leaf gets 3 times the unit gradient, and the
+  // first pass's gradient (held by the leaf while the second ran) was not rescaled under it.
+  const auto [loss2, g2] = run(true, {2.5, 0.5});
+  std::vector<double> want;
+  for (double v : g0) want.push_back(3.0 * v);
+  testing::ExpectNear(g2, want, {1e-6, 1e-7}, "2.5 then 0.5");
+  double gmax = 0;
+  for (double v : g0) gmax = std::max(gmax, std::fabs(v));
+  EXPECT_GT(gmax, 1e-2);
+}
+
 TEST(Grad, CausalAttention) {
   const Tensor q = Rand({3, 5, 4, 2}, 101), k = Rand({3, 5, 4, 2}, 102), v = Rand({3, 5, 4, 2}, 103);
   CheckGrad({"causal_attention",

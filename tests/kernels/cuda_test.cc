@@ -742,6 +742,50 @@ TEST(CudaKernelsTest, CrossEntropyMatchesCpu) {
   for (int j = 0; j < 18; ++j) EXPECT_EQ(g[j], 0.0) << "ignored rows get zero gradient, element " << j;
 }
 
+// The fused classifier (loss and gradient from one visit of each row), CountTargets and
+// ScaleByRatio against the CPU backend.
+TEST(CudaKernelsTest, CrossEntropyWithGradMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const int64_t ignore = -100;
+  for (int64_t v : {int64_t{1}, int64_t{17}, int64_t{50257}, int64_t{50304}}) {
+    std::vector<double> targets = {0, static_cast<double>(v - 1), -100, static_cast<double>(v / 2), 0};
+    const int64_t n = static_cast<int64_t>(targets.size());
+    for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+      for (DType td : {DType::kInt32, DType::kInt64}) {
+        const std::string what = absl::StrCat("cross_entropy_with_grad ", Name(d), " targets ", Name(td), " V ", v);
+        const Pair logits = RandomBoth({n, v}, d, 28, -8.0, 8.0);
+        const Pair t = Both(testing::FromDoubles(targets, {n}, td));
+        const Pair count = EmptyBoth({}, DType::kFloat32);
+        for (int side : {0, 1}) ExpectOk((side ? Gpu() : Cpu())->CountTargets(t[side], ignore, v, count[side]), what);
+        ExpectSame(count, kExact, what + " count");
+        const Pair grad = RandomBoth({n}, DType::kFloat32, 29);
+        const Pair losses = EmptyBoth({n}, DType::kFloat32), dl = EmptyBoth({n, v}, d);
+        for (int side : {0, 1}) {
+          ExpectOk((side ? Gpu() : Cpu())
+                       ->CrossEntropyWithGrad(logits[side], t[side], ignore, grad[side], losses[side], dl[side]),
+                   what);
+        }
+        ExpectSame(losses, kF32Sum, what + " losses");
+        ExpectSame(dl, d == DType::kFloat32 ? Tolerance{1e-5, 1e-7} : testing::Tol(d), what + " dlogits");
+        // x *= 3/4, then num == den (0 / 0): untouched.
+        const Pair num = Both(testing::FromDoubles({3.0}, {}, DType::kFloat32));
+        const Pair den = Both(testing::FromDoubles({4.0}, {}, DType::kFloat32));
+        const Pair zero = Both(testing::FromDoubles({0.0}, {}, DType::kFloat32));
+        for (int side : {0, 1}) {
+          ExpectOk((side ? Gpu() : Cpu())->ScaleByRatio(dl[side], num[side], den[side]), what + " scale");
+          ExpectOk((side ? Gpu() : Cpu())->ScaleByRatio(dl[side], zero[side], zero[side]), what + " no scale");
+        }
+        ExpectSame(dl, d == DType::kFloat32 ? Tolerance{1e-5, 1e-7} : testing::Tol(d), what + " dlogits * 3/4");
+      }
+    }
+  }
+  // CUDA does not count a target outside [0, V) (the CPU rejects it).
+  const Tensor t = ToGpu(testing::FromDoubles({9, -5, 2, -100}, {4}, DType::kInt64));
+  Tensor count = Unwrap(Tensor::Empty({}, DType::kFloat32, Device::Cuda(0)));
+  ExpectOk(Gpu()->CountTargets(t, ignore, 9, count), "out of range");
+  EXPECT_EQ(Vals(count), (std::vector<double>{1}));
+}
+
 // ---------------------------------------------------------------------------------------
 // Attention
 // ---------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 // Cross-entropy on the CPU backend against a float64 reference; its backward against central
-// finite differences of the float64 mean loss.
+// finite differences of the float64 mean loss; the fused form (CrossEntropyWithGrad) against
+// the two ops, bit for bit, and against float64 for a given count.
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -233,6 +234,107 @@ TEST(CpuCrossEntropyTest, KernelPerRowGradients) {
     for (int64_t j = 0; j < v; ++j) ref[i * v + j] = g[i] * (std::exp(x[i * v + j] - l) - (j == t[i] ? 1.0 : 0.0));
   }
   testing::ExpectNear(Values(dlogits), ref, {1e-5, 1e-6}, "per-row dlogits");
+}
+
+TEST(CpuCrossEntropyTest, WithGradEqualsForwardThenBackward) {
+  for (DType d : kFloatTypes) {
+    for (DType td : {DType::kInt32, DType::kInt64}) {
+      for (const Case& k : kCases) {
+        for (double dl : {1.0, -0.37}) {
+          Shape shape = k.lead;
+          shape.push_back(k.v);
+          const Tensor logits = testing::Random(shape, d, 11, -5.0, 5.0);
+          const int64_t n = NumElements(k.lead);
+          const Tensor targets = Targets(MakeTargets(n, k.v, -100), k.lead, td);
+          const Tensor dloss = testing::FromDoubles({dl}, {}, DType::kFloat32);
+          const CrossEntropyOutput o = Unwrap(CrossEntropy(logits, targets));
+          const Tensor want = Unwrap(CrossEntropyBackward(dloss, logits, targets, o));
+          const CrossEntropyWithGradOutput f = Unwrap(CrossEntropyWithGrad(logits, targets, dloss));
+          const std::string what = What(d, k, td) + " dloss " + std::to_string(dl);
+          // The same float32 arithmetic in the same order: equal, not close.
+          EXPECT_EQ(Values(f.loss), Values(o.loss)) << what;
+          EXPECT_EQ(Values(f.count), Values(o.count)) << what;
+          ASSERT_EQ(f.dlogits.shape(), logits.shape()) << what;
+          EXPECT_EQ(f.dlogits.dtype(), d) << what;
+          EXPECT_EQ(Values(f.dlogits), Values(want)) << what;
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuCrossEntropyTest, WithGradDividesByTheGivenCount) {
+  // As one batch shard of several: the loss and gradient are divided by the global count.
+  const int64_t n = 5, v = 13;
+  const Tensor logits = testing::Random({n, v}, DType::kFloat32, 12, -4.0, 4.0);
+  const std::vector<int64_t> t = {4, -100, 12, 0, 7};
+  const Tensor count = testing::FromDoubles({10.0}, {}, DType::kFloat32);
+  const Tensor dloss = testing::FromDoubles({0.5}, {}, DType::kFloat32);
+  const CrossEntropyWithGradOutput f =
+      Unwrap(CrossEntropyWithGrad(logits, Targets(t, {n}, DType::kInt64), dloss, -100, count));
+  const std::vector<double> x = Values(logits);
+  double total = 0;
+  std::vector<double> ref(n * v, 0.0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (t[i] < 0) continue;
+    const double l = LogSumExp(&x[i * v], v);
+    total += l - x[i * v + t[i]];
+    for (int64_t j = 0; j < v; ++j) ref[i * v + j] = 0.5 / 10.0 * (std::exp(x[i * v + j] - l) - (j == t[i] ? 1 : 0));
+  }
+  testing::ExpectNear(Values(f.loss), {total / 10.0}, {1e-6, 1e-6}, "loss / given count");
+  EXPECT_EQ(Values(f.count), std::vector<double>{10.0});
+  testing::ExpectNear(Values(f.dlogits), ref, {1e-5, 1e-7}, "dlogits / given count");
+}
+
+TEST(CpuCrossEntropyTest, WithGradRejectsBadArguments) {
+  const Tensor logits = testing::Random({3, 4}, DType::kFloat32, 13);
+  const Tensor targets = Targets({0, 1, 2}, {3}, DType::kInt64);
+  const Tensor one = testing::FromDoubles({1.0}, {}, DType::kFloat32);
+  const Tensor two = testing::FromDoubles({1.0, 2.0}, {2}, DType::kFloat32);
+  auto bad_dloss = CrossEntropyWithGrad(logits, targets, two);
+  ASSERT_FALSE(bad_dloss.ok());
+  EXPECT_NE(bad_dloss.status().message().find("dloss must be a float32 scalar"), std::string::npos)
+      << bad_dloss.status();
+  auto bad_count = CrossEntropyWithGrad(logits, targets, one, -100, two);
+  ASSERT_FALSE(bad_count.ok());
+  EXPECT_NE(bad_count.status().message().find("count must be a float32 scalar"), std::string::npos)
+      << bad_count.status();
+  auto bad_target = CrossEntropyWithGrad(logits, Targets({0, 9, 2}, {3}, DType::kInt64), one);
+  ASSERT_FALSE(bad_target.ok());
+  EXPECT_NE(bad_target.status().message().find("target 9 at row 1"), std::string::npos) << bad_target.status();
+}
+
+TEST(CpuCrossEntropyTest, CountTargets) {
+  for (DType td : {DType::kInt32, DType::kInt64}) {
+    const Tensor t = Targets({3, -100, 0, 2, -100, 1, 4}, {7}, td);
+    EXPECT_EQ(Values(Unwrap(CountTargets(t, 5))), std::vector<double>{5.0});
+    EXPECT_EQ(Values(Unwrap(CountTargets(Targets({3, 0, 2, 0, 1}, {5}, td), 5, 0))), std::vector<double>{3.0});
+    auto bad = CountTargets(t, 5, 0);  // -100 is no longer ignored, and outside [0, 5)
+    ASSERT_FALSE(bad.ok());
+    EXPECT_NE(bad.status().message().find("target -100 at row 1"), std::string::npos) << bad.status();
+  }
+}
+
+TEST(CpuCrossEntropyTest, ScaleByRatio) {
+  for (DType d : kFloatTypes) {
+    const Tensor x = testing::Random({5, 7}, d, 14, -2.0, 2.0);
+    const std::vector<double> before = Values(x);
+    // num == den: not touched, even where the ratio would be NaN (0 / 0).
+    const Tensor zero = testing::FromDoubles({0.0}, {}, DType::kFloat32);
+    ASSERT_TRUE(ScaleByRatio_(x, zero, zero).ok());
+    EXPECT_EQ(Values(x), before) << DTypeName(d);
+    const Tensor num = testing::FromDoubles({3.0}, {}, DType::kFloat32);
+    const Tensor den = testing::FromDoubles({4.0}, {}, DType::kFloat32);
+    ASSERT_TRUE(ScaleByRatio_(x, num, den).ok());
+    std::vector<double> want;
+    for (double v : before) want.push_back(0.75 * v);
+    const double tol = d == DType::kFloat32 ? 1e-7 : 8e-3;
+    testing::ExpectNear(Values(x), want, {tol, 1e-7}, std::string("x * 3/4 ") + DTypeName(d));
+  }
+  const Tensor x = testing::Random({4}, DType::kFloat32, 15);
+  const Tensor one = testing::FromDoubles({1.0}, {}, DType::kFloat32);
+  EXPECT_FALSE(ScaleByRatio_(x, x, one).ok());
+  EXPECT_FALSE(ScaleByRatio_(Unwrap(x.Slice(0, 0, 4, 2)), one, one).ok()) << "x must be contiguous";
 }
 
 }  // namespace

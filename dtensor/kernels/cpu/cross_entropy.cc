@@ -108,9 +108,33 @@ void Forward(const T* logits, const I* targets, int64_t n, int64_t v, int64_t ig
   }
 }
 
+// out = g * (softmax(row) - onehot(t)) for a counted row (ok), zeros otherwise; row: the
+// float32 logits (unused when !ok); scratch: v floats unless T is float.
+template <typename T>
+void StoreRowGrad(const float* row, int64_t v, float lse, float g, bool ok, int64_t t, T* out, float* scratch) {
+  float* d;
+  if constexpr (std::is_same_v<T, float>) {
+    d = out;
+  } else {
+    d = scratch;
+  }
+  if (!ok) {
+    for (int64_t j = 0; j < v; ++j) d[j] = 0.0f;
+  } else {
+    ScaledSoftmax(row, v, lse, g, d);
+    d[t] -= g;
+  }
+  if constexpr (!std::is_same_v<T, float>) {
+    StoreRow(d, out, v);
+  }
+}
+
+// dlogits for each row from `lse` (Backward), or, with losses != nullptr, the forward's losses
+// and then the gradient in one visit of the row (the row is converted once and stays in cache
+// from its logsumexp to its gradient; same arithmetic as Forward + Backward, so the same values).
 template <typename T, typename I>
 void Backward(const T* logits, const I* targets, const float* lse, const float* grad, int64_t grad_stride, int64_t n,
-              int64_t v, int64_t ignore_index, T* dlogits) {
+              int64_t v, int64_t ignore_index, T* dlogits, float* losses = nullptr) {
 #pragma omp parallel if (n > 1 && n * v >= kParallelGrainExpensive)
   {
     std::vector<float> sx, sd;
@@ -122,25 +146,15 @@ void Backward(const T* logits, const I* targets, const float* lse, const float* 
     for (int64_t i = 0; i < n; ++i) {
       const int64_t t = static_cast<int64_t>(targets[i]);
       const bool ok = t != ignore_index;
-      const float g = ok ? grad[i * grad_stride] : 0.0f;
-      const float l = lse[i];
-      T* out = dlogits + i * v;
-      float* d;
-      if constexpr (std::is_same_v<T, float>) {
-        d = out;
+      const float* row = ok || losses != nullptr ? RowF32(logits + i * v, v, sx.data()) : nullptr;
+      float l;
+      if (losses != nullptr) {
+        l = LogSumExp(row, v);
+        losses[i] = ok ? l - row[t] : 0.0f;
       } else {
-        d = sd.data();
+        l = lse[i];
       }
-      if (!ok) {
-        for (int64_t j = 0; j < v; ++j) d[j] = 0.0f;
-      } else {
-        const float* row = RowF32(logits + i * v, v, sx.data());
-        ScaledSoftmax(row, v, l, g, d);
-        d[t] -= g;
-      }
-      if constexpr (!std::is_same_v<T, float>) {
-        StoreRow(d, out, v);
-      }
+      StoreRowGrad(row, v, l, ok ? grad[i * grad_stride] : 0.0f, ok, t, dlogits + i * v, sd.data());
     }
   }
 }
@@ -187,6 +201,66 @@ absl::Status CpuBackend::CrossEntropyBackward(const Tensor& logits, const Tensor
                dlogits.data<T>());
       return absl::OkStatus();
     });
+  });
+}
+
+absl::Status CpuBackend::CountTargets(const Tensor& targets, int64_t ignore_index, int64_t v, const Tensor& count) {
+  const int64_t n = targets.numel();
+  return VisitIndex("CountTargets", targets.dtype(), [&](auto itag) {
+    using I = decltype(itag);
+    const I* tp = targets.data<I>();
+    DT_RETURN_IF_ERROR(CheckTargets("CountTargets", tp, n, v, ignore_index));
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; ++i) c += static_cast<int64_t>(tp[i]) != ignore_index ? 1 : 0;
+    count.data<float>()[0] = static_cast<float>(c);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CpuBackend::CrossEntropyWithGrad(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                              const Tensor& grad, const Tensor& losses, const Tensor& dlogits) {
+  const int64_t n = targets.numel();
+  const int64_t v = logits.size(-1);
+  // No classes: only ignored targets (checked below); the forward's special case applies.
+  if (v == 0) return Kernels::CrossEntropyWithGrad(logits, targets, ignore_index, grad, losses, dlogits);
+  const int64_t grad_stride = grad.dim() == 0 ? 0 : grad.stride(0);
+  return VisitIndex("CrossEntropyWithGrad", targets.dtype(), [&](auto itag) {
+    using I = decltype(itag);
+    const I* tp = targets.data<I>();
+    DT_RETURN_IF_ERROR(CheckTargets("CrossEntropyWithGrad", tp, n, v, ignore_index));
+    if (n == 0) return absl::OkStatus();
+    return DispatchFloat("CrossEntropyWithGrad", logits.dtype(), [&](auto tag) {
+      using T = decltype(tag);
+      Backward(logits.data<T>(), tp, nullptr, grad.data<float>(), grad_stride, n, v, ignore_index, dlogits.data<T>(),
+               losses.data<float>());
+      return absl::OkStatus();
+    });
+  });
+}
+
+absl::Status CpuBackend::ScaleByRatio(const Tensor& x, const Tensor& num, const Tensor& den) {
+  const float a = num.data<float>()[0], b = den.data<float>()[0];
+  if (a == b) return absl::OkStatus();
+  const float r = a / b;
+  const int64_t n = x.numel();
+  return DispatchFloat("ScaleByRatio", x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    T* p = x.data<T>();
+    ParallelFor(n, kParallelGrain, [&](int64_t begin, int64_t end) {
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t i = begin; i < end; ++i) p[i] *= r;
+      } else {
+        constexpr int64_t kChunk = 1024;
+        float buf[kChunk];
+        for (int64_t i = begin; i < end; i += kChunk) {
+          const int64_t m = std::min(kChunk, end - i);
+          LoadRow(p + i, buf, m);
+          for (int64_t j = 0; j < m; ++j) buf[j] *= r;
+          StoreRow(buf, p + i, m);
+        }
+      }
+    });
+    return absl::OkStatus();
   });
 }
 

@@ -44,6 +44,10 @@ class CudaBackend final : public Kernels {
                             const Tensor& valid, const Tensor& lse) override;
   absl::Status CrossEntropyBackward(const Tensor& logits, const Tensor& targets, const Tensor& lse, const Tensor& grad,
                                     int64_t ignore_index, const Tensor& dlogits) override;
+  absl::Status CountTargets(const Tensor& targets, int64_t ignore_index, int64_t v, const Tensor& count) override;
+  absl::Status CrossEntropyWithGrad(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                    const Tensor& grad, const Tensor& losses, const Tensor& dlogits) override;
+  absl::Status ScaleByRatio(const Tensor& x, const Tensor& num, const Tensor& den) override;
   absl::Status CausalAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale, const Tensor& out,
                                const Tensor& lse) override;
   absl::Status CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,

@@ -401,6 +401,43 @@ absl::Status CudaBackend::CrossEntropyBackward(const Tensor& logits, const Tenso
   });
 }
 
+absl::Status CudaBackend::CrossEntropyWithGrad(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
+                                               const Tensor& grad, const Tensor& losses, const Tensor& dlogits) {
+  constexpr const char* op = "CrossEntropyWithGrad";
+  DT_RETURN_IF_ERROR(CheckIndex(op, "targets", targets.dtype()));
+  DT_RETURN_IF_ERROR(CheckFloat(op, logits.dtype()));
+  if (grad.dtype() != DType::kFloat32) return InvalidArg(op, "grad must be float32, got ", DTypeName(grad.dtype()));
+  const int64_t n = targets.numel();
+  const int64_t v = logits.dim() == 0 ? 1 : logits.size(-1);
+  if (n == 0) return absl::OkStatus();
+  const int64_t grad_stride = grad.dim() == 0 ? 0 : grad.stride(0);
+  return OnDevice(index_, op, [&] {
+    return gpu::LaunchCrossEntropyWithGrad(logits.dtype(), logits.raw_data(), targets.dtype(), targets.raw_data(),
+                                           ignore_index, grad.data<float>(), grad_stride, losses.data<float>(),
+                                           dlogits.raw_data(), n, v);
+  });
+}
+
+absl::Status CudaBackend::CountTargets(const Tensor& targets, int64_t ignore_index, int64_t v, const Tensor& count) {
+  constexpr const char* op = "CountTargets";
+  DT_RETURN_IF_ERROR(CheckIndex(op, "targets", targets.dtype()));
+  if (count.dtype() != DType::kFloat32 || count.numel() != 1) {
+    return InvalidArg(op, "count must be one float32, got ", count.ToString());
+  }
+  return OnDevice(index_, op, [&] {
+    return gpu::LaunchCountTargets(targets.dtype(), targets.raw_data(), ignore_index, v, count.data<float>(),
+                                   targets.numel());
+  });
+}
+
+absl::Status CudaBackend::ScaleByRatio(const Tensor& x, const Tensor& num, const Tensor& den) {
+  constexpr const char* op = "ScaleByRatio";
+  DT_RETURN_IF_ERROR(CheckFloat(op, x.dtype()));
+  return OnDevice(index_, op, [&] {
+    return gpu::LaunchScaleByRatio(x.dtype(), x.raw_data(), num.data<float>(), den.data<float>(), x.numel());
+  });
+}
+
 // ---- Attention ----
 
 namespace {

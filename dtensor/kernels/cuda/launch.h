@@ -134,6 +134,16 @@ cudaError_t LaunchCrossEntropyBackward(DType dtype, const void* logits, DType ta
                                        const float* lse, const float* grad, int64_t grad_stride, int64_t ignore_index,
                                        void* dlogits, int64_t n, int64_t v);
 
+// CrossEntropy's losses and CrossEntropyBackward's dlogits from one visit of each row.
+cudaError_t LaunchCrossEntropyWithGrad(DType dtype, const void* logits, DType target_dtype, const void* targets,
+                                       int64_t ignore_index, const float* grad, int64_t grad_stride, float* losses,
+                                       void* dlogits, int64_t n, int64_t v);
+// *count = the number of targets in [0, v) that are not ignore_index (one block).
+cudaError_t LaunchCountTargets(DType target_dtype, const void* targets, int64_t ignore_index, int64_t v, float* count,
+                               int64_t n);
+// x[0, n) *= *num / *den, untouched when they are equal (read on the device).
+cudaError_t LaunchScaleByRatio(DType dtype, void* x, const float* num, const float* den, int64_t n);
+
 // ---- attention.cu ----
 // Largest head dim the attention kernels support.
 inline constexpr int64_t kMaxAttentionHeadDim = 128;
