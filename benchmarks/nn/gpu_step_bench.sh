@@ -275,7 +275,10 @@ for dtype in ("bf16", "fp32"):
     f = t["tflops_per_rank"] * 1e12 / t["tokens_per_s_per_rank"] if t["tokens_per_s_per_rank"] > 0 else None
     fpt = fpt or f
     rows[dtype] = dict(ms=ms, lo=min(l["step_ms"] for l in later), hi=max(l["step_ms"] for l in later), tok=tok,
-                       flops=f, mem=max(l["peak_bytes"] for l in lines) / 2**30, loss0=lines[0]["loss"])
+                       flops=f, mem=max(l["peak_bytes"] for l in lines) / 2**30, loss0=lines[0]["loss"],
+                       reserved=max(l.get("reserved_bytes", 0) for l in lines) / 2**30,
+                       allocs_after_step0=(lines[-1]["system_allocs"] - lines[0]["system_allocs"]
+                                           if "system_allocs" in lines[0] else None))
 
 print()
 if fpt:
@@ -320,6 +323,14 @@ for dtype in ("bf16", "fp32"):
           f"{100 * at_bf16:9.2f}% | {r['mem']:8.2f} | {target}")
 if "bf16" in rows and "fp32" in rows:
     print(f"bf16 / fp32 step time: {rows['bf16']['ms'] / rows['fp32']['ms']:.2f}x")
+# The caching allocator should serve every step after the first from its cache (issue 31).
+for dtype in ("bf16", "fp32"):
+    r = rows.get(dtype)
+    if r is None or r["allocs_after_step0"] is None:
+        continue
+    n = r["allocs_after_step0"]
+    print(f"{dtype}: device allocations (cudaMalloc on a GPU) after step 0: {n} (target 0: "
+          f"{'ok' if n == 0 else 'ABOVE'}); reserved (in use + cached) at most {r['reserved']:.2f} GiB")
 print()
 
 

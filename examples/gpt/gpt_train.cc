@@ -504,6 +504,9 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
 
   std::vector<Variable*> params = model->Parameters();
   nn::AdamW opt(params, {.lr = f.lr, .beta1 = f.beta1, .beta2 = f.beta2, .eps = f.eps, .weight_decay = f.weight_decay});
+  // The moments now (zeros, as the first update would make them): made there, they would take
+  // cached blocks that the second step's activations then allocate anew.
+  DT_RETURN_IF_ERROR(opt.InitState());
 
   // ---- Checkpoints (dtensor/checkpoint/): the parameters, AdamW's moments laid out as their
   // parameters, and the progress (next step, loader position, AdamW's step counts). Saved
@@ -634,6 +637,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       count(0);
       DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(x), Variable::Constant(y)));
       Variable loss = out.loss;
+      out.logits = Variable();  // the loss keeps their gradient, not them: free them now
       if (f.grad_accum > 1) {
         DT_ASSIGN_OR_RETURN(loss, Scale(out.loss, 1.0 / static_cast<double>(f.grad_accum)));
       }
@@ -764,6 +768,8 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
                           {"optim_bytes", opt.StateBytes()},
                           {"bytes_in_use", mem.bytes_in_use},
                           {"peak_bytes", mem.peak_bytes_in_use},
+                          {"reserved_bytes", mem.bytes_in_use + mem.bytes_cached},
+                          {"system_allocs", mem.num_system_allocs},
                           {"peak_unsharded_bytes", root_group ? root_group->tree_peak_unsharded_bytes() : 0},
                           {"comm", nn::CommToJson(comm)},
                           {"ckpt_ms", ckpt_ms}};
