@@ -244,7 +244,12 @@ absl::Status MakeLtPlan(const LtState& st, int device, const Operand& oa, const 
     s = lt->heuristic(st.handle, plan->desc, plan->a, plan->b, plan->d, plan->d, pref, 1, &result, &found);
   }
   lt->pref_destroy(pref);
-  // NOT_SUPPORTED or no algorithm: cuBLASLt declines; anything else is an error.
+  // NOT_SUPPORTED or no algorithm: cuBLASLt declines; anything else is an error, except that
+  // the gradient epilogues' support depends on the operands' transposes, and a combination
+  // cuBLASLt lacks may be answered with INVALID_VALUE (a precaution, not seen on a GPU yet):
+  // those run unfused rather than fail the backward pass.
+  const bool grad_epilogue = epilogue == CUBLASLT_EPILOGUE_BGRADB || epilogue == CUBLASLT_EPILOGUE_DGELU_BGRAD;
+  if (grad_epilogue && s == CUBLAS_STATUS_INVALID_VALUE) s = CUBLAS_STATUS_NOT_SUPPORTED;
   if (s != CUBLAS_STATUS_SUCCESS && s != CUBLAS_STATUS_NOT_SUPPORTED) return ok(s);
   if (s == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
     plan->algo = result.algo;
