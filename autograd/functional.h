@@ -69,6 +69,12 @@ absl::StatusOr<Value> Linear(const Value& x, const Value& w);
 absl::StatusOr<Value> LinearInputGrad(const Value& dy, const Value& w);
 // sum over leading dims of dy[..., out]^T x[..., in] -> dw [out, in].
 absl::StatusOr<Value> LinearWeightGrad(const Value& dy, const Value& x);
+// LinearWeightGrad and the bias gradient (dy summed over its leading dims) from one kernel ->
+// {dw [out, in], db [out]}.
+absl::StatusOr<std::vector<Value>> LinearWeightBiasGrad(const Value& dy, const Value& x);
+// The gradient through a Linear (w [out, in]) whose input was gelu(pre) (pre [..., in]), and of
+// the bias that made pre: {dpre = (dy @ w) * gelu'(pre), db = dpre summed over leading dims [in]}.
+absl::StatusOr<std::vector<Value>> LinearInputGradGelu(const Value& dy, const Value& w, const Value& pre);
 // torch.matmul on >= 2-d operands with equal batch dims (b may be 2-d); trans flags transpose
 // the last two dims first.
 absl::StatusOr<Value> Matmul(const Value& a, const Value& b, bool trans_a = false, bool trans_b = false);

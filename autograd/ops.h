@@ -43,6 +43,13 @@ absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const Vari
 // gelu(x w^T + b) (tanh approximation) in one kernel (the matrix multiply's GELU epilogue on
 // CUDA): Gelu(Linear(x, w, b)) with the same values and gradients. b must be defined.
 absl::StatusOr<Variable> LinearGelu(const Variable& x, const Variable& w, const Variable& b);
+// The GPT MLP as one op: gelu(x w_fc^T + b_fc) w_proj^T + b_proj (x [..., C], w_fc [H, C],
+// w_proj [C', H]), with the values and gradients of Linear(LinearGelu(x, w_fc, b_fc), w_proj,
+// b_proj) (bit for bit on the CPU). Its backward runs the GELU backward and b_fc's gradient in
+// c_proj's input-gradient matrix multiply and each bias gradient with its weight gradient
+// (cuBLASLt epilogues on CUDA). Biases must be defined.
+absl::StatusOr<Variable> MlpGelu(const Variable& x, const Variable& w_fc, const Variable& b_fc, const Variable& w_proj,
+                                 const Variable& b_proj);
 absl::StatusOr<Variable> Matmul(const Variable& a, const Variable& b, bool trans_a = false, bool trans_b = false);
 
 // ---- Normalisation, softmax ----

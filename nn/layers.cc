@@ -240,6 +240,13 @@ MLP::MLP(int64_t c, double dropout, uint64_t seed) {
 
 absl::StatusOr<Variable> MLP::Forward(const Variable& x) {
   return WithHooks(x, [&](const Variable& x) -> absl::StatusOr<Variable> {
+    // One op (MlpGelu: the GELU backward and the bias gradients inside the matrix multiplies)
+    // when nothing runs around c_fc or c_proj (tensor parallelism's layouts are their hooks).
+    if (!c_fc_->has_hooks() && !c_proj_->has_hooks() && c_fc_->bias() != nullptr && c_proj_->bias() != nullptr) {
+      DT_ASSIGN_OR_RETURN(Variable y, dtensor::MlpGelu(x, *c_fc_->weight(), *c_fc_->bias(), *c_proj_->weight(),
+                                                       *c_proj_->bias()));  // [B, T, C]
+      return dropout_->Forward(y);
+    }
     DT_ASSIGN_OR_RETURN(Variable h, c_fc_->ForwardGelu(x));  // [B, T, 4C], through GELU
     DT_ASSIGN_OR_RETURN(h, c_proj_->Forward(h));             // [B, T, C]
     return dropout_->Forward(h);

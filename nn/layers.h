@@ -114,6 +114,8 @@ class CausalSelfAttention : public Module {
 class MLP : public Module {
  public:
   MLP(int64_t c, double dropout = 0, uint64_t seed = 0);
+  // c_proj(gelu(c_fc(x))), then dropout. As one op (MlpGelu) when neither Linear has hooks
+  // (Module::has_hooks) and both have biases; otherwise through the Linears' own Forwards.
   absl::StatusOr<Variable> Forward(const Variable& x);
 
  private:

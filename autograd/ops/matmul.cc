@@ -12,6 +12,18 @@
 //     S(d)·R -> S(d)   S(-1)·S(0) -> P   R·S(1) -> S(-1)   P·R, R·P -> P
 //   linear_dw    sum over leading dims of dy^T x -> [out, in]
 //     S(d)·S(d) -> P (the data-parallel weight gradient)   S(-1)·R -> S(0)   R·S(-1) -> S(1)
+//   linear_dw_bias  linear_dw and the bias gradient (dy summed over leading dims) from one
+//                kernel (Kernels::GemmBiasGrad): linear_dw's strategies, db P / S(0) / R / P
+//   linear_dx_gelu  (dy · w) * gelu'(pre) and its sum over leading dims: the gradient of the
+//                pre-activation of an MLP's first Linear and of its bias, from one kernel
+//                (Kernels::GemmDgelu); linear_dx's strategies (it is linear in dy and w), with pre
+//                laid out as the result: S(d)·R·S(d) -> S(d), P   R·S(1)·S(-1) -> S(-1), S(0)
+//                S(-1)·S(0)·R -> P, P   P·R·R, R·P·R -> P, P
+//   mlp_gelu     the GPT MLP gelu(x w_fc^T + b_fc) w_proj^T + b_proj as one op (outputs y and the
+//                pre-activation): S(d) x with replicated weights -> S(d), S(d) (data parallel);
+//                Megatron's R x, w_fc S(0), b_fc S(0), w_proj S(1), b_proj P -> P, S(-1). Its
+//                backward runs linear_dw_bias, linear_dx_gelu (the GELU backward in the second
+//                Linear's input-gradient matrix multiply), linear_dw and linear_dx.
 //   matmul       a [..., M, K] · b [K, N] or [..., K, N]: batch, M, N shards; K·K -> P
 #include "dtensor/autograd/functional.h"
 #include "dtensor/autograd/ops.h"
@@ -175,6 +187,102 @@ absl::StatusOr<std::vector<Tensor>> LinearDwLocal(const LocalCall& c) {
 }
 const OpDef kLinearDw = {"linear_dw", LinearDwRule, LinearDwMeta, LinearDwLocal};
 
+// ---- linear_dw_bias: (dy, x) -> (dw, db) ----
+absl::StatusOr<std::vector<TensorMeta>> LinearDwBiasMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
+  DT_ASSIGN_OR_RETURN(std::vector<TensorMeta> out, LinearDwMeta(in, args));
+  out.push_back({Shape{in[0].shape.back()}, in[0].dtype});
+  return out;
+}
+void LinearDwBiasRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  const int64_t nd = static_cast<int64_t>(in[0].shape.size());
+  for (int64_t d = 0; d + 1 < nd; ++d) s->push_back({{Shard(d), Shard(d)}, {kP, kP}});
+  s->push_back({{Shard(nd - 1), Replicate()}, {Shard(0), Shard(0)}});
+  s->push_back({{Replicate(), Shard(nd - 1)}, {Shard(1), Replicate()}});
+  s->push_back({{kP, Replicate()}, {kP, kP}});
+  s->push_back({{Replicate(), kP}, {kP, Replicate()}});
+}
+absl::StatusOr<std::vector<Tensor>> LinearDwBiasLocal(const LocalCall& c) {
+  DT_ASSIGN_OR_RETURN(Tensor dy2, As2d(c.inputs[0]));
+  DT_ASSIGN_OR_RETURN(Tensor x2, As2d(c.inputs[1]));
+  std::vector<Tensor> out(2);
+  DT_ASSIGN_OR_RETURN(out[0], dtensor::LinearWeightBiasGrad(dy2, x2, &out[1]));
+  return out;
+}
+const OpDef kLinearDwBias = {"linear_dw_bias", LinearDwBiasRule, LinearDwBiasMeta, LinearDwBiasLocal};
+
+// ---- linear_dx_gelu: (dy, w, pre) -> (dpre, db) ----
+absl::StatusOr<std::vector<TensorMeta>> LinearDxGeluMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
+  DT_ASSIGN_OR_RETURN(std::vector<TensorMeta> out, LinearDxMeta(in.subspan(0, 2), args));
+  if (in[2].shape != out[0].shape || in[2].dtype != in[0].dtype) {
+    return op_util::Invalid(
+        "LinearInputGradGelu",
+        absl::StrCat("pre ", ShapeString(in[2].shape), " ", DTypeName(in[2].dtype), " does not fit the input gradient ",
+                     ShapeString(out[0].shape), " ", DTypeName(in[0].dtype)));
+  }
+  out.push_back({Shape{out[0].shape.back()}, in[0].dtype});
+  return out;
+}
+void LinearDxGeluRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  const int64_t nd = static_cast<int64_t>(in[0].shape.size());
+  for (int64_t d = 0; d + 1 < nd; ++d) s->push_back({{Shard(d), Replicate(), Shard(d)}, {Shard(d), kP}});
+  s->push_back({{Replicate(), Shard(1), Shard(nd - 1)}, {Shard(nd - 1), Shard(0)}});
+  s->push_back({{Shard(nd - 1), Shard(0), Replicate()}, {kP, kP}});
+  s->push_back({{kP, Replicate(), Replicate()}, {kP, kP}});
+  s->push_back({{Replicate(), kP, Replicate()}, {kP, kP}});
+}
+absl::StatusOr<std::vector<Tensor>> LinearDxGeluLocal(const LocalCall& c) {
+  const Tensor& dy = c.inputs[0];
+  DT_ASSIGN_OR_RETURN(Tensor dy2, As2d(dy));
+  DT_ASSIGN_OR_RETURN(Tensor pre2, As2d(c.inputs[2]));
+  Tensor db;
+  DT_ASSIGN_OR_RETURN(Tensor dpre2, dtensor::LinearInputGradGelu(dy2, c.inputs[1], pre2, &db));
+  std::vector<Tensor> out;
+  DT_ASSIGN_OR_RETURN(Tensor dpre,
+                      Unflatten(dpre2, dy.shape().subspan(0, static_cast<size_t>(dy.dim() - 1)), dpre2.size(1)));
+  out.push_back(std::move(dpre));
+  out.push_back(std::move(db));
+  return out;
+}
+const OpDef kLinearDxGelu = {"linear_dx_gelu", LinearDxGeluRule, LinearDxGeluMeta, LinearDxGeluLocal};
+
+// ---- mlp_gelu: (x, w_fc, b_fc, w_proj, b_proj) -> (y, pre) ----
+absl::StatusOr<std::vector<TensorMeta>> MlpGeluMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
+  OpArgs gelu;
+  gelu.ints = {1};
+  DT_ASSIGN_OR_RETURN(std::vector<TensorMeta> fc, LinearBiasMeta(in.subspan(0, 3), gelu));  // {h, pre}
+  const TensorMeta proj_in[3] = {fc[0], in[3], in[4]};
+  OpArgs plain;
+  plain.ints = {0};
+  DT_ASSIGN_OR_RETURN(std::vector<TensorMeta> out, LinearBiasMeta(proj_in, plain));  // {y}
+  out.push_back(fc[1]);
+  return out;
+}
+void MlpGeluRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  const int64_t nd = static_cast<int64_t>(in[0].shape.size());
+  const Placement r = Replicate();
+  for (int64_t d = 0; d + 1 < nd; ++d) s->push_back({{Shard(d), r, r, r, r}, {Shard(d), Shard(d)}});
+  // Megatron: c_fc colwise, c_proj rowwise; the output a partial sum (b_proj made Partial
+  // locally, no communication).
+  s->push_back({{r, Shard(0), Shard(0), Shard(1), kP}, {kP, Shard(nd - 1)}});
+}
+absl::StatusOr<std::vector<Tensor>> MlpGeluLocal(const LocalCall& c) {
+  const Tensor& x = c.inputs[0];
+  DT_ASSIGN_OR_RETURN(Tensor x2, As2d(x));
+  Tensor pre2;
+  DT_ASSIGN_OR_RETURN(Tensor h2, dtensor::LinearBias(x2, c.inputs[1], c.inputs[2], /*gelu=*/true, &pre2));
+  DT_ASSIGN_OR_RETURN(Tensor y2, dtensor::LinearBias(h2, c.inputs[3], c.inputs[4]));
+  const IntSpan lead = x.shape().subspan(0, static_cast<size_t>(x.dim() - 1));
+  std::vector<Tensor> out;
+  DT_ASSIGN_OR_RETURN(Tensor y, Unflatten(y2, lead, y2.size(1)));
+  out.push_back(std::move(y));
+  DT_ASSIGN_OR_RETURN(Tensor pre, Unflatten(pre2, lead, pre2.size(1)));
+  out.push_back(std::move(pre));
+  return out;
+}
+// Selective activation checkpointing keeps both outputs (y and the pre-activation; the backward
+// rebuilds gelu(pre) itself), so no ac_rebuild.
+const OpDef kMlpGelu = {"mlp_gelu", MlpGeluRule, MlpGeluMeta, MlpGeluLocal};
+
 // ---- matmul: args.ints = {trans_a, trans_b} ----
 struct MatDims {
   int64_t na, nb, am, ak, bk, bn;
@@ -230,12 +338,39 @@ absl::StatusOr<Value> LinearInputGrad(const Value& dy, const Value& w) {
 absl::StatusOr<Value> LinearWeightGrad(const Value& dy, const Value& x) {
   return op_util::First(Dispatch(kLinearDw, {dy, x}));
 }
+absl::StatusOr<std::vector<Value>> LinearWeightBiasGrad(const Value& dy, const Value& x) {
+  return Dispatch(kLinearDwBias, {dy, x});
+}
+absl::StatusOr<std::vector<Value>> LinearInputGradGelu(const Value& dy, const Value& w, const Value& pre) {
+  return Dispatch(kLinearDxGelu, {dy, w, pre});
+}
 absl::StatusOr<Value> Matmul(const Value& a, const Value& b, bool trans_a, bool trans_b) {
   OpArgs args;
   args.ints = {trans_a ? 1 : 0, trans_b ? 1 : 0};
   return op_util::First(Dispatch(kMatmul, {a, b}, args));
 }
 }  // namespace fn
+
+namespace {
+// The weight and bias gradients of a Linear whose output gradient is g and input x, as `nw` and
+// `nb` ask: both from one kernel (linear_dw_bias) when both are needed.
+absl::Status WeightBiasGrads(const Value& g, const Value& x, bool nw, bool nb, const std::vector<int64_t>& bshape,
+                             Value* dw, Value* db) {
+  if (nw && nb) {
+    DT_ASSIGN_OR_RETURN(std::vector<Value> both, fn::LinearWeightBiasGrad(g, x));
+    *dw = std::move(both[0]);
+    *db = std::move(both[1]);
+    return absl::OkStatus();
+  }
+  if (nw) {
+    DT_ASSIGN_OR_RETURN(*dw, fn::LinearWeightGrad(g, x));
+  }
+  if (nb) {
+    DT_ASSIGN_OR_RETURN(*db, fn::SumTo(g, bshape));
+  }
+  return absl::OkStatus();
+}
+}  // namespace
 
 absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const Variable& b) {
   const bool has_bias = b.defined();
@@ -258,12 +393,7 @@ absl::StatusOr<Variable> Linear(const Variable& x, const Variable& w, const Vari
                             if (nx) {
                               DT_ASSIGN_OR_RETURN(r[0], fn::LinearInputGrad(g, wv));
                             }
-                            if (nw) {
-                              DT_ASSIGN_OR_RETURN(r[1], fn::LinearWeightGrad(g, xv));
-                            }
-                            if (nb) {
-                              DT_ASSIGN_OR_RETURN(r[2], fn::SumTo(g, bshape));
-                            }
+                            DT_RETURN_IF_ERROR(WeightBiasGrads(g, xv, nw, nb, bshape, &r[1], &r[2]));
                             return r;
                           });
 }
@@ -283,14 +413,46 @@ absl::StatusOr<Variable> LinearGelu(const Variable& x, const Variable& w, const 
                             if (nx) {
                               DT_ASSIGN_OR_RETURN(r[0], fn::LinearInputGrad(dpre, wv));
                             }
-                            if (nw) {
-                              DT_ASSIGN_OR_RETURN(r[1], fn::LinearWeightGrad(dpre, xv));
-                            }
-                            if (nb) {
-                              DT_ASSIGN_OR_RETURN(r[2], fn::SumTo(dpre, bshape));
-                            }
+                            DT_RETURN_IF_ERROR(WeightBiasGrads(dpre, xv, nw, nb, bshape, &r[1], &r[2]));
                             return r;
                           });
+}
+
+absl::StatusOr<Variable> MlpGelu(const Variable& x, const Variable& w_fc, const Variable& b_fc, const Variable& w_proj,
+                                 const Variable& b_proj) {
+  if (!b_fc.defined() || !b_proj.defined()) {
+    return absl::InvalidArgumentError("[MlpGelu] needs both biases (use Linear and Gelu without)");
+  }
+  DT_ASSIGN_OR_RETURN(std::vector<Value> yp,
+                      Dispatch(kMlpGelu, {x.value(), w_fc.value(), b_fc.value(), w_proj.value(), b_proj.value()}));
+  if (!AnyRequiresGrad({x, w_fc, b_fc, w_proj, b_proj})) return Variable::Leaf(std::move(yp[0]));
+  // Kept for the backward: x, the weights and the pre-activation (not gelu(pre): rebuilt there
+  // with one GELU pass, which saves [..., 4C] per MLP, as llm.c's GELU recompute).
+  return op_util::Result1(
+      "MlpGelu", {x, w_fc, b_fc, w_proj, b_proj}, std::move(yp[0]),
+      [xv = x.value(), wfc = w_fc.value(), wproj = w_proj.value(), pre = yp[1], nx = x.requires_grad(),
+       nwfc = w_fc.requires_grad(), nbfc = b_fc.requires_grad(), nwproj = w_proj.requires_grad(),
+       nbproj = b_proj.requires_grad(),
+       bshape = op_util::ToVec(b_proj.value().shape())](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+        std::vector<Value> r(5);
+        if (nwproj) {
+          DT_ASSIGN_OR_RETURN(Value h, fn::Unary(UnaryOp::kGelu, pre));
+          DT_RETURN_IF_ERROR(WeightBiasGrads(g, h, nwproj, nbproj, bshape, &r[3], &r[4]));
+        } else if (nbproj) {
+          DT_ASSIGN_OR_RETURN(r[4], fn::SumTo(g, bshape));
+        }
+        if (!nx && !nwfc && !nbfc) return r;
+        // The gradient of the pre-activation and of b_fc, from c_proj's input-gradient product.
+        DT_ASSIGN_OR_RETURN(std::vector<Value> dpre, fn::LinearInputGradGelu(g, wproj, pre));
+        if (nx) {
+          DT_ASSIGN_OR_RETURN(r[0], fn::LinearInputGrad(dpre[0], wfc));
+        }
+        if (nwfc) {
+          DT_ASSIGN_OR_RETURN(r[1], fn::LinearWeightGrad(dpre[0], xv));
+        }
+        if (nbfc) r[2] = std::move(dpre[1]);
+        return r;
+      });
 }
 
 absl::StatusOr<Variable> Matmul(const Variable& a, const Variable& b, bool ta, bool tb) {
@@ -329,6 +491,9 @@ const OpDef& LinearBias() { return kLinearBias; }
 const OpDef& LinearBiasGelu() { return kLinearBiasGelu; }
 const OpDef& LinearDx() { return kLinearDx; }
 const OpDef& LinearDw() { return kLinearDw; }
+const OpDef& LinearDwBias() { return kLinearDwBias; }
+const OpDef& LinearDxGelu() { return kLinearDxGelu; }
+const OpDef& MlpGelu() { return kMlpGelu; }
 const OpDef& Matmul() { return kMatmul; }
 }  // namespace op_defs
 

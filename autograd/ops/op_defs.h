@@ -20,6 +20,9 @@ const OpDef& LinearBias();            // matmul.cc: (x, w, b [out]) -> y; args.i
 const OpDef& LinearBiasGelu();        // matmul.cc: (x, w, b [out]) -> (gelu(y), y); args.ints = {1}
 const OpDef& LinearDx();              // matmul.cc: (dy, w)
 const OpDef& LinearDw();              // matmul.cc: (dy, x)
+const OpDef& LinearDwBias();          // matmul.cc: (dy, x) -> (dw, db)
+const OpDef& LinearDxGelu();          // matmul.cc: (dy, w, pre) -> (dpre, db)
+const OpDef& MlpGelu();               // matmul.cc: (x, w_fc, b_fc, w_proj, b_proj) -> (y, pre)
 const OpDef& Matmul();                // matmul.cc: args.ints = {trans_a, trans_b}
 const OpDef& LayerNorm();             // norm.cc: (x, w, b) -> (y, mean, rstd); args.floats = {eps}
 const OpDef& LayerNormBackward();     // norm.cc: (dy, x, w, mean, rstd) -> (dx, dw, db)

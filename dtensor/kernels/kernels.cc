@@ -39,6 +39,41 @@ absl::Status Kernels::CrossEntropyWithGrad(const Tensor& logits, const Tensor& t
   return CrossEntropyBackward(logits, targets, *lse, grad, ignore_index, dlogits);
 }
 
+absl::Status Kernels::GemmBiasGrad(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& bias_grad) {
+  absl::StatusOr<Tensor> a3 = a.Unsqueeze(0), b3 = b.Unsqueeze(0), c3 = c.Unsqueeze(0);
+  if (!a3.ok()) return a3.status();
+  if (!b3.ok()) return b3.status();
+  if (!c3.ok()) return c3.status();
+  absl::Status s = Gemm(*a3, *b3, *c3, 1.0f, 0.0f);
+  if (!s.ok()) return s;
+  // The sums over a's rows, read from a^T ([K, M]) as Sum reads a contiguous tensor.
+  absl::StatusOr<Tensor> rows = a.Transpose(0, 1);
+  if (!rows.ok()) return rows.status();
+  Tensor dense = *rows;
+  if (!dense.is_contiguous()) {
+    absl::StatusOr<Tensor> copy = Tensor::Empty(rows->shape(), rows->dtype(), rows->device());
+    if (!copy.ok()) return copy.status();
+    s = Copy(*rows, *copy);
+    if (!s.ok()) return s;
+    dense = *copy;
+  }
+  return Reduce(ReduceOp::kSum, dense, 1, a.size(1), a.size(0), bias_grad);
+}
+
+absl::Status Kernels::GemmDgelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& c,
+                                const Tensor& bias_grad) {
+  absl::StatusOr<Tensor> product = Tensor::Empty(c.shape(), c.dtype(), c.device());
+  if (!product.ok()) return product.status();
+  absl::StatusOr<Tensor> a3 = a.Unsqueeze(0), b3 = b.Unsqueeze(0), p3 = product->Unsqueeze(0);
+  if (!a3.ok()) return a3.status();
+  if (!b3.ok()) return b3.status();
+  if (!p3.ok()) return p3.status();
+  absl::Status s = Gemm(*a3, *b3, *p3, 1.0f, 0.0f);
+  if (s.ok()) s = UnaryBackward(UnaryOp::kGelu, *product, pre, c);
+  if (!s.ok()) return s;
+  return Reduce(ReduceOp::kSum, c, 1, c.size(0), c.size(1), bias_grad);
+}
+
 absl::Status Kernels::AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) {
   for (const AdamWTensors& t : list) {
     AdamWParams one = p;

@@ -136,6 +136,26 @@ class Kernels {
   // rounding) where cuBLASLt takes the problem, and falls back to this default where not.
   virtual absl::Status GemmBias(const Tensor& a, const Tensor& b, const Tensor& bias, bool gelu, const Tensor& c,
                                 const Tensor& pre);
+  // nn.Linear's weight and bias gradients from one product: c = a @ b (Gemm's operand layouts,
+  // c [M, N] contiguous) and bias_grad[i] = sum over k of a[i, k] (bias_grad [M] contiguous).
+  // With a = dy^T (dy [rows, out] row-major, so a [out, rows] is a transposed view) and b = x
+  // [rows, in]: c = dW and bias_grad = db. All of one float dtype; K >= 1; outputs do not
+  // overlap the inputs. This default is Gemm, then Reduce (sum) over the rows of a^T made
+  // contiguous (a copy where a^T is not), as Matmul and Sum would; CUDA sums a inside the
+  // matrix multiply (cuBLASLt's BGRADB epilogue) where cuBLASLt takes the problem.
+  virtual absl::Status GemmBiasGrad(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& bias_grad);
+  // The input gradient of a Linear through the GELU that follows the previous one, with that
+  // GELU's bias gradient: c = (a @ b) * gelu'(pre) (the tanh approximation's derivative) and
+  // bias_grad[j] = sum over rows i of c[i, j]. a [M, K], b [K, N] with Gemm's operand layouts;
+  // pre and c contiguous [M, N]; bias_grad contiguous [N]; one float dtype; K >= 1. In an MLP:
+  // a = dy of the second Linear, b its weight, pre the first Linear's pre-activation (GemmBias
+  // with gelu): c = the gradient of that pre-activation, bias_grad the first bias's gradient.
+  // This default is Gemm into a scratch (rounded to the dtype), UnaryBackward(kGelu), then
+  // Reduce, as the unfused ops would; CUDA does it in the matrix multiply's epilogue
+  // (cuBLASLt's DGELU_BGRAD: gelu' applied in float32 before the result's one rounding) where
+  // cuBLASLt takes the problem.
+  virtual absl::Status GemmDgelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& c,
+                                 const Tensor& bias_grad);
 
   // ---- Embedding ----
   // out[n, :] = weight[ids[n], :]. weight contiguous [V, C]; ids contiguous [N] int32/int64;

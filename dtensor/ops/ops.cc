@@ -987,6 +987,64 @@ absl::StatusOr<Tensor> LinearBias(const Tensor& x, const Tensor& w, const Tensor
   return out;
 }
 
+absl::StatusOr<Tensor> LinearWeightBiasGrad(const Tensor& dy, const Tensor& x, Tensor* db) {
+  constexpr const char* op = "LinearWeightBiasGrad";
+  if (db == nullptr) return InvalidArg(op, "db must not be null");
+  DT_RETURN_IF_ERROR(CheckDefined(op, dy, "dy"));
+  DT_RETURN_IF_ERROR(CheckDefined(op, x, "x"));
+  if (dy.dim() != 2 || x.dim() != 2) {
+    return InvalidArg(op, "expects dy [M, N] and x [M, K], got ", ShapeString(dy.shape()), " and ",
+                      ShapeString(x.shape()));
+  }
+  DT_ASSIGN_OR_RETURN(MatmulPlan p, PlanMatmul(op, dy, x, true, false));
+  if (dy.numel() == 0 || x.numel() == 0) {  // no rows, or an empty output: the unfused ops' zeros
+    DT_ASSIGN_OR_RETURN(*db, Sum(dy, {0}));
+    return Matmul(dy, x, true, false);
+  }
+  DT_ASSIGN_OR_RETURN(Tensor dw, Tensor::Empty(p.out_shape, dy.dtype(), dy.device()));
+  DT_ASSIGN_OR_RETURN(Tensor sums, Tensor::Empty({dy.size(1)}, dy.dtype(), dy.device()));
+  DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, dy));
+  DT_ASSIGN_OR_RETURN(Tensor a2, p.a3.Select(0, 0));
+  DT_ASSIGN_OR_RETURN(Tensor x2, p.b3.Select(0, 0));
+  DT_RETURN_IF_ERROR(PrefixStatus(op, k->GemmBiasGrad(a2, x2, dw, sums)));
+  *db = std::move(sums);
+  return dw;
+}
+
+absl::StatusOr<Tensor> LinearInputGradGelu(const Tensor& dy, const Tensor& w, const Tensor& pre, Tensor* db) {
+  constexpr const char* op = "LinearInputGradGelu";
+  if (db == nullptr) return InvalidArg(op, "db must not be null");
+  DT_RETURN_IF_ERROR(CheckDefined(op, dy, "dy"));
+  DT_RETURN_IF_ERROR(CheckDefined(op, w, "w"));
+  DT_RETURN_IF_ERROR(CheckDefined(op, pre, "pre"));
+  if (dy.dim() != 2 || w.dim() != 2 || pre.dim() != 2) {
+    return InvalidArg(op, "expects dy [M, N], w [N, K] and pre [M, K], got ", ShapeString(dy.shape()), ", ",
+                      ShapeString(w.shape()), " and ", ShapeString(pre.shape()));
+  }
+  DT_ASSIGN_OR_RETURN(MatmulPlan p, PlanMatmul(op, dy, w, false, false));
+  DT_RETURN_IF_ERROR(CheckSameDevice(op, dy, pre));
+  DT_RETURN_IF_ERROR(CheckSameDType(op, dy, pre));
+  if (pre.shape() != IntSpan(p.out_shape)) {
+    return InvalidArg(op, "pre ", ShapeString(pre.shape()), " does not fit dy ", ShapeString(dy.shape()), " w ",
+                      ShapeString(w.shape()), " (pre must be [M, K])");
+  }
+  if (pre.numel() == 0 || dy.size(1) == 0) {  // empty: the unfused ops
+    DT_ASSIGN_OR_RETURN(Tensor dh, Matmul(dy, w));
+    DT_ASSIGN_OR_RETURN(Tensor dpre, UnaryBackward(UnaryOp::kGelu, dh, pre));
+    DT_ASSIGN_OR_RETURN(*db, Sum(dpre, {0}));
+    return dpre;
+  }
+  DT_ASSIGN_OR_RETURN(Tensor cpre, Contiguous(pre));
+  DT_ASSIGN_OR_RETURN(Tensor dpre, Tensor::Empty(p.out_shape, dy.dtype(), dy.device()));
+  DT_ASSIGN_OR_RETURN(Tensor sums, Tensor::Empty({w.size(1)}, dy.dtype(), dy.device()));
+  DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, dy));
+  DT_ASSIGN_OR_RETURN(Tensor a2, p.a3.Select(0, 0));
+  DT_ASSIGN_OR_RETURN(Tensor w2, p.b3.Select(0, 0));
+  DT_RETURN_IF_ERROR(PrefixStatus(op, k->GemmDgelu(a2, w2, cpre, dpre, sums)));
+  *db = std::move(sums);
+  return dpre;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Embedding
 // ---------------------------------------------------------------------------------------------

@@ -143,6 +143,17 @@ absl::Status MatmulInto(const Tensor& a, const Tensor& b, const Tensor& out, boo
 // On the CPU the result equals Add(Matmul(x, w, false, true), bias) (then Gelu) bit for bit.
 absl::StatusOr<Tensor> LinearBias(const Tensor& x, const Tensor& w, const Tensor& bias, bool gelu = false,
                                   Tensor* pre = nullptr);
+// nn.Linear's weight and bias gradients from one matrix multiply (Kernels::GemmBiasGrad:
+// cuBLASLt's BGRADB epilogue on CUDA): dy [M, N], x [M, K] -> dw = dy^T x [N, K], and *db (not
+// null) receives the column sums of dy [N]. On the CPU equal to Matmul(dy, x, true, false) and
+// Sum(dy, {0}) bit for bit.
+absl::StatusOr<Tensor> LinearWeightBiasGrad(const Tensor& dy, const Tensor& x, Tensor* db);
+// The input gradient of nn.Linear through the GELU before it (an MLP's second Linear: its input
+// was gelu(pre)), with the first Linear's bias gradient (Kernels::GemmDgelu: cuBLASLt's
+// DGELU_BGRAD epilogue on CUDA): dy [M, N], w [N, K], pre [M, K] -> dpre = (dy w) * gelu'(pre)
+// [M, K] (tanh approximation), and *db (not null) receives the column sums of dpre [K]. On the
+// CPU equal to UnaryBackward(kGelu, Matmul(dy, w), pre) and Sum(dpre, {0}) bit for bit.
+absl::StatusOr<Tensor> LinearInputGradGelu(const Tensor& dy, const Tensor& w, const Tensor& pre, Tensor* db);
 
 // ---- Embedding ----
 // weight [V, C]; ids any shape, int32/int64 -> [*ids.shape, C]. Out-of-range ids -> error (CPU).

@@ -15,7 +15,8 @@
 //   selective:N     every Nth block (blocks i with (i + 1) % N == 0, TorchTitan's ac_freq;
 //                   "selective" is selective:2): the others keep all their activations.
 //   selective:op    every block, keeping the outputs of the matmuls (Linear with its fused
-//                   bias / bias + GELU, Matmul and the attention kernel: AcOptions::save_ops)
+//                   bias / bias + GELU, the fused MLP's output and pre-activation, Matmul and
+//                   the attention kernel: AcOptions::save_ops)
 //                   and recomputing only the cheap ops between them (layer norms, adds,
 //                   reshapes, dropout).
 // Losses and gradients are those of the model without checkpointing, bit for bit on the CPU
@@ -55,7 +56,8 @@ struct AcOptions {
   // kSelectiveLayer: checkpoint blocks i with (i + 1) % every == 0.
   int64_t every = 2;
   // kSelectiveOp: the dispatcher ops (OpDef names) whose outputs are kept.
-  std::vector<std::string> save_ops = {"linear", "linear_bias", "linear_bias_gelu", "matmul", "causal_attention"};
+  std::vector<std::string> save_ops = {"linear",   "linear_bias", "linear_bias_gelu",
+                                       "mlp_gelu", "matmul",      "causal_attention"};
 
   // "none", "full", "selective:N", "selective:op" (what ParseAcMode reads back).
   std::string ToString() const;

@@ -284,6 +284,36 @@ TEST(ActivationCheckpoint, SelectiveRebuildsTheFusedGeluFromItsPreActivation) {
   EXPECT_NE(full.grads[0], plain.grads[0]);
 }
 
+// The fused MLP (mlp_gelu) keeps its output and pre-activation, and its backward rebuilds
+// gelu(pre): the same gradients as without checkpointing, bit for bit, and neither matrix
+// multiply runs again (w_fc changed between forward and backward leaves the saved values alone;
+// full recomputation sees the new w_fc).
+TEST(ActivationCheckpoint, SelectiveKeepsTheFusedMlpsOutputAndPreActivation) {
+  auto run = [](int mode) {  // 0: no checkpoint, 1: full, 2: selective
+    Params p = MakeParams();
+    Variable w_proj = Variable::Leaf(testing::Random({kIn, kOut}, DType::kFloat32, 15), true, "w_proj");
+    Variable b_proj = Variable::Leaf(testing::Random({kIn}, DType::kFloat32, 16), true, "b_proj");
+    Variable x = Input();
+    CheckpointOptions o;
+    if (mode == 2) o.save_ops = {"mlp_gelu"};
+    auto fn = [&](const Variable& in) -> absl::StatusOr<Variable> {
+      DT_ASSIGN_OR_RETURN(Variable h, LayerNorm(in, p.g, p.b));
+      return MlpGelu(h, p.w, p.bias, w_proj, b_proj);
+    };
+    Variable y = mode == 0 ? Unwrap(fn(x)) : Unwrap(ActivationCheckpoint(fn, x, o));
+    EXPECT_TRUE(Fill_(p.w.value().local(), 0.25).ok());
+    Variable loss = Unwrap(Loss(y));
+    EXPECT_TRUE(Backward(loss).ok());
+    Grads g = Collect(loss, x, p);
+    g.grads.push_back(testing::Values(w_proj.grad().local()));
+    g.grads.push_back(testing::Values(b_proj.grad().local()));
+    return g;
+  };
+  const Grads plain = run(0), full = run(1), selective = run(2);
+  ExpectBitwise(selective, plain);
+  EXPECT_NE(full.grads[0], plain.grads[0]);
+}
+
 TEST(ActivationCheckpoint, SelectiveIsBitIdenticalWithEveryMatmulSaved) {
   const Grads want = Reference();
   Params p = MakeParams();

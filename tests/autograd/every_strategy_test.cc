@@ -276,6 +276,36 @@ std::vector<Case> LinearDwCases() {
   };
 }
 
+std::vector<Case> LinearDwBiasCases() {
+  return {
+      {"dy [5,7] x [5,10]", {Rand({5, 7}, 351), Rand({5, 10}, 352)}, {}},
+      {"dy [2,5,7] x [2,5,10]", {Rand({2, 5, 7}, 353), Rand({2, 5, 10}, 354)}, {}},
+      {"dy [5,3] x [5,6] (empty pieces)", {Rand({5, 3}, 355), Rand({5, 6}, 356)}, {}},
+  };
+}
+
+std::vector<Case> LinearDxGeluCases() {
+  return {
+      {"dy [5,7] w [7,10] pre [5,10]", {Rand({5, 7}, 361), Rand({7, 10}, 362), Rand({5, 10}, 363)}, {}},
+      {"dy [2,5,7] w [7,10] pre [2,5,10]", {Rand({2, 5, 7}, 364), Rand({7, 10}, 365), Rand({2, 5, 10}, 366)}, {}},
+      {"dy [5,3] w [3,6] pre [5,6] (empty pieces)", {Rand({5, 3}, 367), Rand({3, 6}, 368), Rand({5, 6}, 369)}, {}},
+  };
+}
+
+std::vector<Case> MlpGeluCases() {
+  return {
+      {"x [5,10] fc [12,10] proj [7,12]",
+       {Rand({5, 10}, 371), Rand({12, 10}, 372), Rand({12}, 373), Rand({7, 12}, 374), Rand({7}, 375)},
+       {}},
+      {"x [2,5,10] fc [12,10] proj [7,12]",
+       {Rand({2, 5, 10}, 376), Rand({12, 10}, 377), Rand({12}, 378), Rand({7, 12}, 379), Rand({7}, 380)},
+       {}},
+      {"x [5,6] fc [3,6] proj [4,3] (empty pieces)",
+       {Rand({5, 6}, 381), Rand({3, 6}, 382), Rand({3}, 383), Rand({4, 3}, 384), Rand({4}, 385)},
+       {}},
+  };
+}
+
 std::vector<Case> MatmulCases() {
   return {
       {"[5,4] x [4,3]", {Rand({5, 4}, 161), Rand({4, 3}, 162)}, Args({0, 0})},
@@ -565,6 +595,9 @@ const OpSpec kSpecs[] = {
     {"LinearBiasGelu", op_defs::LinearBiasGelu, LinearBiasGeluCases},
     {"LinearDx", op_defs::LinearDx, LinearDxCases},
     {"LinearDw", op_defs::LinearDw, LinearDwCases},
+    {"LinearDwBias", op_defs::LinearDwBias, LinearDwBiasCases},
+    {"LinearDxGelu", op_defs::LinearDxGelu, LinearDxGeluCases},
+    {"MlpGelu", op_defs::MlpGelu, MlpGeluCases},
     {"Matmul", op_defs::Matmul, MatmulCases},
     {"LayerNorm", op_defs::LayerNorm, LayerNormCases},
     {"LayerNormBackward", op_defs::LayerNormBackward, LayerNormBackwardCases},
@@ -612,7 +645,7 @@ INSTANTIATE_TEST_SUITE_P(OpDefs, EveryStrategy, ::testing::Range(0, kNumSpecs),
                          [](const ::testing::TestParamInfo<int>& info) { return kSpecs[info.param].test_name; });
 
 TEST(EveryStrategyTable, CoversEveryOpDefOnce) {
-  EXPECT_EQ(kNumSpecs, 32);
+  EXPECT_EQ(kNumSpecs, 35);
   for (int i = 0; i < kNumSpecs; ++i) {
     for (int j = 0; j < i; ++j) {
       EXPECT_NE(&kSpecs[i].op(), &kSpecs[j].op()) << kSpecs[i].test_name << " and " << kSpecs[j].test_name;

@@ -643,6 +643,102 @@ TEST(CudaKernelsTest, GemmBiasMatchesCpu) {
   }
 }
 
+// |gpu - cpu| <= tol.rtol * |cpu| + tol.atol + slack * mag[i] for every element: sums whose
+// terms the two backends round differently (mag[i]: the sum of the terms' magnitudes).
+void ExpectSumNear(const Pair& p, const std::vector<double>& mag, Tolerance tol, double slack,
+                   const std::string& what) {
+  const std::vector<double> g = Vals(p.gpu), c = Vals(p.cpu);
+  ASSERT_EQ(g.size(), c.size()) << what;
+  int bad = 0;
+  for (size_t i = 0; i < g.size(); ++i) {
+    if (!(std::fabs(g[i] - c[i]) <= tol.rtol * std::fabs(c[i]) + tol.atol + slack * mag[i]) && bad++ < 5) {
+      ADD_FAILURE() << what << ": element " << i << " is " << g[i] << " on the GPU, " << c[i] << " on the CPU";
+    }
+  }
+}
+
+// Per column j of a row-major [rows, cols] tensor: the sum of |t[:, j]|.
+std::vector<double> ColumnMagnitudes(const Tensor& t) {
+  const std::vector<double> v = Vals(t);
+  const int64_t rows = t.size(0), cols = t.size(1);
+  std::vector<double> mag(static_cast<size_t>(cols), 0.0);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < cols; ++j) mag[static_cast<size_t>(j)] += std::fabs(v[static_cast<size_t>(r * cols + j)]);
+  }
+  return mag;
+}
+
+// The rounding step of `d` (float32: 2^-24; bfloat16: 2^-8; float16: 2^-11), for ExpectSumNear.
+double Ulp(DType d) { return d == DType::kBFloat16 ? 0x1p-8 : d == DType::kFloat16 ? 0x1p-11 : 0x1p-24; }
+
+// GemmBiasGrad (cuBLASLt's BGRADB epilogue: nn.Linear's weight gradient dy^T x with the bias
+// gradient, the column sums of dy, from one matrix multiply; the unfused fallback where
+// cuBLASLt declines) against the CPU's Gemm + Reduce. dw within the GEMM tolerances
+// (float32 1e-4, bfloat16 2e-2, float16 4e-3 relative and absolute); db within those plus one
+// rounding step of the dtype times the sum of |dy| over the column (the backends may sum the
+// M rows in another order).
+TEST(CudaKernelsTest, GemmBiasGradMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  struct Case {
+    int64_t rows, out, in;
+  };
+  const Case cases[] = {{1, 8, 8}, {5, 3, 7}, {256, 768, 3072}, {130, 2304, 768}, {512, 3072, 768}};
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    const Tolerance tol = d == DType::kFloat32 ? kF32Sum : testing::Tol(d);
+    for (const Case& c : cases) {
+      for (Layout ldy : {Layout::kRowMajor, Layout::kTransposed}) {
+        const std::string what = absl::StrCat("gemm_bias_grad ", Name(d), " rows", c.rows, " out", c.out, " in", c.in,
+                                              " dy layout ", static_cast<int>(ldy));
+        const Pair dy3 = GemmOperand(1, c.rows, c.out, d, ldy, 61);
+        const Pair x3 = GemmOperand(1, c.rows, c.in, d, Layout::kRowMajor, 62);
+        // a = dy^T [out, rows] (a transposed view of a row-major dy), b = x [rows, in].
+        const Pair a = {Unwrap(Unwrap(dy3.cpu.Select(0, 0)).Transpose(0, 1)),
+                        Unwrap(Unwrap(dy3.gpu.Select(0, 0)).Transpose(0, 1))};
+        const Pair b = {Unwrap(x3.cpu.Select(0, 0)), Unwrap(x3.gpu.Select(0, 0))};
+        const Pair dw = EmptyBoth({c.out, c.in}, d), db = EmptyBoth({c.out}, d);
+        for (int side : {0, 1}) {
+          ExpectOk((side ? Gpu() : Cpu())->GemmBiasGrad(a[side], b[side], dw[side], db[side]), what);
+        }
+        ExpectSame(dw, tol, what + " dw");
+        const Tensor dy_cpu = Unwrap(Contiguous(Unwrap(dy3.cpu.Select(0, 0))));
+        ExpectSumNear(db, ColumnMagnitudes(dy_cpu), tol, Ulp(d), what + " db");
+      }
+    }
+  }
+}
+
+// GemmDgelu (cuBLASLt's DGELU_BGRAD epilogue: an MLP's pre-activation gradient
+// (dy w) * gelu'(pre) and its column sums from c_proj's input-gradient matrix multiply; the
+// unfused fallback where cuBLASLt declines: a pre-activation width not a multiple of 8) against
+// the CPU's Gemm + UnaryBackward + Reduce. The fused path multiplies by gelu' before its one
+// rounding (the CPU rounds the product first), so bfloat16 / float16 may differ by an ulp or
+// two: dpre within the GEMM tolerances; db as GemmBiasGrad's (the sum of |dpre| per column).
+TEST(CudaKernelsTest, GemmDgeluMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  struct Case {
+    int64_t rows, out, hidden;  // dy [rows, out], w [out, hidden], pre [rows, hidden]
+  };
+  const Case cases[] = {{1, 8, 8}, {5, 3, 7}, {64, 768, 3072}, {130, 768, 3072}, {256, 1024, 4096}};
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    const Tolerance tol = d == DType::kFloat32 ? kF32Sum : testing::Tol(d);
+    for (const Case& c : cases) {
+      const std::string what =
+          absl::StrCat("gemm_dgelu ", Name(d), " rows", c.rows, " out", c.out, " hidden", c.hidden);
+      const Pair a3 = GemmOperand(1, c.rows, c.out, d, Layout::kRowMajor, 71);
+      const Pair b3 = GemmOperand(1, c.out, c.hidden, d, Layout::kRowMajor, 72);  // w [out, hidden], as Linear's dx
+      const Pair a = {Unwrap(a3.cpu.Select(0, 0)), Unwrap(a3.gpu.Select(0, 0))};
+      const Pair b = {Unwrap(b3.cpu.Select(0, 0)), Unwrap(b3.gpu.Select(0, 0))};
+      const Pair pre = RandomBoth({c.rows, c.hidden}, d, 73, -3.0, 3.0);
+      const Pair dpre = EmptyBoth({c.rows, c.hidden}, d), db = EmptyBoth({c.hidden}, d);
+      for (int side : {0, 1}) {
+        ExpectOk((side ? Gpu() : Cpu())->GemmDgelu(a[side], b[side], pre[side], dpre[side], db[side]), what);
+      }
+      ExpectSame(dpre, tol, what + " dpre");
+      ExpectSumNear(db, ColumnMagnitudes(dpre.cpu), tol, 2 * Ulp(d), what + " db");
+    }
+  }
+}
+
 TEST(CudaKernelsTest, EmbeddingMatchesCpuAndZeroesOutOfRangeIds) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
   const int64_t v = 11, c = 7;

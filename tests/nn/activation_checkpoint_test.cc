@@ -302,8 +302,10 @@ TEST(AcMemory, PeakFallsNoneSelectiveFull) {
   EXPECT_GT(layer, full);
   EXPECT_GT(none, op);
   EXPECT_GT(op, full);
-  // Full keeps one [B, T, C] input per block instead of every activation: well under half.
-  EXPECT_LT(2 * full, none) << "none " << none << ", full " << full;
+  // Full keeps one [B, T, C] input per block instead of every activation: well under 60%
+  // (without checkpointing the MLP keeps its pre-activation but not gelu of it, which its
+  // backward rebuilds, so "none" keeps [B, T, 4C] less per block than a plain Linear + GELU).
+  EXPECT_LT(5 * full, 3 * none) << "none " << none << ", full " << full;
   std::printf("peak step bytes: none %lld, selective:op %lld, selective:2 %lld, full %lld\n",
               static_cast<long long>(none), static_cast<long long>(op), static_cast<long long>(layer),
               static_cast<long long>(full));

@@ -1,8 +1,13 @@
 // Module bookkeeping and hooks, DistributeModule, and the optimizers/gradient utilities against
 // naive references (single-rank values, hand-written update rules).
 #include <cmath>
+#include <optional>
+#include <set>
+#include <string>
 #include <thread>
+#include <vector>
 
+#include "dtensor/autograd/dispatch.h"
 #include "dtensor/autograd/ops.h"
 #include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/nn/gpt.h"
@@ -73,6 +78,63 @@ TEST(ModuleTest, BackwardAfterTheModuleIsGoneIsAnError) {
   const absl::Status s = Backward(loss);
   EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
   EXPECT_EQ(ran, 0);
+}
+
+// Records the name of every dispatcher op this thread runs while installed.
+class OpLog : public internal::DispatchObserver {
+ public:
+  OpLog() : prev_(internal::SetDispatchObserver(this)) {}
+  ~OpLog() override { internal::SetDispatchObserver(prev_); }
+  absl::StatusOr<std::optional<std::vector<Value>>> Replace(const OpDef&, absl::Span<const Value>,
+                                                            const OpArgs&) override {
+    return std::optional<std::vector<Value>>();
+  }
+  void Ran(const OpDef& op, absl::Span<const Value>, const OpArgs&, const std::vector<Value>&) override {
+    names.insert(op.name);
+  }
+  std::set<std::string> names;
+
+ private:
+  internal::DispatchObserver* prev_;
+};
+
+// MLP runs as one op (mlp_gelu, its backward through linear_dx_gelu and linear_dw_bias) when
+// its Linears have no hooks, and through the Linears' own Forwards (and hooks) when one has:
+// the same output and gradients either way, bit for bit.
+TEST(ModuleTest, MlpFusesItsLinearsOnlyWithoutHooks) {
+  nn::MLP mlp(8);
+  std::vector<std::pair<std::string, Tensor>> sd;
+  uint64_t seed = 30;
+  for (auto& [name, p] : mlp.NamedParameters()) {
+    sd.emplace_back(name, testing::Random(p->value().shape(), DType::kFloat32, seed++));
+  }
+  ASSERT_TRUE(mlp.LoadStateDict(sd).ok());
+  const Tensor x = testing::Random({2, 3, 8}, DType::kFloat32, 40);
+  auto run = [&](std::set<std::string>* ops) {
+    for (Variable* p : mlp.Parameters()) p->reset_grad();
+    std::vector<std::vector<double>> out;
+    OpLog log;
+    Variable y = Unwrap(mlp.Forward(Variable::Constant(Value(x))));
+    EXPECT_TRUE(Backward(Unwrap(Sum(Unwrap(Mul(y, y))))).ok());
+    out.push_back(testing::Values(y.value().local()));
+    for (Variable* p : mlp.Parameters()) out.push_back(testing::Values(p->grad().local()));
+    *ops = log.names;
+    return out;
+  };
+  std::set<std::string> fused_ops, hooked_ops;
+  const auto fused = run(&fused_ops);
+  EXPECT_TRUE(fused_ops.count("mlp_gelu") && fused_ops.count("linear_dx_gelu") && fused_ops.count("linear_dw_bias"));
+  EXPECT_FALSE(fused_ops.count("linear_bias_gelu") || fused_ops.count("linear_bias"));
+  int calls = 0;
+  auto* c_fc = dynamic_cast<nn::Linear*>(mlp.NamedModules()[1].second);
+  ASSERT_NE(c_fc, nullptr);
+  ASSERT_EQ(mlp.NamedModules()[1].first, "c_fc");
+  c_fc->RegisterForwardPreHook([&](nn::Module&) { return ++calls, absl::OkStatus(); });
+  const auto hooked = run(&hooked_ops);
+  EXPECT_EQ(calls, 1);
+  EXPECT_TRUE(hooked_ops.count("linear_bias_gelu") && hooked_ops.count("linear_bias"));
+  EXPECT_FALSE(hooked_ops.count("mlp_gelu"));
+  EXPECT_EQ(fused, hooked);
 }
 
 TEST(OptimTest, AdamWAndSgdMatchTheirFormulas) {

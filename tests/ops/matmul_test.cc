@@ -285,5 +285,90 @@ TEST(CpuLinearBiasTest, StridedInputsEmptyProductsAndErrors) {
   EXPECT_NE(three_d.message().find("[LinearBias]"), std::string::npos) << three_d;
 }
 
+// LinearWeightBiasGrad (Kernels::GemmBiasGrad) and LinearInputGradGelu (Kernels::GemmDgelu), the
+// backward products with their bias gradients: against float64 references, and bit for bit
+// against the unfused ops they replace on the CPU.
+TEST(CpuLinearBiasGradTest, MatchesReferenceAndTheUnfusedOps) {
+  for (DType d : kFloatTypes) {
+    for (const auto& [m, k, n] : {std::tuple<int64_t, int64_t, int64_t>{5, 7, 3}, {64, 48, 40}, {1, 1, 1}}) {
+      const std::string what = What(d, m, k, n, true, false);
+      // Weight and bias gradients: dy [m, n], x [m, k] -> dw [n, k], db [n].
+      const Tensor dy = testing::Random({m, n}, d, 31), x = testing::Random({m, k}, d, 32);
+      Tensor db;
+      const Tensor dw = Unwrap(LinearWeightBiasGrad(dy, x, &db));
+      const std::vector<double> dyv = testing::Values(dy), xv = testing::Values(x);
+      std::vector<double> dyt(dyv.size());
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < n; ++j) dyt[static_cast<size_t>(j * m + i)] = dyv[static_cast<size_t>(i * n + j)];
+      }
+      ExpectGemmNear(testing::Values(dw), Reference(dyt, xv, 1, 1, n, m, k), d, what + " dw");
+      std::vector<double> ones(static_cast<size_t>(m), 1.0);
+      ExpectGemmNear(testing::Values(db), Reference(dyt, ones, 1, 1, n, m, 1), d, what + " db");
+      EXPECT_EQ(testing::Values(dw), testing::Values(Unwrap(Matmul(dy, x, true, false)))) << what;
+      EXPECT_EQ(testing::Values(db), testing::Values(Unwrap(Sum(dy, {0})))) << what;
+
+      // Through GELU: dy [m, n], w [n, k], pre [m, k] -> dpre [m, k], db [k].
+      const Tensor w = testing::Random({n, k}, d, 33), pre = testing::Random({m, k}, d, 34);
+      Tensor dbg;
+      const Tensor dpre = Unwrap(LinearInputGradGelu(dy, w, pre, &dbg));
+      RefGemm ref = Reference(dyv, testing::Values(w), 1, 1, m, n, k);
+      const std::vector<double> pv = testing::Values(pre);
+      for (size_t i = 0; i < ref.c.size(); ++i) {
+        const double v = pv[i], c = 0.7978845608028654, u = c * (v + 0.044715 * v * v * v);
+        const double t = std::tanh(u);
+        const double dg = 0.5 * (1 + t) + 0.5 * v * (1 - t * t) * c * (1 + 3 * 0.044715 * v * v);
+        ref.c[i] *= dg;
+        ref.mag[i] *= std::fabs(dg) + 1e-3;  // + the product's rounding before the multiply
+      }
+      const double rtol = d == DType::kFloat32 ? 2e-5 : 3 * testing::Tol(d).rtol;
+      const std::vector<double> got = testing::Values(dpre);
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_LE(std::fabs(got[i] - ref.c[i]), rtol * ref.mag[i] + 1e-6) << what << " dpre element " << i;
+      }
+      const Tensor unfused = Unwrap(UnaryBackward(UnaryOp::kGelu, Unwrap(Matmul(dy, w)), pre));
+      EXPECT_EQ(got, testing::Values(unfused)) << what;
+      EXPECT_EQ(testing::Values(dbg), testing::Values(Unwrap(Sum(unfused, {0})))) << what;
+    }
+  }
+}
+
+TEST(CpuLinearBiasGradTest, StridedInputsEmptyProductsAndErrors) {
+  // Non-contiguous dy and x (transposed views): the same as the unfused ops.
+  const Tensor dyt = Unwrap(testing::Random({3, 4}, DType::kFloat32, 41).Transpose(0, 1));  // [4, 3]
+  const Tensor xt = Unwrap(testing::Random({6, 4}, DType::kFloat32, 42).Transpose(0, 1));   // [4, 6]
+  Tensor db;
+  EXPECT_EQ(testing::Values(Unwrap(LinearWeightBiasGrad(dyt, xt, &db))),
+            testing::Values(Unwrap(Matmul(dyt, xt, true, false))));
+  EXPECT_EQ(testing::Values(db), testing::Values(Unwrap(Sum(dyt, {0}))));
+  const Tensor w = testing::Random({3, 6}, DType::kFloat32, 43);
+  const Tensor pret = Unwrap(testing::Random({6, 4}, DType::kFloat32, 44).Transpose(0, 1));  // [4, 6]
+  const Tensor dpre = Unwrap(LinearInputGradGelu(dyt, w, pret, &db));
+  const Tensor unfused = Unwrap(UnaryBackward(UnaryOp::kGelu, Unwrap(Matmul(dyt, w)), pret));
+  EXPECT_EQ(testing::Values(dpre), testing::Values(unfused));
+  EXPECT_EQ(testing::Values(db), testing::Values(Unwrap(Sum(unfused, {0}))));
+  // No rows: zeros; an empty contraction (N = 0): zeros.
+  const Tensor dy0 = Unwrap(Zeros({0, 3}, DType::kFloat32)), x0 = Unwrap(Zeros({0, 6}, DType::kFloat32));
+  const Tensor dw0 = Unwrap(LinearWeightBiasGrad(dy0, x0, &db));
+  EXPECT_EQ(testing::Values(dw0), std::vector<double>(18, 0.0));
+  EXPECT_EQ(testing::Values(db), std::vector<double>(3, 0.0));
+  const Tensor dyn = Unwrap(Zeros({4, 0}, DType::kFloat32)), wn = Unwrap(Zeros({0, 6}, DType::kFloat32));
+  EXPECT_EQ(testing::Values(Unwrap(LinearInputGradGelu(dyn, wn, pret, &db))), std::vector<double>(24, 0.0));
+  EXPECT_EQ(testing::Values(db), std::vector<double>(6, 0.0));
+  // Errors name the op and the offending shapes.
+  const absl::Status rows = LinearWeightBiasGrad(dyt, testing::Random({5, 6}, DType::kFloat32, 45), &db).status();
+  EXPECT_EQ(rows.code(), absl::StatusCode::kInvalidArgument) << rows;
+  EXPECT_NE(rows.message().find("[LinearWeightBiasGrad]"), std::string::npos) << rows;
+  EXPECT_EQ(LinearWeightBiasGrad(dyt, xt, nullptr).status().code(), absl::StatusCode::kInvalidArgument);
+  const absl::Status bad_pre = LinearInputGradGelu(dyt, w, testing::Random({4, 5}, DType::kFloat32, 46), &db).status();
+  EXPECT_EQ(bad_pre.code(), absl::StatusCode::kInvalidArgument) << bad_pre;
+  EXPECT_NE(bad_pre.message().find("[4, 5]"), std::string::npos) << bad_pre;
+  const absl::Status bad_dtype =
+      LinearInputGradGelu(dyt, w, testing::Random({4, 6}, DType::kBFloat16, 47), &db).status();
+  EXPECT_EQ(bad_dtype.code(), absl::StatusCode::kInvalidArgument) << bad_dtype;
+  const absl::Status three_d =
+      LinearInputGradGelu(testing::Random({2, 4, 3}, DType::kFloat32, 48), w, pret, &db).status();
+  EXPECT_EQ(three_d.code(), absl::StatusCode::kInvalidArgument) << three_d;
+}
+
 }  // namespace
 }  // namespace dtensor

@@ -4,9 +4,9 @@
 //   lt->matmul(handle, desc, &alpha, a, a_layout, ...);
 //
 // As cuBLAS (cublas_api.h): the cuda component links no cuBLASLt; the first matrix multiply with
-// an epilogue (Kernels::GemmBias) loads libcublasLt.so.<major> and resolves the functions below,
-// or fails naming the library, and GemmBias then runs unfused. Each pointer's type is the
-// header's declaration.
+// an epilogue (Kernels::GemmBias, GemmBiasGrad, GemmDgelu) loads libcublasLt.so.<major> and
+// resolves the functions below, or fails naming the library, and those then run unfused. Each
+// pointer's type is the header's declaration.
 #ifndef DTENSOR_KERNELS_CUDA_CUBLASLT_API_H_
 #define DTENSOR_KERNELS_CUDA_CUBLASLT_API_H_
 

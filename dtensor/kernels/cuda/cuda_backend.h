@@ -38,6 +38,9 @@ class CudaBackend final : public Kernels {
   absl::Status Gemm(const Tensor& a, const Tensor& b, const Tensor& c, float alpha, float beta) override;
   absl::Status GemmBias(const Tensor& a, const Tensor& b, const Tensor& bias, bool gelu, const Tensor& c,
                         const Tensor& pre) override;
+  absl::Status GemmBiasGrad(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& bias_grad) override;
+  absl::Status GemmDgelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& c,
+                         const Tensor& bias_grad) override;
   absl::Status Embedding(const Tensor& weight, const Tensor& ids, const Tensor& out) override;
   absl::Status EmbeddingBackward(const Tensor& dout, const Tensor& ids, const Tensor& dweight) override;
   absl::Status CrossEntropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index, const Tensor& losses,
@@ -61,6 +64,10 @@ class CudaBackend final : public Kernels {
   absl::Status Synchronize() override;
 
  private:
+  // c = a @ b on cuBLASLt with `epilogue` (gemm.cc): true when it ran, false when cuBLASLt is
+  // missing or declines the problem (the caller then runs Kernels' unfused default).
+  absl::StatusOr<bool> LtMatmul(const char* op, const Tensor& a, const Tensor& b, const Tensor& c, int epilogue,
+                                const void* bias, const void* aux);
   int index_;
 };
 

@@ -9,15 +9,19 @@
 // (e.g. a stride-0 row dim) is first packed into a contiguous scratch. Batch strides pass
 // through as they are (0 broadcasts).
 //
-// GemmBias (nn.Linear's forward with its bias, or bias + GELU) runs on cuBLASLt with the
-// CUBLASLT_EPILOGUE_BIAS / GELU_AUX_BIAS epilogues, in the same column-major terms (the bias is a
-// vector over the rows of cuBLAS's D, which are our columns); the pre-GELU values go to the
-// epilogue's aux matrix. Per (thread, device): a cuBLASLt handle, a 32 MiB workspace from
-// dtensor's allocator, and the chosen algorithm per problem (shapes, layouts, dtype, epilogue
-// and the pointers' alignments), so cuBLASLt's heuristic runs once per problem. Where cuBLASLt
-// is missing or declines a problem (no algorithm, an aux leading dim not a multiple of 8, a
-// batched operand), GemmBias falls back to Kernels' default: Gemm, then the bias and GELU
-// kernels.
+// The GEMMs with an epilogue run on cuBLASLt (LtMatmul), in the same column-major terms: D = c^T
+// is [N, M], cuBLAS's A is our b and its B our a.
+//   GemmBias      CUBLASLT_EPILOGUE_BIAS / GELU_AUX_BIAS: the bias is a vector over D's rows
+//                 (our columns); the pre-GELU values go to the aux matrix (laid out as D, ld N).
+//   GemmBiasGrad  CUBLASLT_EPILOGUE_BGRADB: the sums of cuBLAS's B (our a = dy^T) over the k
+//                 dimension, one per column of D (our rows of c = dW): db.
+//   GemmDgelu     CUBLASLT_EPILOGUE_DGELU_BGRAD: the product times gelu'(aux) (aux = pre, laid
+//                 out as D, ld N), and its sums over D's columns (our rows), one per row of D: db.
+// Per (thread, device): a cuBLASLt handle, a 32 MiB workspace from dtensor's allocator, and the
+// chosen algorithm per problem (shapes, layouts, dtype, epilogue and the pointers' alignments),
+// so cuBLASLt's heuristic runs once per problem. Where cuBLASLt is missing or declines a problem
+// (no algorithm, an aux leading dim not a multiple of 8, a size over 32 bits), each falls back
+// to Kernels' unfused default (Gemm, then the bias / GELU / reduction kernels).
 //
 // cuBLAS is loaded on first use (cublas_api.h). One handle per (thread, device), created on first use, bound to the
 // thread's stream (cudaStreamPerThread) and destroyed when the thread exits.
@@ -127,7 +131,7 @@ absl::Status MakeOperand(const Tensor& x, int device, Operand* o) {
   return absl::OkStatus();
 }
 
-// ---- cuBLASLt (GemmBias) ----
+// ---- cuBLASLt (GemmBias, GemmBiasGrad, GemmDgelu) ----
 
 // One problem's cuBLASLt objects and chosen algorithm (pointers are set per call).
 struct LtPlan {
@@ -135,7 +139,7 @@ struct LtPlan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo = {};
-  bool usable = false;  // false: cuBLASLt declined; GemmBias runs unfused
+  bool usable = false;  // false: cuBLASLt declined; the caller runs unfused
   ~LtPlan() {
     if (lt == nullptr) return;
     if (desc != nullptr) lt->desc_destroy(desc);
@@ -145,8 +149,13 @@ struct LtPlan {
   }
 };
 
-// (m, n, k, trans a, trans b, ld a, ld b, dtype, gelu, alignments of a, b, d, bias, aux)
-using LtKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int, bool, int, int, int, int, int>;
+// (m, n, k, trans a, trans b, ld a, ld b, dtype, epilogue, alignments of a, b, d, bias, aux)
+using LtKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, int64_t, int64_t, int, int, int, int, int, int, int>;
+
+// Whether `epilogue` reads or writes the aux matrix (the pre-GELU values, [n, m] with ld n).
+bool HasAux(cublasLtEpilogue_t epilogue) {
+  return epilogue == CUBLASLT_EPILOGUE_GELU_AUX_BIAS || epilogue == CUBLASLT_EPILOGUE_DGELU_BGRAD;
+}
 
 // This thread's cuBLASLt state for one device.
 struct LtState {
@@ -173,13 +182,13 @@ int Alignment(const void* p) {
 absl::StatusOr<LtState*> ThreadLt(int device) {
   thread_local std::array<std::unique_ptr<LtState>, kMaxDevices> states;
   if (device < 0 || device >= kMaxDevices) {
-    return absl::InvalidArgumentError(absl::StrCat("[GemmBias] cuda:", device, " is outside [0, ", kMaxDevices, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("[LtMatmul] cuda:", device, " is outside [0, ", kMaxDevices, ")"));
   }
   std::unique_ptr<LtState>& st = states[static_cast<size_t>(device)];
   if (!st) {
     auto fresh = std::make_unique<LtState>();
     DT_ASSIGN_OR_RETURN(fresh->lt, CublasLt());
-    DT_RETURN_IF_ERROR(ToStatus(fresh->lt->create(&fresh->handle), "GemmBias", device));
+    DT_RETURN_IF_ERROR(ToStatus(fresh->lt->create(&fresh->handle), "LtMatmul", device));
     DT_ASSIGN_OR_RETURN(fresh->workspace, Tensor::Empty({static_cast<int64_t>(kLtWorkspaceBytes / 4)}, DType::kInt32,
                                                         Device::Cuda(device)));
     st = std::move(fresh);
@@ -190,24 +199,24 @@ absl::StatusOr<LtState*> ThreadLt(int device) {
 // Makes the plan for a problem: descriptors, then cuBLASLt's best algorithm (usable stays false
 // when there is none).
 absl::Status MakeLtPlan(const LtState& st, int device, const Operand& oa, const Operand& ob, int64_t m, int64_t n,
-                        int64_t k, cudaDataType_t type, bool gelu, const void* a_ptr, const void* b_ptr,
-                        const void* d_ptr, const void* bias, const void* aux, LtPlan* plan) {
+                        int64_t k, cudaDataType_t type, cublasLtEpilogue_t epilogue, const void* a_ptr,
+                        const void* b_ptr, const void* d_ptr, const void* bias, const void* aux, LtPlan* plan) {
   const CublasLtApi* lt = st.lt;
   plan->lt = lt;
-  auto ok = [&](cublasStatus_t s) { return ToStatus(s, "GemmBias", device); };
+  auto ok = [&](cublasStatus_t s) { return ToStatus(s, "LtMatmul", device); };
   DT_RETURN_IF_ERROR(ok(lt->desc_create(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F)));
   // cuBLAS's A is our b (N x K after op), its B our a (K x M after op), D is N x M (ld N).
   const cublasOperation_t ta = ob.layout.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t tb = oa.layout.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
   DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta))));
   DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb))));
-  const cublasLtEpilogue_t epilogue = gelu ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_BIAS;
   DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue))));
+  // The bias (or bias gradient) vector is of the output's type.
   const int32_t bias_type = type;
   DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type))));
-  // The heuristic reads the alignment of these pointers (GemmBias sets them again per call).
+  // The heuristic reads the alignment of these pointers (LtMatmul sets them again per call).
   DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias))));
-  if (gelu) {
+  if (HasAux(epilogue)) {  // the aux matrix is laid out as D: n rows (our columns), ld n
     const int64_t aux_ld = n;
     DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux))));
     DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &aux_ld, sizeof(aux_ld))));
@@ -235,7 +244,12 @@ absl::Status MakeLtPlan(const LtState& st, int device, const Operand& oa, const 
     s = lt->heuristic(st.handle, plan->desc, plan->a, plan->b, plan->d, plan->d, pref, 1, &result, &found);
   }
   lt->pref_destroy(pref);
-  // NOT_SUPPORTED or no algorithm: cuBLASLt declines; anything else is an error.
+  // NOT_SUPPORTED or no algorithm: cuBLASLt declines; anything else is an error, except that
+  // the gradient epilogues' support depends on the operands' transposes, and a combination
+  // cuBLASLt lacks may be answered with INVALID_VALUE (a precaution, not seen on a GPU yet):
+  // those run unfused rather than fail the backward pass.
+  const bool grad_epilogue = epilogue == CUBLASLT_EPILOGUE_BGRADB || epilogue == CUBLASLT_EPILOGUE_DGELU_BGRAD;
+  if (grad_epilogue && s == CUBLAS_STATUS_INVALID_VALUE) s = CUBLAS_STATUS_NOT_SUPPORTED;
   if (s != CUBLAS_STATUS_SUCCESS && s != CUBLAS_STATUS_NOT_SUPPORTED) return ok(s);
   if (s == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
     plan->algo = result.algo;
@@ -245,6 +259,59 @@ absl::Status MakeLtPlan(const LtState& st, int device, const Operand& oa, const 
 }
 
 }  // namespace
+
+absl::StatusOr<bool> CudaBackend::LtMatmul(const char* op, const Tensor& a, const Tensor& b, const Tensor& c,
+                                           int epilogue_value, const void* bias, const void* aux) {
+  const auto epilogue = static_cast<cublasLtEpilogue_t>(epilogue_value);
+  const int64_t m = c.size(0), n = c.size(1), k = a.size(1);
+  if (m == 0 || n == 0 || k == 0 || m > INT_MAX || n > INT_MAX || k > INT_MAX) return false;
+  // The aux leading dim (n) must be a multiple of 8 (cublasLt.h, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD).
+  if (HasAux(epilogue) && n % 8 != 0) return false;
+  DeviceGuard guard(index_);
+  if (!guard.ok()) return ToStatus(guard.error(), op, index_);
+  absl::StatusOr<LtState*> st = ThreadLt(index_);
+  if (!st.ok()) return false;  // no cuBLASLt: unfused
+  DT_ASSIGN_OR_RETURN(Tensor a3, a.Unsqueeze(0));
+  DT_ASSIGN_OR_RETURN(Tensor b3, b.Unsqueeze(0));
+  Operand oa, ob;
+  DT_RETURN_IF_ERROR(MakeOperand(a3, index_, &oa));
+  DT_RETURN_IF_ERROR(MakeOperand(b3, index_, &ob));
+  if (oa.layout.ld > INT_MAX || ob.layout.ld > INT_MAX) return false;
+  const cudaDataType_t type = CudaType(c.dtype());
+  const LtKey key{m,
+                  n,
+                  k,
+                  oa.layout.trans,
+                  ob.layout.trans,
+                  oa.layout.ld,
+                  ob.layout.ld,
+                  static_cast<int>(type),
+                  static_cast<int>(epilogue),
+                  Alignment(oa.data),
+                  Alignment(ob.data),
+                  Alignment(c.raw_data()),
+                  Alignment(bias),
+                  HasAux(epilogue) ? Alignment(aux) : 0};
+  std::unique_ptr<LtPlan>& plan = (*st)->plans[key];
+  if (!plan) {
+    auto fresh = std::make_unique<LtPlan>();
+    DT_RETURN_IF_ERROR(MakeLtPlan(**st, index_, oa, ob, m, n, k, type, epilogue, oa.data, ob.data, c.raw_data(), bias,
+                                  aux, fresh.get()));
+    plan = std::move(fresh);
+  }
+  if (!plan->usable) return false;
+  const CublasLtApi* lt = (*st)->lt;
+  auto ok = [&](cublasStatus_t s) { return ToStatus(s, op, index_); };
+  DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias))));
+  if (HasAux(epilogue)) {
+    DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux))));
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  DT_RETURN_IF_ERROR(ok(lt->matmul((*st)->handle, plan->desc, &alpha, ob.data, plan->a, oa.data, plan->b, &beta,
+                                   c.raw_data(), plan->d, c.raw_data(), plan->d, &plan->algo,
+                                   (*st)->workspace.raw_data(), kLtWorkspaceBytes, cudaStreamPerThread)));
+  return true;
+}
 
 absl::Status CudaBackend::GemmBias(const Tensor& a, const Tensor& b, const Tensor& bias, bool gelu, const Tensor& c,
                                    const Tensor& pre) {
@@ -259,56 +326,59 @@ absl::Status CudaBackend::GemmBias(const Tensor& a, const Tensor& b, const Tenso
     return InvalidArg(op, "shapes do not match: a ", ShapeString(a.shape()), ", b ", ShapeString(b.shape()), ", bias ",
                       ShapeString(bias.shape()), ", c ", ShapeString(c.shape()));
   }
-  if (m == 0 || n == 0 || k == 0 || !IsComputeFloat(c.dtype()) || a.dtype() != c.dtype() || b.dtype() != c.dtype() ||
-      bias.dtype() != c.dtype() || !c.is_contiguous() || !bias.is_contiguous() ||
-      (gelu && (!pre.is_contiguous() || pre.dtype() != c.dtype() || n % 8 != 0)) || m > INT_MAX || n > INT_MAX ||
-      k > INT_MAX) {
+  if (!IsComputeFloat(c.dtype()) || a.dtype() != c.dtype() || b.dtype() != c.dtype() || bias.dtype() != c.dtype() ||
+      !c.is_contiguous() || !bias.is_contiguous() || (gelu && (!pre.is_contiguous() || pre.dtype() != c.dtype()))) {
     return Kernels::GemmBias(a, b, bias, gelu, c, pre);  // Gemm's checks and errors, or unfused
   }
-  DeviceGuard guard(index_);
-  if (!guard.ok()) return ToStatus(guard.error(), op, index_);
-  absl::StatusOr<LtState*> st = ThreadLt(index_);
-  if (!st.ok()) return Kernels::GemmBias(a, b, bias, gelu, c, pre);  // no cuBLASLt: unfused
-  DT_ASSIGN_OR_RETURN(Tensor a3, a.Unsqueeze(0));
-  DT_ASSIGN_OR_RETURN(Tensor b3, b.Unsqueeze(0));
-  Operand oa, ob;
-  DT_RETURN_IF_ERROR(MakeOperand(a3, index_, &oa));
-  DT_RETURN_IF_ERROR(MakeOperand(b3, index_, &ob));
-  const void* aux = gelu ? pre.raw_data() : nullptr;
-  const cudaDataType_t type = CudaType(c.dtype());
-  const LtKey key{m,
-                  n,
-                  k,
-                  oa.layout.trans,
-                  ob.layout.trans,
-                  oa.layout.ld,
-                  ob.layout.ld,
-                  static_cast<int>(type),
-                  gelu,
-                  Alignment(oa.data),
-                  Alignment(ob.data),
-                  Alignment(c.raw_data()),
-                  Alignment(bias.raw_data()),
-                  gelu ? Alignment(aux) : 0};
-  std::unique_ptr<LtPlan>& plan = (*st)->plans[key];
-  if (!plan) {
-    auto fresh = std::make_unique<LtPlan>();
-    DT_RETURN_IF_ERROR(MakeLtPlan(**st, index_, oa, ob, m, n, k, type, gelu, oa.data, ob.data, c.raw_data(),
-                                  bias.raw_data(), aux, fresh.get()));
-    plan = std::move(fresh);
+  DT_ASSIGN_OR_RETURN(bool ran, LtMatmul(op, a, b, c, gelu ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_BIAS,
+                                         bias.raw_data(), gelu ? pre.raw_data() : nullptr));
+  return ran ? absl::OkStatus() : Kernels::GemmBias(a, b, bias, gelu, c, pre);
+}
+
+absl::Status CudaBackend::GemmBiasGrad(const Tensor& a, const Tensor& b, const Tensor& c, const Tensor& bias_grad) {
+  constexpr const char* op = "GemmBiasGrad";
+  if (a.dim() != 2 || b.dim() != 2 || c.dim() != 2 || bias_grad.dim() != 1) {
+    return InvalidArg(op, "expects 2-d a, b, c and a 1-d bias_grad; got ", ShapeString(a.shape()), ", ",
+                      ShapeString(b.shape()), ", ", ShapeString(c.shape()), ", ", ShapeString(bias_grad.shape()));
   }
-  if (!plan->usable) return Kernels::GemmBias(a, b, bias, gelu, c, pre);
-  const CublasLtApi* lt = (*st)->lt;
-  auto ok = [&](cublasStatus_t s) { return ToStatus(s, op, index_); };
-  const void* bias_ptr = bias.raw_data();
-  DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_ptr, sizeof(bias_ptr))));
-  if (gelu) {
-    DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux))));
+  const int64_t m = c.size(0), n = c.size(1), k = a.size(1);
+  if (a.size(0) != m || b.size(0) != k || b.size(1) != n || bias_grad.size(0) != m) {
+    return InvalidArg(op, "shapes do not match: a ", ShapeString(a.shape()), ", b ", ShapeString(b.shape()), ", c ",
+                      ShapeString(c.shape()), ", bias_grad ", ShapeString(bias_grad.shape()));
   }
-  const float alpha = 1.0f, beta = 0.0f;
-  return ok(lt->matmul((*st)->handle, plan->desc, &alpha, ob.data, plan->a, oa.data, plan->b, &beta, c.raw_data(),
-                       plan->d, c.raw_data(), plan->d, &plan->algo, (*st)->workspace.raw_data(), kLtWorkspaceBytes,
-                       cudaStreamPerThread));
+  if (!IsComputeFloat(c.dtype()) || a.dtype() != c.dtype() || b.dtype() != c.dtype() ||
+      bias_grad.dtype() != c.dtype() || !c.is_contiguous() || !bias_grad.is_contiguous()) {
+    return Kernels::GemmBiasGrad(a, b, c, bias_grad);  // Gemm's checks and errors, or unfused
+  }
+  // cuBLAS's B is our a (D = c^T is [n, m]): BGRADB sums B over k for each of D's m columns.
+  DT_ASSIGN_OR_RETURN(bool ran, LtMatmul(op, a, b, c, CUBLASLT_EPILOGUE_BGRADB, bias_grad.raw_data(), nullptr));
+  return ran ? absl::OkStatus() : Kernels::GemmBiasGrad(a, b, c, bias_grad);
+}
+
+absl::Status CudaBackend::GemmDgelu(const Tensor& a, const Tensor& b, const Tensor& pre, const Tensor& c,
+                                    const Tensor& bias_grad) {
+  constexpr const char* op = "GemmDgelu";
+  if (a.dim() != 2 || b.dim() != 2 || c.dim() != 2 || pre.dim() != 2 || bias_grad.dim() != 1) {
+    return InvalidArg(op, "expects 2-d a, b, pre, c and a 1-d bias_grad; got ", ShapeString(a.shape()), ", ",
+                      ShapeString(b.shape()), ", ", ShapeString(pre.shape()), ", ", ShapeString(c.shape()), ", ",
+                      ShapeString(bias_grad.shape()));
+  }
+  const int64_t m = c.size(0), n = c.size(1), k = a.size(1);
+  if (a.size(0) != m || b.size(0) != k || b.size(1) != n || pre.size(0) != m || pre.size(1) != n ||
+      bias_grad.size(0) != n) {
+    return InvalidArg(op, "shapes do not match: a ", ShapeString(a.shape()), ", b ", ShapeString(b.shape()), ", pre ",
+                      ShapeString(pre.shape()), ", c ", ShapeString(c.shape()), ", bias_grad ",
+                      ShapeString(bias_grad.shape()));
+  }
+  if (!IsComputeFloat(c.dtype()) || a.dtype() != c.dtype() || b.dtype() != c.dtype() || pre.dtype() != c.dtype() ||
+      bias_grad.dtype() != c.dtype() || !c.is_contiguous() || !pre.is_contiguous() || !bias_grad.is_contiguous()) {
+    return Kernels::GemmDgelu(a, b, pre, c, bias_grad);  // Gemm's checks and errors, or unfused
+  }
+  // D = c^T is [n, m]; DGELU_BGRAD reads pre as the aux matrix laid out as D and sums the
+  // result over D's columns (our rows) for each of its n rows.
+  DT_ASSIGN_OR_RETURN(bool ran,
+                      LtMatmul(op, a, b, c, CUBLASLT_EPILOGUE_DGELU_BGRAD, bias_grad.raw_data(), pre.raw_data()));
+  return ran ? absl::OkStatus() : Kernels::GemmDgelu(a, b, pre, c, bias_grad);
 }
 
 absl::Status CudaBackend::Gemm(const Tensor& a, const Tensor& b, const Tensor& c, float alpha, float beta) {
