@@ -93,6 +93,13 @@ class Module {
   using ForwardWrapper = std::function<absl::StatusOr<Variable>(const Variable& input, const Body& body)>;
   void SetForwardWrapper(ForwardWrapper w) { wrapper_ = std::move(w); }
   bool has_forward_wrapper() const { return wrapper_ != nullptr; }
+  // Whether anything was registered to run around or inside this module's Forward: a hook of
+  // any kind above or a forward wrapper. A parent that computes a child's work itself (Block's
+  // fused residual add and ln_2) does so only when this is false.
+  bool has_hooks() const {
+    return !pre_hooks_.empty() || !post_hooks_.empty() || !backward_pre_hooks_.empty() || !output_hooks_.empty() ||
+           !input_hooks_.empty() || wrapper_ != nullptr;
+  }
 
   // State that a transform attaches to this module (FSDP's group), kept as long as the module;
   // one per key. Null when none.

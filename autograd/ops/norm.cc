@@ -1,4 +1,5 @@
-// LayerNorm, RmsNorm and softmax over one dim: forward, backward and sharding rules.
+// LayerNorm (also fused with the residual add before it), RmsNorm and softmax over one dim:
+// forward, backward and sharding rules.
 //
 // Sharding rule: rows are independent, so any dim but the normalised one may be sharded
 // (the statistics mean/rstd [x.shape[:-1]] are sharded alike); the weight and bias are
@@ -64,6 +65,38 @@ absl::StatusOr<std::vector<Tensor>> LnBwdLocal(const LocalCall& c) {
   return std::vector<Tensor>{g.dx, g.dweight, g.dbias};
 }
 const OpDef kLayerNormBackward = {"layer_norm_backward", LnBwdRule, LnBwdMeta, LnBwdLocal};
+
+// ---- add_layer_norm (x, h, w, b) -> (x + h, y, mean, rstd); args.floats = {eps} ----
+// Rows stay independent: x and h sharded alike on any dim but the last (as LayerNorm). No
+// Partial strategy: P + P is P, but LayerNorm of a Partial sum is not the sum of LayerNorms.
+// The backward is layer_norm_backward's, its dx added to the gradient of x + h (AddLayerNorm
+// below).
+absl::StatusOr<std::vector<TensorMeta>> AddLnMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
+  if (in[1].shape != in[0].shape || in[1].dtype != in[0].dtype) {
+    return op_util::Invalid(
+        "AddLayerNorm", absl::StrCat("x ", ShapeString(in[0].shape), " ", DTypeName(in[0].dtype), " and h ",
+                                     ShapeString(in[1].shape), " ", DTypeName(in[1].dtype), " differ (no broadcast)"));
+  }
+  const TensorMeta xwb[3] = {in[0], in[2], in[3]};
+  DT_RETURN_IF_ERROR(CheckNorm("AddLayerNorm", xwb));
+  const TensorMeta stats = {Rows(in[0].shape), DType::kFloat32};
+  return std::vector<TensorMeta>{in[0], in[0], stats, stats};
+}
+void AddLnRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  for (int64_t d = 0; d + 1 < static_cast<int64_t>(in[0].shape.size()); ++d) {
+    s->push_back({{Shard(d), Shard(d), Replicate(), Replicate()}, {Shard(d), Shard(d), Shard(d), Shard(d)}});
+  }
+}
+absl::StatusOr<std::vector<Tensor>> AddLnLocal(const LocalCall& c) {
+  const Tensor& x = c.inputs[0];
+  DT_ASSIGN_OR_RETURN(AddNormOutput o, dtensor::AddLayerNorm(x, c.inputs[1], c.inputs[2], c.inputs[3],
+                                                             static_cast<float>(c.args.floats[0])));
+  Shape rows(x.shape().begin(), x.shape().end() - 1);
+  DT_ASSIGN_OR_RETURN(Tensor mean, o.norm.mean.View(rows));
+  DT_ASSIGN_OR_RETURN(Tensor rstd, o.norm.rstd.View(rows));
+  return std::vector<Tensor>{o.residual, o.norm.y, mean, rstd};
+}
+const OpDef kAddLayerNorm = {"add_layer_norm", AddLnRule, AddLnMeta, AddLnLocal};
 
 // ---- rms_norm (x, w) -> (y, rstd) ----
 absl::StatusOr<std::vector<TensorMeta>> RmsMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
@@ -143,6 +176,13 @@ absl::StatusOr<std::vector<Value>> LayerNormBackward(const Value& dy, const Valu
   return Dispatch(kLayerNormBackward, {dy, x, w, saved.mean, saved.rstd});
 }
 
+absl::StatusOr<AddNormResult> AddLayerNorm(const Value& x, const Value& h, const Value& w, const Value& b, double eps) {
+  OpArgs args;
+  args.floats.push_back(eps);
+  DT_ASSIGN_OR_RETURN(std::vector<Value> r, Dispatch(kAddLayerNorm, {x, h, w, b}, args));
+  return AddNormResult{r[0], NormResult{r[1], r[2], r[3]}};
+}
+
 absl::StatusOr<NormResult> RmsNorm(const Value& x, const Value& w, double eps) {
   OpArgs args;
   args.floats.push_back(eps);
@@ -187,6 +227,32 @@ absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& w, const V
                           });
 }
 
+absl::StatusOr<ResidualNorm> AddLayerNorm(const Variable& x, const Variable& h, const Variable& w, const Variable& b,
+                                          double eps) {
+  DT_ASSIGN_OR_RETURN(fn::AddNormResult r, fn::AddLayerNorm(x.value(), h.value(), w.value(), b.value(), eps));
+  if (!AnyRequiresGrad({x, h, w, b})) return ResidualNorm{Variable::Leaf(r.residual), Variable::Leaf(r.norm.y)};
+  std::vector<Value> outs = {r.residual, r.norm.y};
+  // g[0] reaches residual from later uses (the residual stream), g[1] reaches y: the gradient
+  // of residual is their sum through LayerNorm, and Add's backward hands it to x and h alike.
+  std::vector<Variable> v =
+      Record("AddLayerNorm", {x, h, w, b}, std::move(outs),
+             [wv = w.value(), res = r.residual, stats = fn::NormResult{Value(), r.norm.mean, r.norm.rstd}](
+                 std::vector<Value>& g) -> absl::StatusOr<std::vector<Value>> {
+               std::vector<Value> grads(4);
+               Value dres = g[0];
+               if (g[1].defined()) {
+                 DT_ASSIGN_OR_RETURN(std::vector<Value> ln, fn::LayerNormBackward(g[1], res, wv, stats));
+                 DT_ASSIGN_OR_RETURN(dres, AddGrads(dres, ln[0]));
+                 grads[2] = std::move(ln[1]);
+                 grads[3] = std::move(ln[2]);
+               }
+               grads[0] = dres;
+               grads[1] = std::move(dres);
+               return grads;
+             });
+  return ResidualNorm{std::move(v[0]), std::move(v[1])};
+}
+
 absl::StatusOr<Variable> RmsNorm(const Variable& x, const Variable& w, double eps) {
   DT_ASSIGN_OR_RETURN(fn::NormResult r, fn::RmsNorm(x.value(), w.value(), eps));
   if (!AnyRequiresGrad({x, w})) return Variable::Leaf(r.y);  // no tape: skip the captures
@@ -217,6 +283,7 @@ absl::StatusOr<Variable> LogSoftmax(const Variable& x, int64_t dim) {
 namespace op_defs {
 const OpDef& LayerNorm() { return kLayerNorm; }
 const OpDef& LayerNormBackward() { return kLayerNormBackward; }
+const OpDef& AddLayerNorm() { return kAddLayerNorm; }
 const OpDef& RmsNorm() { return kRmsNorm; }
 const OpDef& RmsNormBackward() { return kRmsNormBackward; }
 const OpDef& Softmax() { return kSoftmax; }

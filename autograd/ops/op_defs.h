@@ -22,6 +22,7 @@ const OpDef& LinearDw();              // matmul.cc: (dy, x)
 const OpDef& Matmul();                // matmul.cc: args.ints = {trans_a, trans_b}
 const OpDef& LayerNorm();             // norm.cc: (x, w, b) -> (y, mean, rstd); args.floats = {eps}
 const OpDef& LayerNormBackward();     // norm.cc: (dy, x, w, mean, rstd) -> (dx, dw, db)
+const OpDef& AddLayerNorm();          // norm.cc: (x, h, w, b) -> (x + h, y, mean, rstd); args.floats = {eps}
 const OpDef& RmsNorm();               // norm.cc: (x, w) -> (y, rstd); args.floats = {eps}
 const OpDef& RmsNormBackward();       // norm.cc: (dy, x, w, rstd) -> (dx, dw)
 const OpDef& Softmax();               // norm.cc: args.ints = {dim (normalised), log}

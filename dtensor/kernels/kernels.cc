@@ -27,6 +27,14 @@ absl::Status Kernels::GemmBias(const Tensor& a, const Tensor& b, const Tensor& b
   return Unary(UnaryOp::kGelu, pre, c);
 }
 
+absl::Status Kernels::AddLayerNorm(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias,
+                                   float eps, const Tensor& x1, const Tensor& y, const Tensor& mean,
+                                   const Tensor& rstd) {
+  absl::Status s = Binary(BinaryOp::kAdd, x, h, x1);
+  if (!s.ok()) return s;
+  return LayerNorm(x1, weight, bias, eps, y, mean, rstd);
+}
+
 absl::Status Kernels::AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) {
   for (const AdamWTensors& t : list) {
     AdamWParams one = p;

@@ -109,6 +109,15 @@ class Kernels {
   // mean and rstd float32 [rows] (saved for backward). Biased variance, as PyTorch.
   virtual absl::Status LayerNorm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y,
                                  const Tensor& mean, const Tensor& rstd) = 0;
+  // The residual add and the LayerNorm after it (llm.c's fused_residual_forward): x1 = x + h,
+  // rounded once to x's dtype, and LayerNorm's y, mean and rstd of that rounded x1, so every
+  // output equals Binary(kAdd) then LayerNorm. x, h, x1, y contiguous [rows, C] of one dtype;
+  // weight, bias, mean, rstd as LayerNorm. x1 and y overlap nothing else. This default is
+  // Binary then LayerNorm on this backend; CPU does both in one loop over the rows, CUDA in one
+  // kernel (one block per row, reading x and h once).
+  virtual absl::Status AddLayerNorm(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias,
+                                    float eps, const Tensor& x1, const Tensor& y, const Tensor& mean,
+                                    const Tensor& rstd);
   // dx [rows, C]; dweight, dbias [C] in weight's dtype (dbias may be undefined). dweight and
   // dbias are overwritten (not accumulated).
   virtual absl::Status LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,

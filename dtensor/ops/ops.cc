@@ -740,6 +740,35 @@ absl::StatusOr<NormOutput> LayerNorm(const Tensor& x, const Tensor& weight, cons
   return o;
 }
 
+absl::StatusOr<AddNormOutput> AddLayerNorm(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias,
+                                           float eps) {
+  constexpr const char* op = "AddLayerNorm";
+  DT_ASSIGN_OR_RETURN(NormShapes s, CheckNormArgs(op, x, weight, bias));
+  DT_RETURN_IF_ERROR(CheckDefined(op, h, "h"));
+  DT_RETURN_IF_ERROR(CheckShapeEq(op, x, h, "x", "h"));
+  DT_RETURN_IF_ERROR(CheckSameDType(op, x, h));
+  DT_RETURN_IF_ERROR(CheckSameDevice(op, x, h));
+  DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, x));
+  DT_ASSIGN_OR_RETURN(Tensor x2, Rows2D(x, s));
+  DT_ASSIGN_OR_RETURN(Tensor h2, Rows2D(h, s));
+  DT_ASSIGN_OR_RETURN(Tensor w, Contiguous(weight));
+  Tensor b;
+  if (bias.defined()) {
+    DT_ASSIGN_OR_RETURN(b, Contiguous(bias));
+  }
+  AddNormOutput o;
+  DT_ASSIGN_OR_RETURN(o.residual, Tensor::Empty(x.shape(), x.dtype(), x.device()));
+  DT_ASSIGN_OR_RETURN(o.norm.y, Tensor::Empty(x.shape(), x.dtype(), x.device()));
+  const int64_t rows[1] = {s.rows};
+  DT_ASSIGN_OR_RETURN(o.norm.mean, Tensor::Empty(rows, DType::kFloat32, x.device()));
+  DT_ASSIGN_OR_RETURN(o.norm.rstd, Tensor::Empty(rows, DType::kFloat32, x.device()));
+  if (x.numel() == 0) return o;
+  DT_ASSIGN_OR_RETURN(Tensor r2, Rows2D(o.residual, s));
+  DT_ASSIGN_OR_RETURN(Tensor y2, Rows2D(o.norm.y, s));
+  DT_RETURN_IF_ERROR(PrefixStatus(op, k->AddLayerNorm(x2, h2, w, b, eps, r2, y2, o.norm.mean, o.norm.rstd)));
+  return o;
+}
+
 absl::StatusOr<NormGrads> LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                             const NormOutput& saved, bool has_bias) {
   constexpr const char* op = "LayerNormBackward";

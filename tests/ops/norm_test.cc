@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "dtensor/kernels/kernels.h"
 #include "dtensor/ops/ops.h"
 #include "gtest/gtest.h"
 #include "tests/testing/test_util.h"
@@ -229,6 +230,75 @@ TEST(CpuNormTest, RmsNormBackwardMatchesFiniteDifferences) {
           Values(g.dweight), Sample(wv.size(), 60), tol, what + " dweight");
     }
   }
+}
+
+// The fused residual add + LayerNorm equals Add then LayerNorm bit for bit (the sum rounded to
+// the dtype before it is normalised), row counts from 1 to OpenMP-split sizes.
+TEST(CpuNormTest, AddLayerNormEqualsAddThenLayerNormBitForBit) {
+  for (DType d : kFloatTypes) {
+    for (const Case& k : kCases) {
+      for (bool bias : {true, false}) {
+        const Tensor x = testing::Random({k.rows, k.c}, d, 61, -2.0, 2.0);
+        const Tensor h = testing::Random({k.rows, k.c}, d, 62, -2.0, 2.0);
+        const Tensor w = testing::Random({k.c}, d, 63, 0.5, 1.5);
+        const Tensor b = bias ? testing::Random({k.c}, d, 64) : Tensor();
+        const AddNormOutput f = Unwrap(AddLayerNorm(x, h, w, b, 1e-5f));
+        const Tensor sum = Unwrap(Add(x, h));
+        const NormOutput o = Unwrap(LayerNorm(sum, w, b, 1e-5f));
+        const std::string what = What("AddLayerNorm", d, k.rows, k.c, bias);
+        EXPECT_EQ(f.residual.dtype(), d) << what;
+        EXPECT_EQ(Values(f.residual), Values(sum)) << what;
+        EXPECT_EQ(Values(f.norm.y), Values(o.y)) << what;
+        EXPECT_EQ(Values(f.norm.mean), Values(o.mean)) << what;
+        EXPECT_EQ(Values(f.norm.rstd), Values(o.rstd)) << what;
+      }
+    }
+  }
+}
+
+// The CPU kernel equals the Kernels base class's default (Binary, then LayerNorm), which other
+// backends inherit.
+TEST(CpuNormTest, AddLayerNormKernelEqualsDefault) {
+  Kernels* k = Unwrap(KernelsFor(Device::Cpu()));
+  for (DType d : kFloatTypes) {
+    const Tensor x = testing::Random({9, 40}, d, 71), h = testing::Random({9, 40}, d, 72);
+    const Tensor w = testing::Random({40}, d, 73, 0.5, 1.5), b = testing::Random({40}, d, 74);
+    Tensor out[2][4];
+    for (auto& o : out) {
+      o[0] = Unwrap(Tensor::Empty({9, 40}, d));
+      o[1] = Unwrap(Tensor::Empty({9, 40}, d));
+      o[2] = Unwrap(Tensor::Empty({9}, DType::kFloat32));
+      o[3] = Unwrap(Tensor::Empty({9}, DType::kFloat32));
+    }
+    ASSERT_TRUE(k->AddLayerNorm(x, h, w, b, 1e-5f, out[0][0], out[0][1], out[0][2], out[0][3]).ok());
+    ASSERT_TRUE(k->Kernels::AddLayerNorm(x, h, w, b, 1e-5f, out[1][0], out[1][1], out[1][2], out[1][3]).ok());
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(Values(out[0][i]), Values(out[1][i])) << DTypeName(d) << " output " << i;
+  }
+}
+
+// Leading dims and non-contiguous inputs; shapes and dtypes that differ are refused by name.
+TEST(CpuNormTest, AddLayerNormLeadingDimsNonContiguousAndErrors) {
+  const Tensor xt = testing::Random({6, 2, 3}, DType::kFloat32, 81);
+  const Tensor x = Unwrap(xt.Transpose(0, 2));  // [3, 2, 6], not contiguous
+  const Tensor h = testing::Random({3, 2, 6}, DType::kFloat32, 82);
+  const Tensor w = testing::Random({6}, DType::kFloat32, 83), b = testing::Random({6}, DType::kFloat32, 84);
+  const AddNormOutput f = Unwrap(AddLayerNorm(x, h, w, b));
+  const NormOutput o = Unwrap(LayerNorm(Unwrap(Add(x, h)), w, b));
+  EXPECT_EQ(f.norm.y.shape(), IntSpan(Shape{3, 2, 6}));
+  EXPECT_EQ(Values(f.norm.y), Values(o.y));
+  EXPECT_EQ(f.norm.mean.numel(), 6);
+
+  const Tensor h_bad = testing::Random({3, 6}, DType::kFloat32, 85);
+  absl::StatusOr<AddNormOutput> bad = AddLayerNorm(h, h_bad, w, b);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("AddLayerNorm"), std::string::npos) << bad.status();
+  const Tensor h_bf16 = testing::Random({3, 2, 6}, DType::kBFloat16, 86);
+  EXPECT_FALSE(AddLayerNorm(h, h_bf16, w, b).ok());
+  const Tensor empty = Unwrap(Zeros({0, 6}, DType::kFloat32));
+  const AddNormOutput e = Unwrap(AddLayerNorm(empty, empty, w, b));
+  EXPECT_EQ(e.residual.numel(), 0);
+  EXPECT_EQ(e.norm.mean.numel(), 0);
 }
 
 TEST(CpuNormTest, EmptyRowsGiveZeroParameterGradients) {

@@ -291,6 +291,22 @@ absl::Status CudaBackend::LayerNorm(const Tensor& x, const Tensor& weight, const
   });
 }
 
+absl::Status CudaBackend::AddLayerNorm(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias,
+                                       float eps, const Tensor& x1, const Tensor& y, const Tensor& mean,
+                                       const Tensor& rstd) {
+  constexpr const char* op = "AddLayerNorm";
+  if (x.numel() == 0) return absl::OkStatus();
+  DT_RETURN_IF_ERROR(CheckSameDType(op, x, h, x1));
+  DT_RETURN_IF_ERROR(CheckSameDType(op, x, x, y));
+  DT_RETURN_IF_ERROR(CheckFloat(op, x.dtype()));
+  int64_t rows, c;
+  RowsAndCols(x, &rows, &c);
+  return OnDevice(index_, op, [&] {
+    return gpu::LaunchAddNorm(x.dtype(), x.raw_data(), h.raw_data(), DataOrNull(weight), DataOrNull(bias), eps,
+                              x1.raw_data(), y.raw_data(), mean.data<float>(), rstd.data<float>(), rows, c);
+  });
+}
+
 absl::Status CudaBackend::LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
                                             const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
                                             const Tensor& dbias) {

@@ -106,6 +106,10 @@ cudaError_t LaunchSoftmaxBackward(DType dtype, const void* dy, const void* y, vo
 // weight/bias may be null (1 / 0); mean is unused (may be null) for rms.
 cudaError_t LaunchNorm(bool rms, DType dtype, const void* x, const void* weight, const void* bias, float eps, void* y,
                        float* mean, float* rstd, int64_t rows, int64_t c);
+// x1 = x + h (rounded to dtype) and LayerNorm of x1 into y, mean, rstd, in one kernel; all
+// contiguous [rows, c]; weight/bias may be null.
+cudaError_t LaunchAddNorm(DType dtype, const void* x, const void* h, const void* weight, const void* bias, float eps,
+                          void* x1, void* y, float* mean, float* rstd, int64_t rows, int64_t c);
 // Its backward. dweight/dbias may be null (not wanted); `partial` is float32 scratch of
 // NormPartialFloats(rows, c) elements for the column sums.
 int64_t NormPartialFloats(int64_t rows, int64_t c);
