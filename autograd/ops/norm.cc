@@ -69,8 +69,8 @@ const OpDef kLayerNormBackward = {"layer_norm_backward", LnBwdRule, LnBwdMeta, L
 // ---- add_layer_norm (x, h, w, b) -> (x + h, y, mean, rstd); args.floats = {eps} ----
 // Rows stay independent: x and h sharded alike on any dim but the last (as LayerNorm). No
 // Partial strategy: P + P is P, but LayerNorm of a Partial sum is not the sum of LayerNorms.
-// The backward is layer_norm_backward's, its dx added to the gradient of x + h (AddLayerNorm
-// below).
+// The backward is add_layer_norm_backward: layer_norm_backward's with the gradient of x + h added
+// to its dx in the same pass.
 absl::StatusOr<std::vector<TensorMeta>> AddLnMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
   if (in[1].shape != in[0].shape || in[1].dtype != in[0].dtype) {
     return op_util::Invalid(
@@ -97,6 +97,32 @@ absl::StatusOr<std::vector<Tensor>> AddLnLocal(const LocalCall& c) {
   return std::vector<Tensor>{o.residual, o.norm.y, mean, rstd};
 }
 const OpDef kAddLayerNorm = {"add_layer_norm", AddLnRule, AddLnMeta, AddLnLocal};
+
+// ---- add_layer_norm_backward (dy, x1, w, mean, rstd, dx1) -> (dx1 + dLN, dw, db) ----
+// layer_norm_backward with the residual's own gradient dx1 added to dx in the same pass (the
+// gradient of x and of h alike).
+absl::StatusOr<std::vector<TensorMeta>> AddLnBwdMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
+  if (in[5].shape != in[1].shape || in[5].dtype != in[1].dtype) {
+    return op_util::Invalid("AddLayerNormBackward",
+                            absl::StrCat("dresidual ", ShapeString(in[5].shape), " ", DTypeName(in[5].dtype),
+                                         " does not match x ", ShapeString(in[1].shape), " ", DTypeName(in[1].dtype)));
+  }
+  return LnBwdMeta(in.subspan(0, 5), args);
+}
+void AddLnBwdRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+  for (int64_t d = 0; d + 1 < static_cast<int64_t>(in[0].shape.size()); ++d) {
+    s->push_back({{Shard(d), Shard(d), Replicate(), Shard(d), Shard(d), Shard(d)}, {Shard(d), kP, kP}});
+  }
+}
+absl::StatusOr<std::vector<Tensor>> AddLnBwdLocal(const LocalCall& c) {
+  NormOutput saved;
+  DT_ASSIGN_OR_RETURN(saved.mean, dtensor::Contiguous(c.inputs[3]));
+  DT_ASSIGN_OR_RETURN(saved.rstd, dtensor::Contiguous(c.inputs[4]));
+  DT_ASSIGN_OR_RETURN(NormGrads g,
+                      dtensor::LayerNormBackwardAdd(c.inputs[0], c.inputs[1], c.inputs[2], saved, c.inputs[5], true));
+  return std::vector<Tensor>{g.dx, g.dweight, g.dbias};
+}
+const OpDef kAddLayerNormBackward = {"add_layer_norm_backward", AddLnBwdRule, AddLnBwdMeta, AddLnBwdLocal};
 
 // ---- rms_norm (x, w) -> (y, rstd) ----
 absl::StatusOr<std::vector<TensorMeta>> RmsMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
@@ -183,6 +209,11 @@ absl::StatusOr<AddNormResult> AddLayerNorm(const Value& x, const Value& h, const
   return AddNormResult{r[0], NormResult{r[1], r[2], r[3]}};
 }
 
+absl::StatusOr<std::vector<Value>> AddLayerNormBackward(const Value& dy, const Value& dresidual, const Value& w,
+                                                        const AddNormResult& saved) {
+  return Dispatch(kAddLayerNormBackward, {dy, saved.residual, w, saved.norm.mean, saved.norm.rstd, dresidual});
+}
+
 absl::StatusOr<NormResult> RmsNorm(const Value& x, const Value& w, double eps) {
   OpArgs args;
   args.floats.push_back(eps);
@@ -232,17 +263,23 @@ absl::StatusOr<ResidualNorm> AddLayerNorm(const Variable& x, const Variable& h, 
   DT_ASSIGN_OR_RETURN(fn::AddNormResult r, fn::AddLayerNorm(x.value(), h.value(), w.value(), b.value(), eps));
   if (!AnyRequiresGrad({x, h, w, b})) return ResidualNorm{Variable::Leaf(r.residual), Variable::Leaf(r.norm.y)};
   std::vector<Value> outs = {r.residual, r.norm.y};
-  // g[0] reaches residual from later uses (the residual stream), g[1] reaches y: the gradient
-  // of residual is their sum through LayerNorm, and Add's backward hands it to x and h alike.
+  // g[0] reaches residual directly (the residual stream), g[1] reaches y: the gradient of
+  // residual is their sum (one pass when both arrived), and Add's backward hands it to x and h
+  // alike. The saved values: residual, mean, rstd (not y).
+  fn::AddNormResult saved{r.residual, fn::NormResult{Value(), r.norm.mean, r.norm.rstd}};
   std::vector<Variable> v =
       Record("AddLayerNorm", {x, h, w, b}, std::move(outs),
-             [wv = w.value(), res = r.residual, stats = fn::NormResult{Value(), r.norm.mean, r.norm.rstd}](
-                 std::vector<Value>& g) -> absl::StatusOr<std::vector<Value>> {
+             [wv = w.value(), saved](std::vector<Value>& g) -> absl::StatusOr<std::vector<Value>> {
                std::vector<Value> grads(4);
                Value dres = g[0];
                if (g[1].defined()) {
-                 DT_ASSIGN_OR_RETURN(std::vector<Value> ln, fn::LayerNormBackward(g[1], res, wv, stats));
-                 DT_ASSIGN_OR_RETURN(dres, AddGrads(dres, ln[0]));
+                 std::vector<Value> ln;
+                 if (dres.defined()) {
+                   DT_ASSIGN_OR_RETURN(ln, fn::AddLayerNormBackward(g[1], dres, wv, saved));
+                 } else {
+                   DT_ASSIGN_OR_RETURN(ln, fn::LayerNormBackward(g[1], saved.residual, wv, saved.norm));
+                 }
+                 dres = std::move(ln[0]);
                  grads[2] = std::move(ln[1]);
                  grads[3] = std::move(ln[2]);
                }
@@ -284,6 +321,7 @@ namespace op_defs {
 const OpDef& LayerNorm() { return kLayerNorm; }
 const OpDef& LayerNormBackward() { return kLayerNormBackward; }
 const OpDef& AddLayerNorm() { return kAddLayerNorm; }
+const OpDef& AddLayerNormBackward() { return kAddLayerNormBackward; }
 const OpDef& RmsNorm() { return kRmsNorm; }
 const OpDef& RmsNormBackward() { return kRmsNormBackward; }
 const OpDef& Softmax() { return kSoftmax; }

@@ -123,6 +123,14 @@ class Kernels {
   virtual absl::Status LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
                                          const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
                                          const Tensor& dbias) = 0;
+  // LayerNormBackward with the gradient that reaches x by another path added (AddLayerNorm's
+  // backward: the residual's own gradient): dx = LayerNormBackward's dx, rounded to x's dtype,
+  // plus dresidual (contiguous [rows, C], x's dtype), rounded again, so the values are those of
+  // LayerNormBackward then Binary(kAdd), which this default runs. CPU and CUDA add dresidual
+  // in the pass that writes dx.
+  virtual absl::Status LayerNormBackwardAdd(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                            const Tensor& rstd, const Tensor& dresidual, const Tensor& dx,
+                                            const Tensor& dweight, const Tensor& dbias);
   // y = x * rstd * weight with rstd = 1/sqrt(mean(x^2) + eps), rstd float32 [rows].
   virtual absl::Status RmsNorm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y,
                                const Tensor& rstd) = 0;

@@ -644,7 +644,8 @@ TEST(CudaKernelsTest, GemmBiasMatchesCpu) {
 }
 
 // AddLayerNorm (one kernel: x1 = x + h, then LayerNorm of x1) against the CPU's fused loop and
-// against this GPU's own Add then LayerNorm (the Kernels default). x1 is one rounded add on
+// against this GPU's own Add then LayerNorm (the Kernels default); and its backward
+// LayerNormBackwardAdd against the CPU's. x1 is one rounded add on
 // both devices: exact. y: float32 within kF32Sum; bfloat16 within testing::Tol's 2e-2 relative
 // and absolute (a few ulps of its 8-bit mantissa), float16 within 4e-3: the statistics are
 // summed in another order than the CPU's, which can move a rounding of y by an ulp. mean and
@@ -682,6 +683,20 @@ TEST(CudaKernelsTest, AddLayerNormMatchesCpu) {
         testing::ExpectNear(Vals(y.gpu), Vals(uy), tol, what + " y vs unfused");
         testing::ExpectNear(Vals(mean.gpu), Vals(um), kF32Sum, what + " mean vs unfused");
         testing::ExpectNear(Vals(rstd.gpu), Vals(ur), kF32Sum, what + " rstd vs unfused");
+        // The backward with the residual's gradient added in the same pass (LayerNormBackwardAdd),
+        // on the CPU's saved statistics: dx as LayerNorm's dx (tol), dweight/dbias sums (tol).
+        const Pair dy = RandomBoth(s, d, 65), dres = RandomBoth(s, d, 66);
+        const Pair dx = EmptyBoth(s, d), dw = EmptyBoth({c}, d), db = EmptyBoth({c}, d);
+        const Pair smean = Both(mean.cpu), srstd = Both(rstd.cpu);
+        for (int side : {0, 1}) {
+          ExpectOk((side ? Gpu() : Cpu())
+                       ->LayerNormBackwardAdd(dy[side], x1[side], w[side], smean[side], srstd[side], dres[side],
+                                              dx[side], dw[side], has_bias ? db[side] : Tensor()),
+                   what + " backward");
+        }
+        ExpectSame(dx, tol, what + " dx");
+        ExpectSame(dw, tol, what + " dweight");
+        if (has_bias) ExpectSame(db, tol, what + " dbias");
       }
     }
   }

@@ -256,9 +256,37 @@ TEST(CpuNormTest, AddLayerNormEqualsAddThenLayerNormBitForBit) {
   }
 }
 
-// The CPU kernel equals the Kernels base class's default (Binary, then LayerNorm), which other
-// backends inherit.
-TEST(CpuNormTest, AddLayerNormKernelEqualsDefault) {
+// AddLayerNorm's backward in one pass equals LayerNormBackward then Add bit for bit (dx rounded
+// to the dtype before the residual's gradient is added).
+TEST(CpuNormTest, LayerNormBackwardAddEqualsBackwardThenAddBitForBit) {
+  for (DType d : kFloatTypes) {
+    for (const Case& k : kCases) {
+      for (bool bias : {true, false}) {
+        const Tensor x = testing::Random({k.rows, k.c}, d, 65, -2.0, 2.0);
+        const Tensor w = testing::Random({k.c}, d, 66, 0.5, 1.5);
+        const Tensor dy = testing::Random({k.rows, k.c}, d, 67), dres = testing::Random({k.rows, k.c}, d, 68);
+        const NormOutput o = Unwrap(LayerNorm(x, w, Tensor()));
+        const NormGrads f = Unwrap(LayerNormBackwardAdd(dy, x, w, o, dres, bias));
+        const NormGrads g = Unwrap(LayerNormBackward(dy, x, w, o, bias));
+        const std::string what = What("LayerNormBackwardAdd", d, k.rows, k.c, bias);
+        EXPECT_EQ(Values(f.dx), Values(Unwrap(Add(g.dx, dres)))) << what;
+        EXPECT_EQ(Values(f.dweight), Values(g.dweight)) << what;
+        if (bias) {
+          EXPECT_EQ(Values(f.dbias), Values(g.dbias)) << what;
+        }
+        EXPECT_EQ(f.dbias.defined(), bias) << what;
+      }
+    }
+  }
+  const Tensor x = testing::Random({3, 4}, DType::kFloat32, 69), w = testing::Random({4}, DType::kFloat32, 70);
+  const NormOutput o = Unwrap(LayerNorm(x, w, Tensor()));
+  EXPECT_FALSE(LayerNormBackwardAdd(x, x, w, o, Tensor()).ok());
+  EXPECT_FALSE(LayerNormBackwardAdd(x, x, w, o, testing::Random({4, 3}, DType::kFloat32, 71)).ok());
+}
+
+// The CPU kernels equal the Kernels base class's defaults (Binary, then LayerNorm; and
+// LayerNormBackward, then Binary), which other backends inherit.
+TEST(CpuNormTest, AddLayerNormKernelsEqualDefaults) {
   Kernels* k = Unwrap(KernelsFor(Device::Cpu()));
   for (DType d : kFloatTypes) {
     const Tensor x = testing::Random({9, 40}, d, 71), h = testing::Random({9, 40}, d, 72);
@@ -273,6 +301,20 @@ TEST(CpuNormTest, AddLayerNormKernelEqualsDefault) {
     ASSERT_TRUE(k->AddLayerNorm(x, h, w, b, 1e-5f, out[0][0], out[0][1], out[0][2], out[0][3]).ok());
     ASSERT_TRUE(k->Kernels::AddLayerNorm(x, h, w, b, 1e-5f, out[1][0], out[1][1], out[1][2], out[1][3]).ok());
     for (int i = 0; i < 4; ++i) EXPECT_EQ(Values(out[0][i]), Values(out[1][i])) << DTypeName(d) << " output " << i;
+    const Tensor dy = testing::Random({9, 40}, d, 75), dres = testing::Random({9, 40}, d, 76);
+    Tensor grads[2][3];
+    for (auto& g : grads) {
+      g[0] = Unwrap(Tensor::Empty({9, 40}, d));
+      g[1] = Unwrap(Tensor::Empty({40}, d));
+      g[2] = Unwrap(Tensor::Empty({40}, d));
+    }
+    const Tensor& x1 = out[0][0];
+    ASSERT_TRUE(
+        k->LayerNormBackwardAdd(dy, x1, w, out[0][2], out[0][3], dres, grads[0][0], grads[0][1], grads[0][2]).ok());
+    ASSERT_TRUE(
+        k->Kernels::LayerNormBackwardAdd(dy, x1, w, out[0][2], out[0][3], dres, grads[1][0], grads[1][1], grads[1][2])
+            .ok());
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(Values(grads[0][i]), Values(grads[1][i])) << DTypeName(d) << " grad " << i;
   }
 }
 

@@ -29,6 +29,9 @@ class CpuBackend final : public Kernels {
   absl::Status LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
                                  const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
                                  const Tensor& dbias) override;
+  absl::Status LayerNormBackwardAdd(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                    const Tensor& rstd, const Tensor& dresidual, const Tensor& dx,
+                                    const Tensor& dweight, const Tensor& dbias) override;
   absl::Status RmsNorm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y, const Tensor& rstd) override;
   absl::Status RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
                                const Tensor& dx, const Tensor& dweight) override;

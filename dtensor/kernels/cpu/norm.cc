@@ -160,16 +160,19 @@ void AddLayerNormForward(const Tensor& x, const Tensor& h, const Tensor& weight,
   }
 }
 
+// dres (undefined: none) is added to dx after dx's rounding to T, as a separate Binary add would.
 template <typename T>
 void LayerNormBackwardImpl(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
-                           const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) {
+                           const Tensor& rstd, const Tensor& dres, const Tensor& dx, const Tensor& dweight,
+                           const Tensor& dbias) {
   const int64_t c = x.size(-1);
   const int64_t rows = x.numel() / c;
   const int64_t nblocks = (rows + kRowBlock - 1) / kRowBlock;
   const std::vector<float> w = ParamF32<T>(weight, c, 1.0f);
-  const T* dyp = dy.data<T>();  // [rows, C]
-  const T* xp = x.data<T>();    // [rows, C]
-  T* dxp = dx.data<T>();        // [rows, C]
+  const T* dyp = dy.data<T>();                               // [rows, C]
+  const T* xp = x.data<T>();                                 // [rows, C]
+  T* dxp = dx.data<T>();                                     // [rows, C]
+  const T* drp = dres.defined() ? dres.data<T>() : nullptr;  // [rows, C] or none
   const float* mp = mean.data<float>();
   const float* rp = rstd.data<float>();
   std::vector<float> dw_part(static_cast<size_t>(nblocks * c));  // [nblocks, C]
@@ -210,6 +213,11 @@ void LayerNormBackwardImpl(const Tensor& dy, const Tensor& x, const Tensor& weig
         for (int64_t i = 0; i < c; ++i) {
           const float xhat = (xr[i] - mu) * rs;
           dxr[i] = rs * (dyr[i] * w[i] - mg - xhat * mgx);
+        }
+        if (drp != nullptr) {
+          // A loop of its own, so that the add is not contracted into the multiply above.
+          const T* drr = drp + r * c;
+          for (int64_t i = 0; i < c; ++i) dxr[i] = ToFloat(FromFloat<T>(dxr[i])) + ToFloat(drr[i]);
         }
         Store(dxr, c, dxp + r * c);
       }
@@ -335,7 +343,17 @@ absl::Status CpuBackend::LayerNormBackward(const Tensor& dy, const Tensor& x, co
     });
   }
   return DispatchFloat("LayerNormBackward", x.dtype(), [&](auto tag) {
-    LayerNormBackwardImpl<decltype(tag)>(dy, x, weight, mean, rstd, dx, dweight, dbias);
+    LayerNormBackwardImpl<decltype(tag)>(dy, x, weight, mean, rstd, Tensor(), dx, dweight, dbias);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CpuBackend::LayerNormBackwardAdd(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                              const Tensor& mean, const Tensor& rstd, const Tensor& dresidual,
+                                              const Tensor& dx, const Tensor& dweight, const Tensor& dbias) {
+  if (x.numel() == 0) return LayerNormBackward(dy, x, weight, mean, rstd, dx, dweight, dbias);
+  return DispatchFloat("LayerNormBackwardAdd", x.dtype(), [&](auto tag) {
+    LayerNormBackwardImpl<decltype(tag)>(dy, x, weight, mean, rstd, dresidual, dx, dweight, dbias);
     return absl::OkStatus();
   });
 }

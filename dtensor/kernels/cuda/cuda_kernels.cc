@@ -310,8 +310,17 @@ absl::Status CudaBackend::AddLayerNorm(const Tensor& x, const Tensor& h, const T
 absl::Status CudaBackend::LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
                                             const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
                                             const Tensor& dbias) {
-  constexpr const char* op = "LayerNormBackward";
+  return LayerNormBackwardAdd(dy, x, weight, mean, rstd, Tensor(), dx, dweight, dbias);
+}
+
+absl::Status CudaBackend::LayerNormBackwardAdd(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                               const Tensor& mean, const Tensor& rstd, const Tensor& dresidual,
+                                               const Tensor& dx, const Tensor& dweight, const Tensor& dbias) {
+  const char* op = dresidual.defined() ? "LayerNormBackwardAdd" : "LayerNormBackward";
   DT_RETURN_IF_ERROR(CheckFloat(op, x.dtype()));
+  if (dresidual.defined()) {
+    DT_RETURN_IF_ERROR(CheckSameDType(op, dresidual, dresidual, x));
+  }
   const int64_t c = x.dim() == 0 ? 1 : x.size(-1);
   const int64_t rows = c == 0 ? 0 : x.numel() / c;
   const bool params = dweight.defined() || dbias.defined();
@@ -319,8 +328,8 @@ absl::Status CudaBackend::LayerNormBackward(const Tensor& dy, const Tensor& x, c
   return OnDevice(index_, op, [&] {
     return gpu::LaunchNormBackward(false, x.dtype(), DataOrNull(dy), DataOrNull(x), DataOrNull(weight),
                                    rows > 0 ? mean.data<float>() : nullptr, rows > 0 ? rstd.data<float>() : nullptr,
-                                   MutableDataOrNull(dx), MutableDataOrNull(dweight), MutableDataOrNull(dbias),
-                                   params ? partial.data<float>() : nullptr, rows, c);
+                                   DataOrNull(dresidual), MutableDataOrNull(dx), MutableDataOrNull(dweight),
+                                   MutableDataOrNull(dbias), params ? partial.data<float>() : nullptr, rows, c);
   });
 }
 
@@ -348,7 +357,7 @@ absl::Status CudaBackend::RmsNormBackward(const Tensor& dy, const Tensor& x, con
   DT_ASSIGN_OR_RETURN(Tensor partial, Scratch(params ? gpu::NormPartialFloats(rows, c) : 0, DType::kFloat32, index_));
   return OnDevice(index_, op, [&] {
     return gpu::LaunchNormBackward(true, x.dtype(), DataOrNull(dy), DataOrNull(x), DataOrNull(weight), nullptr,
-                                   rows > 0 ? rstd.data<float>() : nullptr, MutableDataOrNull(dx),
+                                   rows > 0 ? rstd.data<float>() : nullptr, nullptr, MutableDataOrNull(dx),
                                    MutableDataOrNull(dweight), nullptr, params ? partial.data<float>() : nullptr, rows,
                                    c);
   });

@@ -100,9 +100,10 @@ __global__ void AddNormKernel(const T* x, const T* h, const T* weight, const T* 
 // dx, with g = dy * w:
 //   LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), xhat = (x - mean) * rstd
 //   RmsNorm:   dx = rstd * g - x * rstd^3 * mean(g * x)
+// LayerNorm with dres (AddLayerNorm's backward; null: none): dx rounded to T, plus dres.
 template <typename T>
 __global__ void NormBackwardKernel(bool rms, const T* dy, const T* x, const T* weight, const float* mean,
-                                   const float* rstd, T* dx, int64_t rows, int64_t c) {
+                                   const float* rstd, const T* dres, T* dx, int64_t rows, int64_t c) {
   __shared__ float smem[32];
   const float inv_c = 1.0f / static_cast<float>(c);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -128,7 +129,8 @@ __global__ void NormBackwardKernel(bool rms, const T* dy, const T* x, const T* w
       const float mg = BlockSum(sg, smem) * inv_c, mgx = sgx * inv_c;
       for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
         const float xhat = (ToFloat(xr[j]) - mu) * rs;
-        dxr[j] = FromFloat<T>(rs * (ToFloat(dyr[j]) * ParamAt(weight, j, 1.0f) - mg - xhat * mgx));
+        const T v = FromFloat<T>(rs * (ToFloat(dyr[j]) * ParamAt(weight, j, 1.0f) - mg - xhat * mgx));
+        dxr[j] = dres == nullptr ? v : FromFloat<T>(ToFloat(v) + ToFloat(dres[r * c + j]));
       }
     }
   }
@@ -212,8 +214,8 @@ cudaError_t LaunchAddNorm(DType dtype, const void* x, const void* h, const void*
 int64_t NormPartialFloats(int64_t rows, int64_t c) { return 2 * Splits(rows) * (c < 1 ? 1 : c); }
 
 cudaError_t LaunchNormBackward(bool rms, DType dtype, const void* dy, const void* x, const void* weight,
-                               const float* mean, const float* rstd, void* dx, void* dweight, void* dbias,
-                               float* partial, int64_t rows, int64_t c) {
+                               const float* mean, const float* rstd, const void* dresidual, void* dx, void* dweight,
+                               void* dbias, float* partial, int64_t rows, int64_t c) {
   if (c <= 0) return cudaSuccess;
   return DispatchFloat(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -221,7 +223,8 @@ cudaError_t LaunchNormBackward(bool rms, DType dtype, const void* dy, const void
     const T* px = static_cast<const T*>(x);
     if (rows > 0) {
       NormBackwardKernel<T><<<GridForRows(rows), RowThreads(c), 0, cudaStreamPerThread>>>(
-          rms, pdy, px, static_cast<const T*>(weight), mean, rstd, static_cast<T*>(dx), rows, c);
+          rms, pdy, px, static_cast<const T*>(weight), mean, rstd, static_cast<const T*>(dresidual),
+          static_cast<T*>(dx), rows, c);
     }
     if (dweight != nullptr || dbias != nullptr) {
       if (partial == nullptr) return cudaErrorInvalidValue;
