@@ -87,6 +87,21 @@ absl::StatusOr<NormResult> LayerNorm(const Value& x, const Value& w, const Value
 // -> {dx, dw, db}
 absl::StatusOr<std::vector<Value>> LayerNormBackward(const Value& dy, const Value& x, const Value& w,
                                                      const NormResult& saved);
+// The residual add and the LayerNorm after it in one op (a GPT block's x + attn, then ln_2):
+// residual = x + h, norm = LayerNorm(residual). x and h of one shape (no broadcast) and, as
+// DTensors, one layout: any dim but the last may be sharded (LayerNorm's rule); Partial inputs
+// are reduced first. The backward is AddLayerNormBackward, for both x and h.
+struct AddNormResult {
+  Value residual;
+  NormResult norm;
+};
+absl::StatusOr<AddNormResult> AddLayerNorm(const Value& x, const Value& h, const Value& w, const Value& b,
+                                           double eps = 1e-5);
+// -> {dresidual + LayerNormBackward's dx, dw, db}: the gradient dy of norm.y through the norm,
+// plus dresidual, the gradient reaching residual directly, added in the same pass (saved.norm.y
+// is not used).
+absl::StatusOr<std::vector<Value>> AddLayerNormBackward(const Value& dy, const Value& dresidual, const Value& w,
+                                                        const AddNormResult& saved);
 absl::StatusOr<NormResult> RmsNorm(const Value& x, const Value& w, double eps = 1e-6);
 // -> {dx, dw}
 absl::StatusOr<std::vector<Value>> RmsNormBackward(const Value& dy, const Value& x, const Value& w,

@@ -54,6 +54,13 @@ absl::StatusOr<Variable> Matmul(const Variable& a, const Variable& b, bool trans
 
 // ---- Normalisation, softmax ----
 absl::StatusOr<Variable> LayerNorm(const Variable& x, const Variable& w, const Variable& b, double eps = 1e-5);
+// residual = x + h and y = LayerNorm(residual, w, b) in one op (fn::AddLayerNorm): the values
+// and gradients of Add then LayerNorm (on the CPU bit for bit), with x and h read once.
+struct ResidualNorm {
+  Variable residual, y;
+};
+absl::StatusOr<ResidualNorm> AddLayerNorm(const Variable& x, const Variable& h, const Variable& w, const Variable& b,
+                                          double eps = 1e-5);
 absl::StatusOr<Variable> RmsNorm(const Variable& x, const Variable& w, double eps = 1e-6);
 absl::StatusOr<Variable> Softmax(const Variable& x, int64_t dim = -1);
 absl::StatusOr<Variable> LogSoftmax(const Variable& x, int64_t dim = -1);

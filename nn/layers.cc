@@ -140,6 +140,14 @@ absl::StatusOr<Variable> LayerNorm::Forward(const Variable& x) {
       x, [&](const Variable& x) -> absl::StatusOr<Variable> { return dtensor::LayerNorm(x, *weight_, *bias_, eps_); });
 }
 
+absl::StatusOr<ResidualNorm> LayerNorm::ForwardAddResidual(const Variable& x, const Variable& h) {
+  if (!has_hooks()) return dtensor::AddLayerNorm(x, h, *weight_, *bias_, eps_);
+  ResidualNorm r;
+  DT_ASSIGN_OR_RETURN(r.residual, dtensor::Add(x, h));
+  DT_ASSIGN_OR_RETURN(r.y, Forward(r.residual));
+  return r;
+}
+
 RMSNorm::RMSNorm(int64_t c, double eps, DType dtype) : eps_(eps) {
   weight_ = RegisterParameter("weight", OnesOrUndefined({c}, dtype));
 }
@@ -264,10 +272,9 @@ absl::StatusOr<Variable> Block::ForwardCached(const Variable& x, KvCache::Layer&
   return WithHooks(x, [&](const Variable& x) -> absl::StatusOr<Variable> {
     DT_ASSIGN_OR_RETURN(Variable h, ln_1_->Forward(x));
     DT_ASSIGN_OR_RETURN(h, attn_->ForwardCached(h, kv, past));
-    DT_ASSIGN_OR_RETURN(Variable x1, dtensor::Add(x, h));
-    DT_ASSIGN_OR_RETURN(h, ln_2_->Forward(x1));
-    DT_ASSIGN_OR_RETURN(h, mlp_->Forward(h));
-    return dtensor::Add(x1, h);
+    DT_ASSIGN_OR_RETURN(ResidualNorm x1, ln_2_->ForwardAddResidual(x, h));  // x + h and ln_2 of it
+    DT_ASSIGN_OR_RETURN(h, mlp_->Forward(x1.y));
+    return dtensor::Add(x1.residual, h);
   });
 }
 
@@ -275,10 +282,9 @@ absl::StatusOr<Variable> Block::Forward(const Variable& x) {
   return WithHooks(x, [&](const Variable& x) -> absl::StatusOr<Variable> {
     DT_ASSIGN_OR_RETURN(Variable h, ln_1_->Forward(x));
     DT_ASSIGN_OR_RETURN(h, attn_->Forward(h));
-    DT_ASSIGN_OR_RETURN(Variable x1, dtensor::Add(x, h));
-    DT_ASSIGN_OR_RETURN(h, ln_2_->Forward(x1));
-    DT_ASSIGN_OR_RETURN(h, mlp_->Forward(h));
-    return dtensor::Add(x1, h);
+    DT_ASSIGN_OR_RETURN(ResidualNorm x1, ln_2_->ForwardAddResidual(x, h));  // x + h and ln_2 of it
+    DT_ASSIGN_OR_RETURN(h, mlp_->Forward(x1.y));
+    return dtensor::Add(x1.residual, h);
   });
 }
 

@@ -52,6 +52,11 @@ class LayerNorm : public Module {
  public:
   explicit LayerNorm(int64_t c, double eps = 1e-5, DType dtype = DType::kFloat32);
   absl::StatusOr<Variable> Forward(const Variable& x);
+  // residual = x + h and y = Forward(residual) (a block's residual add and the norm after it).
+  // Without hooks on this module: one fused op (dtensor::AddLayerNorm), the same values and
+  // gradients. With any (has_hooks(): tensor parallelism's SequenceParallel, FSDP, a wrapper):
+  // Add, then Forward, so that the hooks see the sum as this module's input.
+  absl::StatusOr<ResidualNorm> ForwardAddResidual(const Variable& x, const Variable& h);
 
  private:
   Variable* weight_;

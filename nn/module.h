@@ -93,9 +93,10 @@ class Module {
   using ForwardWrapper = std::function<absl::StatusOr<Variable>(const Variable& input, const Body& body)>;
   void SetForwardWrapper(ForwardWrapper w) { wrapper_ = std::move(w); }
   bool has_forward_wrapper() const { return wrapper_ != nullptr; }
-  // Whether anything runs around this module's body: a forward pre-, input, output or plain
-  // hook, a backward pre-hook or a forward wrapper (a parent that fuses this module's
-  // computation with another's, as MLP does with its two Linears, does so only when none).
+  // Whether anything was registered to run around or inside this module's Forward: a forward
+  // pre-, input, output or plain hook, a backward pre-hook or a forward wrapper. A parent that
+  // computes a child's work itself (MLP's fused Linears, Block's fused residual add and ln_2)
+  // does so only when this is false.
   bool has_hooks() const {
     return !pre_hooks_.empty() || !post_hooks_.empty() || !backward_pre_hooks_.empty() || !output_hooks_.empty() ||
            !input_hooks_.empty() || wrapper_ != nullptr;

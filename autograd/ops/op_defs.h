@@ -26,6 +26,8 @@ const OpDef& MlpGelu();               // matmul.cc: (x, w_fc, b_fc, w_proj, b_pr
 const OpDef& Matmul();                // matmul.cc: args.ints = {trans_a, trans_b}
 const OpDef& LayerNorm();             // norm.cc: (x, w, b) -> (y, mean, rstd); args.floats = {eps}
 const OpDef& LayerNormBackward();     // norm.cc: (dy, x, w, mean, rstd) -> (dx, dw, db)
+const OpDef& AddLayerNorm();          // norm.cc: (x, h, w, b) -> (x + h, y, mean, rstd); args.floats = {eps}
+const OpDef& AddLayerNormBackward();  // norm.cc: (dy, x1, w, mean, rstd, dx1) -> (dx1 + dx, dw, db)
 const OpDef& RmsNorm();               // norm.cc: (x, w) -> (y, rstd); args.floats = {eps}
 const OpDef& RmsNormBackward();       // norm.cc: (dy, x, w, rstd) -> (dx, dw)
 const OpDef& Softmax();               // norm.cc: args.ints = {dim (normalised), log}

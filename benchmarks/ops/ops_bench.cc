@@ -103,6 +103,7 @@ void BandwidthTable(const char* regime, int64_t n, int64_t rows, int64_t norm_ro
   Tensor xb = Must(Cast(x, DType::kBFloat16));
   Tensor logits = Must(RandomNormal({rows, 50257}, DType::kFloat32, 5));
   Tensor act = Must(RandomNormal({norm_rows, 768}, DType::kFloat32, 6));
+  Tensor act2 = Must(RandomNormal({norm_rows, 768}, DType::kFloat32, 7));
   Tensor w = Must(Ones({768}, DType::kFloat32));
   Tensor bias = Must(Zeros({768}, DType::kFloat32));
   const double f4 = 4.0, nn = static_cast<double>(n);
@@ -118,6 +119,12 @@ void BandwidthTable(const char* regime, int64_t n, int64_t rows, int64_t norm_ro
       {"sum        f32 " + as + " over dim 0", norm_rows * 768 * f4, [&] { Must(Sum(act, {0}).status()); }},
       {"softmax    f32 " + ls, 2.0 * rows * 50257 * f4, [&] { Must(Softmax(logits).status()); }},
       {"layernorm  f32 " + as, 2.0 * norm_rows * 768 * f4, [&] { Must(LayerNorm(act, w, bias).status()); }},
+      // A block's residual add and ln_2: x, h read and x + h, y written (4 [rows, 768] tensors),
+      // fused (one pass) and as the two ops it replaces (which move 7).
+      {"add+layernorm f32 " + as + " fused", 4.0 * norm_rows * 768 * f4,
+       [&] { Must(AddLayerNorm(act, act2, w, bias).status()); }},
+      {"add, layernorm f32 " + as + " unfused", 4.0 * norm_rows * 768 * f4,
+       [&] { Must(LayerNorm(Must(Add(act, act2)), w, bias).status()); }},
   };
   for (const BandwidthCase& c : cases) {
     const size_t half = static_cast<size_t>(c.bytes / 2);  // memcpy reads and writes `half` bytes

@@ -74,6 +74,22 @@ absl::Status Kernels::GemmDgelu(const Tensor& a, const Tensor& b, const Tensor& 
   return Reduce(ReduceOp::kSum, c, 1, c.size(0), c.size(1), bias_grad);
 }
 
+absl::Status Kernels::AddLayerNorm(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias,
+                                   float eps, const Tensor& x1, const Tensor& y, const Tensor& mean,
+                                   const Tensor& rstd) {
+  absl::Status s = Binary(BinaryOp::kAdd, x, h, x1);
+  if (!s.ok()) return s;
+  return LayerNorm(x1, weight, bias, eps, y, mean, rstd);
+}
+
+absl::Status Kernels::LayerNormBackwardAdd(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                           const Tensor& rstd, const Tensor& dresidual, const Tensor& dx,
+                                           const Tensor& dweight, const Tensor& dbias) {
+  absl::Status s = LayerNormBackward(dy, x, weight, mean, rstd, dx, dweight, dbias);
+  if (!s.ok() || x.numel() == 0) return s;
+  return Binary(BinaryOp::kAdd, dx, dresidual, dx);  // in place: out is exactly `a`
+}
+
 absl::Status Kernels::AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) {
   for (const AdamWTensors& t : list) {
     AdamWParams one = p;

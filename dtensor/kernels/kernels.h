@@ -109,11 +109,28 @@ class Kernels {
   // mean and rstd float32 [rows] (saved for backward). Biased variance, as PyTorch.
   virtual absl::Status LayerNorm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y,
                                  const Tensor& mean, const Tensor& rstd) = 0;
+  // The residual add and the LayerNorm after it (llm.c's fused_residual_forward): x1 = x + h,
+  // rounded once to x's dtype, and LayerNorm's y, mean and rstd of that rounded x1, so every
+  // output equals Binary(kAdd) then LayerNorm. x, h, x1, y contiguous [rows, C] of one dtype;
+  // weight, bias, mean, rstd as LayerNorm. x1 and y overlap nothing else. This default is
+  // Binary then LayerNorm on this backend; CPU does both in one loop over the rows, CUDA in one
+  // kernel (one block per row, reading x and h once).
+  virtual absl::Status AddLayerNorm(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias,
+                                    float eps, const Tensor& x1, const Tensor& y, const Tensor& mean,
+                                    const Tensor& rstd);
   // dx [rows, C]; dweight, dbias [C] in weight's dtype (dbias may be undefined). dweight and
   // dbias are overwritten (not accumulated).
   virtual absl::Status LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
                                          const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
                                          const Tensor& dbias) = 0;
+  // LayerNormBackward with the gradient that reaches x by another path added (AddLayerNorm's
+  // backward: the residual's own gradient): dx = LayerNormBackward's dx, rounded to x's dtype,
+  // plus dresidual (contiguous [rows, C], x's dtype), rounded again, so the values are those of
+  // LayerNormBackward then Binary(kAdd), which this default runs. CPU and CUDA add dresidual
+  // in the pass that writes dx.
+  virtual absl::Status LayerNormBackwardAdd(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                            const Tensor& rstd, const Tensor& dresidual, const Tensor& dx,
+                                            const Tensor& dweight, const Tensor& dbias);
   // y = x * rstd * weight with rstd = 1/sqrt(mean(x^2) + eps), rstd float32 [rows].
   virtual absl::Status RmsNorm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y,
                                const Tensor& rstd) = 0;

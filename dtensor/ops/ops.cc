@@ -740,14 +740,52 @@ absl::StatusOr<NormOutput> LayerNorm(const Tensor& x, const Tensor& weight, cons
   return o;
 }
 
-absl::StatusOr<NormGrads> LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight,
-                                            const NormOutput& saved, bool has_bias) {
-  constexpr const char* op = "LayerNormBackward";
+absl::StatusOr<AddNormOutput> AddLayerNorm(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias,
+                                           float eps) {
+  constexpr const char* op = "AddLayerNorm";
+  DT_ASSIGN_OR_RETURN(NormShapes s, CheckNormArgs(op, x, weight, bias));
+  DT_RETURN_IF_ERROR(CheckDefined(op, h, "h"));
+  DT_RETURN_IF_ERROR(CheckShapeEq(op, x, h, "x", "h"));
+  DT_RETURN_IF_ERROR(CheckSameDType(op, x, h));
+  DT_RETURN_IF_ERROR(CheckSameDevice(op, x, h));
+  DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, x));
+  DT_ASSIGN_OR_RETURN(Tensor x2, Rows2D(x, s));
+  DT_ASSIGN_OR_RETURN(Tensor h2, Rows2D(h, s));
+  DT_ASSIGN_OR_RETURN(Tensor w, Contiguous(weight));
+  Tensor b;
+  if (bias.defined()) {
+    DT_ASSIGN_OR_RETURN(b, Contiguous(bias));
+  }
+  AddNormOutput o;
+  DT_ASSIGN_OR_RETURN(o.residual, Tensor::Empty(x.shape(), x.dtype(), x.device()));
+  DT_ASSIGN_OR_RETURN(o.norm.y, Tensor::Empty(x.shape(), x.dtype(), x.device()));
+  const int64_t rows[1] = {s.rows};
+  DT_ASSIGN_OR_RETURN(o.norm.mean, Tensor::Empty(rows, DType::kFloat32, x.device()));
+  DT_ASSIGN_OR_RETURN(o.norm.rstd, Tensor::Empty(rows, DType::kFloat32, x.device()));
+  if (x.numel() == 0) return o;
+  DT_ASSIGN_OR_RETURN(Tensor r2, Rows2D(o.residual, s));
+  DT_ASSIGN_OR_RETURN(Tensor y2, Rows2D(o.norm.y, s));
+  DT_RETURN_IF_ERROR(PrefixStatus(op, k->AddLayerNorm(x2, h2, w, b, eps, r2, y2, o.norm.mean, o.norm.rstd)));
+  return o;
+}
+
+namespace {
+
+// LayerNormBackward, and with a defined `dres` LayerNormBackwardAdd.
+absl::StatusOr<NormGrads> LayerNormBackwardImpl(const char* op, const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                                const NormOutput& saved, const Tensor& dres, bool has_bias) {
   DT_ASSIGN_OR_RETURN(NormShapes s, CheckNormArgs(op, x, weight, Undefined()));
   DT_RETURN_IF_ERROR(CheckDefined(op, dy, "dy"));
   DT_RETURN_IF_ERROR(CheckShapeEq(op, dy, x, "dy", "x"));
   DT_RETURN_IF_ERROR(CheckSameDType(op, dy, x));
   DT_RETURN_IF_ERROR(CheckSameDevice(op, dy, x));
+  Tensor dres2;
+  if (dres.defined()) {
+    DT_RETURN_IF_ERROR(CheckShapeEq(op, dres, x, "dresidual", "x"));
+    DT_RETURN_IF_ERROR(CheckSameDType(op, dres, x));
+    DT_RETURN_IF_ERROR(CheckSameDevice(op, dres, x));
+    DT_ASSIGN_OR_RETURN(dres2, Rows2D(dres, s));
+  }
   if (!saved.mean.defined() || !saved.rstd.defined() || saved.mean.numel() != s.rows || saved.rstd.numel() != s.rows) {
     return InvalidArg(op, "saved mean/rstd do not match ", s.rows, " rows of x ", ShapeString(x.shape()));
   }
@@ -763,9 +801,28 @@ absl::StatusOr<NormGrads> LayerNormBackward(const Tensor& dy, const Tensor& x, c
   }
   if (x.numel() == 0) return g;
   DT_ASSIGN_OR_RETURN(Tensor dx2, Rows2D(g.dx, s));
-  DT_RETURN_IF_ERROR(
-      PrefixStatus(op, k->LayerNormBackward(dy2, x2, w, saved.mean, saved.rstd, dx2, g.dweight, g.dbias)));
+  if (dres.defined()) {
+    DT_RETURN_IF_ERROR(
+        PrefixStatus(op, k->LayerNormBackwardAdd(dy2, x2, w, saved.mean, saved.rstd, dres2, dx2, g.dweight, g.dbias)));
+  } else {
+    DT_RETURN_IF_ERROR(
+        PrefixStatus(op, k->LayerNormBackward(dy2, x2, w, saved.mean, saved.rstd, dx2, g.dweight, g.dbias)));
+  }
   return g;
+}
+
+}  // namespace
+
+absl::StatusOr<NormGrads> LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                            const NormOutput& saved, bool has_bias) {
+  return LayerNormBackwardImpl("LayerNormBackward", dy, x, weight, saved, Tensor(), has_bias);
+}
+
+absl::StatusOr<NormGrads> LayerNormBackwardAdd(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                               const NormOutput& saved, const Tensor& dresidual, bool has_bias) {
+  constexpr const char* op = "LayerNormBackwardAdd";
+  if (!dresidual.defined()) return InvalidArg(op, "dresidual is undefined");
+  return LayerNormBackwardImpl(op, dy, x, weight, saved, dresidual, has_bias);
 }
 
 absl::StatusOr<NormOutput> RmsNorm(const Tensor& x, const Tensor& weight, float eps) {

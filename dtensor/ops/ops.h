@@ -125,6 +125,22 @@ struct NormGrads {
 absl::StatusOr<NormOutput> LayerNorm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps = 1e-5f);
 absl::StatusOr<NormGrads> LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                             const NormOutput& saved, bool has_bias = true);
+// The residual add and the LayerNorm after it, in one backend call (llm.c's
+// fused_residual_forward): residual = x + h and norm = LayerNorm(residual, weight, bias, eps),
+// reading x and h once. x and h of one shape, dtype and device. Equals Add then LayerNorm (on
+// the CPU bit for bit: the sum is rounded to x's dtype before it is normalised); the backward is
+// LayerNormBackwardAdd below (LayerNormBackward plus the gradient reaching `residual` directly).
+struct AddNormOutput {
+  Tensor residual;  // x + h: x's shape and dtype
+  NormOutput norm;  // of residual
+};
+absl::StatusOr<AddNormOutput> AddLayerNorm(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias,
+                                           float eps = 1e-5f);
+// AddLayerNorm's backward: LayerNormBackward of residual (x here) with `dresidual`, the gradient
+// reaching the residual directly (x's shape and dtype), added to dx in the same pass; equal to
+// LayerNormBackward then Add (dx rounded to x's dtype before the add).
+absl::StatusOr<NormGrads> LayerNormBackwardAdd(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                               const NormOutput& saved, const Tensor& dresidual, bool has_bias = true);
 absl::StatusOr<NormOutput> RmsNorm(const Tensor& x, const Tensor& weight, float eps = 1e-6f);
 absl::StatusOr<NormGrads> RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight,
                                           const NormOutput& saved);

@@ -337,6 +337,28 @@ std::vector<Case> LayerNormBackwardCases() {
   return cs;
 }
 
+std::vector<Case> AddLayerNormCases() {
+  return {
+      {"[5,3,8]",
+       {Rand({5, 3, 8}, 2101, -2, 2), Rand({5, 3, 8}, 2102, -2, 2), Rand({8}, 2103, 0.5, 1.5), Rand({8}, 2104)},
+       Args({}, {1e-5})},
+      {"[5,6]",
+       {Rand({5, 6}, 2105, -2, 2), Rand({5, 6}, 2106, -2, 2), Rand({6}, 2107, 0.5, 1.5), Rand({6}, 2108)},
+       Args({}, {1e-5})},
+  };
+}
+
+std::vector<Case> AddLayerNormBackwardCases() {
+  std::vector<Case> cs;
+  for (const Case& f : AddLayerNormCases()) {
+    const std::vector<Tensor> y = RunPlain(op_defs::AddLayerNorm(), f.inputs, f.args);  // x1, y, mean, rstd
+    if (y.size() != 4) return {};
+    const Tensor dy = Rand(f.inputs[0].shape(), 2111), dx1 = Rand(f.inputs[0].shape(), 2112);
+    cs.push_back({f.name, {dy, y[0], f.inputs[2], y[2], y[3], dx1}, {}});
+  }
+  return cs;
+}
+
 std::vector<Case> RmsNormCases() {
   return {
       {"[5,8]", {Rand({5, 8}, 191, -2, 2), Rand({8}, 192, 0.5, 1.5)}, Args({}, {1e-6})},
@@ -601,6 +623,8 @@ const OpSpec kSpecs[] = {
     {"Matmul", op_defs::Matmul, MatmulCases},
     {"LayerNorm", op_defs::LayerNorm, LayerNormCases},
     {"LayerNormBackward", op_defs::LayerNormBackward, LayerNormBackwardCases},
+    {"AddLayerNorm", op_defs::AddLayerNorm, AddLayerNormCases},
+    {"AddLayerNormBackward", op_defs::AddLayerNormBackward, AddLayerNormBackwardCases},
     {"RmsNorm", op_defs::RmsNorm, RmsNormCases},
     {"RmsNormBackward", op_defs::RmsNormBackward, RmsNormBackwardCases},
     {"Softmax", op_defs::Softmax, SoftmaxCases},
@@ -645,7 +669,7 @@ INSTANTIATE_TEST_SUITE_P(OpDefs, EveryStrategy, ::testing::Range(0, kNumSpecs),
                          [](const ::testing::TestParamInfo<int>& info) { return kSpecs[info.param].test_name; });
 
 TEST(EveryStrategyTable, CoversEveryOpDefOnce) {
-  EXPECT_EQ(kNumSpecs, 35);
+  EXPECT_EQ(kNumSpecs, 37);
   for (int i = 0; i < kNumSpecs; ++i) {
     for (int j = 0; j < i; ++j) {
       EXPECT_NE(&kSpecs[i].op(), &kSpecs[j].op()) << kSpecs[i].test_name << " and " << kSpecs[j].test_name;

@@ -498,6 +498,70 @@ TEST(Grad, Norms) {
              {{S0, R}, {R, R}, {S1, R}, {R, S0}}});
 }
 
+// The fused residual add + LayerNorm, with both outputs used (residual * y), so the gradient
+// of the residual sums its own and LayerNorm's. x and h sharded alike or not, Partial, and
+// sharded weights: the dispatcher redistributes to the op's rule.
+TEST(Grad, AddLayerNorm) {
+  const Tensor x = Rand({5, 3, 8}, 65, -2, 2), h = Rand({5, 3, 8}, 66, -2, 2);
+  const Tensor w = Rand({8}, 67, 0.5, 1.5), b = Rand({8}, 68);
+  CheckGrad({"add_layer_norm",
+             {x, h, w, b},
+             {true, true, true, true},
+             [](const std::vector<Variable>& in) -> absl::StatusOr<Variable> {
+               DT_ASSIGN_OR_RETURN(ResidualNorm r, AddLayerNorm(in[0], in[1], in[2], in[3]));
+               return Mul(r.residual, r.y);
+             },
+             {{S0, S0, R, R}, {S1, S1, R, R}, {R, R, R, R}, {S0, R, R, R}, {P, P, R, R}, {R, R, S0, S0}}});
+  CheckGrad({"add_layer_norm y only",
+             {x, h, w, b},
+             {true, false, true, true},
+             [](const std::vector<Variable>& in) -> absl::StatusOr<Variable> {
+               DT_ASSIGN_OR_RETURN(ResidualNorm r, AddLayerNorm(in[0], in[1], in[2], in[3]));
+               return r.y;
+             },
+             {{S0, S0, R, R}, {R, R, R, R}, {S1, R, R, R}}});
+}
+
+// On the CPU the fused op gives Add then LayerNorm's values and gradients bit for bit, in
+// float32 and bfloat16 (the sum is rounded to the dtype before it is normalised).
+TEST(Grad, AddLayerNormEqualsUnfusedBitForBit) {
+  for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(DTypeName(d));
+    const Tensor x = testing::Random({4, 5, 24}, d, 91, -2, 2), h = testing::Random({4, 5, 24}, d, 92, -2, 2);
+    const Tensor w = testing::Random({24}, d, 93, 0.5, 1.5), b = testing::Random({24}, d, 94);
+    const Tensor wl = testing::Random({4, 5, 24}, d, 95);
+    struct Out {
+      std::vector<double> loss;
+      std::vector<std::vector<double>> grads;
+    };
+    auto run = [&](bool fused) -> Out {
+      std::vector<Variable> in;
+      for (const Tensor& t : {x, h, w, b}) in.push_back(Variable::Leaf(Value(t), true, "in"));
+      Variable res, y;
+      if (fused) {
+        ResidualNorm r = Unwrap(AddLayerNorm(in[0], in[1], in[2], in[3]));
+        res = r.residual;
+        y = r.y;
+      } else {
+        res = Unwrap(Add(in[0], in[1]));
+        y = Unwrap(LayerNorm(res, in[2], in[3]));
+      }
+      // As in a GPT block: the residual goes on, and y through a nonlinearity joins it.
+      const Variable g = Unwrap(Gelu(y));
+      const Variable out = Unwrap(Add(res, g));
+      const Variable loss = Unwrap(Sum(Unwrap(Mul(out, Variable::Constant(Value(wl))))));
+      EXPECT_TRUE(Backward(loss).ok());
+      Out o;
+      o.loss = testing::Values(loss.value().local());
+      for (const Variable& v : in) o.grads.push_back(testing::Values(v.grad().local()));
+      return o;
+    };
+    const Out fused = run(true), plain = run(false);
+    EXPECT_EQ(fused.loss, plain.loss);
+    for (size_t i = 0; i < 4; ++i) EXPECT_EQ(fused.grads[i], plain.grads[i]) << "input " << i;
+  }
+}
+
 TEST(Grad, Softmax) {
   const Tensor x = Rand({5, 7}, 71, -2, 2);
   const std::vector<std::vector<Placement>> d = {{R}, {S0}, {S1}, {P}};

@@ -298,6 +298,19 @@ TEST(OpsStrategy, LayerNorm) {
              }});
 }
 
+TEST(OpsStrategy, AddLayerNorm) {
+  const Tensor x = Rand({5, 3, 8}, 85, -2, 2), h = Rand({5, 3, 8}, 86, -2, 2);
+  const Tensor w = Rand({8}, 87, 0.5, 1.5), b = Rand({8}, 88);
+  CheckCase({"add_layer_norm [5,3,8]",
+             {x, h, w, b},
+             {{R, S0, S2, P}, {R, S0, P}, {R, S0}, {R, S0}},
+             {0, 1, 2, 2},
+             [](const std::vector<Value>& in) -> absl::StatusOr<std::vector<Value>> {
+               DT_ASSIGN_OR_RETURN(fn::AddNormResult r, fn::AddLayerNorm(in[0], in[1], in[2], in[3], 1e-5));
+               return std::vector<Value>{r.residual, r.norm.y, r.norm.mean, r.norm.rstd};
+             }});
+}
+
 TEST(OpsStrategy, RmsNorm) {
   const Tensor x = Rand({5, 8}, 91, -2, 2), w = Rand({8}, 92, 0.5, 1.5);
   const std::vector<Placement> cx = {R, S0, S1, P}, cw = {R, S0, P};
@@ -568,6 +581,14 @@ TEST(OpsStrategy, PicksTheMatchingStrategy) {
          return r.y;
        }),
        {S0}},
+      {"add_layer_norm S(1), S(1), R, R (sequence-sharded residual stream)",
+       {x3, Rand({2, 5, 8}, 168), Rand({8}, 161), Rand({8}, 162)},
+       {{S1}, {S1}, {R}, {R}},
+       One([](const std::vector<Value>& in) -> absl::StatusOr<Value> {
+         DT_ASSIGN_OR_RETURN(fn::AddNormResult r, fn::AddLayerNorm(in[0], in[1], in[2], in[3]));
+         return r.norm.y;
+       }),
+       {S1}},
       {"embedding vocab-sharded table -> P(sum)",
        {Rand({11, 4}, 163), ids},
        {{S0}, {R}},

@@ -707,6 +707,65 @@ TEST(CudaKernelsTest, GemmBiasGradMatchesCpu) {
   }
 }
 
+// AddLayerNorm (one kernel: x1 = x + h, then LayerNorm of x1) against the CPU's fused loop and
+// against this GPU's own Add then LayerNorm (the Kernels default); and its backward
+// LayerNormBackwardAdd against the CPU's. x1 is one rounded add on
+// both devices: exact. y: float32 within kF32Sum; bfloat16 within testing::Tol's 2e-2 relative
+// and absolute (a few ulps of its 8-bit mantissa), float16 within 4e-3: the statistics are
+// summed in another order than the CPU's, which can move a rounding of y by an ulp. mean and
+// rstd are float32 sums: kF32Sum.
+TEST(CudaKernelsTest, AddLayerNormMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const Shape shapes[] = {{1, 1}, {3, 17}, {17, 127}, {130, 768}, {5, 1025}, {64, 3072}};
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    const Tolerance tol = d == DType::kFloat32 ? kF32Sum : testing::Tol(d);
+    for (const Shape& s : shapes) {
+      const int64_t rows = s[0], c = s[1];
+      const Pair x = RandomBoth(s, d, 61, -2.0, 3.0), h = RandomBoth(s, d, 62, -1.0, 1.0);
+      const Pair w = RandomBoth({c}, d, 63, 0.5, 1.5), b = RandomBoth({c}, d, 64);
+      for (bool has_bias : {true, false}) {
+        const std::string what =
+            absl::StrCat("add_layernorm ", Name(d), " ", ShapeString(s), has_bias ? "" : " no bias");
+        const Pair x1 = EmptyBoth(s, d), y = EmptyBoth(s, d), mean = EmptyBoth({rows}, DType::kFloat32),
+                   rstd = EmptyBoth({rows}, DType::kFloat32);
+        for (int side : {0, 1}) {
+          ExpectOk((side ? Gpu() : Cpu())
+                       ->AddLayerNorm(x[side], h[side], w[side], has_bias ? b[side] : Tensor(), 1e-5f, x1[side],
+                                      y[side], mean[side], rstd[side]),
+                   what);
+        }
+        ExpectSame(x1, kExact, what + " x1");
+        ExpectSame(y, tol, what + " y");
+        ExpectSame(mean, kF32Sum, what + " mean");
+        ExpectSame(rstd, kF32Sum, what + " rstd");
+        // The GPU's unfused default (Binary, then the LayerNorm kernel) on the same inputs.
+        const Tensor ux1 = EmptyBoth(s, d).gpu, uy = EmptyBoth(s, d).gpu;
+        const Tensor um = EmptyBoth({rows}, DType::kFloat32).gpu, ur = EmptyBoth({rows}, DType::kFloat32).gpu;
+        ExpectOk(Gpu()->Kernels::AddLayerNorm(x.gpu, h.gpu, w.gpu, has_bias ? b.gpu : Tensor(), 1e-5f, ux1, uy, um, ur),
+                 what + " unfused");
+        testing::ExpectNear(Vals(x1.gpu), Vals(ux1), kExact, what + " x1 vs unfused");
+        testing::ExpectNear(Vals(y.gpu), Vals(uy), tol, what + " y vs unfused");
+        testing::ExpectNear(Vals(mean.gpu), Vals(um), kF32Sum, what + " mean vs unfused");
+        testing::ExpectNear(Vals(rstd.gpu), Vals(ur), kF32Sum, what + " rstd vs unfused");
+        // The backward with the residual's gradient added in the same pass (LayerNormBackwardAdd),
+        // on the CPU's saved statistics: dx as LayerNorm's dx (tol), dweight/dbias sums (tol).
+        const Pair dy = RandomBoth(s, d, 65), dres = RandomBoth(s, d, 66);
+        const Pair dx = EmptyBoth(s, d), dw = EmptyBoth({c}, d), db = EmptyBoth({c}, d);
+        const Pair smean = Both(mean.cpu), srstd = Both(rstd.cpu);
+        for (int side : {0, 1}) {
+          ExpectOk((side ? Gpu() : Cpu())
+                       ->LayerNormBackwardAdd(dy[side], x1[side], w[side], smean[side], srstd[side], dres[side],
+                                              dx[side], dw[side], has_bias ? db[side] : Tensor()),
+                   what + " backward");
+        }
+        ExpectSame(dx, tol, what + " dx");
+        ExpectSame(dw, tol, what + " dweight");
+        if (has_bias) ExpectSame(db, tol, what + " dbias");
+      }
+    }
+  }
+}
+
 // GemmDgelu (cuBLASLt's DGELU_BGRAD epilogue: an MLP's pre-activation gradient
 // (dy w) * gelu'(pre) and its column sums from c_proj's input-gradient matrix multiply; the
 // unfused fallback where cuBLASLt declines: a pre-activation width not a multiple of 8) against

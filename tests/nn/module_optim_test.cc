@@ -11,6 +11,7 @@
 #include "dtensor/autograd/ops.h"
 #include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/nn/gpt.h"
+#include "dtensor/nn/layers.h"
 #include "dtensor/nn/optim.h"
 #include "gtest/gtest.h"
 #include "tests/testing/test_util.h"
@@ -64,6 +65,60 @@ TEST(ModuleTest, HooksRunAroundForwardAndBeforeBackward) {
   EXPECT_EQ(log, (std::vector<std::string>{"pre", "post", "backward"}));
   lin.RegisterForwardPreHook([](nn::Module&) { return absl::FailedPreconditionError("stop"); });
   EXPECT_TRUE(absl::IsFailedPrecondition(lin.Forward(x).status()));
+}
+
+// LayerNorm::ForwardAddResidual: without hooks one fused op (AddLayerNorm) with Add then
+// Forward's values and gradients bit for bit; with a hook on the norm (as SequenceParallel
+// installs) the unfused path, so the hook runs once and sees x + h as the module's input.
+TEST(ModuleTest, LayerNormAddResidualFusesOnlyWithoutHooks) {
+  const Tensor xt = testing::Random({2, 3, 8}, DType::kFloat32, 11),
+               ht = testing::Random({2, 3, 8}, DType::kFloat32, 12);
+  const Tensor wl = testing::Random({2, 3, 8}, DType::kFloat32, 13);
+  struct Run {
+    std::string node;
+    std::vector<std::vector<double>> values;  // loss, dx, dh, dweight, dbias
+  };
+  auto run = [&](bool fused, bool hooked, int* hook_calls, std::vector<double>* hook_input) -> Run {
+    nn::LayerNorm ln(8);
+    ln.FindParameter("weight")->set_value(Value(testing::Random({8}, DType::kFloat32, 14, 0.5, 1.5)));
+    ln.FindParameter("bias")->set_value(Value(testing::Random({8}, DType::kFloat32, 15)));
+    if (hooked) {
+      ln.RegisterForwardInputHook([=](nn::Module&, Variable& in) {
+        ++*hook_calls;
+        *hook_input = testing::Values(in.value().local());
+        return absl::OkStatus();
+      });
+    }
+    Variable x = Variable::Leaf(Value(xt), true), h = Variable::Leaf(Value(ht), true);
+    ResidualNorm r;
+    if (fused) {
+      r = Unwrap(ln.ForwardAddResidual(x, h));
+    } else {
+      r.residual = Unwrap(Add(x, h));
+      r.y = Unwrap(ln.Forward(r.residual));
+    }
+    Run o;
+    o.node = r.y.grad_fn() ? r.y.grad_fn()->name() : "";
+    const Variable out = Unwrap(Add(r.residual, Unwrap(Gelu(r.y))));
+    const Variable loss = Unwrap(Sum(Unwrap(Mul(out, Variable::Constant(Value(wl))))));
+    EXPECT_TRUE(Backward(loss).ok());
+    o.values.push_back(testing::Values(loss.value().local()));
+    for (const Variable* v : {&x, &h}) o.values.push_back(testing::Values(v->grad().local()));
+    for (const char* p : {"weight", "bias"}) o.values.push_back(testing::Values(ln.FindParameter(p)->grad().local()));
+    return o;
+  };
+  int calls = 0;
+  std::vector<double> seen;
+  const Run plain = run(false, false, &calls, &seen);
+  const Run fused = run(true, false, &calls, &seen);
+  EXPECT_EQ(fused.node, "AddLayerNorm");
+  EXPECT_EQ(plain.node, "LayerNorm");
+  EXPECT_EQ(fused.values, plain.values);
+  const Run hooked = run(true, true, &calls, &seen);
+  EXPECT_EQ(hooked.node, "LayerNorm");
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(seen, testing::Values(Unwrap(Add(xt, ht))));
+  EXPECT_EQ(hooked.values, plain.values);
 }
 
 // A backward pass that outlives its module gets an error where the module's backward

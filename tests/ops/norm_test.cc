@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "dtensor/kernels/kernels.h"
 #include "dtensor/ops/ops.h"
 #include "gtest/gtest.h"
 #include "tests/testing/test_util.h"
@@ -229,6 +230,117 @@ TEST(CpuNormTest, RmsNormBackwardMatchesFiniteDifferences) {
           Values(g.dweight), Sample(wv.size(), 60), tol, what + " dweight");
     }
   }
+}
+
+// The fused residual add + LayerNorm equals Add then LayerNorm bit for bit (the sum rounded to
+// the dtype before it is normalised), row counts from 1 to OpenMP-split sizes.
+TEST(CpuNormTest, AddLayerNormEqualsAddThenLayerNormBitForBit) {
+  for (DType d : kFloatTypes) {
+    for (const Case& k : kCases) {
+      for (bool bias : {true, false}) {
+        const Tensor x = testing::Random({k.rows, k.c}, d, 61, -2.0, 2.0);
+        const Tensor h = testing::Random({k.rows, k.c}, d, 62, -2.0, 2.0);
+        const Tensor w = testing::Random({k.c}, d, 63, 0.5, 1.5);
+        const Tensor b = bias ? testing::Random({k.c}, d, 64) : Tensor();
+        const AddNormOutput f = Unwrap(AddLayerNorm(x, h, w, b, 1e-5f));
+        const Tensor sum = Unwrap(Add(x, h));
+        const NormOutput o = Unwrap(LayerNorm(sum, w, b, 1e-5f));
+        const std::string what = What("AddLayerNorm", d, k.rows, k.c, bias);
+        EXPECT_EQ(f.residual.dtype(), d) << what;
+        EXPECT_EQ(Values(f.residual), Values(sum)) << what;
+        EXPECT_EQ(Values(f.norm.y), Values(o.y)) << what;
+        EXPECT_EQ(Values(f.norm.mean), Values(o.mean)) << what;
+        EXPECT_EQ(Values(f.norm.rstd), Values(o.rstd)) << what;
+      }
+    }
+  }
+}
+
+// AddLayerNorm's backward in one pass equals LayerNormBackward then Add bit for bit (dx rounded
+// to the dtype before the residual's gradient is added).
+TEST(CpuNormTest, LayerNormBackwardAddEqualsBackwardThenAddBitForBit) {
+  for (DType d : kFloatTypes) {
+    for (const Case& k : kCases) {
+      for (bool bias : {true, false}) {
+        const Tensor x = testing::Random({k.rows, k.c}, d, 65, -2.0, 2.0);
+        const Tensor w = testing::Random({k.c}, d, 66, 0.5, 1.5);
+        const Tensor dy = testing::Random({k.rows, k.c}, d, 67), dres = testing::Random({k.rows, k.c}, d, 68);
+        const NormOutput o = Unwrap(LayerNorm(x, w, Tensor()));
+        const NormGrads f = Unwrap(LayerNormBackwardAdd(dy, x, w, o, dres, bias));
+        const NormGrads g = Unwrap(LayerNormBackward(dy, x, w, o, bias));
+        const std::string what = What("LayerNormBackwardAdd", d, k.rows, k.c, bias);
+        EXPECT_EQ(Values(f.dx), Values(Unwrap(Add(g.dx, dres)))) << what;
+        EXPECT_EQ(Values(f.dweight), Values(g.dweight)) << what;
+        if (bias) {
+          EXPECT_EQ(Values(f.dbias), Values(g.dbias)) << what;
+        }
+        EXPECT_EQ(f.dbias.defined(), bias) << what;
+      }
+    }
+  }
+  const Tensor x = testing::Random({3, 4}, DType::kFloat32, 69), w = testing::Random({4}, DType::kFloat32, 70);
+  const NormOutput o = Unwrap(LayerNorm(x, w, Tensor()));
+  EXPECT_FALSE(LayerNormBackwardAdd(x, x, w, o, Tensor()).ok());
+  EXPECT_FALSE(LayerNormBackwardAdd(x, x, w, o, testing::Random({4, 3}, DType::kFloat32, 71)).ok());
+}
+
+// The CPU kernels equal the Kernels base class's defaults (Binary, then LayerNorm; and
+// LayerNormBackward, then Binary), which other backends inherit.
+TEST(CpuNormTest, AddLayerNormKernelsEqualDefaults) {
+  Kernels* k = Unwrap(KernelsFor(Device::Cpu()));
+  for (DType d : kFloatTypes) {
+    const Tensor x = testing::Random({9, 40}, d, 71), h = testing::Random({9, 40}, d, 72);
+    const Tensor w = testing::Random({40}, d, 73, 0.5, 1.5), b = testing::Random({40}, d, 74);
+    Tensor out[2][4];
+    for (auto& o : out) {
+      o[0] = Unwrap(Tensor::Empty({9, 40}, d));
+      o[1] = Unwrap(Tensor::Empty({9, 40}, d));
+      o[2] = Unwrap(Tensor::Empty({9}, DType::kFloat32));
+      o[3] = Unwrap(Tensor::Empty({9}, DType::kFloat32));
+    }
+    ASSERT_TRUE(k->AddLayerNorm(x, h, w, b, 1e-5f, out[0][0], out[0][1], out[0][2], out[0][3]).ok());
+    ASSERT_TRUE(k->Kernels::AddLayerNorm(x, h, w, b, 1e-5f, out[1][0], out[1][1], out[1][2], out[1][3]).ok());
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(Values(out[0][i]), Values(out[1][i])) << DTypeName(d) << " output " << i;
+    const Tensor dy = testing::Random({9, 40}, d, 75), dres = testing::Random({9, 40}, d, 76);
+    Tensor grads[2][3];
+    for (auto& g : grads) {
+      g[0] = Unwrap(Tensor::Empty({9, 40}, d));
+      g[1] = Unwrap(Tensor::Empty({40}, d));
+      g[2] = Unwrap(Tensor::Empty({40}, d));
+    }
+    const Tensor& x1 = out[0][0];
+    ASSERT_TRUE(
+        k->LayerNormBackwardAdd(dy, x1, w, out[0][2], out[0][3], dres, grads[0][0], grads[0][1], grads[0][2]).ok());
+    ASSERT_TRUE(
+        k->Kernels::LayerNormBackwardAdd(dy, x1, w, out[0][2], out[0][3], dres, grads[1][0], grads[1][1], grads[1][2])
+            .ok());
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(Values(grads[0][i]), Values(grads[1][i])) << DTypeName(d) << " grad " << i;
+  }
+}
+
+// Leading dims and non-contiguous inputs; shapes and dtypes that differ are refused by name.
+TEST(CpuNormTest, AddLayerNormLeadingDimsNonContiguousAndErrors) {
+  const Tensor xt = testing::Random({6, 2, 3}, DType::kFloat32, 81);
+  const Tensor x = Unwrap(xt.Transpose(0, 2));  // [3, 2, 6], not contiguous
+  const Tensor h = testing::Random({3, 2, 6}, DType::kFloat32, 82);
+  const Tensor w = testing::Random({6}, DType::kFloat32, 83), b = testing::Random({6}, DType::kFloat32, 84);
+  const AddNormOutput f = Unwrap(AddLayerNorm(x, h, w, b));
+  const NormOutput o = Unwrap(LayerNorm(Unwrap(Add(x, h)), w, b));
+  EXPECT_EQ(f.norm.y.shape(), IntSpan(Shape{3, 2, 6}));
+  EXPECT_EQ(Values(f.norm.y), Values(o.y));
+  EXPECT_EQ(f.norm.mean.numel(), 6);
+
+  const Tensor h_bad = testing::Random({3, 6}, DType::kFloat32, 85);
+  absl::StatusOr<AddNormOutput> bad = AddLayerNorm(h, h_bad, w, b);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("AddLayerNorm"), std::string::npos) << bad.status();
+  const Tensor h_bf16 = testing::Random({3, 2, 6}, DType::kBFloat16, 86);
+  EXPECT_FALSE(AddLayerNorm(h, h_bf16, w, b).ok());
+  const Tensor empty = Unwrap(Zeros({0, 6}, DType::kFloat32));
+  const AddNormOutput e = Unwrap(AddLayerNorm(empty, empty, w, b));
+  EXPECT_EQ(e.residual.numel(), 0);
+  EXPECT_EQ(e.norm.mean.numel(), 0);
 }
 
 TEST(CpuNormTest, EmptyRowsGiveZeroParameterGradients) {

@@ -1,6 +1,7 @@
-// LayerNorm and RmsNorm over the last dim, forward and backward (CPU).
+// LayerNorm (also after a residual add, AddLayerNorm) and RmsNorm over the last dim, forward and
+// backward (CPU).
 //
-// Legend: x, y, dy, dx are [rows, C] contiguous; weight, bias, dweight, dbias are [C];
+// Legend: x, h, x1, y, dy, dx are [rows, C] contiguous; weight, bias, dweight, dbias are [C];
 // mean, rstd are float32 [rows]. Rows are split over OpenMP threads; everything is computed in
 // float32 from rows converted once (bf16/f16). The weight/bias gradients are summed per fixed
 // block of rows and then over blocks in order, so they do not depend on the thread count.
@@ -68,6 +69,26 @@ void SumBlocks(const std::vector<float>& partial, int64_t nblocks, int64_t c, T*
   }
 }
 
+// One row of LayerNorm in float32: yr[i] = (xr[i] - mean) * rstd * w[i] + b[i]; writes mean
+// and rstd to *mu, *rs. LayerNormForward and AddLayerNormForward share it, so that the fused
+// op's statistics and outputs equal LayerNorm's bit for bit.
+inline void LayerNormRow(const float* xr, const float* w, const float* b, int64_t c, float eps, float* yr, float* mu,
+                         float* rs) {
+  const float inv_c = 1.0f / static_cast<float>(c);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < c; ++i) sum += xr[i];
+  const float m = sum * inv_c;
+  float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+  for (int64_t i = 0; i < c; ++i) sq += (xr[i] - m) * (xr[i] - m);
+  const float r = 1.0f / std::sqrt(sq * inv_c + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < c; ++i) yr[i] = (xr[i] - m) * r * w[i] + b[i];
+  *mu = m;
+  *rs = r;
+}
+
 template <typename T>
 void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y,
                       const Tensor& mean, const Tensor& rstd) {
@@ -79,7 +100,6 @@ void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
   T* yp = y.data<T>();        // [rows, C]
   float* mp = mean.data<float>();
   float* rp = rstd.data<float>();
-  const float inv_c = 1.0f / static_cast<float>(c);
 #pragma omp parallel if (rows * c >= kParallelGrain)
   {
     std::vector<float> sx, sy;
@@ -91,33 +111,68 @@ void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = RowF32(xp + r * c, c, sx.data());
       float* yr = OutF32(yp + r * c, sy.data());
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < c; ++i) sum += xr[i];
-      const float mu = sum * inv_c;
-      float sq = 0.0f;
-#pragma omp simd reduction(+ : sq)
-      for (int64_t i = 0; i < c; ++i) sq += (xr[i] - mu) * (xr[i] - mu);
-      const float rs = 1.0f / std::sqrt(sq * inv_c + eps);
-#pragma omp simd
-      for (int64_t i = 0; i < c; ++i) yr[i] = (xr[i] - mu) * rs * w[i] + b[i];
+      LayerNormRow(xr, w.data(), b.data(), c, eps, yr, mp + r, rp + r);
       Store(yr, c, yp + r * c);
-      mp[r] = mu;
-      rp[r] = rs;
     }
   }
 }
 
+// x1 = x + h (rounded to T, as Binary's kAdd) and LayerNorm of x1, row by row: each row of x
+// and h is read once and x1's row is normalised while it is still in cache.
+template <typename T>
+void AddLayerNormForward(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias, float eps,
+                         const Tensor& x1, const Tensor& y, const Tensor& mean, const Tensor& rstd) {
+  const int64_t c = x.size(-1);
+  const int64_t rows = x.numel() / c;
+  const std::vector<float> w = ParamF32<T>(weight, c, 1.0f);
+  const std::vector<float> b = ParamF32<T>(bias, c, 0.0f);
+  const T* xp = x.data<T>();  // [rows, C]
+  const T* hp = h.data<T>();  // [rows, C]
+  T* x1p = x1.data<T>();      // [rows, C]
+  T* yp = y.data<T>();        // [rows, C]
+  float* mp = mean.data<float>();
+  float* rp = rstd.data<float>();
+#pragma omp parallel if (rows * c >= kParallelGrain)
+  {
+    std::vector<float> sx, sy;
+    if constexpr (!std::is_same_v<T, float>) {
+      sx.resize(c);
+      sy.resize(c);
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+      const T* xr = xp + r * c;
+      const T* hr = hp + r * c;
+      T* x1r = x1p + r * c;
+      float* sum = OutF32(x1r, sx.data());  // x + h in float32 (x1's row itself for float)
+      for (int64_t i = 0; i < c; ++i) sum[i] = ToFloat(xr[i]) + ToFloat(hr[i]);
+      if constexpr (!std::is_same_v<T, float>) {
+        // Normalise the rounded sum, as LayerNorm of the stored x1 would.
+        for (int64_t i = 0; i < c; ++i) {
+          x1r[i] = FromFloat<T>(sum[i]);
+          sum[i] = ToFloat(x1r[i]);
+        }
+      }
+      float* yr = OutF32(yp + r * c, sy.data());
+      LayerNormRow(sum, w.data(), b.data(), c, eps, yr, mp + r, rp + r);
+      Store(yr, c, yp + r * c);
+    }
+  }
+}
+
+// dres (undefined: none) is added to dx after dx's rounding to T, as a separate Binary add would.
 template <typename T>
 void LayerNormBackwardImpl(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
-                           const Tensor& rstd, const Tensor& dx, const Tensor& dweight, const Tensor& dbias) {
+                           const Tensor& rstd, const Tensor& dres, const Tensor& dx, const Tensor& dweight,
+                           const Tensor& dbias) {
   const int64_t c = x.size(-1);
   const int64_t rows = x.numel() / c;
   const int64_t nblocks = (rows + kRowBlock - 1) / kRowBlock;
   const std::vector<float> w = ParamF32<T>(weight, c, 1.0f);
-  const T* dyp = dy.data<T>();  // [rows, C]
-  const T* xp = x.data<T>();    // [rows, C]
-  T* dxp = dx.data<T>();        // [rows, C]
+  const T* dyp = dy.data<T>();                               // [rows, C]
+  const T* xp = x.data<T>();                                 // [rows, C]
+  T* dxp = dx.data<T>();                                     // [rows, C]
+  const T* drp = dres.defined() ? dres.data<T>() : nullptr;  // [rows, C] or none
   const float* mp = mean.data<float>();
   const float* rp = rstd.data<float>();
   std::vector<float> dw_part(static_cast<size_t>(nblocks * c));  // [nblocks, C]
@@ -158,6 +213,11 @@ void LayerNormBackwardImpl(const Tensor& dy, const Tensor& x, const Tensor& weig
         for (int64_t i = 0; i < c; ++i) {
           const float xhat = (xr[i] - mu) * rs;
           dxr[i] = rs * (dyr[i] * w[i] - mg - xhat * mgx);
+        }
+        if (drp != nullptr) {
+          // A loop of its own, so that the add is not contracted into the multiply above.
+          const T* drr = drp + r * c;
+          for (int64_t i = 0; i < c; ++i) dxr[i] = ToFloat(FromFloat<T>(dxr[i])) + ToFloat(drr[i]);
         }
         Store(dxr, c, dxp + r * c);
       }
@@ -258,6 +318,16 @@ absl::Status CpuBackend::LayerNorm(const Tensor& x, const Tensor& weight, const 
   });
 }
 
+absl::Status CpuBackend::AddLayerNorm(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias,
+                                      float eps, const Tensor& x1, const Tensor& y, const Tensor& mean,
+                                      const Tensor& rstd) {
+  if (x.numel() == 0) return absl::OkStatus();
+  return DispatchFloat("AddLayerNorm", x.dtype(), [&](auto tag) {
+    AddLayerNormForward<decltype(tag)>(x, h, weight, bias, eps, x1, y, mean, rstd);
+    return absl::OkStatus();
+  });
+}
+
 absl::Status CpuBackend::LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
                                            const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
                                            const Tensor& dbias) {
@@ -273,7 +343,17 @@ absl::Status CpuBackend::LayerNormBackward(const Tensor& dy, const Tensor& x, co
     });
   }
   return DispatchFloat("LayerNormBackward", x.dtype(), [&](auto tag) {
-    LayerNormBackwardImpl<decltype(tag)>(dy, x, weight, mean, rstd, dx, dweight, dbias);
+    LayerNormBackwardImpl<decltype(tag)>(dy, x, weight, mean, rstd, Tensor(), dx, dweight, dbias);
+    return absl::OkStatus();
+  });
+}
+
+absl::Status CpuBackend::LayerNormBackwardAdd(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                              const Tensor& mean, const Tensor& rstd, const Tensor& dresidual,
+                                              const Tensor& dx, const Tensor& dweight, const Tensor& dbias) {
+  if (x.numel() == 0) return LayerNormBackward(dy, x, weight, mean, rstd, dx, dweight, dbias);
+  return DispatchFloat("LayerNormBackwardAdd", x.dtype(), [&](auto tag) {
+    LayerNormBackwardImpl<decltype(tag)>(dy, x, weight, mean, rstd, dresidual, dx, dweight, dbias);
     return absl::OkStatus();
   });
 }

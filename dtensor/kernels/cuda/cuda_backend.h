@@ -29,9 +29,14 @@ class CudaBackend final : public Kernels {
   absl::Status SoftmaxBackward(const Tensor& dy, const Tensor& y, const Tensor& dx, bool log) override;
   absl::Status LayerNorm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y,
                          const Tensor& mean, const Tensor& rstd) override;
+  absl::Status AddLayerNorm(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias, float eps,
+                            const Tensor& x1, const Tensor& y, const Tensor& mean, const Tensor& rstd) override;
   absl::Status LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
                                  const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
                                  const Tensor& dbias) override;
+  absl::Status LayerNormBackwardAdd(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
+                                    const Tensor& rstd, const Tensor& dresidual, const Tensor& dx,
+                                    const Tensor& dweight, const Tensor& dbias) override;
   absl::Status RmsNorm(const Tensor& x, const Tensor& weight, float eps, const Tensor& y, const Tensor& rstd) override;
   absl::Status RmsNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& rstd,
                                const Tensor& dx, const Tensor& dweight) override;

@@ -291,11 +291,36 @@ absl::Status CudaBackend::LayerNorm(const Tensor& x, const Tensor& weight, const
   });
 }
 
+absl::Status CudaBackend::AddLayerNorm(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias,
+                                       float eps, const Tensor& x1, const Tensor& y, const Tensor& mean,
+                                       const Tensor& rstd) {
+  constexpr const char* op = "AddLayerNorm";
+  if (x.numel() == 0) return absl::OkStatus();
+  DT_RETURN_IF_ERROR(CheckSameDType(op, x, h, x1));
+  DT_RETURN_IF_ERROR(CheckSameDType(op, x, x, y));
+  DT_RETURN_IF_ERROR(CheckFloat(op, x.dtype()));
+  int64_t rows, c;
+  RowsAndCols(x, &rows, &c);
+  return OnDevice(index_, op, [&] {
+    return gpu::LaunchAddNorm(x.dtype(), x.raw_data(), h.raw_data(), DataOrNull(weight), DataOrNull(bias), eps,
+                              x1.raw_data(), y.raw_data(), mean.data<float>(), rstd.data<float>(), rows, c);
+  });
+}
+
 absl::Status CudaBackend::LayerNormBackward(const Tensor& dy, const Tensor& x, const Tensor& weight, const Tensor& mean,
                                             const Tensor& rstd, const Tensor& dx, const Tensor& dweight,
                                             const Tensor& dbias) {
-  constexpr const char* op = "LayerNormBackward";
+  return LayerNormBackwardAdd(dy, x, weight, mean, rstd, Tensor(), dx, dweight, dbias);
+}
+
+absl::Status CudaBackend::LayerNormBackwardAdd(const Tensor& dy, const Tensor& x, const Tensor& weight,
+                                               const Tensor& mean, const Tensor& rstd, const Tensor& dresidual,
+                                               const Tensor& dx, const Tensor& dweight, const Tensor& dbias) {
+  const char* op = dresidual.defined() ? "LayerNormBackwardAdd" : "LayerNormBackward";
   DT_RETURN_IF_ERROR(CheckFloat(op, x.dtype()));
+  if (dresidual.defined()) {
+    DT_RETURN_IF_ERROR(CheckSameDType(op, dresidual, dresidual, x));
+  }
   const int64_t c = x.dim() == 0 ? 1 : x.size(-1);
   const int64_t rows = c == 0 ? 0 : x.numel() / c;
   const bool params = dweight.defined() || dbias.defined();
@@ -303,8 +328,8 @@ absl::Status CudaBackend::LayerNormBackward(const Tensor& dy, const Tensor& x, c
   return OnDevice(index_, op, [&] {
     return gpu::LaunchNormBackward(false, x.dtype(), DataOrNull(dy), DataOrNull(x), DataOrNull(weight),
                                    rows > 0 ? mean.data<float>() : nullptr, rows > 0 ? rstd.data<float>() : nullptr,
-                                   MutableDataOrNull(dx), MutableDataOrNull(dweight), MutableDataOrNull(dbias),
-                                   params ? partial.data<float>() : nullptr, rows, c);
+                                   DataOrNull(dresidual), MutableDataOrNull(dx), MutableDataOrNull(dweight),
+                                   MutableDataOrNull(dbias), params ? partial.data<float>() : nullptr, rows, c);
   });
 }
 
@@ -332,7 +357,7 @@ absl::Status CudaBackend::RmsNormBackward(const Tensor& dy, const Tensor& x, con
   DT_ASSIGN_OR_RETURN(Tensor partial, Scratch(params ? gpu::NormPartialFloats(rows, c) : 0, DType::kFloat32, index_));
   return OnDevice(index_, op, [&] {
     return gpu::LaunchNormBackward(true, x.dtype(), DataOrNull(dy), DataOrNull(x), DataOrNull(weight), nullptr,
-                                   rows > 0 ? rstd.data<float>() : nullptr, MutableDataOrNull(dx),
+                                   rows > 0 ? rstd.data<float>() : nullptr, nullptr, MutableDataOrNull(dx),
                                    MutableDataOrNull(dweight), nullptr, params ? partial.data<float>() : nullptr, rows,
                                    c);
   });

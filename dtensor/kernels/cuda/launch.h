@@ -106,12 +106,17 @@ cudaError_t LaunchSoftmaxBackward(DType dtype, const void* dy, const void* y, vo
 // weight/bias may be null (1 / 0); mean is unused (may be null) for rms.
 cudaError_t LaunchNorm(bool rms, DType dtype, const void* x, const void* weight, const void* bias, float eps, void* y,
                        float* mean, float* rstd, int64_t rows, int64_t c);
+// x1 = x + h (rounded to dtype) and LayerNorm of x1 into y, mean, rstd, in one kernel; all
+// contiguous [rows, c]; weight/bias may be null.
+cudaError_t LaunchAddNorm(DType dtype, const void* x, const void* h, const void* weight, const void* bias, float eps,
+                          void* x1, void* y, float* mean, float* rstd, int64_t rows, int64_t c);
 // Its backward. dweight/dbias may be null (not wanted); `partial` is float32 scratch of
-// NormPartialFloats(rows, c) elements for the column sums.
+// NormPartialFloats(rows, c) elements for the column sums. LayerNorm only: a non-null
+// `dresidual` [rows, c] is added to dx after dx's rounding (AddLayerNorm's backward).
 int64_t NormPartialFloats(int64_t rows, int64_t c);
 cudaError_t LaunchNormBackward(bool rms, DType dtype, const void* dy, const void* x, const void* weight,
-                               const float* mean, const float* rstd, void* dx, void* dweight, void* dbias,
-                               float* partial, int64_t rows, int64_t c);
+                               const float* mean, const float* rstd, const void* dresidual, void* dx, void* dweight,
+                               void* dbias, float* partial, int64_t rows, int64_t c);
 
 // ---- embedding.cu ----
 // out[r, :] = weight[ids[r], :] for r < n, zeros for ids outside [0, v). weight [v, c] of any

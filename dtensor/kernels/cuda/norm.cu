@@ -1,6 +1,6 @@
-// CUDA LayerNorm and RmsNorm over the last dim, forward and backward.
+// CUDA LayerNorm (also after a residual add) and RmsNorm over the last dim, forward and backward.
 //
-// Legend: x, y, dy, dx [rows, C] contiguous; weight, bias, dweight, dbias [C]; mean, rstd
+// Legend: x, h, x1, y, dy, dx [rows, C] contiguous; weight, bias, dweight, dbias [C]; mean, rstd
 // float32 [rows]. Everything computes in float32, with the CPU backend's formulas:
 //   LayerNorm: mean = sum(x) / C, var = sum((x - mean)^2) / C (biased), rstd = 1/sqrt(var + eps)
 //   RmsNorm:   rstd = 1/sqrt(sum(x^2) / C + eps)
@@ -58,12 +58,52 @@ __global__ void NormKernel(bool rms, const T* x, const T* weight, const T* bias,
   }
 }
 
+// The residual add and LayerNorm (llm.c's fused_residual_forward), one block per row:
+// x1 = x + h rounded to T, written once; then NormKernel's statistics and output of that rounded
+// x1. Each thread reads back only the elements of x1 it wrote itself (the same j stride), so
+// no barrier is needed between the add and the sums, and those reads hit the cache: x and h
+// are read from memory once, x1 and y written once.
+template <typename T>
+__global__ void AddNormKernel(const T* x, const T* h, const T* weight, const T* bias, float eps, T* x1, T* y,
+                              float* mean, float* rstd, int64_t rows, int64_t c) {
+  __shared__ float smem[32];
+  const float inv_c = 1.0f / static_cast<float>(c);
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * c;
+    const T* hr = h + r * c;
+    T* x1r = x1 + r * c;
+    T* yr = y + r * c;
+    float s = 0.0f;
+    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
+      const T v = FromFloat<T>(ToFloat(xr[j]) + ToFloat(hr[j]));
+      x1r[j] = v;
+      s += ToFloat(v);
+    }
+    const float mu = BlockSum(s, smem) * inv_c;
+    float sq = 0.0f;
+    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
+      const float d = ToFloat(x1r[j]) - mu;
+      sq += d * d;
+    }
+    const float rs = 1.0f / sqrtf(BlockSum(sq, smem) * inv_c + eps);
+    for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
+      const float v = (ToFloat(x1r[j]) - mu) * rs * ParamAt(weight, j, 1.0f);
+      yr[j] = FromFloat<T>(v + ParamAt(bias, j, 0.0f));
+    }
+    if (threadIdx.x == 0) {
+      mean[r] = mu;
+      rstd[r] = rs;
+    }
+  }
+}
+
 // dx, with g = dy * w:
 //   LayerNorm: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), xhat = (x - mean) * rstd
 //   RmsNorm:   dx = rstd * g - x * rstd^3 * mean(g * x)
+// LayerNorm with dres (AddLayerNorm's backward; null: none): dx rounded to T, plus dres.
 template <typename T>
 __global__ void NormBackwardKernel(bool rms, const T* dy, const T* x, const T* weight, const float* mean,
-                                   const float* rstd, T* dx, int64_t rows, int64_t c) {
+                                   const float* rstd, const T* dres, T* dx, int64_t rows, int64_t c) {
   __shared__ float smem[32];
   const float inv_c = 1.0f / static_cast<float>(c);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -89,7 +129,8 @@ __global__ void NormBackwardKernel(bool rms, const T* dy, const T* x, const T* w
       const float mg = BlockSum(sg, smem) * inv_c, mgx = sgx * inv_c;
       for (int64_t j = threadIdx.x; j < c; j += blockDim.x) {
         const float xhat = (ToFloat(xr[j]) - mu) * rs;
-        dxr[j] = FromFloat<T>(rs * (ToFloat(dyr[j]) * ParamAt(weight, j, 1.0f) - mg - xhat * mgx));
+        const T v = FromFloat<T>(rs * (ToFloat(dyr[j]) * ParamAt(weight, j, 1.0f) - mg - xhat * mgx));
+        dxr[j] = dres == nullptr ? v : FromFloat<T>(ToFloat(v) + ToFloat(dres[r * c + j]));
       }
     }
   }
@@ -158,11 +199,23 @@ cudaError_t LaunchNorm(bool rms, DType dtype, const void* x, const void* weight,
   });
 }
 
+cudaError_t LaunchAddNorm(DType dtype, const void* x, const void* h, const void* weight, const void* bias, float eps,
+                          void* x1, void* y, float* mean, float* rstd, int64_t rows, int64_t c) {
+  if (rows <= 0 || c <= 0) return cudaSuccess;
+  return DispatchFloat(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    AddNormKernel<T><<<GridForRows(rows), RowThreads(c), 0, cudaStreamPerThread>>>(
+        static_cast<const T*>(x), static_cast<const T*>(h), static_cast<const T*>(weight), static_cast<const T*>(bias),
+        eps, static_cast<T*>(x1), static_cast<T*>(y), mean, rstd, rows, c);
+    return cudaGetLastError();
+  });
+}
+
 int64_t NormPartialFloats(int64_t rows, int64_t c) { return 2 * Splits(rows) * (c < 1 ? 1 : c); }
 
 cudaError_t LaunchNormBackward(bool rms, DType dtype, const void* dy, const void* x, const void* weight,
-                               const float* mean, const float* rstd, void* dx, void* dweight, void* dbias,
-                               float* partial, int64_t rows, int64_t c) {
+                               const float* mean, const float* rstd, const void* dresidual, void* dx, void* dweight,
+                               void* dbias, float* partial, int64_t rows, int64_t c) {
   if (c <= 0) return cudaSuccess;
   return DispatchFloat(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -170,7 +223,8 @@ cudaError_t LaunchNormBackward(bool rms, DType dtype, const void* dy, const void
     const T* px = static_cast<const T*>(x);
     if (rows > 0) {
       NormBackwardKernel<T><<<GridForRows(rows), RowThreads(c), 0, cudaStreamPerThread>>>(
-          rms, pdy, px, static_cast<const T*>(weight), mean, rstd, static_cast<T*>(dx), rows, c);
+          rms, pdy, px, static_cast<const T*>(weight), mean, rstd, static_cast<const T*>(dresidual),
+          static_cast<T*>(dx), rows, c);
     }
     if (dweight != nullptr || dbias != nullptr) {
       if (partial == nullptr) return cudaErrorInvalidValue;
