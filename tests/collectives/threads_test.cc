@@ -457,6 +457,37 @@ TEST(ThreadsTest, LargeAllReduceReachesEveryElementOfEveryRank) {
   }
 }
 
+// Broadcasts of 64 KiB and more are copied by every rank, a block of the bytes each (blocks
+// that split elements over 3 ranks): every receiver gets every element, from every root.
+TEST(ThreadsTest, LargeBroadcastReachesEveryElementFromEveryRoot) {
+  for (int world : {2, 3, 4}) {
+    for (int64_t n : {int64_t{16384}, int64_t{300001}}) {
+      for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+        for (int root = 0; root < world; ++root) {
+          ExpectAllOk(RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
+            auto value = [&](int64_t i) { return static_cast<double>((i * 7 + root * 13) % 101); };
+            std::vector<double> want(static_cast<size_t>(n));
+            for (int64_t i = 0; i < n; ++i) want[static_cast<size_t>(i)] = value(i);
+            Tensor t = rank == root ? Make(want, dtype) : Sentinel(n, dtype);
+            DT_RETURN_IF_ERROR(comm->Broadcast(t, root));
+            const std::vector<double> got = testing::Values(t);
+            int64_t wrong = 0, first = -1;
+            for (int64_t i = 0; i < n; ++i) {
+              if (got[static_cast<size_t>(i)] != want[static_cast<size_t>(i)]) {
+                if (first < 0) first = i;
+                ++wrong;
+              }
+            }
+            EXPECT_EQ(wrong, 0) << world << " ranks, root " << root << ", rank " << rank << ", " << n << " "
+                                << DTypeName(dtype) << ": first wrong element " << first;
+            return absl::OkStatus();
+          }));
+        }
+      }
+    }
+  }
+}
+
 TEST(ThreadsTest, IntegerAvgTruncatesTowardZero) {
   ExpectAllOk(RunRanks(4, [](int rank, CommPtr& comm) -> absl::Status {
     // Sums 7 and -7 over 4 ranks: 1 and -1 (not 2 and -2).
