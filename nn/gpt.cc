@@ -78,7 +78,7 @@ absl::Status GPT::InitWeights(uint64_t seed) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<GPT::Output> GPT::Forward(const Variable& ids, const Variable& targets) {
+absl::StatusOr<GPT::Output> GPT::Forward(const Variable& ids, const Variable& targets, double loss_grad) {
   IntSpan s = ids.value().shape();
   if (s.size() != 2 || s[1] > config_.block_size || s[1] <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("[GPT] ids must be [B, T] with 0 < T <= block_size ",
@@ -113,7 +113,7 @@ absl::StatusOr<GPT::Output> GPT::Forward(const Variable& ids, const Variable& ta
     if (vocab_sharded) {
       DT_ASSIGN_OR_RETURN(out.loss, dtensor::CrossEntropy(out.logits, targets));
     } else {
-      DT_ASSIGN_OR_RETURN(out.loss, dtensor::CrossEntropyFused(out.logits, targets));
+      DT_ASSIGN_OR_RETURN(out.loss, dtensor::CrossEntropyFused(out.logits, targets, -100, loss_grad));
     }
   }
   return out;

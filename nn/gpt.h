@@ -73,8 +73,11 @@ class GPT : public Module {
     Variable logits;  // [B, T, V]
     Variable loss;    // 0-d mean cross-entropy (undefined without targets)
   };
-  // ids, targets: int32/int64 [B, T] with T <= block_size.
-  absl::StatusOr<Output> Forward(const Variable& ids, const Variable& targets = Variable());
+  // ids, targets: int32/int64 [B, T] with T <= block_size. loss_grad: the gradient the loss
+  // will be backpropagated with (1/K when K micro-batches' losses are scaled by 1/K): the
+  // fused loss computes the logits' gradient for it in the forward, and the backward then
+  // rescales nothing (any other gradient is still right, at one pass over the logits).
+  absl::StatusOr<Output> Forward(const Variable& ids, const Variable& targets = Variable(), double loss_grad = 1.0);
 
   // Inference with a KV cache: ids int32/int64 [B, T_new] are the tokens at positions
   // [cache.length(), cache.length() + T_new); returns their logits [B, T_new, V] (laid out as

@@ -593,7 +593,9 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
         DT_ASSIGN_OR_RETURN(x, DTensor::Distribute(xi, mesh, batch_layout, {.src_rank = std::nullopt}));
         DT_ASSIGN_OR_RETURN(y, DTensor::Distribute(yi, mesh, batch_layout, {.src_rank = std::nullopt}));
       }
-      DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(x), Variable::Constant(y)));
+      // The loss is backpropagated scaled by 1/K: its fused gradient is computed for that.
+      DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(x), Variable::Constant(y),
+                                                              1.0 / static_cast<double>(f.grad_accum)));
       Value loss = out.loss.value();
       if (loss.is_dtensor()) {
         DT_ASSIGN_OR_RETURN(DTensor r, loss.dtensor().Redistribute(Layout(Placements(mesh_shape.size(), Replicate()))));
@@ -635,7 +637,9 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       if (fsdp && f.grad_sync == "last") nn::SetRequiresGradientSync(*model, k + 1 == f.grad_accum);
       const auto f0 = std::chrono::steady_clock::now();
       count(0);
-      DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(x), Variable::Constant(y)));
+      // The loss is backpropagated scaled by 1/K: its fused gradient is computed for that.
+      DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(x), Variable::Constant(y),
+                                                              1.0 / static_cast<double>(f.grad_accum)));
       Variable loss = out.loss;
       out.logits = Variable();  // the loss keeps their gradient, not them: free them now
       if (f.grad_accum > 1) {
