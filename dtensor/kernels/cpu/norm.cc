@@ -70,7 +70,7 @@ void SumBlocks(const std::vector<float>& partial, int64_t nblocks, int64_t c, T*
 }
 
 // One row of LayerNorm in float32: yr[i] = (xr[i] - mean) * rstd * w[i] + b[i]; writes mean
-// and rstd to *mu, *rs. LayerNormForward and AddLayerNormForward share it, so that the fused
+// and rstd to *mu, *rs. LayerNormForward uses it with and without the residual, so that the fused
 // op's statistics and outputs equal LayerNorm's bit for bit.
 inline void LayerNormRow(const float* xr, const float* w, const float* b, int64_t c, float eps, float* yr, float* mu,
                          float* rs) {
@@ -89,15 +89,20 @@ inline void LayerNormRow(const float* xr, const float* w, const float* b, int64_
   *rs = r;
 }
 
+// LayerNorm of x row by row; with h defined, of x1 = x + h (rounded to T, as Binary's kAdd,
+// and written to x1): each row of x and h is read once and x1's row is normalised while it is
+// still in cache.
 template <typename T>
-void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y,
-                      const Tensor& mean, const Tensor& rstd) {
+void LayerNormForward(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias, float eps,
+                      const Tensor& x1, const Tensor& y, const Tensor& mean, const Tensor& rstd) {
   const int64_t c = x.size(-1);
   const int64_t rows = x.numel() / c;
   const std::vector<float> w = ParamF32<T>(weight, c, 1.0f);
   const std::vector<float> b = ParamF32<T>(bias, c, 0.0f);
-  const T* xp = x.data<T>();  // [rows, C]
-  T* yp = y.data<T>();        // [rows, C]
+  const T* xp = x.data<T>();                          // [rows, C]
+  const T* hp = h.defined() ? h.data<T>() : nullptr;  // [rows, C] or none
+  T* x1p = h.defined() ? x1.data<T>() : nullptr;      // [rows, C] or none
+  T* yp = y.data<T>();                                // [rows, C]
   float* mp = mean.data<float>();
   float* rp = rstd.data<float>();
 #pragma omp parallel if (rows * c >= kParallelGrain)
@@ -109,52 +114,26 @@ void LayerNormForward(const Tensor& x, const Tensor& weight, const Tensor& bias,
     }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
-      const float* xr = RowF32(xp + r * c, c, sx.data());
-      float* yr = OutF32(yp + r * c, sy.data());
-      LayerNormRow(xr, w.data(), b.data(), c, eps, yr, mp + r, rp + r);
-      Store(yr, c, yp + r * c);
-    }
-  }
-}
-
-// x1 = x + h (rounded to T, as Binary's kAdd) and LayerNorm of x1, row by row: each row of x
-// and h is read once and x1's row is normalised while it is still in cache.
-template <typename T>
-void AddLayerNormForward(const Tensor& x, const Tensor& h, const Tensor& weight, const Tensor& bias, float eps,
-                         const Tensor& x1, const Tensor& y, const Tensor& mean, const Tensor& rstd) {
-  const int64_t c = x.size(-1);
-  const int64_t rows = x.numel() / c;
-  const std::vector<float> w = ParamF32<T>(weight, c, 1.0f);
-  const std::vector<float> b = ParamF32<T>(bias, c, 0.0f);
-  const T* xp = x.data<T>();  // [rows, C]
-  const T* hp = h.data<T>();  // [rows, C]
-  T* x1p = x1.data<T>();      // [rows, C]
-  T* yp = y.data<T>();        // [rows, C]
-  float* mp = mean.data<float>();
-  float* rp = rstd.data<float>();
-#pragma omp parallel if (rows * c >= kParallelGrain)
-  {
-    std::vector<float> sx, sy;
-    if constexpr (!std::is_same_v<T, float>) {
-      sx.resize(c);
-      sy.resize(c);
-    }
-#pragma omp for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      const T* xr = xp + r * c;
-      const T* hr = hp + r * c;
-      T* x1r = x1p + r * c;
-      float* sum = OutF32(x1r, sx.data());  // x + h in float32 (x1's row itself for float)
-      for (int64_t i = 0; i < c; ++i) sum[i] = ToFloat(xr[i]) + ToFloat(hr[i]);
-      if constexpr (!std::is_same_v<T, float>) {
-        // Normalise the rounded sum, as LayerNorm of the stored x1 would.
-        for (int64_t i = 0; i < c; ++i) {
-          x1r[i] = FromFloat<T>(sum[i]);
-          sum[i] = ToFloat(x1r[i]);
+      const float* xr;
+      if (hp == nullptr) {
+        xr = RowF32(xp + r * c, c, sx.data());
+      } else {
+        const T* xs = xp + r * c;
+        const T* hr = hp + r * c;
+        T* x1r = x1p + r * c;
+        float* sum = OutF32(x1r, sx.data());  // x + h in float32 (x1's row itself for float)
+        for (int64_t i = 0; i < c; ++i) sum[i] = ToFloat(xs[i]) + ToFloat(hr[i]);
+        if constexpr (!std::is_same_v<T, float>) {
+          // Normalise the rounded sum, as LayerNorm of the stored x1 would.
+          for (int64_t i = 0; i < c; ++i) {
+            x1r[i] = FromFloat<T>(sum[i]);
+            sum[i] = ToFloat(x1r[i]);
+          }
         }
+        xr = sum;
       }
       float* yr = OutF32(yp + r * c, sy.data());
-      LayerNormRow(sum, w.data(), b.data(), c, eps, yr, mp + r, rp + r);
+      LayerNormRow(xr, w.data(), b.data(), c, eps, yr, mp + r, rp + r);
       Store(yr, c, yp + r * c);
     }
   }
@@ -313,7 +292,7 @@ absl::Status CpuBackend::LayerNorm(const Tensor& x, const Tensor& weight, const 
                                    const Tensor& y, const Tensor& mean, const Tensor& rstd) {
   if (x.numel() == 0) return absl::OkStatus();
   return DispatchFloat("LayerNorm", x.dtype(), [&](auto tag) {
-    LayerNormForward<decltype(tag)>(x, weight, bias, eps, y, mean, rstd);
+    LayerNormForward<decltype(tag)>(x, Tensor(), weight, bias, eps, Tensor(), y, mean, rstd);
     return absl::OkStatus();
   });
 }
@@ -323,7 +302,7 @@ absl::Status CpuBackend::AddLayerNorm(const Tensor& x, const Tensor& h, const Te
                                       const Tensor& rstd) {
   if (x.numel() == 0) return absl::OkStatus();
   return DispatchFloat("AddLayerNorm", x.dtype(), [&](auto tag) {
-    AddLayerNormForward<decltype(tag)>(x, h, weight, bias, eps, x1, y, mean, rstd);
+    LayerNormForward<decltype(tag)>(x, h, weight, bias, eps, x1, y, mean, rstd);
     return absl::OkStatus();
   });
 }
