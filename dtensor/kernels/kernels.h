@@ -232,8 +232,10 @@ class Kernels {
 
   // ---- Host <-> device (CUDA only; CPU returns Unimplemented) ----
   // Copies nbytes between host memory and this device (or within it); synchronous w.r.t. the
-  // calling thread's stream.
-  virtual absl::Status MemcpyToDevice(void* dst, const void* src, size_t nbytes) = 0;
+  // calling thread's stream. MemcpyToDevice with wait = false returns once the copy is queued on
+  // that stream: the source must be pinned host memory (else the driver waits anyway), left
+  // unchanged until the stream has passed the copy.
+  virtual absl::Status MemcpyToDevice(void* dst, const void* src, size_t nbytes, bool wait) = 0;
   virtual absl::Status MemcpyToHost(void* dst, const void* src, size_t nbytes) = 0;
   // Waits for all work this thread issued on the device.
   virtual absl::Status Synchronize() = 0;

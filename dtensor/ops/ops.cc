@@ -186,7 +186,8 @@ absl::Status Copy_(const Tensor& dst, const Tensor& src) {
     if (!direct) {
       DT_ASSIGN_OR_RETURN(staged, Tensor::Empty(dst.shape(), src.dtype(), dst.device()));
     }
-    DT_RETURN_IF_ERROR(PrefixStatus(op, gpu->MemcpyToDevice(staged.raw_data(), host.raw_data(), host.nbytes())));
+    DT_RETURN_IF_ERROR(
+        PrefixStatus(op, gpu->MemcpyToDevice(staged.raw_data(), host.raw_data(), host.nbytes(), /*wait=*/true)));
     if (!direct) return PrefixStatus(op, gpu->Copy(staged, dst));
     return absl::OkStatus();
   }
@@ -220,10 +221,16 @@ absl::StatusOr<Tensor> Reshape(const Tensor& x, IntSpan shape) {
   return c.View(target);
 }
 
-absl::StatusOr<Tensor> To(const Tensor& x, Device device) {
+absl::StatusOr<Tensor> To(const Tensor& x, Device device, ToOptions options) {
   DT_RETURN_IF_ERROR(CheckDefined("To", x, "input"));
   if (x.device() == device) return x;
   DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(x.shape(), x.dtype(), device));
+  if (options.non_blocking && x.is_pinned() && x.is_contiguous() && device.is_cuda() && x.numel() > 0) {
+    DT_ASSIGN_OR_RETURN(Kernels * gpu, Backend("To", out));
+    DT_RETURN_IF_ERROR(
+        PrefixStatus("To", gpu->MemcpyToDevice(out.raw_data(), x.raw_data(), x.nbytes(), /*wait=*/false)));
+    return out;
+  }
   DT_RETURN_IF_ERROR(Copy_(out, x));
   return out;
 }

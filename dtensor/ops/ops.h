@@ -56,7 +56,14 @@ absl::StatusOr<Tensor> Clone(const Tensor& x);
 // View when strides allow, else a contiguous copy. One size may be -1.
 absl::StatusOr<Tensor> Reshape(const Tensor& x, IntSpan shape);
 // Copy to another device (returns `x` when already there).
-absl::StatusOr<Tensor> To(const Tensor& x, Device device);
+//   non_blocking (torch's x.to(device, non_blocking=True)): a host -> GPU copy from pinned
+//   memory (Tensor::EmptyPinned), contiguous, returns once it is queued on the calling thread's
+//   stream; the caller leaves the source unchanged until that stream has passed the copy (any
+//   later read of device memory on this thread waits for it). Every other copy waits, as without.
+struct ToOptions {
+  bool non_blocking = false;
+};
+absl::StatusOr<Tensor> To(const Tensor& x, Device device, ToOptions options = {});
 // Cast to another dtype (returns `x` when already of it).
 absl::StatusOr<Tensor> Cast(const Tensor& x, DType dtype);
 // torch.cat / torch.stack. Inputs must share dtype and device; all but `dim` sizes must agree.

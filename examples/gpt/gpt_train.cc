@@ -122,6 +122,10 @@ ABSL_FLAG(std::string, device, "auto", "auto, cpu or cuda (auto: one GPU per pro
 ABSL_FLAG(std::string, metrics, "", "write one JSON object per step to this file (JSONL)");
 ABSL_FLAG(int64_t, log_every, 1, "print a line every N steps");
 ABSL_FLAG(std::string, progress, "auto", "a progress bar with ETA: auto (on a terminal), true or false");
+ABSL_FLAG(std::string, read_loss, "auto",
+          "when a step's loss and grad norm are read to the host: now (the device idles from that read until the "
+          "next step's first kernel), next (once the next step is queued, llm.c's way; steps that validate or "
+          "checkpoint, and the last, read at once), auto (next on a GPU, now on the CPU)");
 ABSL_FLAG(double, peak_flops, 0.0,
           "peak FLOP/s of one rank's device for MFU (0: the GPU's by model; on CPUs measured by a short GEMM)");
 ABSL_FLAG(int64_t, sample_tokens, 200, "tokens to sample at the end (0: none)");
@@ -143,7 +147,7 @@ namespace {
 
 struct Flags {
   std::string text, train_bin, init_llmc, metrics, fortunes, save_final, ckpt_dir, val_bin;
-  std::string tokenizer = "byte", bpe_dir, model, ac = "none", progress = "auto";
+  std::string tokenizer = "byte", bpe_dir, model, ac = "none", progress = "auto", read_loss = "auto";
   int64_t ckpt_every = 0, ckpt_keep = 0;
   bool resume = false, ckpt_async = false;
   int64_t n_layer = 4, n_head = 4, n_embd = 128, vocab = 256, seq = 64, batch = 8, steps = 50;
@@ -209,6 +213,7 @@ absl::StatusOr<Flags> ReadFlags(const std::set<std::string>& given_flags) {
   f.metrics = absl::GetFlag(FLAGS_metrics);
   f.log_every = absl::GetFlag(FLAGS_log_every);
   f.progress = absl::GetFlag(FLAGS_progress);
+  f.read_loss = absl::GetFlag(FLAGS_read_loss);
   f.peak_flops = absl::GetFlag(FLAGS_peak_flops);
   f.sample_tokens = absl::GetFlag(FLAGS_sample_tokens);
   f.save_final = absl::GetFlag(FLAGS_save_final);
@@ -269,6 +274,7 @@ absl::StatusOr<Flags> ReadFlags(const std::set<std::string>& given_flags) {
   if (!one_of(f.grad_sync, {"every", "last"})) return bad("grad-sync", f.grad_sync, "every|last");
   if (!one_of(f.tokenizer, {"byte", "gpt2"})) return bad("tokenizer", f.tokenizer, "byte|gpt2");
   if (!one_of(f.progress, {"auto", "true", "false"})) return bad("progress", f.progress, "auto|true|false");
+  if (!one_of(f.read_loss, {"auto", "now", "next"})) return bad("read-loss", f.read_loss, "auto|now|next");
   if (absl::StatusOr<nn::AcOptions> ac = nn::ParseAcMode(f.ac); !ac.ok()) return bad("ac", f.ac, ac.status().message());
   if (f.ckpt_every < 0) return bad("ckpt-every", f.ckpt_every, "must be >= 0");
   if (f.ckpt_keep < 0) return bad("ckpt-keep", f.ckpt_keep, "must be >= 0");
@@ -607,24 +613,134 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     model->Train();
     return sum / static_cast<double>(f.val_batches);
   };
-  const auto run_start = std::chrono::steady_clock::now();
+  // What one step leaves for its log line: everything but the loss and grad norm is known when
+  // its update is queued; those two are read from the device by ReadLoss, at once (--read-loss
+  // now) or after the next step is queued (next: the device then runs from one step into the
+  // next without waiting for the host, as in llm.c).
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point run_start = Clock::now();
+  struct StepRecord {
+    int64_t step = 0;
+    std::vector<Value> losses;  // one per micro-batch, Partial(sum) over the batch shards
+    Tensor norm_on_device;      // on a GPU; else `norm` is already known
+    double norm = 0, loss = 0, lr = 0, fwd_ms = 0, bwd_ms = 0;
+    Clock::time_point t0, t_update, t_queued, t_read;
+    int64_t param_bytes = 0, grad_bytes = 0;
+    AllocatorStats mem;
+    std::array<CommCounter, 3> comm;  // forward, backward, update
+    int64_t peak_unsharded = 0;
+  };
+  const bool read_next = f.read_loss == "next" || (f.read_loss == "auto" && device.is_cuda());
+  auto read_loss = [&](StepRecord& r) -> absl::Status {
+    // Each loss is Partial(sum) over the batch shards: one scalar all_reduce to read it, counted
+    // in its step's update phase.
+    if (mesh.defined()) SetCommCounter(mesh, &r.comm[2]);
+    double loss_sum = 0;
+    for (Value& loss : r.losses) {
+      if (loss.is_dtensor()) {
+        DT_ASSIGN_OR_RETURN(DTensor t, loss.dtensor().Redistribute(Layout(Placements(mesh_shape.size(), Replicate()))));
+        loss = t;
+      }
+      DT_ASSIGN_OR_RETURN(std::vector<double> lv, ToDoubleVector(loss.local()));
+      loss_sum += lv[0];
+    }
+    if (mesh.defined()) SetCommCounter(mesh, nullptr);
+    r.losses.clear();
+    r.loss = loss_sum / static_cast<double>(f.grad_accum);
+    if (r.norm_on_device.defined()) {
+      DT_ASSIGN_OR_RETURN(std::vector<double> nv, ToDoubleVector(r.norm_on_device));
+      r.norm = nv[0];
+      r.norm_on_device = Tensor();
+    }
+    r.t_read = Clock::now();
+    return absl::OkStatus();
+  };
+  // The step's time runs to the read of its loss, from its start or, where it started before
+  // the previous step's read (--read-loss next), from that read: what the device spent on it.
+  Clock::time_point last_read{};
+  auto report = [&](const StepRecord& r, double ckpt_ms, std::optional<double> val_loss) {
+    auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+    const double dt = std::chrono::duration<double>(r.t_read - std::max(r.t0, last_read)).count();
+    last_read = r.t_read;
+    const double tok_s = static_cast<double>(f.batch * f.seq) / dt;
+    // TorchTitan's line: tokens/s and MFU per rank (the global batch's tokens over the ranks).
+    const double tok_s_rank = tok_s / static_cast<double>(world.size());
+    const double mfu = gpt::Mfu(flops_per_token, tok_s_rank, peak_flops);
+    const double peak_gib = static_cast<double>(r.mem.peak_bytes_in_use) / (1 << 30);
+    const std::string val_text = val_loss ? absl::StrFormat("  val_loss: %.5f", *val_loss) : "";
+    if (progress_bar) say("%s", "\r\033[K");
+    if (r.step % f.log_every == 0 || r.step + 1 == f.steps || val_loss.has_value()) {
+      say("step: %4lld  loss: %8.5f  grad_norm: %7.4f  lr: %.2e  memory: %5.2fGiB(%.2f%%)  tps: %s  tflops: %.3f  "
+          "mfu: %.2f%%  time: %.0fms%s\n",
+          static_cast<long long>(r.step), r.loss, r.norm, r.lr, peak_gib,
+          device_memory > 0 ? 100.0 * static_cast<double>(r.mem.peak_bytes_in_use) / device_memory : 0.0,
+          absl::StrCat(static_cast<int64_t>(std::llround(tok_s_rank))).c_str(), flops_per_token * tok_s_rank / 1e12,
+          100.0 * mfu, dt * 1e3, val_text.c_str());
+    }
+    if (progress_bar) {
+      say("%s", gpt::ProgressBar(r.step + 1 - first_step, f.steps - first_step,
+                                 std::chrono::duration<double>(Clock::now() - run_start).count(), 30)
+                    .c_str());
+      if (r.step + 1 == f.steps) say("%s", "\n");
+    }
+    if (metrics.is_open()) {
+      nlohmann::json line{{"step", r.step},
+                          {"loss", r.loss},
+                          {"lr", r.lr},
+                          {"grad_norm", r.norm},
+                          {"step_ms", dt * 1e3},
+                          {"tokens_per_s", tok_s},
+                          {"tokens_per_s_per_rank", tok_s_rank},
+                          {"tflops_per_rank", flops_per_token * tok_s_rank / 1e12},
+                          {"mfu", mfu},
+                          {"ranks", world.size()},
+                          {"forward_ms", r.fwd_ms},
+                          {"backward_ms", r.bwd_ms},
+                          // To the loss's read where it is read at once; else until queued.
+                          {"update_ms", ms(r.t_update, read_next ? r.t_queued : r.t_read)},
+                          {"param_bytes", r.param_bytes},
+                          {"grad_bytes", r.grad_bytes},
+                          {"optim_bytes", opt.StateBytes()},
+                          {"bytes_in_use", r.mem.bytes_in_use},
+                          {"peak_bytes", r.mem.peak_bytes_in_use},
+                          {"reserved_bytes", r.mem.bytes_in_use + r.mem.bytes_cached},
+                          {"system_allocs", r.mem.num_system_allocs},
+                          {"peak_unsharded_bytes", r.peak_unsharded},
+                          {"comm", nn::CommToJson(r.comm)},
+                          {"loss_read", read_next ? "next" : "now"},
+                          {"ckpt_ms", ckpt_ms}};
+      if (val_loss) line["val_loss"] = *val_loss;
+      metrics << line.dump() << "\n" << std::flush;
+    }
+  };
   Allocator& allocator = DefaultAllocator(device);
   const int64_t micro = f.batch / f.grad_accum;  // rows per micro-batch (global)
+  // The batches go to the device from two pinned host buffers in turn, without waiting
+  // (To's non_blocking): buffer step % 2 is refilled two steps later, after this step's loss
+  // was read, which waits for everything queued before it (its copy included). (Ordinary memory
+  // where there is no GPU; on the CPU the buffer is the batch tensor itself.)
+  std::array<Tensor, 2> host_inputs, host_targets;
+  for (size_t i = 0; i < 2; ++i) {
+    DT_ASSIGN_OR_RETURN(host_inputs[i], Tensor::EmptyPinned({f.batch, f.seq}, DType::kInt32));
+    DT_ASSIGN_OR_RETURN(host_targets[i], Tensor::EmptyPinned({f.batch, f.seq}, DType::kInt32));
+  }
+  std::optional<StepRecord> pending;  // --read-loss next: the queued step whose loss is unread
   for (int64_t step = first_step; step < f.steps; ++step) {
-    const auto t0 = std::chrono::steady_clock::now();
+    StepRecord rec;
+    rec.step = step;
+    rec.t0 = Clock::now();
     allocator.ResetPeakStats();
     for (CommCounter& c : comm) c.Reset();
     if (root_group != nullptr) root_group->ResetPeakUnshardedBytes();
     gpt::Batch batch = loader.Next();  // the global batch [B, T], the same on every rank
-    DT_ASSIGN_OR_RETURN(Tensor inputs, Tensor::FromVector<int32_t>(batch.inputs, {f.batch, f.seq}));
-    DT_ASSIGN_OR_RETURN(Tensor targets, Tensor::FromVector<int32_t>(batch.targets, {f.batch, f.seq}));
-    DT_ASSIGN_OR_RETURN(inputs, To(inputs, device));
-    DT_ASSIGN_OR_RETURN(targets, To(targets, device));
+    const size_t buf = static_cast<size_t>(step % 2);
+    std::memcpy(host_inputs[buf].data<int32_t>(), batch.inputs.data(), batch.inputs.size() * sizeof(int32_t));
+    std::memcpy(host_targets[buf].data<int32_t>(), batch.targets.data(), batch.targets.size() * sizeof(int32_t));
+    DT_ASSIGN_OR_RETURN(Tensor inputs, To(host_inputs[buf], device, {.non_blocking = true}));
+    DT_ASSIGN_OR_RETURN(Tensor targets, To(host_targets[buf], device, {.non_blocking = true}));
 
     // K micro-batches of B/K rows; each backward adds 1/K of its mean loss's gradient, so the
     // step sees the gradient of the global batch's mean loss, as with K = 1.
-    double fwd_ms = 0, bwd_ms = 0;
-    std::vector<Value> losses;
     for (int64_t k = 0; k < f.grad_accum; ++k) {
       DT_ASSIGN_OR_RETURN(Tensor xi, inputs.Narrow(0, k * micro, micro));
       DT_ASSIGN_OR_RETURN(Tensor yi, targets.Narrow(0, k * micro, micro));
@@ -635,7 +751,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
         DT_ASSIGN_OR_RETURN(y, DTensor::Distribute(yi, mesh, batch_layout, {.src_rank = std::nullopt}));
       }
       if (fsdp && f.grad_sync == "last") nn::SetRequiresGradientSync(*model, k + 1 == f.grad_accum);
-      const auto f0 = std::chrono::steady_clock::now();
+      const auto f0 = Clock::now();
       count(0);
       // The loss is backpropagated scaled by 1/K: its fused gradient is computed for that.
       DT_ASSIGN_OR_RETURN(nn::GPT::Output out, model->Forward(Variable::Constant(x), Variable::Constant(y),
@@ -645,68 +761,61 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       if (f.grad_accum > 1) {
         DT_ASSIGN_OR_RETURN(loss, Scale(out.loss, 1.0 / static_cast<double>(f.grad_accum)));
       }
-      const auto f1 = std::chrono::steady_clock::now();
+      const auto f1 = Clock::now();
       // Gradients: FSDP reduce-scatters them to Shard(0) during backward; DDP leaves them
       // Partial(sum).
       count(1);
       DT_RETURN_IF_ERROR(Backward(loss));
-      const auto f2 = std::chrono::steady_clock::now();
-      fwd_ms += std::chrono::duration<double, std::milli>(f1 - f0).count();
-      bwd_ms += std::chrono::duration<double, std::milli>(f2 - f1).count();
-      losses.push_back(out.loss.value());
+      const auto f2 = Clock::now();
+      rec.fwd_ms += std::chrono::duration<double, std::milli>(f1 - f0).count();
+      rec.bwd_ms += std::chrono::duration<double, std::milli>(f2 - f1).count();
+      rec.losses.push_back(out.loss.value());
     }
-    const auto t3 = std::chrono::steady_clock::now();
+    rec.t_update = Clock::now();
     count(2);
     if (!fsdp) DT_RETURN_IF_ERROR(nn::ReduceGradients(params));  // DDP: -> Replicate, bucketed all_reduces
-    // On a GPU the norm stays on the device until the loss is read below: no host sync between
+    // On a GPU the norm stays on the device until the loss is read: no host sync between
     // backward and the update.
-    double norm = 0;
-    Tensor norm_on_device;
     if (device.is_cuda()) {
-      DT_ASSIGN_OR_RETURN(norm_on_device, nn::ClipGradNormAsync(params, f.grad_clip));
+      DT_ASSIGN_OR_RETURN(rec.norm_on_device, nn::ClipGradNormAsync(params, f.grad_clip));
     } else {
-      DT_ASSIGN_OR_RETURN(norm, nn::ClipGradNorm(params, f.grad_clip));
+      DT_ASSIGN_OR_RETURN(rec.norm, nn::ClipGradNorm(params, f.grad_clip));
     }
-    const double lr =
-        f.lr_schedule == "cosine"
-            ? nn::WarmupCosineLr(step, {.max_lr = f.lr, .min_lr = f.min_lr, .warmup = f.warmup, .total = f.steps})
-            : f.lr;
-    opt.set_lr(lr);
+    rec.lr = f.lr_schedule == "cosine"
+                 ? nn::WarmupCosineLr(step, {.max_lr = f.lr, .min_lr = f.min_lr, .warmup = f.warmup, .total = f.steps})
+                 : f.lr;
+    opt.set_lr(rec.lr);
     DT_RETURN_IF_ERROR(opt.Step());
     // Memory at rest (parameters, gradients, optimizer state on this rank), before the
     // gradients are dropped.
-    int64_t param_bytes = 0, grad_bytes = 0;
     for (Variable* p : params) {
-      param_bytes += static_cast<int64_t>(p->value().local().nbytes());
-      if (p->grad().defined()) grad_bytes += static_cast<int64_t>(p->grad().local().nbytes());
+      rec.param_bytes += static_cast<int64_t>(p->value().local().nbytes());
+      if (p->grad().defined()) rec.grad_bytes += static_cast<int64_t>(p->grad().local().nbytes());
     }
-    const AllocatorStats mem = allocator.Stats();
+    rec.mem = allocator.Stats();
     opt.ZeroGrad();
-
-    // Each loss is Partial(sum) over the batch shards: one scalar all_reduce to read it.
-    double loss_sum = 0;
-    for (Value& loss : losses) {
-      if (loss.is_dtensor()) {
-        DT_ASSIGN_OR_RETURN(DTensor r, loss.dtensor().Redistribute(Layout(Placements(mesh_shape.size(), Replicate()))));
-        loss = r;
-      }
-      DT_ASSIGN_OR_RETURN(std::vector<double> lv, ToDoubleVector(loss.local()));
-      loss_sum += lv[0];
-    }
-    const std::vector<double> lv = {loss_sum / static_cast<double>(f.grad_accum)};
-    if (norm_on_device.defined()) {
-      DT_ASSIGN_OR_RETURN(std::vector<double> nv, ToDoubleVector(norm_on_device));
-      norm = nv[0];
-    }
-    const auto t4 = std::chrono::steady_clock::now();
     if (mesh.defined()) SetCommCounter(mesh, nullptr);
-    auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
-    const double dt = std::chrono::duration<double>(t4 - t0).count();
-    const double tok_s = static_cast<double>(f.batch * f.seq) / dt;
+    rec.comm = comm;
+    rec.peak_unsharded = root_group ? root_group->tree_peak_unsharded_bytes() : 0;
+    rec.t_queued = Clock::now();
+
+    // The previous step's line, now that this one is queued.
+    if (pending) {
+      DT_RETURN_IF_ERROR(read_loss(*pending));
+      report(*pending, 0, std::nullopt);
+      pending.reset();
+    }
+    const bool save = f.ckpt_every > 0 && (step + 1) % f.ckpt_every == 0;
+    const bool validate_now = f.val_every > 0 && ((step > 0 && step % f.val_every == 0) || step + 1 == f.steps);
+    if (read_next && !save && !validate_now && step + 1 < f.steps) {
+      pending = std::move(rec);
+      continue;
+    }
+    DT_RETURN_IF_ERROR(read_loss(rec));
     // A checkpoint after the update; the time it blocks training goes into the metrics.
     double ckpt_ms = 0;
-    if (f.ckpt_every > 0 && (step + 1) % f.ckpt_every == 0) {
-      const auto c0 = std::chrono::steady_clock::now();
+    if (save) {
+      const auto c0 = Clock::now();
       std::vector<int64_t> progress = {step + 1, loader.position(), opt.step_count()};
       for (int64_t s : opt.param_steps()) progress.push_back(s);
       DT_ASSIGN_OR_RETURN(Tensor pt, Tensor::FromVector<int64_t>(progress, {3 + n_params}));
@@ -726,60 +835,13 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       } else {
         DT_RETURN_IF_ERROR(SaveCheckpoint(world, f.ckpt_dir, name, state, {.keep = f.ckpt_keep}));
       }
-      ckpt_ms = ms(c0, std::chrono::steady_clock::now());
+      ckpt_ms = std::chrono::duration<double, std::milli>(Clock::now() - c0).count();
     }
-    // TorchTitan's line: tokens/s and MFU per rank (the global batch's tokens over the ranks).
-    const double tok_s_rank = tok_s / static_cast<double>(world.size());
-    const double mfu = gpt::Mfu(flops_per_token, tok_s_rank, peak_flops);
-    const double peak_gib = static_cast<double>(mem.peak_bytes_in_use) / (1 << 30);
     std::optional<double> val_loss;
-    if (f.val_every > 0 && ((step > 0 && step % f.val_every == 0) || step + 1 == f.steps)) {
+    if (validate_now) {
       DT_ASSIGN_OR_RETURN(val_loss, validate());
     }
-    const std::string val_text = val_loss ? absl::StrFormat("  val_loss: %.5f", *val_loss) : "";
-    if (progress_bar) say("%s", "\r\033[K");
-    if (step % f.log_every == 0 || step + 1 == f.steps || val_loss.has_value()) {
-      say("step: %4lld  loss: %8.5f  grad_norm: %7.4f  lr: %.2e  memory: %5.2fGiB(%.2f%%)  tps: %s  tflops: %.3f  "
-          "mfu: %.2f%%  time: %.0fms%s\n",
-          static_cast<long long>(step), lv[0], norm, lr, peak_gib,
-          device_memory > 0 ? 100.0 * static_cast<double>(mem.peak_bytes_in_use) / device_memory : 0.0,
-          absl::StrCat(static_cast<int64_t>(std::llround(tok_s_rank))).c_str(), flops_per_token * tok_s_rank / 1e12,
-          100.0 * mfu, dt * 1e3, val_text.c_str());
-    }
-    if (progress_bar) {
-      say("%s",
-          gpt::ProgressBar(step + 1 - first_step, f.steps - first_step,
-                           std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count(), 30)
-              .c_str());
-      if (step + 1 == f.steps) say("%s", "\n");
-    }
-    if (metrics.is_open()) {
-      nlohmann::json line{{"step", step},
-                          {"loss", lv[0]},
-                          {"lr", lr},
-                          {"grad_norm", norm},
-                          {"step_ms", dt * 1e3},
-                          {"tokens_per_s", tok_s},
-                          {"tokens_per_s_per_rank", tok_s_rank},
-                          {"tflops_per_rank", flops_per_token * tok_s_rank / 1e12},
-                          {"mfu", mfu},
-                          {"ranks", world.size()},
-                          {"forward_ms", fwd_ms},
-                          {"backward_ms", bwd_ms},
-                          {"update_ms", ms(t3, t4)},
-                          {"param_bytes", param_bytes},
-                          {"grad_bytes", grad_bytes},
-                          {"optim_bytes", opt.StateBytes()},
-                          {"bytes_in_use", mem.bytes_in_use},
-                          {"peak_bytes", mem.peak_bytes_in_use},
-                          {"reserved_bytes", mem.bytes_in_use + mem.bytes_cached},
-                          {"system_allocs", mem.num_system_allocs},
-                          {"peak_unsharded_bytes", root_group ? root_group->tree_peak_unsharded_bytes() : 0},
-                          {"comm", nn::CommToJson(comm)},
-                          {"ckpt_ms", ckpt_ms}};
-      if (val_loss) line["val_loss"] = *val_loss;
-      metrics << line.dump() << "\n" << std::flush;
-    }
+    report(rec, ckpt_ms, val_loss);
   }
   if (pending_save != nullptr) DT_RETURN_IF_ERROR(pending_save->Finish());
 

@@ -577,6 +577,91 @@ TEST_F(GptTrainTest, ReportsMfuAndValidationLoss) {
   }
 }
 
+// --read-loss next reads each step's loss and grad norm once the next step is queued (steps
+// that validate or checkpoint, and the last, at once): the log is the same, step for step, as
+// reading at once, on one rank and two (FSDP, DDP), the metrics say which way ran, and the
+// printed lines come in step order. The batches go through the two host buffers in turn
+// either way, so a buffer refilled too early would change the losses of both runs against
+// the one before this change; the first loss is checked against the model's own forward.
+TEST_F(GptTrainTest, ReadingTheLossAStepLaterChangesNoNumber) {
+  const std::string corpus = Corpus(), ckpt = Path("ckpt");
+  struct Line {
+    int64_t step;
+    double loss, grad_norm, lr;
+    std::string comm, read;
+    bool val;
+  };
+  auto run = [&](const std::string& flags, const std::string& tag) {
+    const std::string metrics = Path(tag + ".jsonl");
+    const ProcessRun r = Train("", "--text " + corpus +
+                                       " --n-layer 2 --n-head 2 --n-embd 32 --seq 16 --batch 4 --steps 7 --lr 3e-3"
+                                       " --grad-clip 0.5 --sample-tokens 0 --val-every 3 --val-batches 1"
+                                       " --ckpt-every 4 --ckpt-dir " +
+                                       ckpt + "_" + tag + " --metrics " + metrics + " " + flags);
+    EXPECT_EQ(r.code, 0) << flags << ":\n" << r.out;
+    std::vector<Line> lines;
+    std::ifstream in(metrics);
+    std::string text;
+    while (std::getline(in, text)) {
+      const auto j = nlohmann::json::parse(text);
+      lines.push_back({j.at("step").get<int64_t>(), j.at("loss").get<double>(), j.at("grad_norm").get<double>(),
+                       j.at("lr").get<double>(), j.at("comm").dump(), j.at("loss_read").get<std::string>(),
+                       j.contains("val_loss")});
+    }
+    // The printed lines, in order.
+    std::vector<int64_t> printed;
+    const std::regex step_line(R"(step:\s+(\d+)\s+loss:)");
+    for (auto it = std::sregex_iterator(r.out.begin(), r.out.end(), step_line); it != std::sregex_iterator(); ++it) {
+      printed.push_back(std::stoll((*it)[1].str()));
+    }
+    EXPECT_EQ(printed, std::vector<int64_t>({0, 1, 2, 3, 4, 5, 6})) << flags << ":\n" << r.out;
+    return lines;
+  };
+  int runs = 0;
+  for (const char* parallel : {"--ranks 1", "--ranks 2", "--ranks 2 --dp-shard 1 --dp-replicate 2"}) {
+    SCOPED_TRACE(parallel);
+    ++runs;
+    const std::vector<Line> now = run(std::string(parallel) + " --read-loss now", absl::StrCat("now", runs));
+    const std::vector<Line> next = run(std::string(parallel) + " --read-loss next", absl::StrCat("next", runs));
+    const std::vector<Line> cpu_auto = run(parallel, absl::StrCat("auto", runs));
+    ASSERT_EQ(now.size(), 7u);
+    ASSERT_EQ(next.size(), now.size());
+    ASSERT_EQ(cpu_auto.size(), now.size());
+    for (size_t i = 0; i < now.size(); ++i) {
+      EXPECT_EQ(next[i].step, static_cast<int64_t>(i));
+      EXPECT_EQ(next[i].loss, now[i].loss) << "step " << i;
+      EXPECT_EQ(next[i].grad_norm, now[i].grad_norm) << "step " << i;
+      EXPECT_EQ(next[i].lr, now[i].lr) << "step " << i;
+      EXPECT_EQ(next[i].comm, now[i].comm) << "step " << i;  // the loss's all_reduce counted in its step
+      EXPECT_EQ(next[i].val, now[i].val) << "step " << i;
+      EXPECT_EQ(cpu_auto[i].loss, now[i].loss) << "step " << i;
+      EXPECT_EQ(now[i].read, "now");
+      EXPECT_EQ(next[i].read, "next");
+      EXPECT_EQ(cpu_auto[i].read, "now");  // auto: at once on the CPU
+      if (i > 0) {
+        EXPECT_NE(now[i].loss, now[i - 1].loss) << "step " << i;  // every step its own batch
+      }
+    }
+  }
+  // The first step's loss is the initial model's on the first batch (no buffer mixed up).
+  std::vector<uint16_t> tokens = testing::Unwrap(gpt::LoadTextTokens(corpus));
+  const size_t keep = tokens.size() - static_cast<size_t>(static_cast<double>(tokens.size()) * 0.05);
+  tokens.resize(keep);
+  absl::StatusOr<gpt::TokenLoader> loader = gpt::TokenLoader::Create(tokens, 4, 16);
+  ASSERT_TRUE(loader.ok()) << loader.status();
+  const nn::GPTConfig cfg{.vocab_size = 256, .block_size = 16, .n_layer = 2, .n_head = 2, .n_embd = 32};
+  auto model = testing::Unwrap(nn::GPT::Create(cfg));
+  ASSERT_TRUE(model->InitWeights(1337).ok());  // gpt_train's --seed
+  NoGradGuard no_grad;
+  const gpt::Batch b = loader->Next();
+  Variable x = Variable::Constant(testing::Unwrap(Tensor::FromVector<int32_t>(b.inputs, {4, 16})));
+  Variable y = Variable::Constant(testing::Unwrap(Tensor::FromVector<int32_t>(b.targets, {4, 16})));
+  const double first = testing::Values(testing::Unwrap(model->Forward(x, y)).loss.value().local())[0];
+  const std::vector<Line> again = run("--ranks 1 --read-loss next", "again");
+  ASSERT_FALSE(again.empty());
+  EXPECT_NEAR(again[0].loss, first, 1e-5 * first);
+}
+
 // --ac: activation checkpointing changes memory, not numbers: the losses of every mode equal
 // the run without it bit for bit, on one rank and under FSDP 2 and TP 2 thread ranks.
 TEST_F(GptTrainTest, ActivationCheckpointingKeepsLossesBitwise) {
@@ -671,6 +756,9 @@ TEST_F(GptTrainTest, BadFlagsFailCleanly) {
   for (const char* flag : {"--ckpt_dir", "--tokenizer", "--val_every", "--peak_flops", "--ac", "--model"}) {
     EXPECT_NE(help.out.find(flag), std::string::npos) << flag << "\n" << help.out;
   }
+  const ProcessRun read = Train("", "--text x --read-loss later");
+  EXPECT_NE(read.code, 0);
+  EXPECT_NE(read.out.find("--read-loss later: auto|now|next"), std::string::npos) << read.out;
   const ProcessRun val = Train("", "--text x --val-every 2 --val-fraction 1.5");
   EXPECT_NE(val.code, 0);
   EXPECT_NE(val.out.find("--val-fraction 1.5"), std::string::npos) << val.out;

@@ -7,6 +7,7 @@
 // Every test needs a visible GPU and skips without one, except CudaAvailabilityTest, which
 // checks that asking for a missing device fails cleanly.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -56,7 +57,7 @@ std::string Name(DType d) { return std::string(DTypeName(d)); }
 Tensor ToGpu(const Tensor& host) {
   const Tensor src = Unwrap(Contiguous(host), "Contiguous");
   Tensor dev = Unwrap(Tensor::Empty(host.shape(), host.dtype(), Device::Cuda(0)), "Empty cuda");
-  ExpectOk(Gpu()->MemcpyToDevice(dev.raw_data(), src.raw_data(), src.nbytes()), "MemcpyToDevice");
+  ExpectOk(Gpu()->MemcpyToDevice(dev.raw_data(), src.raw_data(), src.nbytes(), /*wait=*/true), "MemcpyToDevice");
   return dev;
 }
 
@@ -172,7 +173,7 @@ TEST(CudaKernelsTest, DeviceMemcpyAndSynchronize) {
   const Tensor host = HostRandom({3, 17}, DType::kFloat32, 1);
   const Tensor back = ToCpu(ToGpu(host));
   testing::ExpectNear(testing::Values(back), testing::Values(host), kExact, "round trip");
-  ExpectOk(Gpu()->MemcpyToDevice(nullptr, nullptr, 0), "empty MemcpyToDevice");
+  ExpectOk(Gpu()->MemcpyToDevice(nullptr, nullptr, 0, /*wait=*/false), "empty MemcpyToDevice");
   ExpectOk(Gpu()->Synchronize(), "Synchronize");
 }
 
@@ -186,6 +187,38 @@ TEST(CudaKernelsTest, CopyToPinnedHostMemory) {
   EXPECT_TRUE(staged.is_pinned());
   ASSERT_TRUE(Copy_(staged, gpu).ok());
   EXPECT_EQ(std::memcmp(staged.raw_data(), cpu.raw_data(), cpu.nbytes()), 0);
+}
+
+// To(..., {.non_blocking = true}) from pinned memory, double-buffered as gpt_train feeds its
+// batches: buffer r % 2 is rewritten in round r only after round r - 2's copy was read back (the
+// read waits for the stream). Every device copy holds its own round's values; a pageable source
+// (copied with a wait) too.
+TEST(CudaKernelsTest, NonBlockingCopyFromPinnedMemoryKeepsEachRoundsValues) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  ASSERT_TRUE(PinnedHostAvailable());
+  constexpr int64_t kN = int64_t{1} << 20;
+  std::array<Tensor, 2> pinned = {Unwrap(Tensor::EmptyPinned({kN}, DType::kInt32)),
+                                  Unwrap(Tensor::EmptyPinned({kN}, DType::kInt32))};
+  std::vector<Tensor> dev;
+  for (int r = 0; r < 6; ++r) {
+    if (r >= 2) {
+      EXPECT_EQ(ToCpu(dev[static_cast<size_t>(r - 2)]).data<int32_t>()[kN - 1], (r - 2) * 7 + kN - 1);
+    }
+    int32_t* p = pinned[static_cast<size_t>(r % 2)].data<int32_t>();
+    for (int64_t i = 0; i < kN; ++i) p[i] = static_cast<int32_t>(r * 7 + i);
+    dev.push_back(Unwrap(To(pinned[static_cast<size_t>(r % 2)], Device::Cuda(0), {.non_blocking = true})));
+    EXPECT_EQ(dev.back().device(), Device::Cuda(0));
+  }
+  for (int r = 4; r < 6; ++r) {
+    const Tensor back = ToCpu(dev[static_cast<size_t>(r)]);
+    const int32_t* b = back.data<int32_t>();
+    int64_t wrong = 0;
+    for (int64_t i = 0; i < kN; ++i) wrong += b[i] != static_cast<int32_t>(r * 7 + i);
+    EXPECT_EQ(wrong, 0) << "round " << r;
+  }
+  const Tensor pageable = HostRandom({5, 7}, DType::kFloat32, 3);
+  const Tensor copied = Unwrap(To(pageable, Device::Cuda(0), {.non_blocking = true}));
+  testing::ExpectNear(testing::Values(ToCpu(copied)), testing::Values(pageable), kExact, "pageable source");
 }
 
 TEST(CudaKernelsTest, CopyMatchesCpuBitForBitForEveryDTypePair) {

@@ -388,7 +388,7 @@ TEST(CpuCopyTest, FillEveryDTypeAndStridedDestination) {
 
 TEST(CpuCopyTest, HostDeviceCopiesAreUnimplementedOnCpu) {
   char a[4] = {}, b[4] = {};
-  EXPECT_EQ(CpuKernels()->MemcpyToDevice(a, b, 4).code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(CpuKernels()->MemcpyToDevice(a, b, 4, /*wait=*/true).code(), absl::StatusCode::kUnimplemented);
   EXPECT_EQ(CpuKernels()->MemcpyToHost(a, b, 4).code(), absl::StatusCode::kUnimplemented);
   EXPECT_TRUE(CpuKernels()->Synchronize().ok());
   EXPECT_EQ(CpuKernels()->device(), Device::Cpu());

@@ -232,7 +232,7 @@ absl::Status CpuBackend::FillRandom(const Tensor& dst, const RandomSpec& spec, I
   return absl::OkStatus();
 }
 
-absl::Status CpuBackend::MemcpyToDevice(void* /*dst*/, const void* /*src*/, size_t nbytes) {
+absl::Status CpuBackend::MemcpyToDevice(void* /*dst*/, const void* /*src*/, size_t nbytes, bool /*wait*/) {
   return absl::UnimplementedError(
       absl::StrCat("[MemcpyToDevice] the cpu backend has no device memory (", nbytes, " bytes requested)"));
 }

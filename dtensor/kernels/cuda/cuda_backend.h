@@ -64,7 +64,7 @@ class CudaBackend final : public Kernels {
   absl::Status AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                      const AdamWParams& p) override;
   absl::Status AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) override;
-  absl::Status MemcpyToDevice(void* dst, const void* src, size_t nbytes) override;
+  absl::Status MemcpyToDevice(void* dst, const void* src, size_t nbytes, bool wait) override;
   absl::Status MemcpyToHost(void* dst, const void* src, size_t nbytes) override;
   absl::Status Synchronize() override;
 

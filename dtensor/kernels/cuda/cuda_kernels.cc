@@ -594,11 +594,11 @@ absl::Status CudaBackend::AdamWMulti(absl::Span<const AdamWTensors> list, const 
 
 // ---- Host <-> device ----
 
-absl::Status CudaBackend::MemcpyToDevice(void* dst, const void* src, size_t nbytes) {
+absl::Status CudaBackend::MemcpyToDevice(void* dst, const void* src, size_t nbytes, bool wait) {
   if (nbytes == 0) return absl::OkStatus();
   return OnDevice(index_, "MemcpyToDevice", [&] {
     const cudaError_t err = cudaMemcpyAsync(dst, src, nbytes, cudaMemcpyDefault, cudaStreamPerThread);
-    return err != cudaSuccess ? err : cudaStreamSynchronize(cudaStreamPerThread);
+    return err != cudaSuccess || !wait ? err : cudaStreamSynchronize(cudaStreamPerThread);
   });
 }
 
