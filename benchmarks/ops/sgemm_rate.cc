@@ -11,8 +11,10 @@
 //     trainer's attention kernel does. Counted whole (no causal saving), as the FLOP formula
 //     6 N + 12 L C T counts them.
 // Each shape is timed alone (median of --trials runs of ~--min-seconds each, in-cache operands
-// reused); its time per step is calls x time per call; the floor is their sum and the rate the
-// step's GEMM FLOPs over it (the flop-weighted harmonic mean of the shapes' rates).
+// reused), two ways: cblas_sgemm with beta = 0, and C cleared by memset then beta = 1 (the same
+// values; OpenBLAS's own clearing pass is slow, so the trainer clears C itself: gemm.cc). The
+// faster way counts; its time per step is calls x time per call; the floor is their sum and the
+// rate the step's GEMM FLOPs over it (the flop-weighted harmonic mean of the shapes' rates).
 //   sgemm_rate [--batch 4] [--seq 64] [--n-layer 12] [--n-head 12] [--n-embd 768] [--vocab 50304]
 //              [--trials 5] [--min-seconds 0.2] [--quick]
 // The last line is for scripts: "floor: step_gflop G rate_gflops R floor_ms F".
@@ -82,16 +84,18 @@ std::vector<float> Random(int64_t n, uint32_t seed) {
   return v;
 }
 
-// Median seconds per call of one shape (all `batch` problems of it).
-double TimeShape(const GemmShape& s, const Config& c) {
+// Median seconds per call of one shape (all `batch` problems of it); `clear`: memset C, then
+// beta = 1, else beta = 0.
+double TimeShape(const GemmShape& s, const Config& c, bool clear) {
   const int64_t a_size = s.m * s.k, b_size = s.k * s.n, c_size = s.m * s.n;
   const std::vector<float> a = Random(a_size * s.batch, 1), b = Random(b_size * s.batch, 2);
   std::vector<float> out(static_cast<size_t>(c_size * s.batch));
   const int lda = static_cast<int>(s.trans_a ? s.m : s.k), ldb = static_cast<int>(s.trans_b ? s.k : s.n);
   auto one = [&](int64_t i) {
+    if (clear) std::memset(out.data() + i * c_size, 0, static_cast<size_t>(c_size) * sizeof(float));
     cblas_sgemm(CblasRowMajor, s.trans_a ? CblasTrans : CblasNoTrans, s.trans_b ? CblasTrans : CblasNoTrans,
                 static_cast<int>(s.m), static_cast<int>(s.n), static_cast<int>(s.k), 1.0f, a.data() + i * a_size, lda,
-                b.data() + i * b_size, ldb, 0.0f, out.data() + i * c_size, static_cast<int>(s.n));
+                b.data() + i * b_size, ldb, clear ? 1.0f : 0.0f, out.data() + i * c_size, static_cast<int>(s.n));
   };
   auto call = [&] {
     if (s.batch == 1) {
@@ -162,18 +166,19 @@ int main(int argc, char** argv) {
       static_cast<long long>(c.batch), static_cast<long long>(c.seq), static_cast<long long>(c.n_layer),
       static_cast<long long>(c.n_head), static_cast<long long>(c.n_embd), static_cast<long long>(c.vocab),
       dtensor::BlasCoreName().c_str(), omp_get_max_threads(), c.trials);
-  std::printf("%-22s %2s %2s %6s %6s %6s %5s %5s %10s %10s %10s\n", "gemm", "tA", "tB", "m", "n", "k", "batch", "calls",
-              "GFLOP/step", "GFLOP/s", "ms/step");
+  std::printf("%-22s %2s %2s %6s %6s %6s %5s %5s %10s %10s %10s %10s\n", "gemm", "tA", "tB", "m", "n", "k", "batch",
+              "calls", "GFLOP/step", "beta0 GF/s", "clear GF/s", "ms/step");
   double flops = 0, seconds = 0;
   for (const GemmShape& s : shapes) {
-    const double t = TimeShape(s, c);
+    const double t0 = TimeShape(s, c, /*clear=*/false), t1 = TimeShape(s, c, /*clear=*/true);
+    const double t = std::min(t0, t1);
     const double per_call = s.Flops() / static_cast<double>(s.calls);
     flops += s.Flops();
     seconds += t * static_cast<double>(s.calls);
-    std::printf("%-22s %2s %2s %6lld %6lld %6lld %5lld %5lld %10.3f %10.1f %10.2f\n", s.name.c_str(),
+    std::printf("%-22s %2s %2s %6lld %6lld %6lld %5lld %5lld %10.3f %10.1f %10.1f %10.2f\n", s.name.c_str(),
                 s.trans_a ? "T" : "N", s.trans_b ? "T" : "N", static_cast<long long>(s.m), static_cast<long long>(s.n),
                 static_cast<long long>(s.k), static_cast<long long>(s.batch), static_cast<long long>(s.calls),
-                s.Flops() * 1e-9, per_call / t * 1e-9, t * static_cast<double>(s.calls) * 1e3);
+                s.Flops() * 1e-9, per_call / t0 * 1e-9, per_call / t1 * 1e-9, t * static_cast<double>(s.calls) * 1e3);
   }
   std::printf("floor: step_gflop %.2f rate_gflops %.1f floor_ms %.1f\n", flops * 1e-9, flops / seconds * 1e-9,
               seconds * 1e3);

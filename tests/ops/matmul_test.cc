@@ -202,6 +202,22 @@ TEST(CpuMatmulTest, ManySmallAndOneLargeMatrix) {
                  Reference(testing::Values(a), testing::Values(b), 1, 1, 192, 160, 224), DType::kFloat32, "large");
 }
 
+// beta = 0 on matrices large enough that the kernel clears C itself, split over threads, before
+// accumulating (gemm.cc): old contents, NaN included, leave no trace, plain and with a
+// transposed a (the weight gradient's dY^T X).
+TEST(CpuMatmulTest, BetaZeroOverNaNInLargeMatrices) {
+  const int64_t m = 700, k = 64, n = 900;
+  const Tensor a = testing::Random({1, m, k}, DType::kFloat32, 41), b = testing::Random({1, k, n}, DType::kFloat32, 42);
+  const Tensor at_store = testing::Random({1, k, m}, DType::kFloat32, 43);
+  const Tensor at = Unwrap(at_store.Transpose(1, 2));
+  for (const Tensor& lhs : {a, at}) {
+    Tensor c = Unwrap(Full({1, m, n}, std::nan(""), DType::kFloat32));
+    ASSERT_TRUE(CpuKernels()->Gemm(lhs, b, c, 0.5f, 0.0f).ok());
+    ExpectGemmNear(testing::Values(c), Reference(testing::Values(lhs), testing::Values(b), 1, 1, m, k, n, 0.5),
+                   DType::kFloat32, lhs.is_contiguous() ? "a" : "a^T");
+  }
+}
+
 TEST(CpuMatmulTest, KernelRejectsBadArguments) {
   const Tensor a = Unwrap(Tensor::Empty({1, 2, 3}, DType::kFloat32));
   const Tensor b = Unwrap(Tensor::Empty({1, 3, 4}, DType::kBFloat16));

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <vector>
 
 #include "dtensor/kernels/cpu/cpu_backend.h"
@@ -78,6 +79,13 @@ void GemmTyped(const Tensor& a, const Tensor& b, const Tensor& c, const Dims& d,
 
   const double mnk = static_cast<double>(d.m) * static_cast<double>(d.n) * static_cast<double>(d.k);
   const bool batch_parallel = d.batch > 1 && mnk <= static_cast<double>(kSmallGemm);
+  // OpenBLAS clears C for beta = 0 in a pass of its own (sgemm_beta) that runs well below
+  // memset's speed: zeroing C here and accumulating (beta = 1) gives the same values (its kernel
+  // adds the product to the cleared C either way) in less time. On this 2-core EPYC, dW's
+  // shapes (A^T B, K = 256, C cold as a fresh gradient is; ms per call, 3 runs' best):
+  // [3072, 768] 9.3 -> 7.5, [2304, 768] 8.2 -> 5.5, [768, 3072] 8.0 -> 7.3. Where the batch is
+  // split over threads the matrices are small and OpenBLAS's pass stays (it runs in cache).
+  const bool clear_c = kF32 && beta == 0.0f && !batch_parallel;
   const int64_t grain = batch_parallel ? std::max<int64_t>(1, static_cast<int64_t>(65536.0 / std::max(1.0, mnk)))
                                        : d.batch + 1;  // serial loop; OpenBLAS threads each call
   ParallelFor(d.batch, grain, [&](int64_t begin, int64_t end) {
@@ -113,9 +121,13 @@ void GemmTyped(const Tensor& a, const Tensor& b, const Tensor& c, const Dims& d,
         packed_b_src = bi;
         fb = scratch_b.data();
       }
+      if (clear_c) {
+        ParallelFor(mn, kParallelGrain * 8,
+                    [&](int64_t b, int64_t e) { std::memset(fc + b, 0, static_cast<size_t>(e - b) * sizeof(float)); });
+      }
       cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
                   static_cast<blasint>(d.m), static_cast<blasint>(d.n), static_cast<blasint>(d.k), alpha, fa,
-                  static_cast<blasint>(lda), fb, static_cast<blasint>(ldb), beta, fc,
+                  static_cast<blasint>(lda), fb, static_cast<blasint>(ldb), clear_c ? 1.0f : beta, fc,
                   static_cast<blasint>(std::max<int64_t>(d.n, 1)));
       if constexpr (!kF32) StoreRow(fc, ci, mn);
     }
