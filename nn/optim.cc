@@ -139,10 +139,7 @@ absl::StatusOr<std::vector<Tensor>> SquareSums(const std::vector<Variable*>& par
     if (!p->grad().defined()) continue;
     DT_ASSIGN_OR_RETURN(Value g, GradInParamLayout(*p));
     if (p->grad().is_dtensor() && p->grad().dtensor().layout().has_partial()) p->set_grad(g);
-    DT_ASSIGN_OR_RETURN(Tensor sq, Mul(g.local(), g.local()));
-    DT_ASSIGN_OR_RETURN(Tensor s, Sum(sq));
-    DT_ASSIGN_OR_RETURN(s, Cast(s, DType::kFloat32));
-    DT_ASSIGN_OR_RETURN(s, s.View({1}));
+    DT_ASSIGN_OR_RETURN(Tensor s, SumOfSquares(g.local()));  // float32 [1]
     std::vector<int> dims;
     if (g.is_dtensor()) {
       const DTensor& d = g.dtensor();

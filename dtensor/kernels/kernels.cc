@@ -27,6 +27,20 @@ absl::Status Kernels::GemmBias(const Tensor& a, const Tensor& b, const Tensor& b
   return Unary(UnaryOp::kGelu, pre, c);
 }
 
+absl::Status Kernels::SumOfSquares(const Tensor& x, const Tensor& out) {
+  absl::StatusOr<Tensor> sq = Tensor::Empty(x.shape(), DType::kFloat32, x.device());
+  if (!sq.ok()) return sq.status();
+  absl::Status s;
+  if (x.dtype() == DType::kFloat32) {
+    s = Binary(BinaryOp::kMul, x, x, *sq);
+  } else {  // squared in float32 (a float16 sum of squares overflows past 65504)
+    s = Copy(x, *sq);
+    if (s.ok()) s = Binary(BinaryOp::kMul, *sq, *sq, *sq);
+  }
+  if (s.ok()) s = Reduce(ReduceOp::kSum, *sq, 1, x.numel(), 1, out);
+  return s;
+}
+
 absl::Status Kernels::CrossEntropyWithGrad(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
                                            const Tensor& grad, const Tensor& losses, const Tensor& dlogits) {
   const int64_t n1[1] = {targets.numel()};

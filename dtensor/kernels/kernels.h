@@ -96,6 +96,11 @@ class Kernels {
   // for max/min (float) — the ops layer rejects max/min over an empty dim.
   virtual absl::Status Reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduce, int64_t inner,
                               const Tensor& out) = 0;
+  // out (float32, one element) = the sum of the squares of x's elements (x contiguous, a float
+  // dtype; 0 when empty): a gradient norm's piece. This default squares into a float32
+  // temporary of x's size (Copy, Binary) and sums it (Reduce); the CPU reads x once and
+  // accumulates the squares in float64.
+  virtual absl::Status SumOfSquares(const Tensor& x, const Tensor& out);
 
   // ---- Softmax over the last dim ----
   // x, y contiguous [rows, n]. log: log_softmax.

@@ -606,6 +606,15 @@ absl::StatusOr<Tensor> Reduce(ReduceOp rop, const Tensor& x, IntSpan dims, bool 
 absl::StatusOr<Tensor> Sum(const Tensor& x, IntSpan dims, bool keepdim) {
   return Reduce(ReduceOp::kSum, x, dims, keepdim);
 }
+absl::StatusOr<Tensor> SumOfSquares(const Tensor& x) {
+  constexpr const char* op = "SumOfSquares";
+  DT_ASSIGN_OR_RETURN(Kernels * k, Backend(op, x));
+  DT_RETURN_IF_ERROR(CheckFloat(op, x));
+  DT_ASSIGN_OR_RETURN(Tensor xc, Contiguous(x));
+  DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({1}, DType::kFloat32, x.device()));
+  DT_RETURN_IF_ERROR(PrefixStatus(op, k->SumOfSquares(xc, out)));
+  return out;
+}
 absl::StatusOr<Tensor> Mean(const Tensor& x, IntSpan dims, bool keepdim) {
   return Reduce(ReduceOp::kMean, x, dims, keepdim);
 }

@@ -106,6 +106,10 @@ absl::StatusOr<Tensor> UnaryBackward(UnaryOp op, const Tensor& dy, const Tensor&
 
 // ---- Reductions over `dims` (empty = all dims; negative dims allowed) ----
 absl::StatusOr<Tensor> Sum(const Tensor& x, IntSpan dims = {}, bool keepdim = false);
+// The sum of the squares of all of x's elements (a float dtype), float32 [1]: what
+// Sum(Mul(x, x)) gives, without the temporary of x's size on the CPU (squares summed in
+// float64 there, so the low bits can differ).
+absl::StatusOr<Tensor> SumOfSquares(const Tensor& x);
 absl::StatusOr<Tensor> Mean(const Tensor& x, IntSpan dims = {}, bool keepdim = false);
 // Max/Min over an empty dim -> InvalidArgument.
 absl::StatusOr<Tensor> Max(const Tensor& x, IntSpan dims = {}, bool keepdim = false);

@@ -221,6 +221,21 @@ TEST(CudaKernelsTest, NonBlockingCopyFromPinnedMemoryKeepsEachRoundsValues) {
   testing::ExpectNear(testing::Values(ToCpu(copied)), testing::Values(pageable), kExact, "pageable source");
 }
 
+// SumOfSquares on the GPU (the default kernel: squares in float32, then Reduce) against the
+// CPU's float64 sum, for every float dtype and sizes from one element to several million.
+TEST(CudaKernelsTest, SumOfSquaresMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (int64_t n : {int64_t{1}, int64_t{70001}, int64_t{3000017}}) {
+      const Tensor host = HostRandom({n}, d, static_cast<uint64_t>(n));
+      const double want = Vals(Unwrap(SumOfSquares(host)))[0];
+      const Tensor got = Unwrap(SumOfSquares(ToGpu(host)));
+      EXPECT_EQ(got.dtype(), DType::kFloat32);
+      EXPECT_NEAR(Vals(got)[0], want, 1e-5 * want) << Name(d) << " n " << n;
+    }
+  }
+}
+
 TEST(CudaKernelsTest, CopyMatchesCpuBitForBitForEveryDTypePair) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
   const double nan = std::numeric_limits<double>::quiet_NaN(), inf = std::numeric_limits<double>::infinity();

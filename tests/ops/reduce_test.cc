@@ -1,6 +1,8 @@
 // Reductions on the CPU backend against a float64 reference: every dim subset of odd shapes,
 // keepdim, non-contiguous inputs, large rows and columns (split/partial paths), integers
 // exact, NaN propagation and empty reductions.
+#include <omp.h>
+
 #include <cmath>
 #include <limits>
 #include <string>
@@ -126,6 +128,42 @@ TEST(CpuReduceTest, Float32SumAccumulatesInDouble) {
   const Tensor x = Unwrap(Tensor::FromVector<float>(v, {n}));
   const double s = testing::Values(Unwrap(Sum(x)))[0];
   EXPECT_EQ(s, static_cast<double>(static_cast<float>(16777216.0 + (n - 1))));
+}
+
+// SumOfSquares (a gradient norm's piece): against float64 for every float dtype, sizes around
+// its chunk (2^16 elements) and several chunks; a strided view; empty; the same bits on one
+// thread and on all; the default kernel (square, then sum) within float32 rounding; an integer
+// tensor is refused naming the op.
+TEST(CpuReduceTest, SumOfSquaresMatchesFloat64) {
+  for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{65535}, int64_t{65536}, int64_t{65537}, int64_t{200003}}) {
+      const Tensor x = testing::Random({n}, d, static_cast<uint64_t>(n));
+      double want = 0;
+      for (double v : testing::Values(x)) want += v * v;
+      const Tensor got = Unwrap(SumOfSquares(x));
+      ASSERT_EQ(got.dtype(), DType::kFloat32);
+      ASSERT_EQ(got.numel(), 1);
+      EXPECT_NEAR(testing::Values(got)[0], want, 1e-6 * want) << DTypeName(d) << " n " << n;
+      // The unfused default (Mul into a temporary, Sum, cast): float32 squares.
+      Tensor dflt = Unwrap(Tensor::Empty({1}, DType::kFloat32));
+      ASSERT_TRUE(CpuKernels()->Kernels::SumOfSquares(x, dflt).ok());
+      EXPECT_NEAR(testing::Values(dflt)[0], want, (d == DType::kFloat32 ? 1e-5 : 1e-2) * want) << DTypeName(d);
+    }
+  }
+  const Tensor m = testing::Random({300, 517}, DType::kFloat32, 5);
+  const Tensor mt = Unwrap(m.Transpose(0, 1));
+  EXPECT_EQ(testing::Values(Unwrap(SumOfSquares(mt)))[0], testing::Values(Unwrap(SumOfSquares(m)))[0]);
+  const Tensor big = testing::Random({1000003}, DType::kFloat32, 6);
+  const int threads = omp_get_max_threads();
+  const double all = testing::Values(Unwrap(SumOfSquares(big)))[0];
+  omp_set_num_threads(1);
+  const double one = testing::Values(Unwrap(SumOfSquares(big)))[0];
+  omp_set_num_threads(threads);
+  EXPECT_EQ(one, all);
+  EXPECT_EQ(testing::Values(Unwrap(SumOfSquares(Unwrap(Tensor::Empty({0}, DType::kFloat32)))))[0], 0.0);
+  const absl::StatusOr<Tensor> ints = SumOfSquares(Unwrap(Tensor::Empty({3}, DType::kInt32)));
+  ASSERT_FALSE(ints.ok());
+  EXPECT_NE(ints.status().message().find("SumOfSquares"), std::string::npos) << ints.status();
 }
 
 template <typename I>

@@ -20,6 +20,7 @@ class CpuBackend final : public Kernels {
   absl::Status UnaryBackward(UnaryOp op, const Tensor& dy, const Tensor& x, const Tensor& dx) override;
   absl::Status Reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduce, int64_t inner,
                       const Tensor& out) override;
+  absl::Status SumOfSquares(const Tensor& x, const Tensor& out) override;
   absl::Status Softmax(const Tensor& x, const Tensor& y, bool log) override;
   absl::Status SoftmaxBackward(const Tensor& dy, const Tensor& y, const Tensor& dx, bool log) override;
   absl::Status LayerNorm(const Tensor& x, const Tensor& weight, const Tensor& bias, float eps, const Tensor& y,
