@@ -1262,6 +1262,19 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
   // group's memory after it (a barrier, RunInline).
   absl::Status Begin(const char* op, Call call, bool closing = false) {
     DT_RETURN_IF_ERROR(group_->CheckUsable(rank_, op, -1));
+    return Publish(op, std::move(call), closing);
+  }
+
+  // This rank's mailbox data for its next collective, to fill before Publish, once the group is
+  // usable: after a failure a slow peer may still read the mailbox of two collectives ago, which
+  // the next one reuses.
+  absl::StatusOr<char*> NextMailbox(const char* op) {
+    DT_RETURN_IF_ERROR(group_->CheckUsable(rank_, op, -1));
+    return group_->mailbox(seq_ + 1, rank_).data;
+  }
+
+  // Begin, the group's usability checked before.
+  absl::Status Publish(const char* op, Call call, bool closing) {
     ++seq_;
     group_->mailbox(seq_, rank_).header = HeaderOf(call);
     group_->slot(seq_, rank_) = std::move(call);
@@ -1321,19 +1334,19 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     char* out = call.out;
     const char* in = Bytes(input);
     const bool own_from_input = !Overlap(input, output) || out == in + begin * es;
-    Mailbox& box = group_->mailbox(seq_ + 1, rank_);
+    DT_ASSIGN_OR_RETURN(char* box, NextMailbox(op));
     const int64_t bytes = static_cast<int64_t>(input.nbytes());
     if (call.kind == CallKind::kAllReduce || !own_from_input) {
-      Copy(box.data, in, bytes);
+      Copy(box, in, bytes);
     } else {
-      Copy(box.data, in, begin * es);
-      Copy(box.data + (begin + count) * es, in + (begin + count) * es, bytes - (begin + count) * es);
+      Copy(box, in, begin * es);
+      Copy(box + (begin + count) * es, in + (begin + count) * es, bytes - (begin + count) * es);
     }
-    call.in = box.data;
+    call.in = box;
     // Closing: what the peers read after it is the group's, which a rank that gives up does
     // not free, so a failure after every rank arrived does not fail the call (as with the
     // closing barrier of the other collectives).
-    DT_RETURN_IF_ERROR(Begin(op, std::move(call), /*closing=*/true));
+    DT_RETURN_IF_ERROR(Publish(op, std::move(call), /*closing=*/true));
     std::vector<const char*> srcs = Inputs();
     if (own_from_input) srcs[static_cast<size_t>(rank_)] = in;
     Reduce(dtype, rop, srcs, begin, count, out);
