@@ -98,7 +98,7 @@ if [ "${DTENSOR_SKIP_CLANG:-0}" != "1" ] && [ "${DTENSOR_SANITIZERS:-1}" != "0" 
     cmake -S . -B "${build_dir}-tsan" -G Ninja "${sanitized_flags[@]}" \
       -DDTENSOR_SANITIZE=thread -DDTENSOR_BUILD_BENCHMARKS=OFF
     cmake --build "${build_dir}-tsan" -j "$jobs" --target collectives_test core_test autograd_test gpt_test
-    threads='ThreadsTest|All/ThreadsSweepTest|CommThreadTest'
+    threads='ThreadsTest|All/ThreadsSweepTest|CutOffs/ThreadsCutOffTest|CommThreadTest'
     dtensor='DTensor[A-Za-z]*|Meshes/(RedistributeSuite|MeshLayouts)|Plan[A-Za-z]*|Random/PlanRandomTest|Small/PlanSweepTest|Redistribute[A-Za-z]*'
     autograd='ActivationCheckpoint|Engine|EveryStrategy[A-Za-z]*|OpDefs/EveryStrategy|OpsStrategy|Grad'
     trainer='GptTrainTest\.DataParallelLossesEqualSingleRank|GptFsdpTest\.(FsdpOnTwoThreeAndFourThreadRanksEqualsOneRank|NoReshardHsdpAndDdpEqualOneRank|TensorParallelRunsEqualOneRank)'

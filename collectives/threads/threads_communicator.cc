@@ -392,6 +392,31 @@ constexpr int64_t kInlineReduceScatterBytes = int64_t{16} << 10;
 constexpr int64_t kOwnCpuInlineAllReduceBytes = 512;
 constexpr int64_t kOwnCpuInlineReduceScatterBytes = int64_t{2} << 10;
 
+// AllGather(V) (by its input, 1/size of the output; V: its largest block), AllToAll and
+// Broadcast of up to these many input bytes take one barrier too (RunMove). The mailbox costs a
+// copy of the input and, as above, lines the peers must fetch from the writer's cache where the
+// direct path reads inputs written long before; it saves a barrier. Which wins depends on where
+// the scheduler runs the ranks, so the cut-offs keep each size at or below ucx's time (compare.sh)
+// in both cases where one path cannot. On this 2-vCPU VM (3 runs each, medians, us, mailbox
+// against direct; sizes as compare.sh's, the output for all_gather), first with both vCPUs free,
+// then beside another engineer's 2-job build (ranks often on one vCPU: a barrier costs a switch):
+// 2 ranks: all_gather 1 KiB 0.97 against 1.01 / 1.36 against 2.34, 4 KiB 1.49 against 1.04 /
+// 1.47 against 2.42, 16 KiB 3.5 against 1.4 / 2.25 against 2.88 (ucx 2.0 at 4 KiB, 5.5 at 16);
+// all_to_all 4 KiB 1.50 against 0.99 / 1.61 against 2.51, 16 KiB 3.4 against 1.35 / 2.56 against
+// 3.09 (ucx 2.1, 2.2); broadcast 4 KiB 1.18 against 0.97 / 1.39 against 2.26, 16 KiB 3.1 against
+// 1.2 / 1.91 against 2.60 (ucx 1.8, 3.3). 4 ranks on 2 cores: all_gather 4 KiB 3.3 against 4.4 /
+// 4.3 against 7.3, 16 KiB 5.5 against 5.2 / 5.6 against 8.3, 64 KiB 14.1 against 7.5 / 11.7
+// against 13.2 (ucx 11-16 up to 16 KiB); all_to_all 4 KiB 4.3 against 4.4 / 4.5 against 7.2,
+// 16 KiB 8.2 against 5.0 / 7.0 against 8.4 (ucx 11-19); broadcast 4 KiB 3.0 against 4.0 / 4.0
+// against 6.8, 16 KiB 5.2 against 4.8 / 5.1 against 7.7 (ucx 1.5-3.1 and 7.0-8.3: its root
+// returns once its message is out; here every rank meets the others, so 4 KiB stays slower).
+constexpr int64_t kInlineAllGatherBytes = int64_t{4} << 10;
+constexpr int64_t kInlineAllToAllBytes = int64_t{4} << 10;
+constexpr int64_t kInlineBroadcastBytes = int64_t{16} << 10;
+constexpr int64_t kOwnCpuInlineAllGatherBytes = int64_t{2} << 10;
+constexpr int64_t kOwnCpuInlineAllToAllBytes = int64_t{4} << 10;
+constexpr int64_t kOwnCpuInlineBroadcastBytes = int64_t{4} << 10;
+
 // ---------------------------------------------------------------------------------------------
 // One rank's collective call, published in shared memory for its peers.
 
@@ -543,8 +568,9 @@ bool NeedsFullCall(CallKind k) {
          k == CallKind::kAllToAllBlocks;
 }
 
-// Small reductions carry their input in the mailbox, right after the header (RunInline).
-constexpr int64_t kInlineBytes = std::max(kInlineAllReduceBytes, kInlineReduceScatterBytes);
+// Small calls carry their input in the mailbox, right after the header (RunInline, RunMove).
+constexpr int64_t kInlineBytes = std::max({kInlineAllReduceBytes, kInlineReduceScatterBytes, kInlineAllGatherBytes,
+                                           kInlineAllToAllBytes, kInlineBroadcastBytes});
 
 // One rank's mailbox for one collective: written by that rank before it arrives at the
 // collective's first barrier, read by the peers after it. A peer reads the header and the
@@ -1010,9 +1036,9 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
       return CheckNumel(kOp, rank_, "output", output, size() * input.numel(),
                         absl::StrCat("size ", size(), " x input ", input.numel()));
     }
-    Call call = NewCall(CallKind::kAllGather, input, output);
-    call.in = Stage(input, output, Bytes(output) + rank_ * static_cast<int64_t>(input.nbytes()));
-    return Done(RunGather(std::move(call)));
+    const int64_t bytes = static_cast<int64_t>(input.nbytes());
+    return Done(RunMove(NewCall(CallKind::kAllGather, input, output), input, output, Bytes(output) + rank_ * bytes,
+                        bytes <= InlineBytes(CallKind::kAllGather)));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllGatherVAsync(const Tensor& input, const Tensor& output,
@@ -1027,8 +1053,11 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, total, "sum of counts"));
     Call call = NewCall(CallKind::kAllGatherV, input, output);
     call.counts.assign(counts.begin(), counts.end());
-    call.in = Stage(input, output, Bytes(output) + Prefix(counts, rank_) * ElementSizeOf(input));
-    return Done(RunGather(std::move(call)));
+    // One barrier where every block fits a mailbox (the counts are every rank's).
+    const bool one_barrier =
+        *std::max_element(counts.begin(), counts.end()) * ElementSizeOf(input) <= InlineBytes(CallKind::kAllGather);
+    return Done(RunMove(std::move(call), input, output, Bytes(output) + Prefix(counts, rank_) * ElementSizeOf(input),
+                        one_barrier));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> ReduceScatterAsync(const Tensor& input, const Tensor& output,
@@ -1079,9 +1108,8 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
                         " elements, not a multiple of the group size ", size());
     }
     DT_RETURN_IF_ERROR(CheckNumel(kOp, rank_, "output", output, input.numel(), "same as input"));
-    Call call = NewCall(CallKind::kAllToAll, input, output);
-    call.in = Stage(input, output, nullptr);
-    return Done(RunAllToAll(std::move(call)));
+    return Done(RunMove(NewCall(CallKind::kAllToAll, input, output), input, output, nullptr,
+                        static_cast<int64_t>(input.nbytes()) <= InlineBytes(CallKind::kAllToAll)));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> AllToAllVAsync(const Tensor& input, const Tensor& output,
@@ -1096,8 +1124,8 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     Call call = NewCall(CallKind::kAllToAllV, input, output);
     call.counts.assign(send_counts.begin(), send_counts.end());
     call.recv_counts.assign(recv_counts.begin(), recv_counts.end());
-    call.in = Stage(input, output, nullptr);
-    return Done(RunAllToAll(std::move(call)));
+    // Two barriers at every size: the ranks' inputs differ, so no size decides for all of them.
+    return Done(RunMove(std::move(call), input, output, nullptr, /*one_barrier=*/false));
   }
 
   // Each rank copies the block every peer addressed to it straight from the peer's view into
@@ -1150,7 +1178,8 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckPeer(kOp, rank_, "root", root, size()));
     Call call = NewCall(CallKind::kBroadcast, tensor, tensor);
     call.root = root;
-    return Done(RunBroadcast(std::move(call)));
+    return Done(RunMove(std::move(call), tensor, tensor, Bytes(tensor),
+                        static_cast<int64_t>(tensor.nbytes()) <= InlineBytes(CallKind::kBroadcast)));
   }
 
   absl::StatusOr<std::unique_ptr<Work>> SendAsync(const Tensor& tensor, int peer) override {
@@ -1259,9 +1288,22 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
 
   // Publishes `call`, waits for every rank's, and checks that they match (every rank reaches
   // the same verdict from the same slots). `closing` for a call that reads nothing but the
-  // group's memory after it (a barrier, RunInline).
+  // group's memory after it (a barrier, the one-barrier paths).
   absl::Status Begin(const char* op, Call call, bool closing = false) {
     DT_RETURN_IF_ERROR(group_->CheckUsable(rank_, op, -1));
+    return Publish(op, std::move(call), closing);
+  }
+
+  // This rank's mailbox data for its next collective, to fill before Publish, once the group is
+  // usable: after a failure a slow peer may still read the mailbox of two collectives ago, which
+  // the next one reuses.
+  absl::StatusOr<char*> NextMailbox(const char* op) {
+    DT_RETURN_IF_ERROR(group_->CheckUsable(rank_, op, -1));
+    return group_->mailbox(seq_ + 1, rank_).data;
+  }
+
+  // Begin, the group's usability checked before.
+  absl::Status Publish(const char* op, Call call, bool closing) {
     ++seq_;
     group_->mailbox(seq_, rank_).header = HeaderOf(call);
     group_->slot(seq_, rank_) = std::move(call);
@@ -1321,19 +1363,19 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     char* out = call.out;
     const char* in = Bytes(input);
     const bool own_from_input = !Overlap(input, output) || out == in + begin * es;
-    Mailbox& box = group_->mailbox(seq_ + 1, rank_);
+    DT_ASSIGN_OR_RETURN(char* box, NextMailbox(op));
     const int64_t bytes = static_cast<int64_t>(input.nbytes());
     if (call.kind == CallKind::kAllReduce || !own_from_input) {
-      Copy(box.data, in, bytes);
+      Copy(box, in, bytes);
     } else {
-      Copy(box.data, in, begin * es);
-      Copy(box.data + (begin + count) * es, in + (begin + count) * es, bytes - (begin + count) * es);
+      Copy(box, in, begin * es);
+      Copy(box + (begin + count) * es, in + (begin + count) * es, bytes - (begin + count) * es);
     }
-    call.in = box.data;
+    call.in = box;
     // Closing: what the peers read after it is the group's, which a rank that gives up does
     // not free, so a failure after every rank arrived does not fail the call (as with the
     // closing barrier of the other collectives).
-    DT_RETURN_IF_ERROR(Begin(op, std::move(call), /*closing=*/true));
+    DT_RETURN_IF_ERROR(Publish(op, std::move(call), /*closing=*/true));
     std::vector<const char*> srcs = Inputs();
     if (own_from_input) srcs[static_cast<size_t>(rank_)] = in;
     Reduce(dtype, rop, srcs, begin, count, out);
@@ -1377,21 +1419,71 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     return Sync(op, /*closing=*/true);  // every block is in every output; nobody reads this rank's buffers any more
   }
 
-  // AllGather(V): every rank copies every block into its own output.
-  absl::Status RunGather(Call call) {
+  // The moving collectives: every rank copies what it needs of the inputs its peers publish
+  // into its output (AllGather(V): every block; AllToAll(V): block r of every input; Broadcast:
+  // the root's tensor, large ones a block of the bytes by each rank into every receiver). With
+  // `one_barrier` (small messages, every rank alike: see InlineBytes) each rank (Broadcast: the
+  // root) copies its input into its mailbox and publishes that: as in RunInline, the peers then
+  // read only the group's memory, so there is no closing barrier, and in-place calls need no
+  // staging. Otherwise it publishes its input (staged where it overlaps the output other than
+  // starting at `in_place`), and a closing barrier ends the reading of the peers' buffers.
+  absl::Status RunMove(Call call, const Tensor& input, const Tensor& output, const char* in_place, bool one_barrier) {
     const char* op = CallName(call.kind);
-    const bool uneven = call.kind == CallKind::kAllGatherV;
+    const CallKind kind = call.kind;
     const int64_t es = static_cast<int64_t>(ElementSize(call.dtype));
-    const int64_t n = call.numel;
+    const int64_t numel = call.numel;
+    const int root = call.root;
     char* out = call.out;
-    DT_RETURN_IF_ERROR(Begin(op, std::move(call)));
-    int64_t offset = 0;
-    for (int j = 0; j < size(); ++j) {
-      const int64_t count = uneven ? Peer(j).counts[static_cast<size_t>(j)] : n;
-      Copy(out + offset * es, Head(j).in, count * es);
-      offset += count;
+    if (one_barrier) {
+      DT_ASSIGN_OR_RETURN(char* box, NextMailbox(op));
+      if (kind != CallKind::kBroadcast || rank_ == root) Copy(box, Bytes(input), numel * es);
+      call.in = box;
+      DT_RETURN_IF_ERROR(Publish(op, std::move(call), /*closing=*/true));
+    } else {
+      call.in = Stage(input, output, in_place);
+      DT_RETURN_IF_ERROR(Begin(op, std::move(call)));
     }
-    return Sync(op, /*closing=*/true);
+    switch (kind) {
+      case CallKind::kBroadcast:
+        if (!one_barrier && numel * es >= kSplitBroadcastBytes) {
+          // Every rank, the root too, copies its block of the bytes to every receiver: the root's
+          // core would idle otherwise (2 ranks: both cores copy, about twice the bandwidth). (Not
+          // in one barrier: a receiver would return while the root still writes its output.)
+          const int64_t bytes = numel * es;
+          const int64_t begin = BlockStart(bytes, rank_), end = BlockStart(bytes, rank_ + 1);
+          const char* src = Head(root).in;
+          for (int d = 0; d < size(); ++d) {
+            if (d != root) Copy(Head(d).out + begin, src + begin, end - begin);
+          }
+        } else if (rank_ != root) {
+          Copy(out, Head(root).in, numel * es);  // small: the bytes land in the cache that reads them next
+        }
+        break;
+      case CallKind::kAllToAll:
+      case CallKind::kAllToAllV: {
+        const bool uneven = kind == CallKind::kAllToAllV;
+        const int64_t n = numel / size();
+        int64_t offset = 0;
+        for (int j = 0; j < size(); ++j) {
+          const int64_t from = uneven ? Prefix(Peer(j).counts, rank_) : n * rank_;
+          const int64_t count = uneven ? Peer(j).counts[static_cast<size_t>(rank_)] : n;
+          Copy(out + offset * es, Head(j).in + from * es, count * es);
+          offset += count;
+        }
+        break;
+      }
+      default: {  // AllGather(V)
+        const bool uneven = kind == CallKind::kAllGatherV;
+        int64_t offset = 0;
+        for (int j = 0; j < size(); ++j) {
+          const int64_t count = uneven ? Peer(j).counts[static_cast<size_t>(j)] : numel;
+          // (In place, this rank's block is its input already.)
+          if (j != rank_ || out + offset * es != Bytes(input)) Copy(out + offset * es, Head(j).in, count * es);
+          offset += count;
+        }
+      }
+    }
+    return one_barrier ? absl::OkStatus() : Sync(op, /*closing=*/true);
   }
 
   // ReduceScatter(V): rank r reduces its block of every input into its output.
@@ -1408,44 +1500,6 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     return Sync(op, /*closing=*/true);
   }
 
-  // AllToAll(V): rank r copies block r of every peer's input.
-  absl::Status RunAllToAll(Call call) {
-    const char* op = CallName(call.kind);
-    const bool uneven = call.kind == CallKind::kAllToAllV;
-    const int64_t es = static_cast<int64_t>(ElementSize(call.dtype));
-    const int64_t n = call.numel / size();
-    char* out = call.out;
-    DT_RETURN_IF_ERROR(Begin(op, std::move(call)));
-    int64_t offset = 0;
-    for (int j = 0; j < size(); ++j) {
-      const int64_t from = uneven ? Prefix(Peer(j).counts, rank_) : n * rank_;
-      const int64_t count = uneven ? Peer(j).counts[static_cast<size_t>(rank_)] : n;
-      Copy(out + offset * es, Head(j).in + from * es, count * es);
-      offset += count;
-    }
-    return Sync(op, /*closing=*/true);
-  }
-
-  absl::Status RunBroadcast(Call call) {
-    const char* op = "Broadcast";
-    const int root = call.root;
-    const int64_t bytes = call.numel * static_cast<int64_t>(ElementSize(call.dtype));
-    char* out = call.out;
-    DT_RETURN_IF_ERROR(Begin(op, std::move(call)));
-    if (bytes >= kSplitBroadcastBytes) {
-      // Every rank, the root too, copies its block of the bytes to every receiver: the root's
-      // core would idle otherwise (2 ranks: both cores copy, about twice the bandwidth).
-      const int64_t begin = BlockStart(bytes, rank_), end = BlockStart(bytes, rank_ + 1);
-      const char* src = Head(root).in;
-      for (int d = 0; d < size(); ++d) {
-        if (d != root) Copy(Head(d).out + begin, src + begin, end - begin);
-      }
-    } else if (rank_ != root) {
-      Copy(out, Head(root).in, bytes);  // small: the bytes land in the cache that reads them next
-    }
-    return Sync(op, /*closing=*/true);
-  }
-
   absl::StatusOr<std::unique_ptr<Work>> PostP2P(const char* op, const Tensor& tensor, int peer, bool is_send) {
     DT_RETURN_IF_ERROR(CheckTensor(op, rank_, "tensor", tensor));
     DT_RETURN_IF_ERROR(CheckPeer(op, rank_, "peer", peer, size()));
@@ -1457,11 +1511,23 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     return std::unique_ptr<Work>(std::make_unique<P2PWork>(group_, std::move(p2p), rank_, peer, is_send, timeout_));
   }
 
-  // The largest input a reduction of `kind` sends through the mailboxes (RunInline).
+  // The largest input a call of `kind` sends through the mailboxes (RunInline, RunMove's
+  // one_barrier; AllGatherV: its largest block). Every rank of a collective decides alike
+  // (Begin fails them all where their calls differ, after the first barrier).
   int64_t InlineBytes(CallKind kind) const {
     const bool share = group_->family()->share_cpus();
-    if (kind == CallKind::kAllReduce) return share ? kInlineAllReduceBytes : kOwnCpuInlineAllReduceBytes;
-    return share ? kInlineReduceScatterBytes : kOwnCpuInlineReduceScatterBytes;
+    switch (kind) {
+      case CallKind::kAllReduce:
+        return share ? kInlineAllReduceBytes : kOwnCpuInlineAllReduceBytes;
+      case CallKind::kReduceScatter:
+        return share ? kInlineReduceScatterBytes : kOwnCpuInlineReduceScatterBytes;
+      case CallKind::kAllGather:
+        return share ? kInlineAllGatherBytes : kOwnCpuInlineAllGatherBytes;
+      case CallKind::kAllToAll:
+        return share ? kInlineAllToAllBytes : kOwnCpuInlineAllToAllBytes;
+      default:
+        return share ? kInlineBroadcastBytes : kOwnCpuInlineBroadcastBytes;
+    }
   }
 
   std::shared_ptr<ThreadGroup> group_;

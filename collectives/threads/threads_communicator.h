@@ -18,10 +18,11 @@
 // r; AllGather / AllToAll / Broadcast: each rank copies what it needs), between two barriers.
 // AllReduce writes its results with streaming stores once the group's inputs reach 16 MiB
 // (DTENSOR_THREADS_STREAMING=0 / 1 forces them off / on).
-// Small reductions (AllReduce up to 4 KiB, ReduceScatter(V) up to 16 KiB of input where ranks
-// share CPUs; 512 B and 2 KiB where each rank has a CPU of its own) take one
-// barrier instead: each rank copies its input into a mailbox of the group and every rank
-// reduces its share from the mailboxes (AllReduce: all of it, each rank alike). A rank
+// Small calls take one barrier instead: each rank (Broadcast: the root) copies its input into
+// a mailbox of the group and every rank reads its share from the mailboxes (reductions: reduces it; AllReduce: all of
+// it, each rank alike). Small means up to these many input bytes where ranks share CPUs / where
+// each has a CPU of its own: AllReduce 4 KiB / 512 B, ReduceScatter(V) 16 / 2 KiB, AllGather(V)
+// 4 / 2 KiB (V: its largest block), AllToAll 4 / 4 KiB, Broadcast 16 / 4 KiB. A rank
 // waiting at a barrier spins (when every rank has a CPU: more CPUs than MakeThreadGroup's
 // ranks, and no peer last seen on its own CPU), then yields, then sleeps on a futex. Reductions run in float32 for
 // bfloat16 / float16 (rounded once), exactly (wrapping) for int32 / int64, with kAvg on integers dividing the sum by

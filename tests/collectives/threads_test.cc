@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -488,6 +489,216 @@ TEST(ThreadsTest, LargeBroadcastReachesEveryElementFromEveryRoot) {
   }
 }
 
+// ---- The one-barrier (mailbox) paths, on both sides of their cut-offs ----
+
+// The largest inputs (bytes) that go through the mailboxes, as threads_communicator.cc's
+// constants, where each rank has a CPU of its own and where ranks share CPUs: AllReduce 512 B,
+// 4 KiB; ReduceScatter(V) 2, 16 KiB; AllGather(V) 2, 4 KiB (its input; V: its largest block);
+// AllToAll 4 KiB; Broadcast 4, 16 KiB.
+constexpr int64_t kReduceCutOffs[] = {512, 2048, 4096, 16384};
+constexpr int64_t kGatherCutOffs[] = {2048, 4096};
+constexpr int64_t kAllToAllCutOff = 4096;
+constexpr int64_t kBroadcastCutOffs[] = {4096, 16384};
+
+// Counts of `unit`-byte units just below, at (or just below) and just above `cutoff` bytes.
+std::vector<int64_t> Around(int64_t cutoff, int64_t unit) {
+  const int64_t m = cutoff / unit;
+  return {m - 1, m, m + 1};
+}
+
+// Element i of rank r's data in call `call`: an integer that `dtype` holds exactly, hashed from
+// (call, rank, i), so a block from the wrong rank, place or call shows in most of its elements
+// (float32, int32 and int64 take 2^20 values; narrower dtypes fewer).
+double Hashed(int call, int rank, int64_t i, DType dtype) {
+  uint64_t h = (static_cast<uint64_t>(call) * 8 + static_cast<uint64_t>(rank)) << 32 | static_cast<uint64_t>(i);
+  h ^= h >> 33;
+  h *= 0xff51afd7ed558ccdULL;
+  h ^= h >> 33;
+  h *= 0xc4ceb9fe1a85ec53ULL;
+  h ^= h >> 33;
+  int bits = 20;
+  if (dtype == DType::kBFloat16) bits = 8;
+  if (dtype == DType::kFloat16) bits = 11;
+  if (dtype == DType::kFloat8E4M3) bits = 4;
+  if (dtype == DType::kFloat8E5M2) bits = 3;
+  if (dtype == DType::kBool) bits = 1;
+  return static_cast<double>(h & ((uint64_t{1} << bits) - 1));
+}
+
+std::vector<double> HashedValues(int call, int rank, int64_t n, DType dtype, int64_t from = 0) {
+  std::vector<double> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[static_cast<size_t>(i)] = Hashed(call, rank, from + i, dtype);
+  return v;
+}
+
+// EXPECTs that t holds exactly `want` (moved bytes are not rounded), naming the first miss.
+void ExpectExactly(const Tensor& t, const std::vector<double>& want, const std::string& what) {
+  const std::vector<double> got = testing::Values(t);
+  ASSERT_EQ(got.size(), want.size()) << what;
+  int64_t wrong = 0;
+  std::string first;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] == want[i]) continue;
+    if (wrong++ == 0) first = absl::StrCat("element ", i, " is ", got[i], ", want ", want[i]);
+  }
+  EXPECT_EQ(wrong, 0) << what << ": " << wrong << " of " << got.size() << " elements wrong, first " << first;
+}
+
+// One data-moving collective on data of call `call` only, checked against blocks built here.
+// m: AllGather its input elements; AllGatherV its largest block (on rank `root`; the other
+// blocks smaller, every second one empty); AllToAll elements per block; Broadcast elements
+// (from `root`).
+absl::Status MoveAndCheck(Coll coll, DType dtype, int64_t m, int root, int call, int rank, Communicator& comm) {
+  const int world = comm.size();
+  const std::string what = absl::StrCat(CollName(coll), " ", DTypeName(dtype), " m=", m, " root ", root, " call ", call,
+                                        ", ", world, " ranks, rank ", rank);
+  std::vector<double> want;
+  Tensor out;
+  switch (coll) {
+    case Coll::kAllGather:
+      out = Sentinel(world * m, dtype);
+      DT_RETURN_IF_ERROR(comm.AllGather(Make(HashedValues(call, rank, m, dtype), dtype), out));
+      for (int j = 0; j < world; ++j) {
+        for (double v : HashedValues(call, j, m, dtype)) want.push_back(v);
+      }
+      break;
+    case Coll::kAllGatherV: {
+      std::vector<int64_t> counts(static_cast<size_t>(world));
+      for (int j = 0; j < world; ++j) counts[static_cast<size_t>(j)] = j == root ? m : j % 2 == 0 ? 0 : m / 2 + j;
+      out = Sentinel(Sum(counts, world), dtype);
+      const int64_t mine = counts[static_cast<size_t>(rank)];
+      DT_RETURN_IF_ERROR(comm.AllGatherV(Make(HashedValues(call, rank, mine, dtype), dtype), out, counts));
+      for (int j = 0; j < world; ++j) {
+        for (double v : HashedValues(call, j, counts[static_cast<size_t>(j)], dtype)) want.push_back(v);
+      }
+      break;
+    }
+    case Coll::kAllToAll:
+      out = Sentinel(world * m, dtype);
+      DT_RETURN_IF_ERROR(comm.AllToAll(Make(HashedValues(call, rank, world * m, dtype), dtype), out));
+      for (int j = 0; j < world; ++j) {
+        for (double v : HashedValues(call, j, m, dtype, rank * m)) want.push_back(v);
+      }
+      break;
+    case Coll::kBroadcast:
+      out = rank == root ? Make(HashedValues(call, root, m, dtype), dtype) : Sentinel(m, dtype);
+      DT_RETURN_IF_ERROR(comm.Broadcast(out, root));
+      want = HashedValues(call, root, m, dtype);
+      break;
+    default:
+      return absl::InternalError("not a moving collective");
+  }
+  ExpectExactly(out, want, what);
+  return absl::OkStatus();
+}
+
+// Every collective one element (AllToAll / ReduceScatter: one per block) below, at and above
+// each cut-off, Broadcast and AllGatherV from every root, in every dtype on 2, 3 and 4 ranks:
+// both paths of each, against references computed here.
+using CutOffParam = std::tuple<DType, int>;
+class ThreadsCutOffTest : public ::testing::TestWithParam<CutOffParam> {};
+
+TEST_P(ThreadsCutOffTest, BothSidesOfEveryCutOff) {
+  const DType dtype = std::get<0>(GetParam());
+  const int world = std::get<1>(GetParam());
+  const int64_t es = static_cast<int64_t>(ElementSize(dtype));
+  ExpectAllOk(RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
+    int call = 0;
+    for (int64_t m : Around(kAllToAllCutOff, world * es)) {
+      DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kAllToAll, dtype, m, 0, ++call, rank, *comm));
+    }
+    for (int64_t cutoff : kGatherCutOffs) {
+      for (int64_t m : Around(cutoff, es)) {
+        DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kAllGather, dtype, m, 0, ++call, rank, *comm));
+        for (int root = 0; root < world; ++root) {
+          DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kAllGatherV, dtype, m, root, ++call, rank, *comm));
+        }
+      }
+    }
+    for (int64_t cutoff : kBroadcastCutOffs) {
+      for (int64_t m : Around(cutoff, es)) {
+        for (int root = 0; root < world; ++root) {
+          DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kBroadcast, dtype, m, root, ++call, rank, *comm));
+        }
+      }
+    }
+    if (IsFloat8(dtype)) return comm->Barrier();  // moved, never reduced
+    for (int64_t cutoff : kReduceCutOffs) {
+      for (int64_t m : Around(cutoff, es)) {
+        DT_RETURN_IF_ERROR(RunReducing(Coll::kAllReduce, CommReduceOp::kSum, dtype, m, rank, *comm));
+        DT_RETURN_IF_ERROR(RunReducing(Coll::kAllReduceInPlace, CommReduceOp::kMax, dtype, m, rank, *comm));
+        DT_RETURN_IF_ERROR(RunReducing(Coll::kReduceScatterV, CommReduceOp::kSum, dtype, m, rank, *comm));
+      }
+      for (int64_t m : Around(cutoff, world * es)) {
+        DT_RETURN_IF_ERROR(RunReducing(Coll::kReduceScatter, CommReduceOp::kSum, dtype, m, rank, *comm));
+      }
+    }
+    return comm->Barrier();
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(CutOffs, ThreadsCutOffTest,
+                         ::testing::Combine(::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16,
+                                                              DType::kInt32, DType::kInt64, DType::kBool,
+                                                              DType::kFloat8E4M3, DType::kFloat8E5M2),
+                                            ::testing::Values(2, 3, 4)),
+                         [](const ::testing::TestParamInfo<CutOffParam>& info) {
+                           return absl::StrCat(DTypeName(std::get<0>(info.param)), "_", std::get<1>(info.param));
+                         });
+
+// Back-to-back calls of mixed kinds through both paths, each on data of its own, sizes and roots
+// changing every round, a rank (another each round) yielding its CPU before some: a rank that
+// returns from a one-barrier call goes on into the next while its peers still read its mailbox.
+// Were a mailbox rewritten before every peer had read it, a peer would copy the next call's data
+// (float32: differs in nearly every element) and TSan would see the unordered write and read.
+TEST(ThreadsTest, MixedBackToBackCallsKeepEachMailboxUntilItIsRead) {
+  const DType f32 = DType::kFloat32;
+  for (int world : {2, 3, 4}) {
+    ExpectAllOk(RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
+      int call = 0;
+      for (int it = 0; it < 150; ++it) {
+        const int64_t m = 1 + (it * 397) % 1024;  // elements: one barrier for most of the moves
+        const int root = it % world;
+        if (it % world == rank) std::this_thread::yield();
+        DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kAllGather, f32, m, 0, ++call, rank, *comm));
+        DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kBroadcast, f32, 2 * m, root, ++call, rank, *comm));
+        DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kAllToAll, f32, m / world + 1, 0, ++call, rank, *comm));
+        DT_RETURN_IF_ERROR(RunReducing(Coll::kAllReduce, CommReduceOp::kSum, f32, m % 1024, rank, *comm));
+        DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kAllGatherV, f32, m, root, ++call, rank, *comm));
+        DT_RETURN_IF_ERROR(RunReducing(Coll::kReduceScatter, CommReduceOp::kSum, f32, m % 1024, rank, *comm));
+        if (it % 3 == 0) {  // two barriers
+          DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kAllGather, f32, 1100 + it, 0, ++call, rank, *comm));
+          DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kBroadcast, f32, 4100 + it, root, ++call, rank, *comm));
+        }
+        if (it % 7 == 0) DT_RETURN_IF_ERROR(comm->Barrier());
+      }
+      return absl::OkStatus();
+    }));
+  }
+}
+
+// A collective whose ranks pass sizes on either side of a cut-off (one barrier on some ranks,
+// two on others) fails on every rank after the first, and the group goes on in step.
+TEST(ThreadsTest, CallsOnBothSidesOfACutOffFailTogether) {
+  const DType f32 = DType::kFloat32;
+  ExpectAllOk(RunRanks(3, [&](int rank, CommPtr& comm) -> absl::Status {
+    for (int64_t cutoff : kGatherCutOffs) {
+      const int64_t n = cutoff / 4 + (rank == 1 ? 1 : 0);
+      const absl::Status gather = comm->AllGather(Sentinel(n, f32), Sentinel(3 * n, f32));
+      EXPECT_EQ(gather.code(), absl::StatusCode::kInvalidArgument) << gather;
+    }
+    for (int64_t cutoff : kBroadcastCutOffs) {
+      Tensor t = Sentinel(cutoff / 4 + (rank == 2 ? 1 : 0), f32);
+      const absl::Status broadcast = comm->Broadcast(t, 0);
+      EXPECT_EQ(broadcast.code(), absl::StatusCode::kInvalidArgument) << broadcast;
+    }
+    for (int call = 1; call <= 4; ++call) {
+      DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kAllGather, f32, call * 700, 0, call, rank, *comm));
+    }
+    return comm->Barrier();
+  }));
+}
+
 TEST(ThreadsTest, IntegerAvgTruncatesTowardZero) {
   ExpectAllOk(RunRanks(4, [](int rank, CommPtr& comm) -> absl::Status {
     // Sums 7 and -7 over 4 ranks: 1 and -1 (not 2 and -2).
@@ -499,45 +710,55 @@ TEST(ThreadsTest, IntegerAvgTruncatesTowardZero) {
   }));
 }
 
+// In place and overlapping, small (one barrier) and large (two: the overlaps are staged).
 TEST(ThreadsTest, InPlaceGatherScatterAndOverlappingAllToAll) {
   const int world = 4;
-  const int64_t n = 5;
   const DType dtype = DType::kFloat32;
-  ExpectAllOk(RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
-    // AllGather whose input is this rank's block of the output.
-    Tensor full = Sentinel(world * n, dtype);
-    DT_ASSIGN_OR_RETURN(Tensor mine, full.Narrow(0, rank * n, n));
-    Tensor src = Make(Values(rank, n, dtype), dtype);
-    std::memcpy(mine.raw_data(), src.raw_data(), src.nbytes());
-    DT_RETURN_IF_ERROR(comm->AllGather(mine, full));
-    std::vector<double> expected;
-    for (int j = 0; j < world; ++j) {
-      for (double v : Values(j, n, dtype)) expected.push_back(v);
-    }
-    ExpectValues(full, expected, dtype, "in-place all_gather");
+  for (const int64_t n : {int64_t{5}, int64_t{5000}}) {
+    ExpectAllOk(RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
+      const std::string size = absl::StrCat(", ", n, " elements per block");
+      // AllGather whose input is this rank's block of the output.
+      Tensor full = Sentinel(world * n, dtype);
+      DT_ASSIGN_OR_RETURN(Tensor mine, full.Narrow(0, rank * n, n));
+      Tensor src = Make(Values(rank, n, dtype), dtype);
+      std::memcpy(mine.raw_data(), src.raw_data(), src.nbytes());
+      DT_RETURN_IF_ERROR(comm->AllGather(mine, full));
+      std::vector<double> expected;
+      for (int j = 0; j < world; ++j) {
+        for (double v : Values(j, n, dtype)) expected.push_back(v);
+      }
+      ExpectValues(full, expected, dtype, "in-place all_gather" + size);
 
-    // ReduceScatter whose output is this rank's block of the input.
-    Tensor in = Make(Values(rank, world * n, dtype), dtype);
-    DT_ASSIGN_OR_RETURN(Tensor block, in.Narrow(0, rank * n, n));
-    DT_RETURN_IF_ERROR(comm->ReduceScatter(in, block, CommReduceOp::kSum));
-    ExpectValues(block, ReducedValues(CommReduceOp::kSum, world, n, dtype, rank * n), dtype, "in-place rs");
+      // AllGather whose input is the next rank's block of the output (overwritten by the call).
+      Tensor other = Sentinel(world * n, dtype);
+      DT_ASSIGN_OR_RETURN(Tensor next, other.Narrow(0, (rank + 1) % world * n, n));
+      std::memcpy(next.raw_data(), src.raw_data(), src.nbytes());
+      DT_RETURN_IF_ERROR(comm->AllGather(next, other));
+      ExpectValues(other, expected, dtype, "overlapping all_gather" + size);
 
-    // AllToAll in place (input == output) and AllReduce into a shifted overlapping view.
-    Tensor a2a = Make(Values(rank, world * n, dtype), dtype);
-    DT_RETURN_IF_ERROR(comm->AllToAll(a2a, a2a));
-    std::vector<double> a2a_expected;
-    for (int j = 0; j < world; ++j) {
-      for (double v : Values(j, n, dtype, rank * n)) a2a_expected.push_back(v);
-    }
-    ExpectValues(a2a, a2a_expected, dtype, "in-place all_to_all");
+      // ReduceScatter whose output is this rank's block of the input.
+      Tensor in = Make(Values(rank, world * n, dtype), dtype);
+      DT_ASSIGN_OR_RETURN(Tensor block, in.Narrow(0, rank * n, n));
+      DT_RETURN_IF_ERROR(comm->ReduceScatter(in, block, CommReduceOp::kSum));
+      ExpectValues(block, ReducedValues(CommReduceOp::kSum, world, n, dtype, rank * n), dtype, "in-place rs" + size);
 
-    Tensor buf = Make(Values(rank, n + 1, dtype), dtype);
-    DT_ASSIGN_OR_RETURN(Tensor lo, buf.Narrow(0, 0, n));
-    DT_ASSIGN_OR_RETURN(Tensor hi, buf.Narrow(0, 1, n));
-    DT_RETURN_IF_ERROR(comm->AllReduce(lo, hi, CommReduceOp::kSum));
-    ExpectValues(hi, ReducedValues(CommReduceOp::kSum, world, n, dtype, 0), dtype, "overlapping all_reduce");
-    return absl::OkStatus();
-  }));
+      // AllToAll in place (input == output) and AllReduce into a shifted overlapping view.
+      Tensor a2a = Make(Values(rank, world * n, dtype), dtype);
+      DT_RETURN_IF_ERROR(comm->AllToAll(a2a, a2a));
+      std::vector<double> a2a_expected;
+      for (int j = 0; j < world; ++j) {
+        for (double v : Values(j, n, dtype, rank * n)) a2a_expected.push_back(v);
+      }
+      ExpectValues(a2a, a2a_expected, dtype, "in-place all_to_all" + size);
+
+      Tensor buf = Make(Values(rank, n + 1, dtype), dtype);
+      DT_ASSIGN_OR_RETURN(Tensor lo, buf.Narrow(0, 0, n));
+      DT_ASSIGN_OR_RETURN(Tensor hi, buf.Narrow(0, 1, n));
+      DT_RETURN_IF_ERROR(comm->AllReduce(lo, hi, CommReduceOp::kSum));
+      ExpectValues(hi, ReducedValues(CommReduceOp::kSum, world, n, dtype, 0), dtype, "overlapping all_reduce" + size);
+      return absl::OkStatus();
+    }));
+  }
 }
 
 TEST(ThreadsTest, TwoDimensionalTensorsUseFlatOrder) {
