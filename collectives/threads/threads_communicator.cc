@@ -21,13 +21,10 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "dtensor/collectives/checks.h"
+#include "dtensor/collectives/cpu_primitives.h"
 #include "dtensor/collectives/threads/threads_reduce.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
@@ -60,37 +57,6 @@ bool UseStreaming(int64_t input_bytes) {
     return e != nullptr && (e[0] == '0' || e[0] == '1') && e[1] == 0 ? int64_t{e[0] - '0'} : int64_t{-1};
   }();
   return forced >= 0 ? forced == 1 : input_bytes >= kStreamingMinInputBytes;
-}
-
-// dst = src with streaming stores (plain ones up to 16-byte alignment and for the tail); the
-// caller fences (StreamFence) before publishing.
-void StreamCopy(char* dst, const char* src, int64_t bytes) {
-  if (bytes <= 0) return;
-  size_t n = static_cast<size_t>(bytes);
-#if defined(__x86_64__)
-  const size_t head = std::min(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
-  std::memcpy(dst, src, head);
-  size_t i = head;
-  for (; i + 64 <= n; i += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-  }
-  std::memcpy(dst + i, src + i, n - i);
-#else
-  std::memcpy(dst, src, n);
-#endif
-}
-
-void StreamFence() {
-#if defined(__x86_64__)
-  _mm_sfence();
-#endif
 }
 
 // A reduced chunk of the streaming paths: small enough to stay in L1 between the reduction and
@@ -141,19 +107,6 @@ constexpr int64_t kSpinNs = 50'000;
 constexpr int64_t kYieldNs = 200'000;
 constexpr int kRoundSpins = 32;          // looks per round, a pause apart, between clock reads
 constexpr int kSharedCpuRoundSpins = 4;  // the same for ranks that share CPUs: then a yield
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 // Sleeps while *word == expected, at most timeout_ns (-1: no limit). Private futex: the word
 // lives in this process. Returns on a wake-up, a change, a signal or the timeout alike.

@@ -10,10 +10,6 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <atomic>
 #include <bit>
@@ -28,6 +24,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "dtensor/collectives/cpu_primitives.h"
 
 namespace dtensor::internal {
 namespace {
@@ -62,19 +59,6 @@ void FutexWait(uint32_t* word, uint32_t expected, int64_t timeout_ns) {
 }
 
 void FutexWakeAll(uint32_t* word) { syscall(SYS_futex, word, FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0); }
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-inline void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield" ::: "memory");
-#endif
-}
 
 // A full memory barrier on every running thread of every process that registered for it
 // (membarrier(2)): the slow side of an asymmetric fence.
@@ -376,34 +360,17 @@ void ShmGroup::StartCopyIn(size_t bytes) {
 }
 
 void ShmGroup::CopyIn(char* dst, const char* src, size_t n) const {
-#if defined(__x86_64__)
-  if (streaming_) {
-    // Plain stores up to 16-byte alignment and for the tail; 64 bytes of streaming stores per
-    // round in between.
-    const size_t head = std::min(n, (16 - reinterpret_cast<uintptr_t>(dst) % 16) % 16);
-    std::memcpy(dst, src, head);
-    size_t i = head;
-    for (; i + 64 <= n; i += 64) {
-      const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16));
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 32));
-      const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 48));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), a);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16), b);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 32), c);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 48), d);
-    }
-    std::memcpy(dst + i, src + i, n - i);
-    return;
+  if (streaming_) {  // false off x86-64 (StartCopyIn)
+    StreamCopy(dst, src, static_cast<int64_t>(n));
+  } else {
+    std::memcpy(dst, src, n);
   }
-#endif
-  std::memcpy(dst, src, n);
 }
 
 void ShmGroup::FinishCopyIn() {
 #if defined(__x86_64__)
   // Streaming stores are weakly ordered: this fence puts them before the step's arrival.
-  if (streaming_) _mm_sfence();
+  if (streaming_) StreamFence();
   if (copy_start_ < 0) return;
   // A sample counts as at most 4x the estimate, so one slow copy (a rank preempted mid-copy)
   // raises it by at most 1.75x.

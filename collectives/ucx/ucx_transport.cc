@@ -24,6 +24,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "dtensor/collectives/cpu_primitives.h"
 #include "dtensor/tensor/status.h"
 
 namespace dtensor::internal {
@@ -96,11 +97,6 @@ std::string JobNetDevices(const std::vector<std::string>& hosts, const std::stri
                           const std::string& master_addr) {
   if (std::all_of(hosts.begin(), hosts.end(), [&](const std::string& h) { return h == self; })) return "lo";
   return InterfaceToward(master_addr);
-}
-
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
 }
 
 absl::Status UcsError(const std::string& what, ucs_status_t s) {
