@@ -717,12 +717,17 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   const int64_t micro = f.batch / f.grad_accum;  // rows per micro-batch (global)
   // The batches go to the device from two pinned host buffers in turn, without waiting
   // (To's non_blocking): buffer step % 2 is refilled two steps later, after this step's loss
-  // was read, which waits for everything queued before it (its copy included). (Ordinary memory
-  // where there is no GPU; on the CPU the buffer is the batch tensor itself.)
+  // was read, which waits for everything queued before it (its copy included). Training on the
+  // CPU the buffers are ordinary memory (pinning would start a CUDA context on a machine with a
+  // GPU), and each is the batch tensor itself.
+  auto host_buffer = [&]() -> absl::StatusOr<Tensor> {
+    return device.is_cuda() ? Tensor::EmptyPinned({f.batch, f.seq}, DType::kInt32)
+                            : Tensor::Empty({f.batch, f.seq}, DType::kInt32);
+  };
   std::array<Tensor, 2> host_inputs, host_targets;
   for (size_t i = 0; i < 2; ++i) {
-    DT_ASSIGN_OR_RETURN(host_inputs[i], Tensor::EmptyPinned({f.batch, f.seq}, DType::kInt32));
-    DT_ASSIGN_OR_RETURN(host_targets[i], Tensor::EmptyPinned({f.batch, f.seq}, DType::kInt32));
+    DT_ASSIGN_OR_RETURN(host_inputs[i], host_buffer());
+    DT_ASSIGN_OR_RETURN(host_targets[i], host_buffer());
   }
   std::optional<StepRecord> pending;  // --read-loss next: the queued step whose loss is unread
   for (int64_t step = first_step; step < f.steps; ++step) {
