@@ -1,5 +1,6 @@
 #include "dtensor/autograd/variable.h"
 
+#include <algorithm>
 #include <atomic>
 #include <queue>
 #include <utility>
@@ -134,6 +135,12 @@ absl::StatusOr<std::vector<Value>> FunctionNode::Apply(std::vector<Value> grad_o
         "[Backward] ", name(), " ran a second time after its saved values were released; pass retain_graph=true"));
   }
   return fn_(grad_outputs);
+}
+
+absl::StatusOr<std::vector<Value>> FunctionNode::ApplyInto(std::vector<Value> grad_outputs,
+                                                           absl::Span<const Tensor* const> pending) {
+  if (!into_) return Apply(std::move(grad_outputs));
+  return into_(grad_outputs, pending);
 }
 
 // Accumulates into a leaf's grad.
@@ -336,7 +343,27 @@ absl::Status RunBackward(absl::Span<const Variable> roots, absl::Span<const Valu
         Value& g = grads[static_cast<size_t>(nr)];
         if (g.defined()) DT_RETURN_IF_ERROR(hook(g));
       }
-      DT_ASSIGN_OR_RETURN(in_grads, n->Apply(std::move(grads)));
+      // Offer the gradients already waiting for this node's inputs to a node that can add into
+      // them (Node::ApplyInto): plain Tensors that only this pass holds.
+      std::vector<const Tensor*> pending;
+      if (n->AddsIntoPending()) {
+        pending.assign(n->next_edges().size(), nullptr);
+        for (size_t i = 0; i < pending.size(); ++i) {
+          const Edge& e = n->next_edges()[i];
+          if (e.node == nullptr) continue;
+          auto it = buffers.find(e.node.get());
+          if (it == buffers.end() || static_cast<size_t>(e.input_nr) >= it->second.size()) continue;
+          const Value& slot = it->second[static_cast<size_t>(e.input_nr)];
+          if (!slot.defined() || slot.is_dtensor()) continue;
+          const auto& storage = slot.local().storage();
+          if (storage != nullptr && storage.use_count() == 1) pending[i] = &slot.local();
+        }
+      }
+      if (std::any_of(pending.begin(), pending.end(), [](const Tensor* t) { return t != nullptr; })) {
+        DT_ASSIGN_OR_RETURN(in_grads, n->ApplyInto(std::move(grads), pending));
+      } else {
+        DT_ASSIGN_OR_RETURN(in_grads, n->Apply(std::move(grads)));
+      }
       if (!retain_graph) n->ReleaseSaved();
     }
     std::vector<Edge>& next = n->next_edges();

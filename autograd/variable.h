@@ -93,6 +93,18 @@ class Node {
   // Gradients of the inputs (one per next edge; undefined Values where none) from those of
   // the outputs (one per output; undefined where no gradient arrived).
   virtual absl::StatusOr<std::vector<Value>> Apply(std::vector<Value> grad_outputs) = 0;
+  // Apply, where the pass offers, per input, the gradient already waiting for it (`pending[i]`:
+  // the sum of what other nodes delivered for the same input, a plain Tensor that nothing but
+  // the pass holds; null where there is none or it is shared). A node may add its gradient of
+  // input i into *pending[i] in place and return an undefined Value for i instead of a tensor
+  // the pass would add: a tied embedding adds its few rows into the head's [V, C] gradient
+  // rather than returning a [V, C] of zeros to be added. Only nodes that say so are offered.
+  virtual bool AddsIntoPending() const { return false; }
+  virtual absl::StatusOr<std::vector<Value>> ApplyInto(std::vector<Value> grad_outputs,
+                                                       absl::Span<const Tensor* const> pending) {
+    (void)pending;
+    return Apply(std::move(grad_outputs));
+  }
   // Frees saved tensors after the node ran.
   virtual void ReleaseSaved() {}
 
@@ -120,12 +132,25 @@ class Node {
 class FunctionNode : public Node {
  public:
   using Fn = std::function<absl::StatusOr<std::vector<Value>>(std::vector<Value>& grad_outputs)>;
+  // The backward as Node::ApplyInto (pending: one entry per input, null where none is offered).
+  using IntoFn = std::function<absl::StatusOr<std::vector<Value>>(std::vector<Value>& grad_outputs,
+                                                                  absl::Span<const Tensor* const> pending)>;
   FunctionNode(const char* name, int num_outputs, Fn fn) : Node(name, num_outputs), fn_(std::move(fn)) {}
   absl::StatusOr<std::vector<Value>> Apply(std::vector<Value> grad_outputs) override;
-  void ReleaseSaved() override { fn_ = nullptr; }
+  // Gives the node a backward that may add into pending gradients (Node::ApplyInto); Apply
+  // still runs `fn` where the pass offers none.
+  void set_into(IntoFn into) { into_ = std::move(into); }
+  bool AddsIntoPending() const override { return into_ != nullptr; }
+  absl::StatusOr<std::vector<Value>> ApplyInto(std::vector<Value> grad_outputs,
+                                               absl::Span<const Tensor* const> pending) override;
+  void ReleaseSaved() override {
+    fn_ = nullptr;
+    into_ = nullptr;
+  }
 
  private:
   Fn fn_;
+  IntoFn into_;
 };
 
 // Whether ops record nodes on this thread.

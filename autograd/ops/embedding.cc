@@ -137,12 +137,33 @@ absl::StatusOr<Value> EmbeddingBackward(const Value& dout, const Value& ids, int
 absl::StatusOr<Variable> Embedding(const Variable& weight, const Variable& ids) {
   DT_ASSIGN_OR_RETURN(Value y, fn::Embedding(weight.value(), ids.value()));
   if (!AnyRequiresGrad({weight, ids})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
-  return op_util::Result1(
-      "Embedding", {weight, ids}, std::move(y),
-      [idv = ids.value(), vocab = weight.value().shape()[0]](const Value& g) -> absl::StatusOr<std::vector<Value>> {
-        DT_ASSIGN_OR_RETURN(Value dw, fn::EmbeddingBackward(g, idv, vocab));
-        return std::vector<Value>{dw, Value()};
-      });
+  const int64_t vocab = weight.value().shape()[0];
+  auto dense = [idv = ids.value(), vocab](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+    DT_ASSIGN_OR_RETURN(Value dw, fn::EmbeddingBackward(g, idv, vocab));
+    return std::vector<Value>{dw, Value()};
+  };
+  Variable out = op_util::Result1("Embedding", {weight, ids}, std::move(y), dense);
+  // Where the table's gradient already waits for it (a tied table: the head's [V, C] gradient
+  // arrives first), the rows are added into that one in place: no [V, C] of zeros to scatter into
+  // and add (on GPT-2 124M's CPU step ~25 ms of 1.28 s). Plain tensors only; a distributed table
+  // keeps its rules. The sum is the same up to the order of additions (dw + (r1 + r2) becomes
+  // (dw + r1) + r2 where an id repeats).
+  if (auto* node = dynamic_cast<FunctionNode*>(out.grad_fn().get()); node != nullptr) {
+    node->set_into(
+        [idv = ids.value(), vocab, dense](
+            std::vector<Value>& g, absl::Span<const Tensor* const> pending) -> absl::StatusOr<std::vector<Value>> {
+          const Tensor* into = pending.empty() ? nullptr : pending[0];
+          const Value& dout = g[0];
+          if (into != nullptr && dout.defined() && !dout.is_dtensor() && !idv.is_dtensor() && dout.dim() >= 1 &&
+              into->dim() == 2 && into->size(0) == vocab && into->size(1) == dout.shape().back() &&
+              into->dtype() == dout.dtype() && into->device() == dout.device() && into->is_contiguous()) {
+            DT_RETURN_IF_ERROR(EmbeddingBackward_(*into, dout.local(), idv.local()));
+            return std::vector<Value>{Value(), Value()};
+          }
+          return dense(dout);
+        });
+  }
+  return out;
 }
 
 namespace op_defs {

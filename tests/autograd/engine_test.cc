@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "dtensor/tensor/allocator.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/autograd/autograd_test_util.h"
@@ -543,6 +544,95 @@ TEST(Engine, AFailingBackwardCallbackStopsThePass) {
   const absl::Status s = Backward(Unwrap(Sum(y)));
   EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
   EXPECT_EQ(s.message(), "callback failed");
+}
+
+// ---- Adding into a pending gradient (Node::ApplyInto) ----
+
+// Two nodes feed x: "late" (recorded second, so it runs first) delivers gA; "early" has an into
+// backward. The pass offers it gA only where the pass alone holds gA; where the test keeps a copy
+// of gA, the dense backward runs and gA keeps its values.
+TEST(Engine, PendingGradientsAreOfferedOnlyWhereOnlyThePassHoldsThem) {
+  for (const bool share : {false, true}) {
+    SCOPED_TRACE(share ? "gA shared with the test" : "gA held by the pass alone");
+    const Tensor xv = Rand({2, 3}, 41), ga_values = Rand({2, 3}, 42), gb = Rand({2, 3}, 43);
+    Variable x = Variable::Leaf(xv, true, "x");
+    Tensor held;  // the test's copy of gA when shared
+    int offered = 0, dense = 0;
+    Variable early = Record("Early", {x}, {Value(Unwrap(Clone(xv)))}, [&](std::vector<Value>&) {
+      ++dense;
+      return absl::StatusOr<std::vector<Value>>(std::vector<Value>{Value(gb)});
+    })[0];
+    auto* node = dynamic_cast<FunctionNode*>(early.grad_fn().get());
+    ASSERT_NE(node, nullptr);
+    node->set_into(
+        [&](std::vector<Value>&, absl::Span<const Tensor* const> pending) -> absl::StatusOr<std::vector<Value>> {
+          EXPECT_EQ(pending.size(), 1u);
+          if (pending.empty() || pending[0] == nullptr) {
+            ++dense;
+            return std::vector<Value>{Value(gb)};
+          }
+          ++offered;
+          DT_RETURN_IF_ERROR(Add_(*pending[0], gb));
+          return std::vector<Value>{Value()};
+        });
+    Variable late = Record("Late", {x}, {Value(Unwrap(Clone(xv)))}, [&](std::vector<Value>&) {
+      Tensor ga = Unwrap(Clone(ga_values));
+      if (share) held = ga;
+      return absl::StatusOr<std::vector<Value>>(std::vector<Value>{Value(ga)});
+    })[0];
+    ASSERT_TRUE(Backward({early, late}, {Value(Rand({2, 3}, 44)), Value(Rand({2, 3}, 45))}).ok());
+    EXPECT_EQ(offered, share ? 0 : 1);
+    EXPECT_EQ(dense, share ? 1 : 0);
+    std::vector<double> want = Values(ga_values);
+    const std::vector<double> b = Values(gb);
+    for (size_t i = 0; i < want.size(); ++i) want[i] += b[i];
+    ExpectValues(x.grad(), testing::FromDoubles(want, {2, 3}, DType::kFloat32), "x.grad = gA + gB");
+    if (share) {
+      EXPECT_EQ(Values(held), Values(ga_values)) << "the shared gA was written";
+    }
+  }
+}
+
+// A table used twice, as GPT-2 ties its embedding and its head: logits = E W^T with E = W[ids],
+// loss = sum(logits * R). Against float64 loops: d/dW[v] = sum_p R[p, v] E[p] (the head) plus,
+// at each row ids[p], sum_v R[p, v] W[v] (the lookup), with ids repeating. The lookup adds its
+// rows into the head's gradient: the backward pass holds one [V, C] gradient at a time, not a
+// [V, C] of zeros and a sum beside it. A second pass accumulates into the table's gradient.
+TEST(Engine, TiedEmbeddingAddsItsRowsIntoTheHeadsGradient) {
+  constexpr int64_t V = 4096, C = 64;
+  const std::vector<int64_t> ids = {3, 17, 3, 4095, 0, 17, 3};
+  const int64_t P = static_cast<int64_t>(ids.size());
+  const Tensor wv = Rand({V, C}, 51), rv = Rand({P, V}, 52);
+  const std::vector<double> w = Values(wv), r = Values(rv);
+  std::vector<double> want(static_cast<size_t>(V * C), 0.0);
+  for (int64_t p = 0; p < P; ++p) {
+    for (int64_t v = 0; v < V; ++v) {
+      for (int64_t c = 0; c < C; ++c) {
+        const double rpv = r[static_cast<size_t>(p * V + v)];
+        want[static_cast<size_t>(v * C + c)] += rpv * w[static_cast<size_t>(ids[static_cast<size_t>(p)] * C + c)];
+        want[static_cast<size_t>(ids[static_cast<size_t>(p)] * C + c)] += rpv * w[static_cast<size_t>(v * C + c)];
+      }
+    }
+  }
+  Variable table = Variable::Leaf(wv, true, "table");
+  Variable idv = Variable::Constant(Unwrap(Tensor::FromVector<int64_t>(ids, {P})));
+  Variable e = Unwrap(Embedding(table, idv));                           // [P, C]
+  Variable logits = Unwrap(Matmul(e, table, false, /*trans_b=*/true));  // [P, V]
+  Variable loss = Unwrap(Sum(Unwrap(Mul(logits, Variable::Constant(rv)))));
+  Allocator& alloc = DefaultAllocator(Device::Cpu());
+  const int64_t table_bytes = V * C * 4;
+  const int64_t before = alloc.Stats().bytes_in_use;
+  alloc.ResetPeakStats();
+  // Each element sums ~2 x 4096 float32 products of up to ~20 in magnitude.
+  constexpr testing::Tolerance kSums = {1e-4, 3e-4};
+  ASSERT_TRUE(Backward(loss, /*retain_graph=*/true).ok());
+  // The table's gradient, the logits' gradient [P, V] and small ones; the dense path would hold
+  // two more [V, C] (the zeros scattered into, and the sum).
+  EXPECT_LT(alloc.Stats().peak_bytes_in_use - before, table_bytes + table_bytes / 2);
+  agtest::ExpectClose(table.grad(), testing::FromDoubles(want, {V, C}, DType::kFloat32), "d/dtable, one pass", kSums);
+  ASSERT_TRUE(Backward(loss).ok());
+  for (double& x : want) x *= 2;
+  agtest::ExpectClose(table.grad(), testing::FromDoubles(want, {V, C}, DType::kFloat32), "d/dtable, two passes", kSums);
 }
 
 }  // namespace
