@@ -42,8 +42,8 @@ absl::StatusOr<Value> GradInParamLayout(const Variable& p) {
   return Value(r);
 }
 
-absl::StatusOr<Tensor> LocalGrad(Variable& p) {
-  DT_ASSIGN_OR_RETURN(Value g, GradInParamLayout(p));
+// `g`: p's gradient in p's layout (GradInParamLayout), checked against p's local shape.
+absl::StatusOr<Tensor> LocalGrad(const Variable& p, const Value& g) {
   if (g.local().shape() != p.value().local().shape()) {
     return absl::InvalidArgumentError(absl::StrCat("[Optimizer] gradient of ", p.name(), " has local shape ",
                                                    ShapeString(g.local().shape()), ", the parameter ",
@@ -120,26 +120,18 @@ absl::Status ReduceGradients(const std::vector<Variable*>& params, int64_t bucke
   return flush();
 }
 
-namespace {
+namespace internal {
 
 // The gradients' sums of squares, ready to add up: float32 [k] tensors, one per device for
 // parameters every rank holds whole, and one per group of ranks that share parameters' shards
 // (the communicator of their sharded mesh dims), all-reduced over that group. Groups are
 // taken in the order the parameters first name them, the same on every rank (so are their
 // all-reduces). Each parameter's sum stays on its device: no host synchronisation here.
-absl::StatusOr<std::vector<Tensor>> SquareSums(const std::vector<Variable*>& params) {
-  struct Group {
-    Communicator* comm = nullptr;    // owned by the mesh, which the parameter keeps alive
-    std::vector<Tensor> sums;        // float32 [1] per parameter, on the parameter's device
-    CommCounter* counter = nullptr;  // the mesh's, if any: the all_reduce is recorded there
-  };
-  std::vector<Group> groups;
-  std::map<std::pair<int, int>, std::vector<Tensor>> plain;  // plain Tensors, by device
-  for (Variable* p : params) {
-    if (!p->grad().defined()) continue;
-    DT_ASSIGN_OR_RETURN(Value g, GradInParamLayout(*p));
-    if (p->grad().is_dtensor() && p->grad().dtensor().layout().has_partial()) p->set_grad(g);
-    DT_ASSIGN_OR_RETURN(Tensor s, SumOfSquares(g.local()));  // float32 [1]
+class SquareSums {
+ public:
+  // `sum`: the float32 [1] (on g's device) that holds, or will hold by Finish(), the sum of
+  // squares of g, a gradient in its parameter's layout.
+  absl::Status Add(const Value& g, Tensor sum) {
     std::vector<int> dims;
     if (g.is_dtensor()) {
       const DTensor& d = g.dtensor();
@@ -148,42 +140,96 @@ absl::StatusOr<std::vector<Tensor>> SquareSums(const std::vector<Variable*>& par
       }
     }
     if (dims.empty()) {  // every rank holds all of it: a local sum
-      const Device dev = s.device();
-      plain[{static_cast<int>(dev.type), dev.index}].push_back(std::move(s));
-      continue;
+      const Device dev = sum.device();
+      plain_[{static_cast<int>(dev.type), dev.index}].push_back(std::move(sum));
+      return absl::OkStatus();
     }
     DT_ASSIGN_OR_RETURN(Communicator * comm, g.dtensor().mesh().comm(dims));
-    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& grp) { return grp.comm == comm; });
-    if (it == groups.end()) it = groups.insert(groups.end(), Group{comm, {}, CommCounterOf(g.dtensor().mesh())});
-    it->sums.push_back(std::move(s));
+    auto it = std::find_if(groups_.begin(), groups_.end(), [&](const Group& grp) { return grp.comm == comm; });
+    if (it == groups_.end()) it = groups_.insert(groups_.end(), Group{comm, {}, CommCounterOf(g.dtensor().mesh())});
+    it->sums.push_back(std::move(sum));
+    return absl::OkStatus();
   }
-  std::vector<Tensor> out;
-  for (auto& [device, sums] : plain) {
-    DT_ASSIGN_OR_RETURN(Tensor all, Cat(sums, 0));
-    out.push_back(std::move(all));
+
+  // The sums per device and group (the groups' all-reduced).
+  absl::StatusOr<std::vector<Tensor>> Finish() {
+    std::vector<Tensor> out;
+    for (auto& [device, sums] : plain_) {
+      DT_ASSIGN_OR_RETURN(Tensor all, Cat(sums, 0));
+      out.push_back(std::move(all));
+    }
+    for (Group& grp : groups_) {  // the sharded pieces' sums, added over their groups
+      DT_ASSIGN_OR_RETURN(Tensor all, Cat(grp.sums, 0));
+      DT_ASSIGN_OR_RETURN(all, To(all, grp.comm->device()));
+      DT_RETURN_IF_ERROR(grp.comm->AllReduce(all, all, CommReduceOp::kSum));
+      if (grp.counter != nullptr) grp.counter->Record(CommKind::kAllReduce, static_cast<int64_t>(all.nbytes()));
+      out.push_back(std::move(all));
+    }
+    return out;
   }
-  for (Group& grp : groups) {  // the sharded pieces' sums, added over their groups
-    DT_ASSIGN_OR_RETURN(Tensor all, Cat(grp.sums, 0));
-    DT_ASSIGN_OR_RETURN(all, To(all, grp.comm->device()));
-    DT_RETURN_IF_ERROR(grp.comm->AllReduce(all, all, CommReduceOp::kSum));
-    if (grp.counter != nullptr) grp.counter->Record(CommKind::kAllReduce, static_cast<int64_t>(all.nbytes()));
-    out.push_back(std::move(all));
+
+ private:
+  struct Group {
+    Communicator* comm = nullptr;    // owned by the mesh, which the parameter keeps alive
+    std::vector<Tensor> sums;        // float32 [1] per parameter, on the parameter's device
+    CommCounter* counter = nullptr;  // the mesh's, if any: the all_reduce is recorded there
+  };
+  std::vector<Group> groups_;
+  std::map<std::pair<int, int>, std::vector<Tensor>> plain_;  // plain Tensors, by device
+};
+
+}  // namespace internal
+
+using internal::SquareSums;
+
+namespace {
+
+absl::StatusOr<std::vector<Tensor>> GradSquareSums(const std::vector<Variable*>& params) {
+  SquareSums sums;
+  for (Variable* p : params) {
+    if (!p->grad().defined()) continue;
+    DT_ASSIGN_OR_RETURN(Value g, GradInParamLayout(*p));
+    if (p->grad().is_dtensor() && p->grad().dtensor().layout().has_partial()) p->set_grad(g);
+    DT_ASSIGN_OR_RETURN(Tensor s, SumOfSquares(g.local()));  // float32 [1]
+    DT_RETURN_IF_ERROR(sums.Add(g, std::move(s)));
   }
-  return out;
+  return sums.Finish();
 }
 
-}  // namespace
-
-absl::StatusOr<double> ClipGradNorm(const std::vector<Variable*>& params, double max_norm) {
-  // The sums read at once per device or group (one host sync each, not one per parameter: on a
-  // GPU that is the difference between ~9 ms and ~1 ms), added in float64 on the host.
-  DT_ASSIGN_OR_RETURN(std::vector<Tensor> sums, SquareSums(params));
+// The norm from the sums: read at once per device or group (one host sync each, not one per
+// parameter: on a GPU that is the difference between ~9 ms and ~1 ms), added in float64 on the
+// host.
+absl::StatusOr<double> NormOnHost(const std::vector<Tensor>& sums) {
   double total = 0;
   for (const Tensor& t : sums) {
     DT_ASSIGN_OR_RETURN(std::vector<double> v, ToDoubleVector(t));
     for (double x : v) total += x;
   }
-  const double norm = std::sqrt(total);
+  return std::sqrt(total);
+}
+
+// The norm from the sums as a float32 [1] on their device (added in float32 there).
+absl::StatusOr<Tensor> NormOnDevice(const std::vector<Tensor>& sums, const char* op) {
+  if (sums.empty()) return Zeros({1}, DType::kFloat32);
+  const Device device = sums[0].device();
+  DT_ASSIGN_OR_RETURN(Tensor total, Zeros({1}, DType::kFloat32, device));
+  for (const Tensor& t : sums) {
+    if (t.device() != device) {
+      return absl::InvalidArgumentError(absl::StrCat("[", op, "] gradients on ", device.ToString(), " and ",
+                                                     t.device().ToString(),
+                                                     ": one device only (ClipGradNorm takes several)"));
+    }
+    DT_ASSIGN_OR_RETURN(Tensor s, Sum(t, {0}, /*keepdim=*/true));
+    DT_RETURN_IF_ERROR(Add_(total, s));
+  }
+  return Sqrt(total);
+}
+
+}  // namespace
+
+absl::StatusOr<double> ClipGradNorm(const std::vector<Variable*>& params, double max_norm) {
+  DT_ASSIGN_OR_RETURN(std::vector<Tensor> sums, GradSquareSums(params));
+  DT_ASSIGN_OR_RETURN(const double norm, NormOnHost(sums));
   if (max_norm > 0 && norm > max_norm) {
     const double scale = max_norm / (norm + 1e-6);
     for (Variable* p : params) {
@@ -194,20 +240,8 @@ absl::StatusOr<double> ClipGradNorm(const std::vector<Variable*>& params, double
 }
 
 absl::StatusOr<Tensor> ClipGradNormAsync(const std::vector<Variable*>& params, double max_norm) {
-  DT_ASSIGN_OR_RETURN(std::vector<Tensor> sums, SquareSums(params));
-  if (sums.empty()) return Zeros({1}, DType::kFloat32);
-  const Device device = sums[0].device();
-  DT_ASSIGN_OR_RETURN(Tensor total, Zeros({1}, DType::kFloat32, device));
-  for (const Tensor& t : sums) {
-    if (t.device() != device) {
-      return absl::InvalidArgumentError(absl::StrCat("[ClipGradNormAsync] gradients on ", device.ToString(), " and ",
-                                                     t.device().ToString(),
-                                                     ": one device only (ClipGradNorm takes several)"));
-    }
-    DT_ASSIGN_OR_RETURN(Tensor s, Sum(t, {0}, /*keepdim=*/true));
-    DT_RETURN_IF_ERROR(Add_(total, s));
-  }
-  DT_ASSIGN_OR_RETURN(Tensor norm, Sqrt(total));
+  DT_ASSIGN_OR_RETURN(std::vector<Tensor> sums, GradSquareSums(params));
+  DT_ASSIGN_OR_RETURN(Tensor norm, NormOnDevice(sums, "ClipGradNormAsync"));
   if (max_norm <= 0) return norm;
   // torch.nn.utils.clip_grad_norm_: every gradient times min(1, max_norm / (norm + 1e-6)).
   DT_ASSIGN_OR_RETURN(Tensor coef, AddScalar(norm, 1e-6));
@@ -255,9 +289,26 @@ absl::Status AdamW::set_steps(int64_t step_count, const std::vector<int64_t>& pa
   return absl::OkStatus();
 }
 
-absl::Status AdamW::Step() {
+absl::Status AdamW::Step() { return StepImpl(nullptr); }
+
+absl::StatusOr<double> AdamW::StepWithGradNorm() {
+  DT_ASSIGN_OR_RETURN(std::vector<Tensor> sums, StepWithSquareSums());
+  return NormOnHost(sums);
+}
+
+absl::StatusOr<Tensor> AdamW::StepWithGradNormAsync() {
+  DT_ASSIGN_OR_RETURN(std::vector<Tensor> sums, StepWithSquareSums());
+  return NormOnDevice(sums, "StepWithGradNormAsync");
+}
+
+absl::StatusOr<std::vector<Tensor>> AdamW::StepWithSquareSums() {
+  SquareSums sums;
+  DT_RETURN_IF_ERROR(StepImpl(&sums));
+  return sums.Finish();
+}
+
+absl::Status AdamW::StepImpl(SquareSums* sums) {
   DT_RETURN_IF_ERROR(InitState());
-  ++step_;
   AdamWParams hp;
   hp.lr = static_cast<float>(options_.lr);
   hp.beta1 = static_cast<float>(options_.beta1);
@@ -268,16 +319,25 @@ absl::Status AdamW::Step() {
   // Every parameter with a gradient, updated together (one multi-tensor kernel per 64
   // parameters on CUDA). Bias correction counts this parameter's own updates (as PyTorch's
   // state['step']): one that first gets a gradient at step 5 takes a first step of full size.
+  // With `sums`, each gradient's sum of squares comes out of the update's pass (the CPU) in the
+  // order ClipGradNorm takes them, so the norm is the same.
   std::vector<AdamWTensors> list;
   std::vector<size_t> updated;
   for (size_t i = 0; i < params_.size(); ++i) {
     Variable* p = params_[i];
     if (!p->grad().defined()) continue;
-    DT_ASSIGN_OR_RETURN(Tensor g, LocalGrad(*p));
-    list.push_back({.param = p->value().local(), .grad = g, .m = m_[i], .v = v_[i], .step = steps_[i] + 1});
+    DT_ASSIGN_OR_RETURN(Value gv, GradInParamLayout(*p));
+    DT_ASSIGN_OR_RETURN(Tensor g, LocalGrad(*p, gv));
+    AdamWTensors t{.param = p->value().local(), .grad = g, .m = m_[i], .v = v_[i], .step = steps_[i] + 1};
+    if (sums != nullptr) {
+      DT_ASSIGN_OR_RETURN(t.grad_square_sum, Tensor::Empty({1}, DType::kFloat32, g.device()));
+      DT_RETURN_IF_ERROR(sums->Add(gv, t.grad_square_sum));
+    }
+    list.push_back(std::move(t));
     updated.push_back(i);
   }
   DT_RETURN_IF_ERROR(AdamWStepMulti_(list, hp));
+  ++step_;
   for (size_t i : updated) ++steps_[i];
   return absl::OkStatus();
 }
@@ -300,7 +360,8 @@ absl::Status SGD::Step() {
   for (size_t i = 0; i < params_.size(); ++i) {
     Variable* p = params_[i];
     if (!p->grad().defined()) continue;
-    DT_ASSIGN_OR_RETURN(Tensor g, LocalGrad(*p));
+    DT_ASSIGN_OR_RETURN(Value gv, GradInParamLayout(*p));
+    DT_ASSIGN_OR_RETURN(Tensor g, LocalGrad(*p, gv));
     const Tensor& w = p->value().local();
     if (options_.weight_decay != 0) {
       DT_ASSIGN_OR_RETURN(Tensor wd, Scale(w, options_.weight_decay));

@@ -50,11 +50,22 @@ struct AdamWOptions {
   double weight_decay = 0.01;
 };
 
+namespace internal {
+class SquareSums;
+}  // namespace internal
+
 // torch.optim.AdamW: decoupled weight decay (p -= lr * wd * p), bias-corrected moments.
 class AdamW {
  public:
   AdamW(std::vector<Variable*> params, const AdamWOptions& options);
   absl::Status Step();
+  // Step, returning the gradients' global L2 norm before it: the value ClipGradNorm(params, 0)
+  // returns, with the same all_reduces, but read in the update's own pass over the gradients
+  // where the backend can (the CPU: one read of every gradient less per step) rather than in a
+  // pass of its own. For training without clipping (clipping needs the norm before the update).
+  absl::StatusOr<double> StepWithGradNorm();
+  // The same as ClipGradNormAsync(params, 0) gives it: a float32 [1] on the gradients' device.
+  absl::StatusOr<Tensor> StepWithGradNormAsync();
   void ZeroGrad();  // drops the gradients (set_to_none)
   void set_lr(double lr) { options_.lr = lr; }
   double lr() const { return options_.lr; }
@@ -74,6 +85,9 @@ class AdamW {
   absl::Status set_steps(int64_t step_count, const std::vector<int64_t>& param_steps);
 
  private:
+  absl::Status StepImpl(internal::SquareSums* sums);
+  absl::StatusOr<std::vector<Tensor>> StepWithSquareSums();
+
   std::vector<Variable*> params_;
   AdamWOptions options_;
   std::vector<Tensor> m_, v_;   // local pieces, created on the first step

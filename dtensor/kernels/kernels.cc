@@ -106,6 +106,10 @@ absl::Status Kernels::LayerNormBackwardAdd(const Tensor& dy, const Tensor& x, co
 
 absl::Status Kernels::AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) {
   for (const AdamWTensors& t : list) {
+    if (t.grad_square_sum.defined()) {
+      absl::Status s = SumOfSquares(t.grad, t.grad_square_sum);
+      if (!s.ok()) return s;
+    }
     AdamWParams one = p;
     one.step = t.step;
     absl::Status s = AdamW(t.param, t.grad, t.m, t.v, one);

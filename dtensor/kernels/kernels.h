@@ -56,6 +56,10 @@ struct AdamWParams {
 struct AdamWTensors {
   Tensor param, grad, m, v;
   int64_t step = 1;
+  // Optional: a float32 [1] on grad's device that receives SumOfSquares(grad), the value
+  // Kernels::SumOfSquares gives, read in the update's own pass where the backend can (the CPU):
+  // the gradient norm without a pass of its own (nn::AdamW::StepWithGradNorm).
+  Tensor grad_square_sum = Tensor();
 };
 
 class Kernels {
@@ -98,8 +102,8 @@ class Kernels {
                               const Tensor& out) = 0;
   // out (float32, one element) = the sum of the squares of x's elements (x contiguous, a float
   // dtype; 0 when empty): a gradient norm's piece. This default squares into a float32
-  // temporary of x's size (Copy, Binary) and sums it (Reduce); the CPU reads x once and
-  // accumulates the squares in float64.
+  // temporary of x's size (Copy, Binary) and sums it (Reduce); the CPU and CUDA read x once
+  // and accumulate the squares in float64 (CUDA: in a fixed order, the same bits every call).
   virtual absl::Status SumOfSquares(const Tensor& x, const Tensor& out);
 
   // ---- Softmax over the last dim ----
@@ -231,7 +235,8 @@ class Kernels {
   virtual absl::Status AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                              const AdamWParams& p) = 0;
   // AdamW on every entry of `list` (each with its own step; p.step is not used), with AdamW's
-  // contract per entry and the same results. This default calls AdamW once per entry; CUDA
+  // contract per entry and the same results, and SumOfSquares(grad) into the entries'
+  // grad_square_sum where defined. This default calls SumOfSquares, then AdamW, once per entry; CUDA
   // updates many parameters per kernel launch.
   virtual absl::Status AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p);
 

@@ -1451,9 +1451,23 @@ absl::Status AdamWStepMulti_(absl::Span<const AdamWTensors> list, const AdamWPar
   for (size_t i = 0; i < list.size(); ++i) {
     AdamWParams one = p;
     one.step = list[i].step;
-    const absl::Status s = CheckAdamW(op, list[i].param, list[i].grad, list[i].m, list[i].v, one);
+    absl::Status s = CheckAdamW(op, list[i].param, list[i].grad, list[i].m, list[i].v, one);
+    const Tensor& sq = list[i].grad_square_sum;
+    if (s.ok() && sq.defined()) {
+      s = CheckSameDevice(op, list[i].grad, sq);
+      if (s.ok() && (sq.dtype() != DType::kFloat32 || sq.numel() != 1)) {
+        s = InvalidArg(op, "grad_square_sum must be a float32 of one element, got ", DTypeName(sq.dtype()), " ",
+                       ShapeString(sq.shape()));
+      }
+    }
     if (!s.ok()) return absl::Status(s.code(), absl::StrCat(s.message(), " (entry ", i, " of ", list.size(), ")"));
-    if (list[i].param.numel() > 0) todo.push_back(list[i]);
+  }
+  for (const AdamWTensors& t : list) {
+    if (t.param.numel() > 0) {
+      todo.push_back(t);
+    } else if (t.grad_square_sum.defined()) {
+      DT_RETURN_IF_ERROR(Fill_(t.grad_square_sum, 0.0));  // an empty gradient's sum
+    }
   }
   // One backend call per device, in the order the devices first appear.
   std::vector<Device> devices;

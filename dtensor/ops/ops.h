@@ -107,8 +107,8 @@ absl::StatusOr<Tensor> UnaryBackward(UnaryOp op, const Tensor& dy, const Tensor&
 // ---- Reductions over `dims` (empty = all dims; negative dims allowed) ----
 absl::StatusOr<Tensor> Sum(const Tensor& x, IntSpan dims = {}, bool keepdim = false);
 // The sum of the squares of all of x's elements (a float dtype), float32 [1]: what
-// Sum(Mul(x, x)) gives, without the temporary of x's size on the CPU (squares summed in
-// float64 there, so the low bits can differ).
+// Sum(Mul(x, x)) gives, without the temporary of x's size (CPU and CUDA sum the squares in
+// float64 in a fixed order, so the low bits can differ from Sum's, and not between calls).
 absl::StatusOr<Tensor> SumOfSquares(const Tensor& x);
 absl::StatusOr<Tensor> Mean(const Tensor& x, IntSpan dims = {}, bool keepdim = false);
 // Max/Min over an empty dim -> InvalidArgument.
@@ -241,8 +241,10 @@ absl::Status AdamWStep_(const Tensor& param, const Tensor& grad, const Tensor& m
                         const AdamWParams& p);
 // AdamWStep_ on every entry of `list`, each with its own step (p.step is not used): the same
 // checks and results, with the entries of one device updated by one backend call
-// (Kernels::AdamWMulti: on CUDA, one launch per 64 parameters of one dtype pair). An error
-// names the entry; nothing is updated when any entry is invalid.
+// (Kernels::AdamWMulti: on CUDA, one launch per 64 parameters of one dtype pair). An entry's
+// grad_square_sum, where defined (float32 [1] on grad's device), receives SumOfSquares(grad):
+// on the CPU read in the update's own pass, with the same bits. An error names the entry;
+// nothing is updated when any entry is invalid.
 absl::Status AdamWStepMulti_(absl::Span<const AdamWTensors> list, const AdamWParams& p);
 
 // Waits for the device work this thread issued (no-op on CPU).

@@ -780,17 +780,26 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     count(2);
     if (!fsdp) DT_RETURN_IF_ERROR(nn::ReduceGradients(params));  // DDP: -> Replicate, bucketed all_reduces
     // On a GPU the norm stays on the device until the loss is read: no host sync between
-    // backward and the update.
-    if (device.is_cuda()) {
-      DT_ASSIGN_OR_RETURN(rec.norm_on_device, nn::ClipGradNormAsync(params, f.grad_clip));
-    } else {
-      DT_ASSIGN_OR_RETURN(rec.norm, nn::ClipGradNorm(params, f.grad_clip));
-    }
+    // backward and the update. Without clipping the norm is only reported: the update reads it
+    // in its own pass over the gradients (the same value), where clipping needs it before.
     rec.lr = f.lr_schedule == "cosine"
                  ? nn::WarmupCosineLr(step, {.max_lr = f.lr, .min_lr = f.min_lr, .warmup = f.warmup, .total = f.steps})
                  : f.lr;
     opt.set_lr(rec.lr);
-    DT_RETURN_IF_ERROR(opt.Step());
+    if (f.grad_clip == 0) {
+      if (device.is_cuda()) {
+        DT_ASSIGN_OR_RETURN(rec.norm_on_device, opt.StepWithGradNormAsync());
+      } else {
+        DT_ASSIGN_OR_RETURN(rec.norm, opt.StepWithGradNorm());
+      }
+    } else {
+      if (device.is_cuda()) {
+        DT_ASSIGN_OR_RETURN(rec.norm_on_device, nn::ClipGradNormAsync(params, f.grad_clip));
+      } else {
+        DT_ASSIGN_OR_RETURN(rec.norm, nn::ClipGradNorm(params, f.grad_clip));
+      }
+      DT_RETURN_IF_ERROR(opt.Step());
+    }
     // Memory at rest (parameters, gradients, optimizer state on this rank), before the
     // gradients are dropped.
     for (Variable* p : params) {

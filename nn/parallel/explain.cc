@@ -441,7 +441,7 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
     std::vector<std::string> names;
     for (int m : dims) names.push_back(mesh.names()[static_cast<size_t>(m)]);
     w.Add(U, CommKind::kAllReduce, 1, n * static_cast<int64_t>(sizeof(float)),
-          absl::StrCat("ClipGradNorm: sums of squares of ", n, " parameters over ", absl::StrJoin(names, ", ")));
+          absl::StrCat("gradient norm: sums of squares of ", n, " parameters over ", absl::StrJoin(names, ", ")));
   }
   // The loss read-out: P over the data-parallel dims -> Replicate, per micro-batch.
   {

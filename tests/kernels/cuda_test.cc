@@ -221,19 +221,23 @@ TEST(CudaKernelsTest, NonBlockingCopyFromPinnedMemoryKeepsEachRoundsValues) {
   testing::ExpectNear(testing::Values(ToCpu(copied)), testing::Values(pageable), kExact, "pageable source");
 }
 
-// SumOfSquares on the GPU (the default kernel: squares in float32, then Reduce) against the
-// CPU's float64 sum, for every float dtype and sizes from one element to several million.
+// SumOfSquares on the GPU (float64 partial sums per block, then one block over them) against
+// the CPU's float64 sum, for every float dtype and sizes from none to several million (one
+// block, many, and the 1024-block cap); the same bits on a second call; an int refused.
 TEST(CudaKernelsTest, SumOfSquaresMatchesCpu) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
   for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-    for (int64_t n : {int64_t{1}, int64_t{70001}, int64_t{3000017}}) {
-      const Tensor host = HostRandom({n}, d, static_cast<uint64_t>(n));
+    for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{4097}, int64_t{70001}, int64_t{3000017}, int64_t{9000011}}) {
+      const Tensor host = HostRandom({n}, d, static_cast<uint64_t>(n) + 1);
       const double want = Vals(Unwrap(SumOfSquares(host)))[0];
-      const Tensor got = Unwrap(SumOfSquares(ToGpu(host)));
+      const Tensor gpu = ToGpu(host);
+      const Tensor got = Unwrap(SumOfSquares(gpu));
       EXPECT_EQ(got.dtype(), DType::kFloat32);
-      EXPECT_NEAR(Vals(got)[0], want, 1e-5 * want) << Name(d) << " n " << n;
+      EXPECT_NEAR(Vals(got)[0], want, 1e-6 * want) << Name(d) << " n " << n;
+      EXPECT_EQ(Vals(Unwrap(SumOfSquares(gpu)))[0], Vals(got)[0]) << Name(d) << " n " << n << ": a second call";
     }
   }
+  EXPECT_FALSE(SumOfSquares(ToGpu(Unwrap(Zeros({3}, DType::kInt32)))).ok());
 }
 
 TEST(CudaKernelsTest, CopyMatchesCpuBitForBitForEveryDTypePair) {
@@ -458,6 +462,8 @@ TEST(CudaKernelsTest, AdamWMultiMatchesCpu) {
     const int64_t step = 1 + i % 5;
     cpu.push_back({params[i].cpu, grads[i].cpu, ms[i].cpu, vs[i].cpu, step});
     gpu.push_back({params[i].gpu, grads[i].gpu, ms[i].gpu, vs[i].gpu, step});
+    // Every third entry also sums its gradient's squares (nn::AdamW::StepWithGradNorm).
+    if (i % 3 == 0) gpu.back().grad_square_sum = Unwrap(Full({1}, -1.0, DType::kFloat32, Device::Cuda(0)));
   }
   AdamWParams hp;
   hp.lr = 1e-2f;
@@ -467,6 +473,10 @@ TEST(CudaKernelsTest, AdamWMultiMatchesCpu) {
   for (size_t i = 0; i < params.size(); ++i) {
     const std::string what = absl::StrCat("adamw multi entry ", i, " ", Name(params[i].cpu.dtype()), " [",
                                           params[i].cpu.numel(), "] step ", cpu[i].step);
+    if (gpu[i].grad_square_sum.defined()) {
+      const double want = Vals(Unwrap(SumOfSquares(grads[i].cpu)))[0];
+      EXPECT_NEAR(Vals(gpu[i].grad_square_sum)[0], want, 1e-6 * want) << what << " grad_square_sum";
+    }
     ExpectSame(params[i], testing::Tol(params[i].cpu.dtype()), what + " param");
     ExpectSame(ms[i], {1e-5, 1e-6}, what + " m");
     ExpectSame(vs[i], {1e-5, 1e-7}, what + " v");

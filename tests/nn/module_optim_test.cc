@@ -293,6 +293,94 @@ TEST(OptimTest, BucketedReductionAndGlobalNormOverRanks) {
   }
 }
 
+// AdamW::StepWithGradNorm(Async) against ClipGradNorm(Async)(params, 0) then Step() on a copy
+// of the model: the same norm, bit for bit, the same parameters after two steps, and the same
+// collectives; on one rank with plain tensors, and on 2 thread ranks with the parameters
+// Replicate (DDP) and Shard(0) (FSDP-like: the squares add up over the ranks). The norm is the
+// single-rank model's.
+TEST(OptimTest, StepWithGradNormIsClipGradNormThenStep) {
+  Tensor ids = Unwrap(Tensor::FromVector<int32_t>({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5}, {3, 6}));
+  Tensor tg = Unwrap(Tensor::FromVector<int32_t>({2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6}, {3, 6}));
+  auto ref = Unwrap(nn::GPT::Create(Tiny()));
+  ASSERT_TRUE(ref->InitWeights(5).ok());
+  ASSERT_TRUE(Backward(Unwrap(ref->Forward(Variable::Constant(ids), Variable::Constant(tg))).loss).ok());
+  const double ref_norm = Unwrap(nn::ClipGradNorm(ref->Parameters(), 0.0));
+  // One rank's pair of models; mesh undefined: plain tensors.
+  auto run = [&](const DeviceMesh* mesh, bool shard_params) {
+    std::unique_ptr<nn::GPT> m[2];
+    std::optional<nn::AdamW> opt[2];
+    for (int k = 0; k < 2; ++k) {
+      m[k] = Unwrap(nn::GPT::Create(Tiny()));
+      ASSERT_TRUE(m[k]->InitWeights(5).ok());
+      if (mesh != nullptr) {
+        ASSERT_TRUE(nn::DistributeModule(*m[k], *mesh, [&](const std::string&, const Variable& v) {
+                      return shard_params && v.value().dim() == 2 ? Layout({Shard(0)}) : Layout({Replicate()});
+                    }).ok());
+      }
+      opt[k].emplace(m[k]->Parameters(), nn::AdamWOptions{.lr = 0.01, .weight_decay = 0.1});
+    }
+    for (int step = 0; step < 2; ++step) {
+      double norm[2] = {0, 0};
+      int64_t reduces[2] = {0, 0};
+      for (int k = 0; k < 2; ++k) {
+        Variable x = Variable::Constant(ids), y = Variable::Constant(tg);
+        if (mesh != nullptr) {
+          x = Variable::Constant(Unwrap(DTensor::Distribute(ids, *mesh, {Shard(0)}, {.src_rank = std::nullopt})));
+          y = Variable::Constant(Unwrap(DTensor::Distribute(tg, *mesh, {Shard(0)}, {.src_rank = std::nullopt})));
+        }
+        ASSERT_TRUE(Backward(Unwrap(m[k]->Forward(x, y)).loss).ok());
+        if (mesh != nullptr) {
+          ASSERT_TRUE(nn::ReduceGradients(m[k]->Parameters()).ok());
+        }
+        CommCounter counter;
+        if (mesh != nullptr) SetCommCounter(*mesh, &counter);
+        if (step == 0) {
+          if (k == 0) {
+            norm[k] = Unwrap(nn::ClipGradNorm(m[k]->Parameters(), 0.0));
+            ASSERT_TRUE(opt[k]->Step().ok());
+          } else {
+            norm[k] = Unwrap(opt[k]->StepWithGradNorm());
+          }
+        } else {
+          if (k == 0) {
+            norm[k] = testing::Values(Unwrap(nn::ClipGradNormAsync(m[k]->Parameters(), 0.0)))[0];
+            ASSERT_TRUE(opt[k]->Step().ok());
+          } else {
+            norm[k] = testing::Values(Unwrap(opt[k]->StepWithGradNormAsync()))[0];
+          }
+        }
+        if (mesh != nullptr) SetCommCounter(*mesh, nullptr);
+        reduces[k] = counter.calls(CommKind::kAllReduce);
+        opt[k]->ZeroGrad();
+      }
+      EXPECT_EQ(norm[1], norm[0]) << "step " << step;
+      EXPECT_EQ(reduces[1], reduces[0]) << "step " << step;
+      EXPECT_EQ(reduces[1], shard_params ? 1 : 0) << "step " << step;
+      if (step == 0) {
+        EXPECT_NEAR(norm[1], ref_norm, 1e-5 * ref_norm);
+      }
+      const std::vector<Variable*> pa = m[0]->Parameters(), pb = m[1]->Parameters();
+      for (size_t i = 0; i < pa.size(); ++i) {
+        EXPECT_EQ(testing::Values(pb[i]->value().local()), testing::Values(pa[i]->value().local()))
+            << pa[i]->name() << ", step " << step;
+      }
+    }
+  };
+  run(nullptr, false);
+  for (bool shard_params : {false, true}) {
+    SCOPED_TRACE(shard_params ? "Shard(0)" : "Replicate");
+    auto comms = Unwrap(MakeThreadGroup(2, absl::Seconds(20)));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 2; ++r) {
+      threads.emplace_back([&, r] {
+        DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2}));
+        run(&mesh, shard_params);
+      });
+    }
+    for (auto& t : threads) t.join();
+  }
+}
+
 // AdamW's bias correction counts each parameter's own updates (PyTorch's state['step']): a
 // parameter whose first gradient comes at the second Step() moves by lr * g / |g| like any
 // first step (with the shared count it moved 0.744 of that).
@@ -336,6 +424,9 @@ TEST(OptimTest, GlobalNormOverParametersOnDifferentSubMeshes) {
       EXPECT_NEAR(norm, std::sqrt(34.0), 1e-6) << "rank " << r;
       // And the other order of the parameters.
       EXPECT_NEAR(Unwrap(nn::ClipGradNorm({&b, &a}, 0.0)), std::sqrt(34.0), 1e-6) << "rank " << r;
+      // And read in AdamW's own pass.
+      nn::AdamW opt({&a, &b}, {});
+      EXPECT_NEAR(Unwrap(opt.StepWithGradNorm()), std::sqrt(34.0), 1e-6) << "rank " << r;
     });
   }
   for (auto& t : threads) t.join();

@@ -1,5 +1,7 @@
 // Fused AdamW on the CPU backend against a float64 reference over several steps (PyTorch
 // semantics: decoupled weight decay first, bias-corrected moments).
+#include <omp.h>
+
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -201,6 +203,80 @@ TEST(CpuAdamWTest, MultiRefusesABadEntryAndUpdatesNothing) {
   const absl::Status z = AdamWStepMulti_(list, AdamWParams{});
   EXPECT_EQ(z.code(), absl::StatusCode::kInvalidArgument) << z;
   EXPECT_NE(z.message().find("step"), std::string::npos) << z;
+}
+
+// grad_square_sum: the gradient's sum of squares read in the update's own pass. The same bits
+// as SumOfSquares (and within float32 rounding of a float64 loop), on 1 thread as on all, and
+// the update itself unchanged, around and across the 64K-element chunks; an empty entry gets 0.
+TEST(CpuAdamWTest, MultiSumsTheGradientsSquaresInTheSamePass) {
+  struct Entry {
+    DType param, grad;
+    int64_t n;
+  };
+  const Entry entries[] = {{DType::kFloat32, DType::kFloat32, 7},      {DType::kFloat32, DType::kFloat32, 0},
+                           {DType::kFloat32, DType::kFloat32, 65536},  {DType::kFloat32, DType::kFloat32, 65537},
+                           {DType::kFloat32, DType::kFloat32, 200003}, {DType::kBFloat16, DType::kFloat32, 131075},
+                           {DType::kFloat16, DType::kFloat16, 70001},  {DType::kBFloat16, DType::kBFloat16, 9}};
+  AdamWParams hp;
+  hp.lr = 1e-2f;
+  hp.weight_decay = 0.1f;
+  const int threads = omp_get_max_threads();
+  for (const int nthreads : {threads, 1}) {
+    omp_set_num_threads(nthreads);
+    std::vector<AdamWTensors> fused, plain;
+    uint64_t seed = 100;
+    for (const Entry& e : entries) {
+      AdamWTensors a{.param = testing::Random({e.n}, e.param, seed++),
+                     .grad = testing::Random({e.n}, e.grad, seed++),
+                     .m = testing::Random({e.n}, DType::kFloat32, seed++, -0.1, 0.1),
+                     .v = testing::Random({e.n}, DType::kFloat32, seed++, 0.0, 0.01),
+                     .step = 3,
+                     .grad_square_sum = testing::Random({1}, DType::kFloat32, seed++)};
+      AdamWTensors b{.param = Unwrap(Clone(a.param)),
+                     .grad = a.grad,
+                     .m = Unwrap(Clone(a.m)),
+                     .v = Unwrap(Clone(a.v)),
+                     .step = 3,
+                     .grad_square_sum = Tensor()};
+      fused.push_back(a);
+      plain.push_back(b);
+    }
+    ASSERT_TRUE(AdamWStepMulti_(fused, hp).ok());
+    ASSERT_TRUE(AdamWStepMulti_(plain, hp).ok());
+    for (size_t i = 0; i < fused.size(); ++i) {
+      const std::string what = "entry " + std::to_string(i) + ", " + std::to_string(nthreads) + " thread(s)";
+      EXPECT_EQ(Values(fused[i].param), Values(plain[i].param)) << what;
+      EXPECT_EQ(Values(fused[i].m), Values(plain[i].m)) << what;
+      EXPECT_EQ(Values(fused[i].v), Values(plain[i].v)) << what;
+      const double got = Values(fused[i].grad_square_sum)[0];
+      EXPECT_EQ(got, Values(Unwrap(SumOfSquares(fused[i].grad)))[0]) << what;
+      double want = 0;
+      for (double g : Values(fused[i].grad)) want += g * g;
+      EXPECT_NEAR(got, want, 1e-6 * want) << what;
+      if (entries[i].n == 0) {
+        EXPECT_EQ(got, 0.0) << what;
+      }
+    }
+  }
+  omp_set_num_threads(threads);
+}
+
+TEST(CpuAdamWTest, MultiRefusesABadSquareSumAndUpdatesNothing) {
+  const Tensor p0 = testing::Random({4}, DType::kFloat32, 1);
+  const Tensor before = Unwrap(Clone(p0));
+  for (const Tensor& bad : {Unwrap(Zeros({1}, DType::kInt32)), Unwrap(Zeros({2}, DType::kFloat32))}) {
+    std::vector<AdamWTensors> list = {{.param = p0,
+                                       .grad = testing::Random({4}, DType::kFloat32, 2),
+                                       .m = Unwrap(Zeros({4}, DType::kFloat32)),
+                                       .v = Unwrap(Zeros({4}, DType::kFloat32)),
+                                       .step = 1,
+                                       .grad_square_sum = bad}};
+    const absl::Status s = AdamWStepMulti_(list, AdamWParams{});
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find("grad_square_sum"), std::string::npos) << s;
+    EXPECT_NE(s.message().find(ShapeString(bad.shape())), std::string::npos) << s;
+    EXPECT_EQ(Values(p0), Values(before));
+  }
 }
 
 }  // namespace

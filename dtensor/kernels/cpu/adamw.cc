@@ -2,10 +2,13 @@
 //   p -= lr * wd * p                       (decoupled weight decay, applied first)
 //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
 //   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
-// One pass over param, grad, m, v (memory bound), split over OpenMP threads.
+// One pass over param, grad, m, v (memory bound), split over OpenMP threads; AdamWMulti also
+// sums the squares of the gradients it reads where asked (the gradient norm, in the same pass).
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "dtensor/kernels/cpu/cpu_backend.h"
 #include "dtensor/kernels/cpu/cpu_internal.h"
@@ -28,43 +31,108 @@ inline float SqrtF(float x) {
   return y + 0.5f * r * (x - y * y);
 }
 
+// The step's constants.
+struct StepConsts {
+  float b1, b2, lr, eps, decay, inv_bc1, inv_bc2;
+  explicit StepConsts(const AdamWParams& hp)
+      : b1(hp.beta1),
+        b2(hp.beta2),
+        lr(hp.lr),
+        eps(hp.eps),
+        decay(1.0f - hp.lr * hp.weight_decay),
+        inv_bc1(
+            static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(hp.beta1), static_cast<double>(hp.step))))),
+        inv_bc2(
+            static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(hp.beta2), static_cast<double>(hp.step))))) {}
+};
+
 template <typename P, typename G>
-void Step(P* param, const G* grad, float* m, float* v, int64_t n, const AdamWParams& hp) {
-  const float b1 = hp.beta1, b2 = hp.beta2, lr = hp.lr, eps = hp.eps;
-  const float decay = 1.0f - hp.lr * hp.weight_decay;
-  const double t = static_cast<double>(hp.step);
-  const float inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b1), t)));
-  const float inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(b2), t)));
-#pragma omp parallel for schedule(static) if (n >= 2 * kParallelGrain)
-  for (int64_t i = 0; i < n; ++i) {
+inline void StepRange(P* param, const G* grad, float* m, float* v, int64_t begin, int64_t end, const StepConsts& k) {
+  for (int64_t i = begin; i < end; ++i) {
     const float g = ToFloat(grad[i]);
-    const float mi = b1 * m[i] + (1.0f - b1) * g;
-    const float vi = b2 * v[i] + (1.0f - b2) * g * g;
+    const float mi = k.b1 * m[i] + (1.0f - k.b1) * g;
+    const float vi = k.b2 * v[i] + (1.0f - k.b2) * g * g;
     m[i] = mi;
     v[i] = vi;
-    const float p = ToFloat(param[i]) * decay;
-    param[i] = FromFloat<P>(p - lr * (mi * inv_bc1) / (SqrtF(vi * inv_bc2) + eps));
+    const float p = ToFloat(param[i]) * k.decay;
+    param[i] = FromFloat<P>(p - k.lr * (mi * k.inv_bc1) / (SqrtF(vi * k.inv_bc2) + k.eps));
   }
+}
+
+template <typename P, typename G>
+void Step(P* param, const G* grad, float* m, float* v, int64_t n, const AdamWParams& hp) {
+  const StepConsts k(hp);
+  ParallelFor(n, kParallelGrain, [&](int64_t begin, int64_t end) { StepRange(param, grad, m, v, begin, end, k); });
+}
+
+// Step, and SumOfSquares(grad) into *square_sum: per chunk of kSquareChunk elements, its sum of
+// squares (SquareSumChunk: the same bits as SumOfSquares) then its update, while the chunk's
+// gradient is still in cache, so the gradient is read from memory once.
+template <typename P, typename G>
+void StepWithSquareSum(P* param, const G* grad, float* m, float* v, int64_t n, const AdamWParams& hp,
+                       float* square_sum) {
+  const StepConsts k(hp);
+  const int64_t chunks = (n + kSquareChunk - 1) / kSquareChunk;
+  std::vector<double> partial(static_cast<size_t>(chunks));
+  ParallelFor(chunks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t c = b; c < e; ++c) {
+      const int64_t begin = c * kSquareChunk, end = std::min(n, begin + kSquareChunk);
+      partial[static_cast<size_t>(c)] = SquareSumChunk(grad + begin, end - begin);
+      StepRange(param, grad, m, v, begin, end, k);
+    }
+  });
+  *square_sum = AddSquareSumChunks(partial);
+}
+
+}  // namespace
+
+namespace {
+
+// AdamW, and the sum of squares of grad into square_sum when it is defined.
+absl::Status AdamWOne(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWParams& p,
+                      const Tensor& square_sum) {
+  if (p.step < 1) return InvalidArg("AdamW", "step must be >= 1 (1-based), got ", p.step);
+  if (m.dtype() != DType::kFloat32 || v.dtype() != DType::kFloat32) {
+    return InvalidArg("AdamW", "m and v must be float32, got ", DTypeName(m.dtype()), " and ", DTypeName(v.dtype()));
+  }
+  if (square_sum.defined() && (square_sum.dtype() != DType::kFloat32 || square_sum.numel() != 1)) {
+    return InvalidArg("AdamW", "grad_square_sum must be a float32 of one element, got ", DTypeName(square_sum.dtype()),
+                      " ", ShapeString(square_sum.shape()));
+  }
+  const int64_t n = param.numel();
+  if (n == 0) {
+    if (square_sum.defined()) square_sum.data<float>()[0] = 0.0f;
+    return absl::OkStatus();
+  }
+  return DispatchFloat("AdamW", param.dtype(), [&](auto ptag) {
+    using P = decltype(ptag);
+    return DispatchFloat("AdamW", grad.dtype(), [&](auto gtag) {
+      using G = decltype(gtag);
+      if (square_sum.defined()) {
+        StepWithSquareSum(param.data<P>(), grad.data<G>(), m.data<float>(), v.data<float>(), n, p,
+                          square_sum.data<float>());
+      } else {
+        Step(param.data<P>(), grad.data<G>(), m.data<float>(), v.data<float>(), n, p);
+      }
+      return absl::OkStatus();
+    });
+  });
 }
 
 }  // namespace
 
 absl::Status CpuBackend::AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                                const AdamWParams& p) {
-  if (p.step < 1) return InvalidArg("AdamW", "step must be >= 1 (1-based), got ", p.step);
-  if (m.dtype() != DType::kFloat32 || v.dtype() != DType::kFloat32) {
-    return InvalidArg("AdamW", "m and v must be float32, got ", DTypeName(m.dtype()), " and ", DTypeName(v.dtype()));
+  return AdamWOne(param, grad, m, v, p, Tensor());
+}
+
+absl::Status CpuBackend::AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) {
+  for (const AdamWTensors& t : list) {
+    AdamWParams one = p;
+    one.step = t.step;
+    DT_RETURN_IF_ERROR(AdamWOne(t.param, t.grad, t.m, t.v, one, t.grad_square_sum));
   }
-  const int64_t n = param.numel();
-  if (n == 0) return absl::OkStatus();
-  return DispatchFloat("AdamW", param.dtype(), [&](auto ptag) {
-    using P = decltype(ptag);
-    return DispatchFloat("AdamW", grad.dtype(), [&](auto gtag) {
-      using G = decltype(gtag);
-      Step(param.data<P>(), grad.data<G>(), m.data<float>(), v.data<float>(), n, p);
-      return absl::OkStatus();
-    });
-  });
+  return absl::OkStatus();
 }
 
 }  // namespace dtensor::internal

@@ -54,6 +54,7 @@ class CpuBackend final : public Kernels {
                                        const Tensor& dk, const Tensor& dv) override;
   absl::Status AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                      const AdamWParams& p) override;
+  absl::Status AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) override;
   absl::Status MemcpyToDevice(void* dst, const void* src, size_t nbytes, bool wait) override;
   absl::Status MemcpyToHost(void* dst, const void* src, size_t nbytes) override;
   absl::Status Synchronize() override;

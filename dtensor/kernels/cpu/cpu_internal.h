@@ -46,6 +46,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -384,6 +385,35 @@ inline absl::Status UnsupportedDType(const char* op, DType t) {
 }
 
 // f(T{}) for T in {float, BFloat16, Float16}; Unimplemented for other dtypes. f returns Status.
+// SumOfSquares in fixed chunks: each chunk's sum (float64, eight independent chains, so the
+// loop vectorizes without reassociating one) is one task, and the chunks' sums are added in
+// order, so the result does not depend on the thread count. Shared by SumOfSquares and the
+// AdamW step that reads the gradient norm in its own pass (the same bits).
+inline constexpr int64_t kSquareChunk = int64_t{1} << 16;
+template <typename T>
+double SquareSumChunk(const T* p, int64_t len) {
+  double acc[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    for (int j = 0; j < 8; ++j) {
+      const double v = ToFloat(p[i + j]);
+      acc[j] += v * v;
+    }
+  }
+  for (; i < len; ++i) {
+    const double v = ToFloat(p[i]);
+    acc[0] += v * v;
+  }
+  double r = acc[0];
+  for (int j = 1; j < 8; ++j) r += acc[j];
+  return r;
+}
+inline float AddSquareSumChunks(const std::vector<double>& partial) {
+  double total = 0;
+  for (double v : partial) total += v;
+  return static_cast<float>(total);
+}
+
 template <typename F>
 absl::Status DispatchFloat(const char* op, DType t, F&& f) {
   switch (t) {

@@ -193,10 +193,6 @@ absl::Status CpuBackend::Reduce(ReduceOp op, const Tensor& x, int64_t outer, int
   });
 }
 
-// Elements per chunk of SumOfSquares: each chunk's sum is one task, and the chunks' sums are
-// added in order, so the result does not depend on the thread count.
-constexpr int64_t kSquareChunk = int64_t{1} << 16;
-
 absl::Status CpuBackend::SumOfSquares(const Tensor& x, const Tensor& out) {
   if (!x.is_contiguous() || out.dtype() != DType::kFloat32 || out.numel() != 1) {
     return InvalidArg("SumOfSquares", "wants a contiguous x and a float32 out of one element; got x ",
@@ -210,28 +206,11 @@ absl::Status CpuBackend::SumOfSquares(const Tensor& x, const Tensor& out) {
     std::vector<double> partial(static_cast<size_t>(chunks));
     ParallelFor(chunks, 1, [&](int64_t b, int64_t e) {
       for (int64_t c = b; c < e; ++c) {
-        const T* p = px + c * kSquareChunk;
-        const int64_t len = std::min(kSquareChunk, n - c * kSquareChunk);
-        double acc[8] = {};  // independent chains: the loop vectorizes without reassociating one
-        int64_t i = 0;
-        for (; i + 8 <= len; i += 8) {
-          for (int j = 0; j < 8; ++j) {
-            const double v = ToFloat(p[i + j]);
-            acc[j] += v * v;
-          }
-        }
-        for (; i < len; ++i) {
-          const double v = ToFloat(p[i]);
-          acc[0] += v * v;
-        }
-        double r = acc[0];
-        for (int j = 1; j < 8; ++j) r += acc[j];
-        partial[static_cast<size_t>(c)] = r;
+        partial[static_cast<size_t>(c)] =
+            SquareSumChunk(px + c * kSquareChunk, std::min(kSquareChunk, n - c * kSquareChunk));
       }
     });
-    double total = 0;
-    for (double v : partial) total += v;
-    out.data<float>()[0] = static_cast<float>(total);
+    out.data<float>()[0] = AddSquareSumChunks(partial);
     return absl::OkStatus();
   });
 }

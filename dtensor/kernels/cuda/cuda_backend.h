@@ -23,6 +23,7 @@ class CudaBackend final : public Kernels {
   absl::Status BinaryScalar(BinaryOp op, const Tensor& a, double scalar, bool scalar_first, const Tensor& out) override;
   absl::Status Unary(UnaryOp op, const Tensor& a, const Tensor& out) override;
   absl::Status UnaryBackward(UnaryOp op, const Tensor& dy, const Tensor& x, const Tensor& dx) override;
+  absl::Status SumOfSquares(const Tensor& x, const Tensor& out) override;
   absl::Status Reduce(ReduceOp op, const Tensor& x, int64_t outer, int64_t reduce, int64_t inner,
                       const Tensor& out) override;
   absl::Status Softmax(const Tensor& x, const Tensor& y, bool log) override;

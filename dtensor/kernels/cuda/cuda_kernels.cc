@@ -253,6 +253,23 @@ absl::Status CudaBackend::Reduce(ReduceOp rop, const Tensor& x, int64_t outer, i
   });
 }
 
+absl::Status CudaBackend::SumOfSquares(const Tensor& x, const Tensor& out) {
+  constexpr const char* op = "SumOfSquares";
+  if (!x.is_contiguous() || out.dtype() != DType::kFloat32 || out.numel() != 1) {
+    return InvalidArg(op, "wants a contiguous x and a float32 out of one element; got x ", ShapeString(x.shape()),
+                      x.is_contiguous() ? "" : " (strided)", ", out ", DTypeName(out.dtype()), " ",
+                      ShapeString(out.shape()));
+  }
+  DT_RETURN_IF_ERROR(CheckFloat(op, x.dtype()));
+  // The partial sums (at least one double, so that an empty x still gets a pointer).
+  const int64_t partials = std::max<int64_t>(1, gpu::SumOfSquaresPartials(x.numel()));
+  DT_ASSIGN_OR_RETURN(Tensor scratch, Scratch(partials, DType::kInt64, index_));
+  return OnDevice(index_, op, [&] {
+    return gpu::LaunchSumOfSquares(x.dtype(), x.raw_data(), x.numel(), static_cast<double*>(scratch.raw_data()),
+                                   out.data<float>());
+  });
+}
+
 absl::Status CudaBackend::Softmax(const Tensor& x, const Tensor& y, bool log) {
   constexpr const char* op = "Softmax";
   if (y.numel() == 0) return absl::OkStatus();
@@ -558,6 +575,11 @@ absl::Status CudaBackend::AdamW(const Tensor& param, const Tensor& grad, const T
 absl::Status CudaBackend::AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) {
   constexpr const char* op = "AdamW";
   for (const AdamWTensors& t : list) DT_RETURN_IF_ERROR(CheckAdamWTensors(op, t.param, t.grad, t.m, t.v, t.step));
+  // The gradients' sums of squares first, each by SumOfSquares (the update leaves grad as it is;
+  // folding them into the multi-tensor kernel is left for a session with a GPU).
+  for (const AdamWTensors& t : list) {
+    if (t.grad_square_sum.defined()) DT_RETURN_IF_ERROR(SumOfSquares(t.grad, t.grad_square_sum));
+  }
   std::vector<bool> done(list.size(), false);
   for (size_t first = 0; first < list.size(); ++first) {
     if (done[first]) continue;

@@ -96,6 +96,12 @@ cudaError_t LaunchAdamWMulti(DType param_dtype, DType grad_dtype, const AdamWMul
 int64_t ReduceScratchBytes(int64_t outer, int64_t reduce, int64_t inner);
 cudaError_t LaunchReduce(RedOp op, DType dtype, const void* x, void* out, int64_t outer, int64_t reduce, int64_t inner,
                          void* scratch);
+// out[0] = sum of x[i]^2 over contiguous x of n elements (float dtypes), as a float: each of
+// SumOfSquaresPartials(n) blocks adds its grid-strided share in double into `partial` (that
+// many doubles of device memory), then one block adds those in order: no atomics, so the same
+// bits on every call. n = 0 writes 0.
+int64_t SumOfSquaresPartials(int64_t n);
+cudaError_t LaunchSumOfSquares(DType dtype, const void* x, int64_t n, double* partial, float* out);
 // Softmax / log-softmax over the last dim of contiguous [rows, n], and its backward.
 cudaError_t LaunchSoftmax(DType dtype, const void* x, void* y, int64_t rows, int64_t n, bool log);
 cudaError_t LaunchSoftmaxBackward(DType dtype, const void* dy, const void* y, void* dx, int64_t rows, int64_t n,

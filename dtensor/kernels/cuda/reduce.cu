@@ -6,6 +6,8 @@
 //   inner == 1: one warp per row (reduce <= 1024) or one block per row; a few long rows are
 //               first split into chunks whose partial results go to `scratch`.
 //   inner > 1:  32 x 32 blocks: 32 adjacent columns (coalesced), 32 threads down the reduce dim.
+// SumOfSquares: double accumulation in a fixed number of blocks, then one block over their
+// partial sums (deterministic, and no float32 temporary of x's size).
 // Softmax: one block per row, a single pass for the (online) max and sum of exponentials,
 // then one pass to write.
 #include "dtensor/kernels/cuda/device_common.cuh"
@@ -200,6 +202,43 @@ __global__ void SoftmaxBackwardKernel(const T* dy, const T* y, T* dx, int64_t ro
   }
 }
 
+// Sum of squares: 256 threads per block, up to kSquareBlocks blocks, each thread's elements
+// grid-strided (coalesced), accumulated in double.
+constexpr int kSquareThreads = 256;
+constexpr int64_t kSquareBlocks = 1024;
+
+// A block's doubles added in a fixed tree (blockDim.x == kSquareThreads); thread 0 gets the sum.
+__device__ __forceinline__ double BlockSumDouble(double v, double* smem) {
+  smem[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = kSquareThreads / 2; s > 0; s >>= 1) {
+    if (static_cast<int>(threadIdx.x) < s) smem[threadIdx.x] += smem[threadIdx.x + s];
+    __syncthreads();
+  }
+  return smem[0];
+}
+
+template <typename T>
+__global__ void SquarePartialsKernel(const T* x, int64_t n, double* partial) {
+  __shared__ double smem[kSquareThreads];
+  double acc = 0.0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kSquareThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kSquareThreads + threadIdx.x; i < n; i += stride) {
+    const double v = ToFloat(x[i]);
+    acc += v * v;
+  }
+  const double total = BlockSumDouble(acc, smem);
+  if (threadIdx.x == 0) partial[blockIdx.x] = total;
+}
+
+__global__ void SquareTotalKernel(const double* partial, int64_t count, float* out) {
+  __shared__ double smem[kSquareThreads];
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += kSquareThreads) acc += partial[i];
+  const double total = BlockSumDouble(acc, smem);
+  if (threadIdx.x == 0) out[0] = static_cast<float>(total);
+}
+
 // A row this long or longer, with few rows, is split into chunks first.
 constexpr int64_t kChunkLen = 32768;
 constexpr int64_t kFewRows = 128;
@@ -246,6 +285,27 @@ cudaError_t LaunchReduce(RedOp op, DType dtype, const void* x, void* out, int64_
     }
     return cudaGetLastError();
   });
+}
+
+int64_t SumOfSquaresPartials(int64_t n) {
+  const int64_t per_block = int64_t{kSquareThreads} * 16;  // at least ~16 elements per thread
+  const int64_t blocks = (n + per_block - 1) / per_block;
+  return blocks < kSquareBlocks ? blocks : kSquareBlocks;
+}
+
+cudaError_t LaunchSumOfSquares(DType dtype, const void* x, int64_t n, double* partial, float* out) {
+  const int64_t blocks = SumOfSquaresPartials(n);
+  if (blocks > 0) {
+    const cudaError_t err = DispatchFloat(dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      SquarePartialsKernel<T><<<static_cast<unsigned>(blocks), kSquareThreads, 0, cudaStreamPerThread>>>(
+          static_cast<const T*>(x), n, partial);
+      return cudaGetLastError();
+    });
+    if (err != cudaSuccess) return err;
+  }
+  SquareTotalKernel<<<1, kSquareThreads, 0, cudaStreamPerThread>>>(partial, blocks, out);
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchSoftmax(DType dtype, const void* x, void* y, int64_t rows, int64_t n, bool log) {
