@@ -355,8 +355,13 @@ absl::Status RunBackward(absl::Span<const Variable> roots, absl::Span<const Valu
           if (it == buffers.end() || static_cast<size_t>(e.input_nr) >= it->second.size()) continue;
           const Value& slot = it->second[static_cast<size_t>(e.input_nr)];
           if (!slot.defined() || slot.is_dtensor()) continue;
+          // Held by nothing else (every alias holds the storage), and memory of our allocator,
+          // not a caller's buffer wrapped by FromBlob.
           const auto& storage = slot.local().storage();
-          if (storage != nullptr && storage.use_count() == 1) pending[i] = &slot.local();
+          if (storage != nullptr && storage.use_count() == 1 && storage->allocator() != nullptr &&
+              !storage->released()) {
+            pending[i] = &slot.local();
+          }
         }
       }
       if (std::any_of(pending.begin(), pending.end(), [](const Tensor* t) { return t != nullptr; })) {

@@ -94,11 +94,14 @@ class Node {
   // the outputs (one per output; undefined where no gradient arrived).
   virtual absl::StatusOr<std::vector<Value>> Apply(std::vector<Value> grad_outputs) = 0;
   // Apply, where the pass offers, per input, the gradient already waiting for it (`pending[i]`:
-  // the sum of what other nodes delivered for the same input, a plain Tensor that nothing but
-  // the pass holds; null where there is none or it is shared). A node may add its gradient of
-  // input i into *pending[i] in place and return an undefined Value for i instead of a tensor
-  // the pass would add: a tied embedding adds its few rows into the head's [V, C] gradient
-  // rather than returning a [V, C] of zeros to be added. Only nodes that say so are offered.
+  // the sum of what other nodes delivered for the same input, a plain Tensor of our allocator
+  // that nothing but the pass holds; null where there is none or it is shared). A node may add
+  // its gradient of input i into *pending[i]'s data in place (the handle is const, the data is
+  // the node's to write) and then must return an undefined Value for i; or leave it and return
+  // the gradient as Apply does. The pointers are valid during the call only; two inputs fed by
+  // one Variable get the same tensor. A tied embedding adds its few rows into the head's [V, C]
+  // gradient rather than returning a [V, C] of zeros to be added. Only nodes that say so
+  // (AddsIntoPending) are offered.
   virtual bool AddsIntoPending() const { return false; }
   virtual absl::StatusOr<std::vector<Value>> ApplyInto(std::vector<Value> grad_outputs,
                                                        absl::Span<const Tensor* const> pending) {

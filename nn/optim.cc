@@ -120,14 +120,12 @@ absl::Status ReduceGradients(const std::vector<Variable*>& params, int64_t bucke
   return flush();
 }
 
-namespace internal {
-
 // The gradients' sums of squares, ready to add up: float32 [k] tensors, one per device for
 // parameters every rank holds whole, and one per group of ranks that share parameters' shards
 // (the communicator of their sharded mesh dims), all-reduced over that group. Groups are
 // taken in the order the parameters first name them, the same on every rank (so are their
 // all-reduces). Each parameter's sum stays on its device: no host synchronisation here.
-class SquareSums {
+class SquareSumGroups {
  public:
   // `sum`: the float32 [1] (on g's device) that holds, or will hold by Finish(), the sum of
   // squares of g, a gradient in its parameter's layout.
@@ -178,14 +176,10 @@ class SquareSums {
   std::map<std::pair<int, int>, std::vector<Tensor>> plain_;  // plain Tensors, by device
 };
 
-}  // namespace internal
-
-using internal::SquareSums;
-
 namespace {
 
 absl::StatusOr<std::vector<Tensor>> GradSquareSums(const std::vector<Variable*>& params) {
-  SquareSums sums;
+  SquareSumGroups sums;
   for (Variable* p : params) {
     if (!p->grad().defined()) continue;
     DT_ASSIGN_OR_RETURN(Value g, GradInParamLayout(*p));
@@ -302,12 +296,12 @@ absl::StatusOr<Tensor> AdamW::StepWithGradNormAsync() {
 }
 
 absl::StatusOr<std::vector<Tensor>> AdamW::StepWithSquareSums() {
-  SquareSums sums;
+  SquareSumGroups sums;
   DT_RETURN_IF_ERROR(StepImpl(&sums));
   return sums.Finish();
 }
 
-absl::Status AdamW::StepImpl(SquareSums* sums) {
+absl::Status AdamW::StepImpl(SquareSumGroups* sums) {
   DT_RETURN_IF_ERROR(InitState());
   AdamWParams hp;
   hp.lr = static_cast<float>(options_.lr);
@@ -328,6 +322,8 @@ absl::Status AdamW::StepImpl(SquareSums* sums) {
     if (!p->grad().defined()) continue;
     DT_ASSIGN_OR_RETURN(Value gv, GradInParamLayout(*p));
     DT_ASSIGN_OR_RETURN(Tensor g, LocalGrad(*p, gv));
+    // As ClipGradNorm leaves it: a Partial gradient replaced by its reduction.
+    if (sums != nullptr && p->grad().is_dtensor() && p->grad().dtensor().layout().has_partial()) p->set_grad(gv);
     AdamWTensors t{.param = p->value().local(), .grad = g, .m = m_[i], .v = v_[i], .step = steps_[i] + 1};
     if (sums != nullptr) {
       DT_ASSIGN_OR_RETURN(t.grad_square_sum, Tensor::Empty({1}, DType::kFloat32, g.device()));
@@ -336,7 +332,13 @@ absl::Status AdamW::StepImpl(SquareSums* sums) {
     list.push_back(std::move(t));
     updated.push_back(i);
   }
-  DT_RETURN_IF_ERROR(AdamWStepMulti_(list, hp));
+  const absl::Status s = AdamWStepMulti_(list, hp);
+  if (!s.ok()) {
+    // Refused (an invalid entry): nothing moved. The norm's all_reduces still run, so that
+    // ranks whose update went through are not left waiting in them.
+    if (sums != nullptr) (void)sums->Finish();
+    return s;
+  }
   ++step_;
   for (size_t i : updated) ++steps_[i];
   return absl::OkStatus();

@@ -50,9 +50,7 @@ struct AdamWOptions {
   double weight_decay = 0.01;
 };
 
-namespace internal {
-class SquareSums;
-}  // namespace internal
+class SquareSumGroups;  // optim.cc's: the norm's sums, grouped as ClipGradNorm groups them
 
 // torch.optim.AdamW: decoupled weight decay (p -= lr * wd * p), bias-corrected moments.
 class AdamW {
@@ -63,6 +61,8 @@ class AdamW {
   // returns, with the same all_reduces, but read in the update's own pass over the gradients
   // where the backend can (the CPU: one read of every gradient less per step) rather than in a
   // pass of its own. For training without clipping (clipping needs the norm before the update).
+  // An error from the update (an invalid gradient) moves nothing; the norm's all_reduces run
+  // regardless, as on the ranks that did update.
   absl::StatusOr<double> StepWithGradNorm();
   // The same as ClipGradNormAsync(params, 0) gives it: a float32 [1] on the gradients' device.
   absl::StatusOr<Tensor> StepWithGradNormAsync();
@@ -85,7 +85,7 @@ class AdamW {
   absl::Status set_steps(int64_t step_count, const std::vector<int64_t>& param_steps);
 
  private:
-  absl::Status StepImpl(internal::SquareSums* sums);
+  absl::Status StepImpl(SquareSumGroups* sums);
   absl::StatusOr<std::vector<Tensor>> StepWithSquareSums();
 
   std::vector<Variable*> params_;

@@ -144,10 +144,10 @@ absl::StatusOr<Variable> Embedding(const Variable& weight, const Variable& ids) 
   };
   Variable out = op_util::Result1("Embedding", {weight, ids}, std::move(y), dense);
   // Where the table's gradient already waits for it (a tied table: the head's [V, C] gradient
-  // arrives first), the rows are added into that one in place: no [V, C] of zeros to scatter into
-  // and add (on GPT-2 124M's CPU step ~25 ms of 1.28 s). Plain tensors only; a distributed table
-  // keeps its rules. The sum is the same up to the order of additions (dw + (r1 + r2) becomes
-  // (dw + r1) + r2 where an id repeats).
+  // arrives first), the rows are added into that one in place: no [V, C] of zeros to scatter
+  // into and add (on GPT-2 124M, 154 MB zeroed and 462 MB read and written less). Plain tensors
+  // only; a distributed table keeps its rules. The sum is the same up to the order of additions
+  // (dw + (r1 + r2) becomes (dw + r1) + r2 where an id repeats).
   if (auto* node = dynamic_cast<FunctionNode*>(out.grad_fn().get()); node != nullptr) {
     node->set_into(
         [idv = ids.value(), vocab, dense](

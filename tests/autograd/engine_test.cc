@@ -615,6 +615,8 @@ TEST(Engine, TiedEmbeddingAddsItsRowsIntoTheHeadsGradient) {
     }
   }
   Variable table = Variable::Leaf(wv, true, "table");
+  std::vector<double> hook_saw;  // a hook on the table sees the whole sum
+  table.RegisterHook([&](Value& g) { return hook_saw = Values(g.local()), absl::OkStatus(); });
   Variable idv = Variable::Constant(Unwrap(Tensor::FromVector<int64_t>(ids, {P})));
   Variable e = Unwrap(Embedding(table, idv));                           // [P, C]
   Variable logits = Unwrap(Matmul(e, table, false, /*trans_b=*/true));  // [P, V]
@@ -630,6 +632,8 @@ TEST(Engine, TiedEmbeddingAddsItsRowsIntoTheHeadsGradient) {
   // two more [V, C] (the zeros scattered into, and the sum).
   EXPECT_LT(alloc.Stats().peak_bytes_in_use - before, table_bytes + table_bytes / 2);
   agtest::ExpectClose(table.grad(), testing::FromDoubles(want, {V, C}, DType::kFloat32), "d/dtable, one pass", kSums);
+  agtest::ExpectClose(Value(testing::FromDoubles(hook_saw, {V, C}, DType::kFloat32)),
+                      testing::FromDoubles(want, {V, C}, DType::kFloat32), "the table's hook", kSums);
   ASSERT_TRUE(Backward(loss).ok());
   for (double& x : want) x *= 2;
   agtest::ExpectClose(table.grad(), testing::FromDoubles(want, {V, C}, DType::kFloat32), "d/dtable, two passes", kSums);

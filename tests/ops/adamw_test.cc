@@ -221,6 +221,10 @@ TEST(CpuAdamWTest, MultiSumsTheGradientsSquaresInTheSamePass) {
   hp.lr = 1e-2f;
   hp.weight_decay = 0.1f;
   const int threads = omp_get_max_threads();
+  struct RestoreThreads {
+    int n;
+    ~RestoreThreads() { omp_set_num_threads(n); }
+  } restore{threads};  // also when an ASSERT returns early
   for (const int nthreads : {threads, 1}) {
     omp_set_num_threads(nthreads);
     std::vector<AdamWTensors> fused, plain;
@@ -258,24 +262,34 @@ TEST(CpuAdamWTest, MultiSumsTheGradientsSquaresInTheSamePass) {
       }
     }
   }
-  omp_set_num_threads(threads);
 }
 
+// A bad grad_square_sum in the second entry: refused with its dtype and shape named, and the
+// valid first entry (param and its sum) untouched; through the ops layer and the backend.
 TEST(CpuAdamWTest, MultiRefusesABadSquareSumAndUpdatesNothing) {
-  const Tensor p0 = testing::Random({4}, DType::kFloat32, 1);
-  const Tensor before = Unwrap(Clone(p0));
+  const Tensor p0 = testing::Random({4}, DType::kFloat32, 1), p1 = testing::Random({4}, DType::kFloat32, 3);
+  const Tensor before0 = Unwrap(Clone(p0)), before1 = Unwrap(Clone(p1));
+  const Tensor sum0 = Unwrap(Full({1}, -1.0, DType::kFloat32));
   for (const Tensor& bad : {Unwrap(Zeros({1}, DType::kInt32)), Unwrap(Zeros({2}, DType::kFloat32))}) {
-    std::vector<AdamWTensors> list = {{.param = p0,
-                                       .grad = testing::Random({4}, DType::kFloat32, 2),
-                                       .m = Unwrap(Zeros({4}, DType::kFloat32)),
-                                       .v = Unwrap(Zeros({4}, DType::kFloat32)),
-                                       .step = 1,
-                                       .grad_square_sum = bad}};
-    const absl::Status s = AdamWStepMulti_(list, AdamWParams{});
-    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
-    EXPECT_NE(s.message().find("grad_square_sum"), std::string::npos) << s;
-    EXPECT_NE(s.message().find(ShapeString(bad.shape())), std::string::npos) << s;
-    EXPECT_EQ(Values(p0), Values(before));
+    auto entry = [](const Tensor& p, const Tensor& sum) {
+      return AdamWTensors{.param = p,
+                          .grad = testing::Random({4}, DType::kFloat32, 2),
+                          .m = Unwrap(Zeros({4}, DType::kFloat32)),
+                          .v = Unwrap(Zeros({4}, DType::kFloat32)),
+                          .step = 1,
+                          .grad_square_sum = sum};
+    };
+    const std::vector<AdamWTensors> list = {entry(p0, sum0), entry(p1, bad)};
+    for (const bool backend : {false, true}) {
+      const absl::Status s =
+          backend ? CpuKernels()->AdamWMulti(list, AdamWParams{}) : AdamWStepMulti_(list, AdamWParams{});
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_NE(s.message().find("grad_square_sum"), std::string::npos) << s;
+      EXPECT_NE(s.message().find(ShapeString(bad.shape())), std::string::npos) << s;
+      EXPECT_EQ(Values(p0), Values(before0)) << "the valid entry moved";
+      EXPECT_EQ(Values(sum0)[0], -1.0) << "the valid entry's sum was written";
+      EXPECT_EQ(Values(p1), Values(before1));
+    }
   }
 }
 

@@ -17,8 +17,8 @@
 namespace dtensor::internal {
 namespace {
 
-// sqrt(x) for x >= 0 within 1 ulp, branch-free so that the step loop vectorises (std::sqrt
-// does not: it may set errno, and the build does not pass -fno-math-errno): an estimate of
+// sqrt(x) for x >= 0 within 1 ulp, branch-free so that the step loop vectorises whatever the
+// math flags (std::sqrt may set errno where -fno-math-errno is not passed): an estimate of
 // 1/sqrt(x) from the exponent bits, three Newton steps, then sqrt(x) = x * (1/sqrt(x)) with one
 // correction step.
 // sqrt(0) = 0; subnormal x give a tiny finite value (eps dominates it).
@@ -88,17 +88,24 @@ void StepWithSquareSum(P* param, const G* grad, float* m, float* v, int64_t n, c
 
 namespace {
 
-// AdamW, and the sum of squares of grad into square_sum when it is defined.
-absl::Status AdamWOne(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWParams& p,
-                      const Tensor& square_sum) {
+// The backend's own checks of one entry (the ops layer checks the rest first).
+absl::Status CheckOne(const Tensor& m, const Tensor& v, const AdamWParams& p, const Tensor& square_sum) {
   if (p.step < 1) return InvalidArg("AdamW", "step must be >= 1 (1-based), got ", p.step);
   if (m.dtype() != DType::kFloat32 || v.dtype() != DType::kFloat32) {
     return InvalidArg("AdamW", "m and v must be float32, got ", DTypeName(m.dtype()), " and ", DTypeName(v.dtype()));
   }
-  if (square_sum.defined() && (square_sum.dtype() != DType::kFloat32 || square_sum.numel() != 1)) {
-    return InvalidArg("AdamW", "grad_square_sum must be a float32 of one element, got ", DTypeName(square_sum.dtype()),
-                      " ", ShapeString(square_sum.shape()));
+  if (square_sum.defined() &&
+      (square_sum.dtype() != DType::kFloat32 || square_sum.numel() != 1 || !square_sum.device().is_cpu())) {
+    return InvalidArg("AdamW", "grad_square_sum must be a float32 of one element on the cpu, got ",
+                      DTypeName(square_sum.dtype()), " ", ShapeString(square_sum.shape()), " on ",
+                      square_sum.device().ToString());
   }
+  return absl::OkStatus();
+}
+
+// AdamW, and the sum of squares of grad into square_sum when it is defined (checked by CheckOne).
+absl::Status AdamWOne(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWParams& p,
+                      const Tensor& square_sum) {
   const int64_t n = param.numel();
   if (n == 0) {
     if (square_sum.defined()) square_sum.data<float>()[0] = 0.0f;
@@ -123,10 +130,17 @@ absl::Status AdamWOne(const Tensor& param, const Tensor& grad, const Tensor& m, 
 
 absl::Status CpuBackend::AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                                const AdamWParams& p) {
+  DT_RETURN_IF_ERROR(CheckOne(m, v, p, Tensor()));
   return AdamWOne(param, grad, m, v, p, Tensor());
 }
 
 absl::Status CpuBackend::AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) {
+  // Every entry checked before any moves.
+  for (const AdamWTensors& t : list) {
+    AdamWParams one = p;
+    one.step = t.step;
+    DT_RETURN_IF_ERROR(CheckOne(t.m, t.v, one, t.grad_square_sum));
+  }
   for (const AdamWTensors& t : list) {
     AdamWParams one = p;
     one.step = t.step;

@@ -376,15 +376,6 @@ inline void StoreRow(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = FromFloat<T>(src[i]);
 }
 
-// ---------------------------------------------------------------------------------------
-// dtype dispatch
-// ---------------------------------------------------------------------------------------
-
-inline absl::Status UnsupportedDType(const char* op, DType t) {
-  return absl::UnimplementedError(absl::StrCat("[", op, "] dtype ", DTypeName(t), " is not supported on cpu"));
-}
-
-// f(T{}) for T in {float, BFloat16, Float16}; Unimplemented for other dtypes. f returns Status.
 // SumOfSquares in fixed chunks: each chunk's sum (float64, eight independent chains, so the
 // loop vectorizes without reassociating one) is one task, and the chunks' sums are added in
 // order, so the result does not depend on the thread count. Shared by SumOfSquares and the
@@ -414,6 +405,15 @@ inline float AddSquareSumChunks(const std::vector<double>& partial) {
   return static_cast<float>(total);
 }
 
+// ---------------------------------------------------------------------------------------
+// dtype dispatch
+// ---------------------------------------------------------------------------------------
+
+inline absl::Status UnsupportedDType(const char* op, DType t) {
+  return absl::UnimplementedError(absl::StrCat("[", op, "] dtype ", DTypeName(t), " is not supported on cpu"));
+}
+
+// f(T{}) for T in {float, BFloat16, Float16}; Unimplemented for other dtypes. f returns Status.
 template <typename F>
 absl::Status DispatchFloat(const char* op, DType t, F&& f) {
   switch (t) {
