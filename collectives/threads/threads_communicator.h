@@ -15,7 +15,8 @@
 // Algorithms: every rank publishes pointers to its buffers, then reads its share straight
 // from its peers' buffers (AllReduce: rank r reduces block r of all inputs and copies each
 // reduced chunk into every output while it is in cache; ReduceScatter: rank r reduces block
-// r; AllGather / AllToAll / Broadcast: each rank copies what it needs), between two barriers.
+// r; AllGather / AllToAll / Broadcast: each rank copies what it needs), between two barriers;
+// a rank copies its own block (AllGather, AllToAll) while it waits at the first.
 // AllReduce writes its results with streaming stores once the group's inputs reach 16 MiB
 // (DTENSOR_THREADS_STREAMING=0 / 1 forces them off / on).
 // Small calls take one barrier instead: each rank (Broadcast: the root) copies its input into

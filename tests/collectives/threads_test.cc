@@ -710,54 +710,66 @@ TEST(ThreadsTest, IntegerAvgTruncatesTowardZero) {
   }));
 }
 
-// In place and overlapping, small (one barrier) and large (two: the overlaps are staged).
+// In place and overlapping, small (one barrier) and large (two: the overlaps are staged), on 2
+// ranks (a CPU each here: the own-CPU cut-offs) and 3, 4 (sharing CPUs). A rank's own block of
+// AllGather / AllToAll is copied while it waits at the first barrier (from its input, which in
+// one barrier may overlap its output): each overlap below must come out exact.
 TEST(ThreadsTest, InPlaceGatherScatterAndOverlappingAllToAll) {
-  const int world = 4;
   const DType dtype = DType::kFloat32;
-  for (const int64_t n : {int64_t{5}, int64_t{5000}}) {
-    ExpectAllOk(RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
-      const std::string size = absl::StrCat(", ", n, " elements per block");
-      // AllGather whose input is this rank's block of the output.
-      Tensor full = Sentinel(world * n, dtype);
-      DT_ASSIGN_OR_RETURN(Tensor mine, full.Narrow(0, rank * n, n));
-      Tensor src = Make(Values(rank, n, dtype), dtype);
-      std::memcpy(mine.raw_data(), src.raw_data(), src.nbytes());
-      DT_RETURN_IF_ERROR(comm->AllGather(mine, full));
-      std::vector<double> expected;
-      for (int j = 0; j < world; ++j) {
-        for (double v : Values(j, n, dtype)) expected.push_back(v);
-      }
-      ExpectValues(full, expected, dtype, "in-place all_gather" + size);
+  for (const int world : {2, 3, 4}) {
+    for (const int64_t n : {int64_t{5}, int64_t{300}, int64_t{5000}}) {
+      ExpectAllOk(RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
+        const std::string size = absl::StrCat(", ", n, " elements per block");
+        // AllGather whose input is this rank's block of the output.
+        Tensor full = Sentinel(world * n, dtype);
+        DT_ASSIGN_OR_RETURN(Tensor mine, full.Narrow(0, rank * n, n));
+        Tensor src = Make(Values(rank, n, dtype), dtype);
+        std::memcpy(mine.raw_data(), src.raw_data(), src.nbytes());
+        DT_RETURN_IF_ERROR(comm->AllGather(mine, full));
+        std::vector<double> expected;
+        for (int j = 0; j < world; ++j) {
+          for (double v : Values(j, n, dtype)) expected.push_back(v);
+        }
+        ExpectValues(full, expected, dtype, "in-place all_gather" + size);
 
-      // AllGather whose input is the next rank's block of the output (overwritten by the call).
-      Tensor other = Sentinel(world * n, dtype);
-      DT_ASSIGN_OR_RETURN(Tensor next, other.Narrow(0, (rank + 1) % world * n, n));
-      std::memcpy(next.raw_data(), src.raw_data(), src.nbytes());
-      DT_RETURN_IF_ERROR(comm->AllGather(next, other));
-      ExpectValues(other, expected, dtype, "overlapping all_gather" + size);
+        // AllGather whose input is the next rank's block of the output (overwritten by the call).
+        Tensor other = Sentinel(world * n, dtype);
+        DT_ASSIGN_OR_RETURN(Tensor next, other.Narrow(0, (rank + 1) % world * n, n));
+        std::memcpy(next.raw_data(), src.raw_data(), src.nbytes());
+        DT_RETURN_IF_ERROR(comm->AllGather(next, other));
+        ExpectValues(other, expected, dtype, "overlapping all_gather" + size);
 
-      // ReduceScatter whose output is this rank's block of the input.
-      Tensor in = Make(Values(rank, world * n, dtype), dtype);
-      DT_ASSIGN_OR_RETURN(Tensor block, in.Narrow(0, rank * n, n));
-      DT_RETURN_IF_ERROR(comm->ReduceScatter(in, block, CommReduceOp::kSum));
-      ExpectValues(block, ReducedValues(CommReduceOp::kSum, world, n, dtype, rank * n), dtype, "in-place rs" + size);
+        // ReduceScatter whose output is this rank's block of the input.
+        Tensor in = Make(Values(rank, world * n, dtype), dtype);
+        DT_ASSIGN_OR_RETURN(Tensor block, in.Narrow(0, rank * n, n));
+        DT_RETURN_IF_ERROR(comm->ReduceScatter(in, block, CommReduceOp::kSum));
+        ExpectValues(block, ReducedValues(CommReduceOp::kSum, world, n, dtype, rank * n), dtype, "in-place rs" + size);
 
-      // AllToAll in place (input == output) and AllReduce into a shifted overlapping view.
-      Tensor a2a = Make(Values(rank, world * n, dtype), dtype);
-      DT_RETURN_IF_ERROR(comm->AllToAll(a2a, a2a));
-      std::vector<double> a2a_expected;
-      for (int j = 0; j < world; ++j) {
-        for (double v : Values(j, n, dtype, rank * n)) a2a_expected.push_back(v);
-      }
-      ExpectValues(a2a, a2a_expected, dtype, "in-place all_to_all" + size);
+        // AllToAll in place (input == output) and AllReduce into a shifted overlapping view.
+        Tensor a2a = Make(Values(rank, world * n, dtype), dtype);
+        DT_RETURN_IF_ERROR(comm->AllToAll(a2a, a2a));
+        std::vector<double> a2a_expected;
+        for (int j = 0; j < world; ++j) {
+          for (double v : Values(j, n, dtype, rank * n)) a2a_expected.push_back(v);
+        }
+        ExpectValues(a2a, a2a_expected, dtype, "in-place all_to_all" + size);
 
-      Tensor buf = Make(Values(rank, n + 1, dtype), dtype);
-      DT_ASSIGN_OR_RETURN(Tensor lo, buf.Narrow(0, 0, n));
-      DT_ASSIGN_OR_RETURN(Tensor hi, buf.Narrow(0, 1, n));
-      DT_RETURN_IF_ERROR(comm->AllReduce(lo, hi, CommReduceOp::kSum));
-      ExpectValues(hi, ReducedValues(CommReduceOp::kSum, world, n, dtype, 0), dtype, "overlapping all_reduce" + size);
-      return absl::OkStatus();
-    }));
+        Tensor buf = Make(Values(rank, n + 1, dtype), dtype);
+        DT_ASSIGN_OR_RETURN(Tensor lo, buf.Narrow(0, 0, n));
+        DT_ASSIGN_OR_RETURN(Tensor hi, buf.Narrow(0, 1, n));
+        DT_RETURN_IF_ERROR(comm->AllReduce(lo, hi, CommReduceOp::kSum));
+        ExpectValues(hi, ReducedValues(CommReduceOp::kSum, world, n, dtype, 0), dtype, "overlapping all_reduce" + size);
+
+        // AllToAll whose output starts one block into its input (each block read by its peer
+        // overlaps another block written here).
+        Tensor wide = Make(Values(rank, (world + 1) * n, dtype), dtype);
+        DT_ASSIGN_OR_RETURN(Tensor a2a_in, wide.Narrow(0, 0, world * n));
+        DT_ASSIGN_OR_RETURN(Tensor a2a_out, wide.Narrow(0, n, world * n));
+        DT_RETURN_IF_ERROR(comm->AllToAll(a2a_in, a2a_out));
+        ExpectValues(a2a_out, a2a_expected, dtype, "shifted all_to_all" + size);
+        return absl::OkStatus();
+      }));
+    }
   }
 }
 
@@ -1105,6 +1117,55 @@ TEST(ThreadsTest, AbortAfterACompletedCollectiveDoesNotFailIt) {
     for (int r = 0; r < 3; ++r) {
       ASSERT_TRUE(statuses[static_cast<size_t>(r)].ok())
           << "trial " << trial << " rank " << r << ": " << statuses[static_cast<size_t>(r)];
+    }
+  }
+}
+
+// A rank that fails in the middle of a stream of back-to-back calls (one barrier and two; each
+// call's header read from its writer's arrival line, which the writer may already be filling
+// for its next call): it aborts, leaves (its communicator destroyed) or stops calling (a
+// timeout). Every other rank gets the matching error within the timeout, never wrong data, and
+// every later call fails fast.
+TEST(ThreadsTest, ARankFailingMidStreamFailsEveryPeer) {
+  const DType f32 = DType::kFloat32;
+  enum class How { kAbort, kLeave, kStop };
+  for (const How how : {How::kAbort, How::kLeave, How::kStop}) {
+    for (const int world : {2, 3, 4}) {
+      const int failing = world - 1;
+      const int fail_at = 40 + world;
+      const auto start = Clock::now();
+      const auto statuses = RunRanks(
+          world,
+          [&](int rank, CommPtr& comm) -> absl::Status {
+            int call = 0;
+            for (int it = 0; it < 200; ++it) {
+              if (rank == failing && it == fail_at) {
+                if (how == How::kAbort) comm->Abort(absl::InternalError("test: gives up mid-stream"));
+                if (how == How::kLeave) comm.reset();
+                return absl::OkStatus();
+              }
+              const int64_t m = 1 + (it * 211) % 3000;  // elements: both paths of every move
+              DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kAllToAll, f32, m / world + 1, 0, ++call, rank, *comm));
+              DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kAllGather, f32, m, 0, ++call, rank, *comm));
+              DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kBroadcast, f32, m, it % world, ++call, rank, *comm));
+              DT_RETURN_IF_ERROR(RunReducing(Coll::kReduceScatter, CommReduceOp::kSum, f32, m, rank, *comm));
+              DT_RETURN_IF_ERROR(RunReducing(Coll::kAllReduce, CommReduceOp::kSum, f32, m, rank, *comm));
+            }
+            return absl::InternalError("the stream should have failed");
+          },
+          absl::Milliseconds(how == How::kStop ? 1000 * testing::TimeScale() : 20000));
+      EXPECT_LT(SecondsSince(start), 5.0 * testing::TimeScale());
+      const absl::StatusCode want = how == How::kAbort   ? absl::StatusCode::kAborted
+                                    : how == How::kLeave ? absl::StatusCode::kUnavailable
+                                                         : absl::StatusCode::kDeadlineExceeded;
+      for (int r = 0; r < world; ++r) {
+        const absl::Status& s = statuses[static_cast<size_t>(r)];
+        if (r == failing) {
+          EXPECT_TRUE(s.ok()) << s;
+        } else {
+          EXPECT_EQ(s.code(), want) << world << " ranks, rank " << r << ": " << s;
+        }
+      }
     }
   }
 }
