@@ -131,6 +131,25 @@ TEST(CpuAdamWTest, KernelRejectsStepZero) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// An entry of random tensors (param, grad, m, v drawn from seed, seed + 1, ...; `seed` is
+// advanced past them), and a copy of one sharing its grad (no grad_square_sum).
+AdamWTensors RandomEntry(DType param, DType grad, int64_t n, int64_t step, uint64_t& seed) {
+  return AdamWTensors{.param = testing::Random({n}, param, seed++),
+                      .grad = testing::Random({n}, grad, seed++),
+                      .m = testing::Random({n}, DType::kFloat32, seed++, -0.1, 0.1),
+                      .v = testing::Random({n}, DType::kFloat32, seed++, 0.0, 0.01),
+                      .step = step,
+                      .grad_square_sum = Tensor()};
+}
+AdamWTensors CopyOf(const AdamWTensors& a) {
+  return AdamWTensors{.param = Unwrap(Clone(a.param)),
+                      .grad = a.grad,
+                      .m = Unwrap(Clone(a.m)),
+                      .v = Unwrap(Clone(a.v)),
+                      .step = a.step,
+                      .grad_square_sum = Tensor()};
+}
+
 // AdamWStepMulti_ over parameters of mixed dtypes, sizes (empty too) and step counts against
 // AdamWStep_ on copies of the same tensors, one by one: bit for bit, since each entry is the same
 // kernel with that entry's step.
@@ -151,18 +170,9 @@ TEST(CpuAdamWTest, MultiMatchesOneByOne) {
   std::vector<AdamWTensors> multi, single;
   uint64_t seed = 1;
   for (const Entry& e : entries) {
-    AdamWTensors a{.param = testing::Random({e.n}, e.param, seed++),
-                   .grad = testing::Random({e.n}, e.grad, seed++),
-                   .m = testing::Random({e.n}, DType::kFloat32, seed++, -0.1, 0.1),
-                   .v = testing::Random({e.n}, DType::kFloat32, seed++, 0.0, 0.01),
-                   .step = e.step};
-    AdamWTensors b{.param = Unwrap(Clone(a.param)),
-                   .grad = a.grad,
-                   .m = Unwrap(Clone(a.m)),
-                   .v = Unwrap(Clone(a.v)),
-                   .step = e.step};
+    const AdamWTensors a = RandomEntry(e.param, e.grad, e.n, e.step, seed);
     multi.push_back(a);
-    single.push_back(b);
+    single.push_back(CopyOf(a));
   }
   ASSERT_TRUE(AdamWStepMulti_(multi, hp).ok());
   for (size_t i = 0; i < single.size(); ++i) {
@@ -230,20 +240,10 @@ TEST(CpuAdamWTest, MultiSumsTheGradientsSquaresInTheSamePass) {
     std::vector<AdamWTensors> fused, plain;
     uint64_t seed = 100;
     for (const Entry& e : entries) {
-      AdamWTensors a{.param = testing::Random({e.n}, e.param, seed++),
-                     .grad = testing::Random({e.n}, e.grad, seed++),
-                     .m = testing::Random({e.n}, DType::kFloat32, seed++, -0.1, 0.1),
-                     .v = testing::Random({e.n}, DType::kFloat32, seed++, 0.0, 0.01),
-                     .step = 3,
-                     .grad_square_sum = testing::Random({1}, DType::kFloat32, seed++)};
-      AdamWTensors b{.param = Unwrap(Clone(a.param)),
-                     .grad = a.grad,
-                     .m = Unwrap(Clone(a.m)),
-                     .v = Unwrap(Clone(a.v)),
-                     .step = 3,
-                     .grad_square_sum = Tensor()};
+      AdamWTensors a = RandomEntry(e.param, e.grad, e.n, /*step=*/3, seed);
+      a.grad_square_sum = testing::Random({1}, DType::kFloat32, seed++);
       fused.push_back(a);
-      plain.push_back(b);
+      plain.push_back(CopyOf(a));
     }
     ASSERT_TRUE(AdamWStepMulti_(fused, hp).ok());
     ASSERT_TRUE(AdamWStepMulti_(plain, hp).ok());
