@@ -186,11 +186,20 @@ constexpr int64_t kOwnCpuInlineReduceScatterBytes = int64_t{2} << 10;
 // 16 KiB 8.2 against 5.0 / 7.0 against 8.4 (ucx 11-19); broadcast 4 KiB 3.0 against 4.0 / 4.0
 // against 6.8, 16 KiB 5.2 against 4.8 / 5.1 against 7.7 (ucx 1.5-3.1 and 7.0-8.3: its root
 // returns once its message is out; here every rank meets the others, so 4 KiB stays slower).
+// Since then (the header in the arrival line, a rank's own block copied during the wait; small
+// Broadcasts no longer meet the group: RunEagerBroadcast), 2 ranks with a CPU each, alternating
+// runs, us, mailbox against direct, sizes as above: all_gather 1 KiB 0.75-0.81 against
+// 0.77-0.90, 2 KiB 0.82-0.84 against 0.88-1.00, 4 KiB 1.20-1.36 against 0.92-1.06; all_to_all
+// 2 KiB 0.80-0.93 against 0.84-1.02, 4 KiB 1.21-1.36 against 0.86-1.04 (ucx 0.97 and 0.99 at
+// 4 KiB): the own-CPU cut-offs moved down to 1 and 2 KiB of input. Broadcast, the root
+// returning at once against every rank meeting: 512 B 0.36-0.40 against 0.61-0.73, 2 KiB 0.53
+// against 0.85, 4 KiB 0.91-0.92 against 1.14-1.23, but 8 / 16 KiB 1.52 / 2.85 against the
+// direct path's 0.96 / 1.18 (the receiver reads the slot while the root writes the next one).
 constexpr int64_t kInlineAllGatherBytes = int64_t{4} << 10;
 constexpr int64_t kInlineAllToAllBytes = int64_t{4} << 10;
 constexpr int64_t kInlineBroadcastBytes = int64_t{16} << 10;
-constexpr int64_t kOwnCpuInlineAllGatherBytes = int64_t{2} << 10;
-constexpr int64_t kOwnCpuInlineAllToAllBytes = int64_t{4} << 10;
+constexpr int64_t kOwnCpuInlineAllGatherBytes = int64_t{1} << 10;
+constexpr int64_t kOwnCpuInlineAllToAllBytes = int64_t{2} << 10;
 constexpr int64_t kOwnCpuInlineBroadcastBytes = int64_t{4} << 10;
 
 // ---------------------------------------------------------------------------------------------
@@ -308,6 +317,7 @@ bool SameCall(const Call& a, const Call& b) {
 // What the peers need of a call on its fast path, published in the rank's arrival line (see
 // ThreadGroup::PublishHeader); the rest of the Call (output, counts, views, split) stays in its
 // slot, read only by the calls that use it and for error messages.
+constexpr uint64_t kRootMask = (uint64_t{1} << 24) - 1;  // a root in a header (-1: none)
 struct Header {
   CallKind kind = CallKind::kBarrier;
   DType dtype = DType::kFloat32;
@@ -315,9 +325,19 @@ struct Header {
   int root = -1;
   int64_t numel = 0;
   const char* in = nullptr;
+  uint16_t tag = 0;  // read from the arrival line: the low bits of the barrier it was published at
 };
 
 Header HeaderOf(const Call& c) { return Header{c.kind, c.dtype, c.op, c.root, c.numel, c.in}; }
+std::string Describe(const Header& h) {
+  Call c;
+  c.kind = h.kind;
+  c.dtype = h.dtype;
+  c.op = h.op;
+  c.root = h.root;
+  c.numel = h.numel;
+  return Describe(c);
+}
 
 // SameCall on headers: true where SameCall is, unless the kind's counts or views need the
 // full Calls (which NeedsFullCall says).
@@ -352,6 +372,18 @@ constexpr int64_t kInlineBytes = std::max({kInlineAllReduceBytes, kInlineReduceS
 // arrival line). A group holds 2 x size of them (16 KiB each).
 struct alignas(64) Mailbox {
   char data[kInlineBytes];
+};
+
+// A small Broadcast's root's call and bytes, for its receivers (RunEagerBroadcast): a group
+// holds kEagerDepth of them, used in turn. Deeper lets a root run further ahead of receivers
+// that share its CPUs (4 ranks on 2 cores, 4 KiB, us, alternating runs: 1.5-1.7 with 8 slots,
+// 1.26-1.30 with 32). The bytes are allocated untouched (a page is mapped where a call writes it).
+constexpr uint64_t kEagerDepth = 32;
+struct alignas(64) EagerSlot {
+  Header header;
+  uint64_t epoch = 0;                         // the barrier its root arrived at
+  std::atomic<uint64_t> index{~uint64_t{0}};  // which small Broadcast of the group wrote it last
+  char* data = nullptr;                       // kInlineBytes
 };
 
 // A posted Send or Recv.
@@ -400,9 +432,13 @@ class ThreadGroup {
         debug_(debug),
         slots_(2 * static_cast<size_t>(size)),
         mailboxes_(2 * static_cast<size_t>(size)),
+        eager_(kEagerDepth),
+        eager_bytes_(new Mailbox[kEagerDepth]),
         arrived_(static_cast<size_t>(size)),
         gone_(static_cast<size_t>(size)),
-        channels_(static_cast<size_t>(size) * static_cast<size_t>(size)) {}
+        channels_(static_cast<size_t>(size) * static_cast<size_t>(size)) {
+    for (uint64_t i = 0; i < kEagerDepth; ++i) eager_[i].data = eager_bytes_[i].data;
+  }
 
   int size() const { return size_; }
   bool debug() const { return debug_; }
@@ -422,6 +458,8 @@ class ThreadGroup {
   Mailbox& mailbox(uint64_t seq, int rank) {
     return mailboxes_[(seq & 1) * static_cast<size_t>(size_) + static_cast<size_t>(rank)];
   }
+  // The slot of the group's small Broadcast `index` (counted alike by every rank).
+  EagerSlot& eager_slot(uint64_t index) { return eager_[index % kEagerDepth]; }
 
   // The header of `rank`'s collective `seq` travels in its arrival line (the line its peers
   // poll at the barrier), so a peer has it with the arrival: one cache miss where a header in a
@@ -431,10 +469,14 @@ class ThreadGroup {
   // still reads. (4 ranks on 2 cores, broadcast 4 / 16 KiB, medians of 10 alternating runs:
   // 3.96 / 5.08 us; one place under a seqlock, a reader that found it rewritten taking the
   // header from the slot: 4.05 / 5.12; the mailbox's line, before: 4.23 / 5.33.)
-  void PublishHeader(int rank, uint64_t seq, const Header& h) {
+  // The header carries the low 16 bits of the barrier it is published at (`target`): a peer
+  // that finds another number there knows that rank is not in this collective (it made a small
+  // Broadcast, which does not publish here, or skipped or added a call), even where the rest of
+  // the header would match. Roots take 24 bits (MakeThreadGroup: under 2^24 - 1 ranks).
+  void PublishHeader(int rank, uint64_t seq, uint64_t target, const Header& h) {
     std::atomic<uint64_t>* w = arrived_[static_cast<size_t>(rank)].head[seq & 1];
     w[0].store(static_cast<uint64_t>(h.kind) | static_cast<uint64_t>(h.dtype) << 8 | static_cast<uint64_t>(h.op) << 16 |
-                   static_cast<uint64_t>(static_cast<uint32_t>(h.root)) << 32,
+                   (static_cast<uint64_t>(static_cast<uint32_t>(h.root)) & kRootMask) << 24 | (target & 0xffff) << 48,
                std::memory_order_relaxed);
     w[1].store(static_cast<uint64_t>(h.numel), std::memory_order_relaxed);
     w[2].store(reinterpret_cast<uintptr_t>(h.in), std::memory_order_relaxed);
@@ -447,7 +489,9 @@ class ThreadGroup {
     h.kind = static_cast<CallKind>(w0 & 0xff);
     h.dtype = static_cast<DType>(w0 >> 8 & 0xff);
     h.op = static_cast<CommReduceOp>(w0 >> 16 & 0xff);
-    h.root = static_cast<int>(static_cast<uint32_t>(w0 >> 32));
+    const uint64_t root = w0 >> 24 & kRootMask;
+    h.root = root == kRootMask ? -1 : static_cast<int>(root);
+    h.tag = static_cast<uint16_t>(w0 >> 48);
     h.numel = static_cast<int64_t>(w[1].load(std::memory_order_relaxed));
     h.in = reinterpret_cast<const char*>(w[2].load(std::memory_order_relaxed));
     return h;
@@ -485,7 +529,7 @@ class ThreadGroup {
   void Announce(int rank, uint64_t target, const Header* header = nullptr, uint64_t seq = 0) {
     const int cpu = sched_getcpu();
     PaddedEpoch& mine = arrived_[static_cast<size_t>(rank)];
-    if (header != nullptr) PublishHeader(rank, seq, *header);
+    if (header != nullptr) PublishHeader(rank, seq, target, *header);
     if (mine.cpu.load(std::memory_order_relaxed) != cpu) mine.cpu.store(cpu, std::memory_order_relaxed);
     mine.value.store(target, std::memory_order_release);
     // Pairs with a sleeper's count then barrier (Sleep): either it sees this arrival, or this
@@ -500,7 +544,9 @@ class ThreadGroup {
     }
     if (sleepers_.load(std::memory_order_relaxed) > 0) Wake();
   }
-  absl::Status Await(int rank, uint64_t target, const char* op, absl::Duration timeout, bool closing) {
+  // With `only` >= 0, waits for that rank's arrival alone (a small Broadcast's receivers wait
+  // for its root: RunEagerBroadcast).
+  absl::Status Await(int rank, uint64_t target, const char* op, absl::Duration timeout, bool closing, int only = -1) {
     const int cpu = arrived_[static_cast<size_t>(rank)].cpu.load(std::memory_order_relaxed);
     // A failed group fails every wait, also one whose ranks have all arrived: a peer that gave
     // up may be freeing what it published (its staging copy) while this rank would read it.
@@ -514,12 +560,12 @@ class ThreadGroup {
       // CPUs busy): a late rank that last arrived on this CPU is likely waiting for it, so this
       // rank yields at once instead of spinning (2 ranks so placed, 4 KiB all_gather: 104 us
       // spinning first, 4.9 us after a round of 32 pauses, 2.4 us with no round).
-      const bool late_here = cpu >= 0 && LateRankOn(cpu, target);
+      const bool late_here = cpu >= 0 && LateRankOn(cpu, target, only);
       const int spins = late_here ? 1 : share ? kSharedCpuRoundSpins : kRoundSpins;
       for (int i = 0; i < spins; ++i) {
-        if (closing && AllArrived(target)) return absl::OkStatus();
-        if (failed_.load(std::memory_order_acquire)) return Sleep(rank, target, op, timeout, closing);
-        if (AllArrived(target)) return absl::OkStatus();
+        if (closing && Arrived(target, only)) return absl::OkStatus();
+        if (failed_.load(std::memory_order_acquire)) return Sleep(rank, target, op, timeout, closing, only);
+        if (Arrived(target, only)) return absl::OkStatus();
         if (!late_here) CpuRelax();
       }
       if (start == 0) start = NowNs();
@@ -527,7 +573,7 @@ class ThreadGroup {
       if (waited >= kYieldNs) break;
       if (late_here || waited >= spin_ns) sched_yield();
     }
-    return Sleep(rank, target, op, timeout, closing);
+    return Sleep(rank, target, op, timeout, closing, only);
   }
 
   void MarkGone(int rank) {
@@ -627,20 +673,28 @@ class ThreadGroup {
     }
     return true;
   }
+  // Every rank (only < 0) or rank `only` has arrived at `target`.
+  bool Arrived(uint64_t target, int only) const {
+    if (only < 0) return AllArrived(target);
+    return arrived_[static_cast<size_t>(only)].value.load(std::memory_order_acquire) >= target;
+  }
 
-  // Whether a rank that has not arrived at `target` last arrived on `cpu`.
-  bool LateRankOn(int cpu, uint64_t target) const {
-    for (const PaddedEpoch& a : arrived_) {
-      if (a.value.load(std::memory_order_relaxed) < target && a.cpu.load(std::memory_order_relaxed) == cpu) {
+  // Whether a rank (only < 0: any; else `only`) that has not arrived at `target` last arrived
+  // on `cpu`.
+  bool LateRankOn(int cpu, uint64_t target, int only) const {
+    for (int j = 0; j < size_; ++j) {
+      const PaddedEpoch& a = arrived_[static_cast<size_t>(j)];
+      if ((only < 0 || j == only) && a.value.load(std::memory_order_relaxed) < target &&
+          a.cpu.load(std::memory_order_relaxed) == cpu) {
         return true;
       }
     }
     return false;
   }
 
-  // Arrive's last phase: sleeps on wake_ until every rank has arrived at `target`, the group
-  // fails, a missing rank has left, or the timeout.
-  absl::Status Sleep(int rank, uint64_t target, const char* op, absl::Duration timeout, bool closing) {
+  // Arrive's last phase: sleeps on wake_ until every rank (or `only`) has arrived at `target`,
+  // the group fails, a missing rank has left, or the timeout.
+  absl::Status Sleep(int rank, uint64_t target, const char* op, absl::Duration timeout, bool closing, int only) {
     const Deadline deadline(timeout);
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
     // Pairs with Arrive's fence (see there); with light arrivals, a barrier on every running
@@ -653,11 +707,12 @@ class ThreadGroup {
     for (;;) {
       const uint32_t word = wake_.load(std::memory_order_acquire);
       const bool failed = failed_.load(std::memory_order_acquire);
-      if (AllArrived(target) && (closing || !failed)) break;
+      if (Arrived(target, only) && (closing || !failed)) break;
       std::vector<int> missing;
       int gone = -1;
       for (int j = 0; j < size_; ++j) {
-        if (arrived_[static_cast<size_t>(j)].value.load(std::memory_order_acquire) < target) {
+        if ((only < 0 || j == only) &&
+            arrived_[static_cast<size_t>(j)].value.load(std::memory_order_acquire) < target) {
           missing.push_back(j);
           if (gone < 0 && gone_[static_cast<size_t>(j)].load(std::memory_order_acquire)) gone = j;
         }
@@ -718,9 +773,11 @@ class ThreadGroup {
   struct alignas(64) Slot {  // lines of their own: ranks write their slots at the same time
     Call call;
   };
-  std::vector<Slot> slots_;           // [2][size]; slot (seq, r) is written by rank r only
-  std::vector<Mailbox> mailboxes_;    // [2][size], as the slots
-  std::vector<PaddedEpoch> arrived_;  // barriers each rank has reached
+  std::vector<Slot> slots_;                 // [2][size]; slot (seq, r) is written by rank r only
+  std::vector<Mailbox> mailboxes_;          // [2][size], as the slots
+  std::vector<EagerSlot> eager_;            // [kEagerDepth]
+  std::unique_ptr<Mailbox[]> eager_bytes_;  // [kEagerDepth]: eager_[i].data
+  std::vector<PaddedEpoch> arrived_;        // barriers each rank has reached
   std::vector<std::atomic<bool>> gone_;
   const bool light_arrive_ = RegisterProcessBarrier();  // see Arrive
   alignas(64) std::atomic<int> sleepers_{0};            // ranks in Sleep
@@ -1055,8 +1112,64 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(CheckPeer(kOp, rank_, "root", root, size()));
     Call call = NewCall(CallKind::kBroadcast, tensor, tensor);
     call.root = root;
-    return RunMove(std::move(call), tensor, tensor, Bytes(tensor),
-                   static_cast<int64_t>(tensor.nbytes()) <= InlineBytes(CallKind::kBroadcast));
+    const bool small = static_cast<int64_t>(tensor.nbytes()) <= InlineBytes(CallKind::kBroadcast);
+    if (small && !group_->debug()) return RunEagerBroadcast(call, tensor);
+    return RunMove(std::move(call), tensor, tensor, Bytes(tensor), small);
+  }
+
+  // A small Broadcast (up to InlineBytes; not with DTENSOR_DEBUG=1) does not meet the group:
+  // the root copies its tensor into the group's next eager slot (kEagerDepth of them, taken in
+  // turn by every rank's count of small Broadcasts) with its header, publishes its arrival and
+  // returns, as NCCL's and ucx's roots return once their message is out; a receiver publishes
+  // its arrival, waits for the root's alone, checks the slot's call against its own and copies
+  // the bytes. So a root may run up to kEagerDepth Broadcasts ahead of its slowest receiver,
+  // which then takes them in one go where ranks share CPUs, instead of a switch per call. A root
+  // reuses a slot once every rank has entered the small Broadcast after the one that used it
+  // last (it has finished reading it then). These calls take no mailbox, header line or slot of
+  // the meeting collectives (seq_ does not count them), and the checks still hold: a meeting
+  // collective reads in each peer's header the barrier it was published at (PublishHeader), so
+  // it sees a peer that made a small Broadcast instead (or skipped or added a call) out of step;
+  // a receiver checks that its slot was written by the root at its own barrier and with its
+  // call. Either fails the group with the mismatch, so the root, which returned already, fails
+  // at its next call (with DTENSOR_DEBUG=1 every rank meets the others and gets the mismatch in
+  // the call itself). (4 ranks on 2 cores, 4 / 16 KiB, us, alternating runs: 1.26-1.30 /
+  // 3.5-4.1 against 2.0-4.1 / 5.2-7.0 meeting every rank through the mailboxes; ucx 1.3 / 3.6.)
+  absl::Status RunEagerBroadcast(const Call& call, const Tensor& tensor) {
+    constexpr const char* kOp = "Broadcast";
+    const int root = call.root;
+    const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
+    DT_RETURN_IF_ERROR(group_->CheckUsable(rank_, kOp, -1));
+    const uint64_t index = eager_count_++;
+    const uint64_t target = ++epoch_;
+    eager_epochs_[index % kEagerDepth] = target;
+    EagerSlot& slot = group_->eager_slot(index);
+    if (rank_ == root) {
+      if (index >= kEagerDepth) {  // every rank has entered small Broadcast index - kEagerDepth + 1
+        DT_RETURN_IF_ERROR(group_->Await(rank_, eager_epochs_[(index + 1) % kEagerDepth], kOp, timeout_,
+                                         /*closing=*/true));
+      }
+      Copy(slot.data, Bytes(tensor), bytes);
+      slot.header = HeaderOf(call);
+      slot.epoch = target;
+      slot.index.store(index, std::memory_order_relaxed);
+      group_->Announce(rank_, target);
+      return absl::OkStatus();
+    }
+    group_->Announce(rank_, target);
+    // Closing: the slot is the group's memory, which a rank that gives up keeps.
+    DT_RETURN_IF_ERROR(group_->Await(rank_, target, kOp, timeout_, /*closing=*/true, root));
+    const bool in_step = slot.index.load(std::memory_order_relaxed) == index && slot.epoch == target;
+    if (!in_step || !SameHeader(slot.header, HeaderOf(call))) {
+      const absl::Status mismatch =
+          !in_step ? InvalidArg("Debug", "rank ", rank_, " called ", Describe(call), " but rank ", root,
+                                " did not call it in step (it made a call rank ", rank_, " did not make, or none)")
+                   : InvalidArg("Debug", "rank ", root, " called ", Describe(slot.header), " but rank ", rank_,
+                                " called ", Describe(call));
+      group_->Fail(mismatch);
+      return mismatch;
+    }
+    Copy(MutableBytes(tensor), slot.data, bytes);
+    return absl::OkStatus();
   }
 
   absl::StatusOr<std::unique_ptr<Work>> SendAsync(const Tensor& tensor, int peer) override {
@@ -1195,9 +1308,19 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     const Header header = HeaderOf(call);
     group_->slot(seq_, rank_) = std::move(call);
     DT_RETURN_IF_ERROR(Sync(op, closing, own, &header));
+    int stale = -1;  // a peer whose header is not from this barrier: not in this collective
     for (int j = 0; j < size(); ++j) {
       heads_[j] = group_->ReadHeader(j, seq_);
       inputs_[j] = heads_[j].in;
+      if (heads_[j].tag != static_cast<uint16_t>(epoch_)) stale = j;
+    }
+    if (stale >= 0) {
+      const absl::Status mismatch =
+          InvalidArg("Debug", "rank ", rank_, " called ", Describe(group_->slot(seq_, rank_)), " but rank ", stale,
+                     " did not call it in step (it made a small Broadcast, which ",
+                     "does not meet the group, or a call rank ", rank_, " did not make)");
+      group_->Fail(mismatch);
+      return mismatch;
     }
     const Header& first = Head(0);
     bool same = true;
@@ -1439,8 +1562,10 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
   std::shared_ptr<ThreadGroup> group_;
   int rank_;
   absl::Duration timeout_;
-  uint64_t epoch_ = 0;  // barriers passed (all ranks of the group pass the same ones)
-  uint64_t seq_ = 0;    // collectives begun
+  uint64_t epoch_ = 0;                       // barriers passed (all ranks of the group pass the same ones)
+  uint64_t seq_ = 0;                         // collectives begun that meet the group (all but RunEagerBroadcast's)
+  uint64_t eager_count_ = 0;                 // small Broadcasts made (RunEagerBroadcast)
+  uint64_t eager_epochs_[kEagerDepth] = {};  // the barrier of small Broadcast i at [i % kEagerDepth]
   std::vector<char> staging_;
   // The ranks' headers of collective seq_ (Publish) and their `in`s. Written on every call: for
   // groups of up to kLocalRanks in this object's own cache lines (a vector's buffer, allocated
@@ -1458,7 +1583,9 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
 }  // namespace internal
 
 absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeThreadGroup(int world_size, absl::Duration timeout) {
-  if (world_size < 1) return InvalidArg("MakeThreadGroup", "world_size must be >= 1, got ", world_size);
+  if (world_size < 1 || static_cast<uint64_t>(world_size) >= internal::kRootMask) {
+    return InvalidArg("MakeThreadGroup", "world_size must be in [1, ", internal::kRootMask - 1, "], got ", world_size);
+  }
   const char* env = std::getenv("DTENSOR_DEBUG");
   const bool debug = env != nullptr && std::string(env) == "1";
   auto family = std::make_shared<internal::Family>(world_size);

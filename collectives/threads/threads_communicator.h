@@ -23,7 +23,11 @@
 // a mailbox of the group and every rank reads its share from the mailboxes (reductions: reduces it; AllReduce: all of
 // it, each rank alike). Small means up to these many input bytes where ranks share CPUs / where
 // each has a CPU of its own: AllReduce 4 KiB / 512 B, ReduceScatter(V) 16 / 2 KiB, AllGather(V)
-// 4 / 2 KiB (V: its largest block), AllToAll 4 / 4 KiB, Broadcast 16 / 4 KiB. A rank
+// 4 / 1 KiB (V: its largest block), AllToAll 4 / 2 KiB, Broadcast 16 / 4 KiB. A small
+// Broadcast does not even meet the group: its root copies the tensor into one of 32 slots of
+// the group and returns, as NCCL's and ucx's roots return once the message is out, and each
+// receiver waits for the root alone; a root runs at most 32 small Broadcasts ahead of its
+// slowest receiver (unless DTENSOR_DEBUG=1, where every rank meets the others). A rank
 // waiting at a barrier spins (when every rank has a CPU: more CPUs than MakeThreadGroup's
 // ranks, and no peer last seen on its own CPU), then yields, then sleeps on a futex. Reductions run in float32 for
 // bfloat16 / float16 (rounded once), exactly (wrapping) for int32 / int64, with kAvg on integers dividing the sum by
@@ -35,7 +39,11 @@
 // Calls are checked across ranks on every collective (shared memory makes it free, so it is
 // always on, DTENSOR_DEBUG or not): mismatched ops, dtypes, counts, reductions or roots give
 // InvalidArgument on every rank, e.g. "[Debug] rank 0 called AllReduce(float32, 12 elements,
-// sum) but rank 2 called AllGather(float32, 3 elements)".
+// sum) but rank 2 called AllGather(float32, 3 elements)". Where a small Broadcast is involved
+// (its root returned already) or a rank is out of step (it skipped or added a call), the rank
+// that finds it fails the group with that InvalidArgument: the others fail in their current or
+// next call, and the group stays failed. With DTENSOR_DEBUG=1 a mismatched small Broadcast
+// fails on every rank in the call itself, as the other collectives do.
 //
 // Async forms: collectives run eagerly inside the *Async call and return a completed Work
 // (no overlap with compute on this backend). SendAsync / RecvAsync post the message and
@@ -67,9 +75,9 @@
 
 namespace dtensor {
 
-// world_size communicators of one group; element r has rank r. world_size >= 1 (else
-// InvalidArgument). DTENSOR_DEBUG=1 in the environment is recorded (see above: the checks
-// are always on here).
+// world_size communicators of one group; element r has rank r. 1 <= world_size < 2^24 - 1
+// (else InvalidArgument). DTENSOR_DEBUG=1 in the environment is recorded: the checks are always
+// on here, and with it small Broadcasts meet the group too (see above).
 absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeThreadGroup(int world_size,
                                                                            absl::Duration timeout = DefaultTimeout());
 

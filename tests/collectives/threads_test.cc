@@ -26,6 +26,7 @@
 namespace dtensor {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::EndsWith;
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
@@ -493,11 +494,11 @@ TEST(ThreadsTest, LargeBroadcastReachesEveryElementFromEveryRoot) {
 
 // The largest inputs (bytes) that go through the mailboxes, as threads_communicator.cc's
 // constants, where each rank has a CPU of its own and where ranks share CPUs: AllReduce 512 B,
-// 4 KiB; ReduceScatter(V) 2, 16 KiB; AllGather(V) 2, 4 KiB (its input; V: its largest block);
-// AllToAll 4 KiB; Broadcast 4, 16 KiB.
+// 4 KiB; ReduceScatter(V) 2, 16 KiB; AllGather(V) 1, 4 KiB (its input; V: its largest block);
+// AllToAll 2, 4 KiB; Broadcast 4, 16 KiB (below them a Broadcast's root does not wait).
 constexpr int64_t kReduceCutOffs[] = {512, 2048, 4096, 16384};
-constexpr int64_t kGatherCutOffs[] = {2048, 4096};
-constexpr int64_t kAllToAllCutOff = 4096;
+constexpr int64_t kGatherCutOffs[] = {1024, 4096};
+constexpr int64_t kAllToAllCutOffs[] = {2048, 4096};
 constexpr int64_t kBroadcastCutOffs[] = {4096, 16384};
 
 // Counts of `unit`-byte units just below, at (or just below) and just above `cutoff` bytes.
@@ -604,8 +605,10 @@ TEST_P(ThreadsCutOffTest, BothSidesOfEveryCutOff) {
   const int64_t es = static_cast<int64_t>(ElementSize(dtype));
   ExpectAllOk(RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
     int call = 0;
-    for (int64_t m : Around(kAllToAllCutOff, world * es)) {
-      DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kAllToAll, dtype, m, 0, ++call, rank, *comm));
+    for (int64_t cutoff : kAllToAllCutOffs) {
+      for (int64_t m : Around(cutoff, world * es)) {
+        DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kAllToAll, dtype, m, 0, ++call, rank, *comm));
+      }
     }
     for (int64_t cutoff : kGatherCutOffs) {
       for (int64_t m : Around(cutoff, es)) {
@@ -687,16 +690,40 @@ TEST(ThreadsTest, CallsOnBothSidesOfACutOffFailTogether) {
       const absl::Status gather = comm->AllGather(Sentinel(n, f32), Sentinel(3 * n, f32));
       EXPECT_EQ(gather.code(), absl::StatusCode::kInvalidArgument) << gather;
     }
-    for (int64_t cutoff : kBroadcastCutOffs) {
-      Tensor t = Sentinel(cutoff / 4 + (rank == 2 ? 1 : 0), f32);
-      const absl::Status broadcast = comm->Broadcast(t, 0);
-      EXPECT_EQ(broadcast.code(), absl::StatusCode::kInvalidArgument) << broadcast;
-    }
     for (int call = 1; call <= 4; ++call) {
       DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kAllGather, f32, call * 700, 0, call, rank, *comm));
     }
     return comm->Barrier();
   }));
+  // A small Broadcast's root returns without meeting the group (RunEagerBroadcast): the rank
+  // past the cut-off (which meets the group) finds the others' calls are not its own and fails
+  // the group, so every rank fails in that call or its next, naming the mismatch. With
+  // DTENSOR_DEBUG=1 every rank fails in the call itself.
+  for (const bool debug : {false, true}) {
+    for (int64_t cutoff : kBroadcastCutOffs) {
+      if (debug) setenv("DTENSOR_DEBUG", "1", 1);
+      auto comms = testing::Unwrap(MakeThreadGroup(3, absl::Seconds(20)));
+      unsetenv("DTENSOR_DEBUG");
+      std::vector<absl::Status> broadcasts(3);
+      const auto nexts = RunOn(comms, [&](int rank, CommPtr& comm) -> absl::Status {
+        Tensor t = Sentinel(cutoff / 4 + (rank == 2 ? 1 : 0), f32);
+        broadcasts[static_cast<size_t>(rank)] = comm->Broadcast(t, 0);
+        return comm->Barrier();
+      });
+      for (size_t r = 0; r < 3; ++r) {
+        const std::string where = absl::StrCat("cut-off ", cutoff, debug ? ", debug" : "", ", rank ", r);
+        const absl::Status& first = broadcasts[r].ok() ? nexts[r] : broadcasts[r];
+        EXPECT_EQ(first.code(), absl::StatusCode::kInvalidArgument) << where << ": " << first;
+        if (r == 2 || debug) {
+          EXPECT_FALSE(broadcasts[r].ok()) << where;
+        }
+        EXPECT_THAT(std::string(first.message()),
+                    AllOf(HasSubstr("[Debug] rank "), HasSubstr(absl::StrCat("rank 2 called Broadcast(float32, ",
+                                                                             cutoff / 4 + 1, " elements, root 0)"))))
+            << where;
+      }
+    }
+  }
 }
 
 TEST(ThreadsTest, IntegerAvgTruncatesTowardZero) {
@@ -1208,6 +1235,81 @@ TEST(ThreadsTest, MismatchedCallsFailOnEveryRank) {
     return root;
   });
   for (const absl::Status& s : more) EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A small Broadcast's root returns once its bytes are in the group's slot, up to 32 calls ahead
+// of its slowest receiver (RunEagerBroadcast): here a receiver sleeps before its first call, the
+// root's first 32 return meanwhile and its 33rd waits until that receiver has entered the second.
+// Then every rank runs 300 small Broadcasts (roots and sizes changing, runs from one root, one
+// rank yielding before some, an AllReduce now and then): every slot is reused many times, and a
+// slot rewritten before every receiver had read it would hand one the wrong call's values.
+TEST(ThreadsTest, SmallBroadcastRootsRunAheadOfTheirReceivers) {
+  constexpr int kDepth = 32;
+  const DType f32 = DType::kFloat32;
+  for (int world : {2, 3, 4}) {
+    std::atomic<bool> entered{false};
+    ExpectAllOk(RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
+      int call = 0;
+      if (rank == world - 1) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(200 * testing::TimeScale())));
+        entered.store(true);
+      }
+      for (int i = 0; i <= kDepth; ++i) {
+        DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kBroadcast, f32, 64 + i, 0, ++call, rank, *comm));
+        if (rank == 0 && i == kDepth - 1) {
+          EXPECT_FALSE(entered.load()) << world << " ranks: the root waited for a receiver within 32 calls";
+        }
+      }
+      if (rank == 0) {
+        EXPECT_TRUE(entered.load()) << world << " ranks: the root ran 33 calls ahead";
+      }
+      for (int it = 0; it < 300; ++it) {
+        const int root = (it / 7) % world;
+        if (it % (world + 3) == rank) std::this_thread::yield();
+        DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kBroadcast, f32, 1 + (it * 379) % 1024, root, ++call, rank, *comm));
+        if (it % 41 == 0) {
+          DT_RETURN_IF_ERROR(RunReducing(Coll::kAllReduce, CommReduceOp::kSum, f32, 1 + it % 500, rank, *comm));
+        }
+      }
+      return comm->Barrier();
+    }));
+  }
+}
+
+// A rank that skips a small Broadcast, or makes its calls in another order, is found out of step
+// at the next collective that meets the group: every rank fails within the call or the next,
+// well before the timeout, and no AllReduce returns a result.
+TEST(ThreadsTest, ASkippedSmallBroadcastFailsEveryRank) {
+  for (const int variant : {0, 1}) {
+    auto comms = testing::Unwrap(MakeThreadGroup(3, absl::Seconds(20)));
+    std::vector<int> failures(3, 0);
+    const Clock::time_point start = Clock::now();
+    const auto lasts = RunOn(comms, [&](int rank, CommPtr& comm) -> absl::Status {
+      Tensor small = Sentinel(16, DType::kFloat32);
+      Tensor sum = Sentinel(16, DType::kFloat32);
+      auto broadcast = [&] { return comm->Broadcast(small, 0); };
+      auto reduce = [&] { return comm->AllReduce(sum, sum, CommReduceOp::kSum); };
+      // variant 0: rank 2 skips the Broadcast; variant 1: rank 0 (the root) reduces first.
+      const bool skip = variant == 0 && rank == 2;
+      const bool swap = variant == 1 && rank == 0;
+      std::vector<absl::Status> got;
+      if (!skip && !swap) got.push_back(broadcast());
+      got.push_back(reduce());
+      if (swap) got.push_back(broadcast());
+      got.push_back(comm->Barrier());
+      for (const absl::Status& s : got) failures[static_cast<size_t>(rank)] += s.ok() ? 0 : 1;
+      const absl::Status reduced = got[skip || swap ? 0 : 1];
+      EXPECT_FALSE(reduced.ok()) << "variant " << variant << ", rank " << rank << ": the AllReduce returned";
+      return got.back();
+    });
+    EXPECT_LT(SecondsSince(start), 10.0);
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_GE(failures[static_cast<size_t>(r)], 1) << "variant " << variant << ", rank " << r;
+      EXPECT_EQ(lasts[static_cast<size_t>(r)].code(), absl::StatusCode::kInvalidArgument)
+          << "variant " << variant << ", rank " << r << ": " << lasts[static_cast<size_t>(r)];
+      EXPECT_THAT(std::string(lasts[static_cast<size_t>(r)].message()), HasSubstr("did not call it in step"));
+    }
+  }
 }
 
 // Bad inputs are rejected locally: rank 0 gets them while rank 1 does nothing.
