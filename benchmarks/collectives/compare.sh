@@ -23,7 +23,10 @@
 # the per-round ratios compares like with like where the median of each program's busbw would
 # not.)
 #   ucx busbw >= ompi busbw at every size; >= 2x ompi for all_reduce and reduce_scatter at
-#   >= 4 MiB; the 4 KiB all_reduce under 1.5 us (checked where every rank has a core).
+#   >= 4 MiB; the 4 KiB all_reduce under 1.5 us (checked where every rank has a core); and the
+#   threads backend (ranks in one process) at least as fast as ucx (processes) at every size:
+#   the "thr/ucx" column is the median of the per-round threads/ucx busbw ratios, judged with
+#   its own ok / BELOW after the ucx one.
 # Exit status: 1 if a run failed or reported wrong elements (or, with --strict, if a row is
 # BELOW target); else 0.
 set -u -o pipefail
@@ -174,8 +177,8 @@ for n in $ranks; do
         op = ops[i]
         printf "\n## %s, %d ranks: busbw in GB/s (nccl-tests), time per call in us%s\n", op, n,
                (rounds > 1 ? ", medians of " rounds " rounds" : "")
-        printf "%10s | %9s | %9s | %9s | %8s | %11s | %6s | %9s | %9s | %s\n", "size (B)", "threads", "ucx", "ompi",
-               "ucx/ompi", "rounds", "paired", "ucx us", "ompi us", "target"
+        printf "%10s | %9s | %9s | %9s | %8s | %11s | %6s | %9s | %9s | %7s | %s\n", "size (B)", "threads", "ucx",
+               "ompi", "ucx/ompi", "rounds", "paired", "ucx us", "ompi us", "thr/ucx", "target"
         for (j = 1; j <= nsizes[op]; ++j) {
           size = sizes[op, j]; key = op SUBSEP size
           median("threads", key); median("ucx", key); median("ompi", key)
@@ -209,15 +212,26 @@ for n in $ranks; do
               if (flag == "n/a") flag = t_ok ? "ok" : "BELOW"; else if (!t_ok) flag = "BELOW"
             }
           }
+          # threads against ucx: the median of the per-round ratios, as for ucx/ompi.
+          tflag = "n/a"; tpaired = "-"; m = 0
+          for (k = 1; k <= rounds; ++k) {
+            if (!(("threads", key, k) in rbus) || !(("ucx", key, k) in rbus) || rbus["ucx", key, k] + 0 <= 0) continue
+            y[++m] = rbus["threads", key, k] / rbus["ucx", key, k]
+          }
+          if (m > 0) {
+            for (a = 2; a <= m; ++a) for (c = a; c > 1 && y[c] < y[c - 1]; --c) { t = y[c]; y[c] = y[c - 1]; y[c - 1] = t }
+            pm = m % 2 ? y[(m + 1) / 2] : (y[m / 2] + y[m / 2 + 1]) / 2
+            tpaired = sprintf("%.2fx", pm); tflag = pm >= 1 ? "ok" : "BELOW"
+          }
           bad = ""
           for (t = 1; t <= 3; ++t) {
             tag = t == 1 ? "threads" : t == 2 ? "ucx" : "ompi"
             if ((tag, key) in wrong && wrong[tag, key] != "0") bad = bad " " tag "-WRONG"
           }
-          if (flag == "BELOW") ++below
-          printf "%10s | %9s | %9s | %9s | %8s | %11s | %6s | %9s | %9s | %s: %s%s\n", size, cell("threads", key, bus),
-                 cell("ucx", key, bus), cell("ompi", key, bus), ratio, spread, paired, cell("ucx", key, us),
-                 cell("ompi", key, us), target, flag, bad
+          if (flag == "BELOW" || tflag == "BELOW") ++below
+          printf "%10s | %9s | %9s | %9s | %8s | %11s | %6s | %9s | %9s | %7s | %s: %s; threads >= ucx: %s%s\n", size,
+                 cell("threads", key, bus), cell("ucx", key, bus), cell("ompi", key, bus), ratio, spread, paired,
+                 cell("ucx", key, us), cell("ompi", key, us), tpaired, target, flag, tflag, bad
         }
       }
       exit below > 0 ? 3 : 0
