@@ -32,6 +32,9 @@
 # speed stage, in one call: DT_STAGES="kernels speed" bash /tmp/gpu/run.sh "$PWD" (the kernels
 # stage checks the tensor-core attention, cuBLASLt epilogues and multi-tensor AdamW against the
 # CPU; DTENSOR_CUDA_ATTENTION=simple falls back to the old attention kernels if those fail).
+# Stage racecheck runs compute-sanitizer's racecheck over the flash-attention test (up to 5
+# minutes): add it to a lend with time left. run.sh exports DTENSOR_REQUIRE_GPU=1, so a GPU test
+# that finds no usable device (a driver older than this CUDA) fails instead of skipping.
 set -euo pipefail
 
 [[ $# -eq 2 ]] || { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
@@ -87,6 +90,7 @@ done
 [[ -e "$build/tests/dtensor_ucx_child" ]] || ln -s "\$here/bin/dtensor_ucx_child" "$build/tests/dtensor_ucx_child"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader || true
 rc=0
+export DTENSOR_REQUIRE_GPU=1  # a GPU test that finds no usable device fails instead of skipping
 want() { [[ -z "\${DT_STAGES:-}" || " \$DT_STAGES " == *" \$1 "* ]]; }
 t() {
   local name=\$1; shift
@@ -242,6 +246,14 @@ if want sanitizer; then
   else
     echo "compute-sanitizer: not installed"
   fi
+fi
+# The tensor-core attention's shared-memory barriers, which no CPU run can check (racecheck is
+# slow: the flash-attention test alone, under its own limit).
+if want racecheck && command -v compute-sanitizer > /dev/null; then
+  timeout 300 compute-sanitizer --tool racecheck --error-exitcode 7 "\$here/bin/kernels_test" \
+    --gtest_filter='CudaKernelsTest.FlashAttention*' > "\$logs/racecheck.log" 2>&1; s=\$?
+  [[ \$s -eq 0 ]] || rc=1
+  echo "compute-sanitizer racecheck, flash attention: exit \$s, \$(grep -h 'RACECHECK SUMMARY\|ERROR SUMMARY' "\$logs/racecheck.log" | head -2 | tr '\n' ' ')"
 fi
 # Last (nothing else on the GPU while it measures): the step benchmark, its table printed whole.
 if want speed; then
