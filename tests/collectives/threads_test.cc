@@ -1238,8 +1238,9 @@ TEST(ThreadsTest, MismatchedCallsFailOnEveryRank) {
 }
 
 // A small Broadcast's root returns once its bytes are in the group's slot, up to 32 calls ahead
-// of its slowest receiver (RunEagerBroadcast): here a receiver sleeps before its first call, the
-// root's first 32 return meanwhile and its 33rd waits until that receiver has entered the second.
+// of its slowest receiver (RunEagerBroadcast): here the last receiver waits until the root has
+// made 32 calls before it makes its first (it gives up after 10 s and the test fails), and the
+// root's 33rd call returns only after that receiver has entered the second.
 // Then every rank runs 300 small Broadcasts (roots and sizes changing, runs from one root, one
 // rank yielding before some, an AllReduce now and then): every slot is reused many times, and a
 // slot rewritten before every receiver had read it would hand one the wrong call's values.
@@ -1247,18 +1248,18 @@ TEST(ThreadsTest, SmallBroadcastRootsRunAheadOfTheirReceivers) {
   constexpr int kDepth = 32;
   const DType f32 = DType::kFloat32;
   for (int world : {2, 3, 4}) {
-    std::atomic<bool> entered{false};
+    std::atomic<bool> ran_ahead{false}, entered{false};
     ExpectAllOk(RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
       int call = 0;
       if (rank == world - 1) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int64_t>(200 * testing::TimeScale())));
+        const Clock::time_point start = Clock::now();
+        while (!ran_ahead.load() && SecondsSince(start) < 10.0 * testing::TimeScale()) std::this_thread::yield();
+        EXPECT_TRUE(ran_ahead.load()) << world << " ranks: the root waited for a receiver within 32 calls";
         entered.store(true);
       }
       for (int i = 0; i <= kDepth; ++i) {
+        if (rank == 0 && i == kDepth) ran_ahead.store(true);
         DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kBroadcast, f32, 64 + i, 0, ++call, rank, *comm));
-        if (rank == 0 && i == kDepth - 1) {
-          EXPECT_FALSE(entered.load()) << world << " ranks: the root waited for a receiver within 32 calls";
-        }
       }
       if (rank == 0) {
         EXPECT_TRUE(entered.load()) << world << " ranks: the root ran 33 calls ahead";
