@@ -382,8 +382,12 @@ constexpr uint64_t kEagerDepth = 32;
 struct alignas(64) EagerSlot {
   Header header;
   uint64_t epoch = 0;                         // the barrier its root arrived at
-  std::atomic<uint64_t> index{~uint64_t{0}};  // which small Broadcast of the group wrote it last
-  char* data = nullptr;                       // kInlineBytes
+  std::atomic<uint64_t> index{~uint64_t{0}};  // which small Broadcast of the group wrote it last (release)
+  // Which small Broadcast took it last, and which rank as its root: index << 24 | rank. Ranks that
+  // disagree on the root may both act as it; the second to take the slot for one call finds it
+  // taken, writes nothing and fails the group (else nobody would look: roots do not read slots).
+  std::atomic<uint64_t> claim{~uint64_t{0}};
+  char* data = nullptr;  // kInlineBytes
 };
 
 // A posted Send or Recv.
@@ -426,6 +430,8 @@ class Family {
 
 class ThreadGroup {
  public:
+  // CheckUsable's `peer` beside a rank.
+  enum CheckPeers : int { kAll = -1, kNone = -2 };
   ThreadGroup(int size, bool debug, std::shared_ptr<Family> family)
       : family_(std::move(family)),
         size_(size),
@@ -497,7 +503,8 @@ class ThreadGroup {
     return h;
   }
 
-  // Fails fast when the group failed before or `peer` (every rank when -1) has left.
+  // Fails fast when the group failed before or `peer` (every rank when -1, none when
+  // CheckPeers::kNone) has left.
   absl::Status CheckUsable(int rank, const char* op, int peer) {
     if (!failed_.load(std::memory_order_acquire) && family_->aborted()) Fail(family_->abort_status());
     if (failed_.load(std::memory_order_acquire)) {
@@ -506,7 +513,7 @@ class ThreadGroup {
                           absl::StrCat("[", op, "] rank ", rank, ": the group failed earlier: ", failure_.message()));
     }
     for (int j = 0; j < size_; ++j) {
-      if ((peer < 0 || j == peer) && gone_[static_cast<size_t>(j)].load(std::memory_order_acquire)) {
+      if ((peer == kAll || j == peer) && gone_[static_cast<size_t>(j)].load(std::memory_order_acquire)) {
         return absl::UnavailableError(absl::StrCat("[", op, "] rank ", rank, ": rank ", j,
                                                    " has left the group (its communicator was destroyed)"));
       }
@@ -579,6 +586,9 @@ class ThreadGroup {
     }
     return Sleep(rank, target, op, timeout, closing, only);
   }
+
+  // Whether `rank` has arrived at barrier `target` (an acquire of its arrival).
+  bool HasArrived(int rank, uint64_t target) const { return Arrived(target, rank); }
 
   void MarkGone(int rank) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -715,10 +725,13 @@ class ThreadGroup {
       std::vector<int> missing;
       int gone = -1;
       for (int j = 0; j < size_; ++j) {
-        if ((only < 0 || j == only) &&
-            arrived_[static_cast<size_t>(j)].value.load(std::memory_order_acquire) < target) {
-          missing.push_back(j);
-          if (gone < 0 && gone_[static_cast<size_t>(j)].load(std::memory_order_acquire)) gone = j;
+        const bool late = arrived_[static_cast<size_t>(j)].value.load(std::memory_order_acquire) < target;
+        if ((only < 0 || j == only) && late) missing.push_back(j);
+        // Waiting for one rank (a small Broadcast's root, which has not arrived), any rank that
+        // left fails the wait: the root refuses the call when it comes (CheckUsable), and no rank
+        // can have finished this call before the root arrived.
+        if (gone < 0 && (only >= 0 || late) && gone_[static_cast<size_t>(j)].load(std::memory_order_acquire)) {
+          gone = j;
         }
       }
       if (failed) {
@@ -729,8 +742,12 @@ class ThreadGroup {
       }
       if (gone >= 0) {
         std::lock_guard<std::mutex> lock(mu_);
-        result = absl::UnavailableError(absl::StrCat("[", op, "] rank ", rank, " was waiting for rank ", gone,
-                                                     ", which has left the group (its communicator was destroyed)"));
+        result = absl::UnavailableError(
+            only < 0 || gone == only
+                ? absl::StrCat("[", op, "] rank ", rank, " was waiting for rank ", gone,
+                               ", which has left the group (its communicator was destroyed)")
+                : absl::StrCat("[", op, "] rank ", rank, " was waiting for rank ", only, " but rank ", gone,
+                               " has left the group (its communicator was destroyed)"));
         FailLocked(result);
         break;
       }
@@ -1134,15 +1151,24 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
   // collective reads in each peer's header the barrier it was published at (PublishHeader), so
   // it sees a peer that made a small Broadcast instead (or skipped or added a call) out of step;
   // a receiver checks that its slot was written by the root at its own barrier and with its
-  // call. Either fails the group with the mismatch, so the root, which returned already, fails
-  // at its next call (with DTENSOR_DEBUG=1 every rank meets the others and gets the mismatch in
-  // the call itself). (4 ranks on 2 cores, 4 / 16 KiB, us, alternating runs: 1.26-1.30 /
-  // 3.5-4.1 against 2.0-4.1 / 5.2-7.0 meeting every rank through the mailboxes; ucx 1.3 / 3.6.)
+  // call; two ranks that both act as the root of one call (they disagree on it) are found by the
+  // second to take the slot (EagerSlot::claim), as no receiver may look. Each fails the group
+  // with the mismatch, so the root, which returned already, fails at its next call (with
+  // DTENSOR_DEBUG=1 every rank meets the others and gets the mismatch in the call itself).
+  // (4 ranks on 2 cores, 4 / 16 KiB, us, alternating runs: 1.26-1.30 / 3.5-4.1 against
+  // 2.0-4.1 / 5.2-7.0 meeting every rank through the mailboxes; ucx 1.3 / 3.6.)
+  // A receiver whose root has arrived takes the bytes even if a peer has left since (a root may
+  // leave once it returned); one still waiting for its root fails at once when any rank leaves
+  // (the root would refuse the call: Sleep).
   absl::Status RunEagerBroadcast(const Call& call, const Tensor& tensor) {
     constexpr const char* kOp = "Broadcast";
     const int root = call.root;
     const int64_t bytes = static_cast<int64_t>(tensor.nbytes());
-    DT_RETURN_IF_ERROR(group_->CheckUsable(rank_, kOp, -1));
+    // A receiver whose root has arrived finds the bytes in the group's slot: it takes them even
+    // if the root (or a receiver done with them) has left the group since; a root that returned
+    // may leave without failing its receivers. (A failed group still fails the call.)
+    const bool ready = rank_ != root && group_->HasArrived(root, epoch_ + 1);
+    DT_RETURN_IF_ERROR(group_->CheckUsable(rank_, kOp, ready ? ThreadGroup::kNone : ThreadGroup::kAll));
     const uint64_t index = eager_count_++;
     const uint64_t target = ++epoch_;
     eager_epochs_[index % kEagerDepth] = target;
@@ -1152,17 +1178,28 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
         DT_RETURN_IF_ERROR(group_->Await(rank_, eager_epochs_[(index + 1) % kEagerDepth], kOp, timeout_,
                                          /*closing=*/true));
       }
+      const uint64_t claim = index << 24 | static_cast<uint64_t>(rank_);
+      const uint64_t taken = slot.claim.exchange(claim, std::memory_order_acq_rel);
+      if (taken != ~uint64_t{0} && taken >> 24 == index) {
+        const absl::Status mismatch =
+            InvalidArg("Debug", "rank ", taken & kRootMask, " and rank ", rank_,
+                       " both called Broadcast as its root (rank ", rank_, " called ", Describe(call), ")");
+        group_->Fail(mismatch);
+        return mismatch;
+      }
       Copy(slot.data, Bytes(tensor), bytes);
       slot.header = HeaderOf(call);
       slot.epoch = target;
-      slot.index.store(index, std::memory_order_relaxed);
+      // Release: a receiver out of step (one that waited for another rank than this root) that
+      // finds this index sees the whole slot.
+      slot.index.store(index, std::memory_order_release);
       group_->Announce(rank_, target);
       return absl::OkStatus();
     }
     group_->Announce(rank_, target);
     // Closing: the slot is the group's memory, which a rank that gives up keeps.
     DT_RETURN_IF_ERROR(group_->Await(rank_, target, kOp, timeout_, /*closing=*/true, root));
-    const bool in_step = slot.index.load(std::memory_order_relaxed) == index && slot.epoch == target;
+    const bool in_step = slot.index.load(std::memory_order_acquire) == index && slot.epoch == target;
     if (!in_step || !SameHeader(slot.header, HeaderOf(call))) {
       const absl::Status mismatch =
           !in_step ? InvalidArg("Debug", "rank ", rank_, " called ", Describe(call), " but rank ", root,

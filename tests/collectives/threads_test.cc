@@ -1313,6 +1313,104 @@ TEST(ThreadsTest, ASkippedSmallBroadcastFailsEveryRank) {
   }
 }
 
+// Ranks that disagree on a small Broadcast's root so that two of them both act as its root
+// (here each rank names itself, or ranks 0 and 1 name themselves and rank 2 names rank 0): the
+// roots return without meeting the group, so no receiver may be the only one to look. The
+// second root to take the slot finds it taken for this call and fails the group, so every rank
+// fails in the Broadcast or the Barrier after it (InvalidArgument naming both roots), instead
+// of every rank keeping its own tensor, or a receiver copying a slot two roots write at once.
+// Last, rank 2 names rank 1, a receiver: it reads the slot whenever rank 1 arrives, written by
+// rank 0 or not yet, and must fail the group either way.
+TEST(ThreadsTest, TwoRanksActingAsRootOfOneSmallBroadcastFailTheGroup) {
+  for (const int world : {2, 3, -3}) {
+    const int n = std::abs(world);
+    for (int trial = 0; trial < 20; ++trial) {
+      auto comms = testing::Unwrap(MakeThreadGroup(n, absl::Seconds(20)));
+      std::vector<absl::Status> broadcasts(static_cast<size_t>(n));
+      const auto barriers = RunOn(comms, [&](int rank, CommPtr& comm) -> absl::Status {
+        Tensor t = Make(HashedValues(trial, rank, 64, DType::kFloat32), DType::kFloat32);
+        const int root = world < 0 ? (rank == 2 ? 1 : 0) : rank < 2 ? rank : 0;
+        broadcasts[static_cast<size_t>(rank)] = comm->Broadcast(t, root);
+        return comm->Barrier();
+      });
+      for (int r = 0; r < n; ++r) {
+        const size_t ur = static_cast<size_t>(r);
+        const absl::Status& first = broadcasts[ur].ok() ? barriers[ur] : broadcasts[ur];
+        EXPECT_EQ(first.code(), absl::StatusCode::kInvalidArgument)
+            << world << " ranks, trial " << trial << ", rank " << r << ": " << first;
+        EXPECT_THAT(
+            std::string(first.message()),
+            HasSubstr(world < 0 ? "rank 2 called Broadcast(float32, 64 elements, root 1)" : "both called Broadcast"))
+            << world << " ranks, trial " << trial << ", rank " << r;
+      }
+    }
+  }
+}
+
+// A small Broadcast's root returns before its receivers have read its bytes (they are in the
+// group's slot): it may then leave the group (its communicator destroyed), and so may a receiver
+// that has its bytes, without failing a receiver that comes later (as a rank that leaves after
+// a collective every rank has entered does not fail it). A receiver whose root left before
+// reaching the Broadcast still gets Unavailable.
+TEST(ThreadsTest, ASmallBroadcastSurvivesItsRootLeavingAfterItReturns) {
+  for (const int world : {2, 3}) {
+    std::atomic<int> left{0};
+    const auto statuses = RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
+      if (rank == world - 1) {  // the last receiver comes once every other rank has left
+        const Clock::time_point start = Clock::now();
+        while (left.load() < world - 1 && SecondsSince(start) < 10.0 * testing::TimeScale()) {
+          std::this_thread::yield();
+        }
+        EXPECT_EQ(left.load(), world - 1);
+      }
+      absl::Status s = MoveAndCheck(Coll::kBroadcast, DType::kFloat32, 100, 0, 1, rank, *comm);
+      if (rank != world - 1) {
+        comm.reset();
+        left.fetch_add(1);
+      }
+      return s;
+    });
+    ExpectAllOk(statuses);
+  }
+  // The root left before its Broadcast: the receiver fails at once, naming it.
+  auto comms = testing::Unwrap(MakeThreadGroup(2, absl::Seconds(20)));
+  comms[0].reset();
+  Tensor t = Sentinel(4, DType::kFloat32);
+  const absl::Status s = comms[1]->Broadcast(t, 0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("rank 0"));
+}
+
+// A rank that leaves the group while a receiver waits in a small Broadcast for its root: the
+// root, coming later, refuses the call (a rank has left), so the receiver must not wait for it
+// until the timeout; it fails at once with Unavailable naming the rank that left.
+TEST(ThreadsTest, ARankLeavingFailsReceiversWaitingForASmallBroadcastsRoot) {
+  std::atomic<bool> left{false};
+  const auto start = Clock::now();
+  const auto statuses = RunRanks(
+      3,
+      [&](int rank, CommPtr& comm) -> absl::Status {
+        Tensor t = Sentinel(16, DType::kFloat32);
+        if (rank == 1) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 2 is waiting by then
+          comm.reset();
+          left.store(true);
+          return absl::OkStatus();
+        }
+        if (rank == 0) {
+          while (!left.load()) std::this_thread::yield();
+        }
+        return comm->Broadcast(t, 0);
+      },
+      absl::Seconds(20));
+  EXPECT_LT(SecondsSince(start), 5.0);
+  for (int r : {0, 2}) {
+    const absl::Status& s = statuses[static_cast<size_t>(r)];
+    EXPECT_EQ(s.code(), absl::StatusCode::kUnavailable) << "rank " << r << ": " << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("rank 1")) << "rank " << r;
+  }
+}
+
 // Bad inputs are rejected locally: rank 0 gets them while rank 1 does nothing.
 TEST(ThreadsTest, BadInputsAreRejectedWithClearMessages) {
   auto comms = testing::Unwrap(MakeThreadGroup(2, absl::Seconds(20)));
