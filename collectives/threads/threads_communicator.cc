@@ -318,6 +318,8 @@ bool SameCall(const Call& a, const Call& b) {
 // ThreadGroup::PublishHeader); the rest of the Call (output, counts, views, split) stays in its
 // slot, read only by the calls that use it and for error messages.
 constexpr uint64_t kRootMask = (uint64_t{1} << 24) - 1;  // a root in a header (-1: none)
+// A header's element count: a contiguous CPU tensor's, under 2^47 bytes of user address space.
+constexpr uint64_t kNumelMask = (uint64_t{1} << 48) - 1;
 struct Header {
   CallKind kind = CallKind::kBarrier;
   DType dtype = DType::kFloat32;
@@ -325,7 +327,7 @@ struct Header {
   int root = -1;
   int64_t numel = 0;
   const char* in = nullptr;
-  uint16_t tag = 0;  // read from the arrival line: the low bits of the barrier it was published at
+  uint32_t tag = 0;  // read from the arrival line: the low bits of the barrier it was published at
 };
 
 Header HeaderOf(const Call& c) { return Header{c.kind, c.dtype, c.op, c.root, c.numel, c.in}; }
@@ -475,16 +477,18 @@ class ThreadGroup {
   // still reads. (4 ranks on 2 cores, broadcast 4 / 16 KiB, medians of 10 alternating runs:
   // 3.96 / 5.08 us; one place under a seqlock, a reader that found it rewritten taking the
   // header from the slot: 4.05 / 5.12; the mailbox's line, before: 4.23 / 5.33.)
-  // The header carries the low 16 bits of the barrier it is published at (`target`): a peer
-  // that finds another number there knows that rank is not in this collective (it made a small
-  // Broadcast, which does not publish here, or skipped or added a call), even where the rest of
-  // the header would match. Roots take 24 bits (MakeThreadGroup: under 2^24 - 1 ranks).
+  // The header carries the low 32 bits of the barrier it is published at (`target`; 16 in each
+  // of the first two words): a peer that finds another number there knows that rank is not in
+  // this collective (it made a small Broadcast, which does not publish here, or skipped or added
+  // a call), even where the rest of the header would match; a stale header passes only if it is
+  // 2^32 barriers old. Roots take 24 bits (MakeThreadGroup: under 2^24 - 1 ranks), element
+  // counts 48 (kNumelMask).
   void PublishHeader(int rank, uint64_t seq, uint64_t target, const Header& h) {
     std::atomic<uint64_t>* w = arrived_[static_cast<size_t>(rank)].head[seq & 1];
     w[0].store(static_cast<uint64_t>(h.kind) | static_cast<uint64_t>(h.dtype) << 8 | static_cast<uint64_t>(h.op) << 16 |
                    (static_cast<uint64_t>(static_cast<uint32_t>(h.root)) & kRootMask) << 24 | (target & 0xffff) << 48,
                std::memory_order_relaxed);
-    w[1].store(static_cast<uint64_t>(h.numel), std::memory_order_relaxed);
+    w[1].store(static_cast<uint64_t>(h.numel) | (target >> 16 & 0xffff) << 48, std::memory_order_relaxed);
     w[2].store(reinterpret_cast<uintptr_t>(h.in), std::memory_order_relaxed);
   }
   // After `rank` arrived at the collective's first barrier (an acquire of its arrival).
@@ -497,8 +501,9 @@ class ThreadGroup {
     h.op = static_cast<CommReduceOp>(w0 >> 16 & 0xff);
     const uint64_t root = w0 >> 24 & kRootMask;
     h.root = root == kRootMask ? -1 : static_cast<int>(root);
-    h.tag = static_cast<uint16_t>(w0 >> 48);
-    h.numel = static_cast<int64_t>(w[1].load(std::memory_order_relaxed));
+    const uint64_t w1 = w[1].load(std::memory_order_relaxed);
+    h.tag = static_cast<uint32_t>(w0 >> 48 | (w1 >> 48) << 16);
+    h.numel = static_cast<int64_t>(w1 & kNumelMask);
     h.in = reinterpret_cast<const char*>(w[2].load(std::memory_order_relaxed));
     return h;
   }
@@ -1353,7 +1358,7 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     for (int j = 0; j < size(); ++j) {
       heads_[j] = group_->ReadHeader(j, seq_);
       inputs_[j] = heads_[j].in;
-      if (heads_[j].tag != static_cast<uint16_t>(epoch_)) stale = j;
+      if (heads_[j].tag != static_cast<uint32_t>(epoch_)) stale = j;
     }
     if (stale >= 0) {
       const absl::Status mismatch =
