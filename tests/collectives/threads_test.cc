@@ -1411,6 +1411,73 @@ TEST(ThreadsTest, ARankLeavingFailsReceiversWaitingForASmallBroadcastsRoot) {
   }
 }
 
+// Receivers of a small Broadcast wait for its root alone: a root that never comes gives them
+// DeadlineExceeded naming it within the timeout, and an Abort from another rank wakes them at
+// once with Aborted. A receiver whose dtype differs from the root's (the same bytes) fails the
+// group naming both calls. And slots are reused correctly on 1 and 8 ranks too.
+TEST(ThreadsTest, SmallBroadcastReceiversFailOnTimeoutAbortAndDtype) {
+  {  // the root (rank 0) never calls
+    const auto start = Clock::now();
+    const auto statuses = RunRanks(
+        3,
+        [&](int rank, CommPtr& comm) -> absl::Status {
+          if (rank == 0) return absl::OkStatus();
+          Tensor t = Sentinel(16, DType::kFloat32);
+          return comm->Broadcast(t, 0);
+        },
+        absl::Milliseconds(300 * testing::TimeScale()));
+    EXPECT_LT(SecondsSince(start), 5.0 * testing::TimeScale());
+    for (int r : {1, 2}) {
+      const absl::Status& s = statuses[static_cast<size_t>(r)];
+      EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << "rank " << r << ": " << s;
+      EXPECT_THAT(std::string(s.message()), HasSubstr("waiting for rank(s) 0")) << "rank " << r;
+    }
+  }
+  {  // rank 1 aborts while rank 2 waits for root 0, which never calls
+    const auto start = Clock::now();
+    const auto statuses = RunRanks(
+        3,
+        [&](int rank, CommPtr& comm) -> absl::Status {
+          if (rank == 0) return absl::OkStatus();
+          if (rank == 1) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+            comm->Abort(absl::InternalError("test: rank 1 gives up"));
+            return absl::OkStatus();
+          }
+          Tensor t = Sentinel(16, DType::kFloat32);
+          return comm->Broadcast(t, 0);
+        },
+        absl::Seconds(20));
+    EXPECT_LT(SecondsSince(start), 5.0 * testing::TimeScale());
+    EXPECT_EQ(statuses[2].code(), absl::StatusCode::kAborted) << statuses[2];
+    EXPECT_THAT(std::string(statuses[2].message()), HasSubstr("rank 1 aborted the communicator: "));
+  }
+  {  // 64 bytes each, float32 at the root, bfloat16 on rank 1
+    std::vector<absl::Status> broadcasts(2);
+    const auto nexts = RunRanks(2, [&](int rank, CommPtr& comm) -> absl::Status {
+      Tensor t = rank == 0 ? Sentinel(16, DType::kFloat32) : Sentinel(32, DType::kBFloat16);
+      broadcasts[static_cast<size_t>(rank)] = comm->Broadcast(t, 0);
+      return comm->Barrier();
+    });
+    EXPECT_TRUE(broadcasts[0].ok()) << broadcasts[0];  // the root returned at once
+    EXPECT_EQ(nexts[0].code(), absl::StatusCode::kInvalidArgument) << nexts[0];
+    EXPECT_EQ(broadcasts[1].code(), absl::StatusCode::kInvalidArgument) << broadcasts[1];
+    EXPECT_THAT(std::string(broadcasts[1].message()),
+                HasSubstr("rank 0 called Broadcast(float32, 16 elements, root 0) but rank 1 called "
+                          "Broadcast(bfloat16, 32 elements, root 0)"));
+  }
+  for (int world : {1, 8}) {
+    ExpectAllOk(RunRanks(world, [&](int rank, CommPtr& comm) -> absl::Status {
+      int call = 0;
+      for (int it = 0; it < 100; ++it) {
+        DT_RETURN_IF_ERROR(MoveAndCheck(Coll::kBroadcast, DType::kFloat32, 1 + (it * 211) % 1000, (it / 3) % world,
+                                        ++call, rank, *comm));
+      }
+      return comm->Barrier();
+    }));
+  }
+}
+
 // Bad inputs are rejected locally: rank 0 gets them while rank 1 does nothing.
 TEST(ThreadsTest, BadInputsAreRejectedWithClearMessages) {
   auto comms = testing::Unwrap(MakeThreadGroup(2, absl::Seconds(20)));
