@@ -168,6 +168,19 @@ for n in $ranks; do
       us[tag, key] = sprintf("%.2f", m % 2 ? w[(m + 1) / 2] : (w[m / 2] + w[m / 2 + 1]) / 2)
     }
     function cell(tag, key, arr) { return ((tag, key) in arr) ? arr[tag, key] : "-" }
+    # The per-round busbw ratios num/den of `key` (rounds where both ran): their count, and in
+    # pr_lo, pr_hi, pr_med the lowest, highest and median of them.
+    function paired_ratios(num, den, key,   k, m, a, c, t, x) {
+      m = 0
+      for (k = 1; k <= rounds; ++k) {
+        if (!((num, key, k) in rbus) || !((den, key, k) in rbus) || rbus[den, key, k] + 0 <= 0) continue
+        x[++m] = rbus[num, key, k] / rbus[den, key, k]
+      }
+      if (m == 0) return 0
+      for (a = 2; a <= m; ++a) for (c = a; c > 1 && x[c] < x[c - 1]; --c) { t = x[c]; x[c] = x[c - 1]; x[c - 1] = t }
+      pr_lo = x[1]; pr_hi = x[m]; pr_med = m % 2 ? x[(m + 1) / 2] : (x[m / 2] + x[m / 2 + 1]) / 2
+      return m
+    }
     BEGIN {
       for (k = 1; k <= rounds; ++k) {
         load(dir "/threads." n "." k ".txt", "threads", k); load(dir "/ucx." n "." k ".txt", "ucx", k)
@@ -188,16 +201,9 @@ for n in $ranks; do
           if (("ucx", key) in bus && ("ompi", key) in bus) {
             u = bus["ucx", key] + 0; o = bus["ompi", key] + 0
             ratio = o > 0 ? sprintf("%.2fx", u / o) : "inf"
-            m = 0
-            for (k = 1; k <= rounds; ++k) {
-              if (!(("ucx", key, k) in rbus) || !(("ompi", key, k) in rbus) || rbus["ompi", key, k] + 0 <= 0) continue
-              x[++m] = rbus["ucx", key, k] / rbus["ompi", key, k]
-            }
-            if (m > 0) {
-              for (a = 2; a <= m; ++a) for (c = a; c > 1 && x[c] < x[c - 1]; --c) { t = x[c]; x[c] = x[c - 1]; x[c - 1] = t }
-              pm = m % 2 ? x[(m + 1) / 2] : (x[m / 2] + x[m / 2 + 1]) / 2
-              spread = sprintf("%.2f-%.2f", x[1], x[m]); paired = sprintf("%.2fx", pm)
-              flag = (pm >= need) ? "ok" : "BELOW"
+            if (paired_ratios("ucx", "ompi", key) > 0) {
+              spread = sprintf("%.2f-%.2f", pr_lo, pr_hi); paired = sprintf("%.2fx", pr_med)
+              flag = (pr_med >= need) ? "ok" : "BELOW"
             } else {
               flag = (u >= need * o) ? "ok" : "BELOW"
             }
@@ -213,15 +219,9 @@ for n in $ranks; do
             }
           }
           # threads against ucx: the median of the per-round ratios, as for ucx/ompi.
-          tflag = "n/a"; tpaired = "-"; m = 0
-          for (k = 1; k <= rounds; ++k) {
-            if (!(("threads", key, k) in rbus) || !(("ucx", key, k) in rbus) || rbus["ucx", key, k] + 0 <= 0) continue
-            y[++m] = rbus["threads", key, k] / rbus["ucx", key, k]
-          }
-          if (m > 0) {
-            for (a = 2; a <= m; ++a) for (c = a; c > 1 && y[c] < y[c - 1]; --c) { t = y[c]; y[c] = y[c - 1]; y[c - 1] = t }
-            pm = m % 2 ? y[(m + 1) / 2] : (y[m / 2] + y[m / 2 + 1]) / 2
-            tpaired = sprintf("%.2fx", pm); tflag = pm >= 1 ? "ok" : "BELOW"
+          tflag = "n/a"; tpaired = "-"
+          if (paired_ratios("threads", "ucx", key) > 0) {
+            tpaired = sprintf("%.2fx", pr_med); tflag = pr_med >= 1 ? "ok" : "BELOW"
           }
           bad = ""
           for (t = 1; t <= 3; ++t) {
