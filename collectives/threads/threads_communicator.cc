@@ -327,10 +327,11 @@ struct Header {
   int root = -1;
   int64_t numel = 0;
   const char* in = nullptr;
-  uint32_t tag = 0;  // read from the arrival line: the low bits of the barrier it was published at
+  uint32_t tag = 0;     // read from the arrival line: the low bits of the barrier it was published at
+  char* out = nullptr;  // read only by collectives with a closing barrier (see PublishHeader)
 };
 
-Header HeaderOf(const Call& c) { return Header{c.kind, c.dtype, c.op, c.root, c.numel, c.in}; }
+Header HeaderOf(const Call& c) { return Header{c.kind, c.dtype, c.op, c.root, c.numel, c.in, 0, c.out}; }
 std::string Describe(const Header& h) {
   Call c;
   c.kind = h.kind;
@@ -364,6 +365,11 @@ bool NeedsFullCall(CallKind k) {
   return k == CallKind::kAllGatherV || k == CallKind::kReduceScatterV || k == CallKind::kAllToAllV ||
          k == CallKind::kAllToAllBlocks;
 }
+// Whether a rank's Call goes into its slot (Publish): where the peers need more than its header
+// (counts, views, Split's color and key); for the rest the header says all. Moving a Call in
+// on every collective cost a 2-rank 64 KiB Broadcast about 0.1 us (alternating runs: 1.52-1.62
+// us with, 1.39-1.48 without).
+bool PublishesCall(CallKind k) { return NeedsFullCall(k) || k == CallKind::kSplit; }
 
 // Small calls carry their input in the mailbox, right after the header (RunInline, RunMove).
 constexpr int64_t kInlineBytes = std::max({kInlineAllReduceBytes, kInlineReduceScatterBytes, kInlineAllGatherBytes,
@@ -443,6 +449,7 @@ class ThreadGroup {
         eager_(kEagerDepth),
         eager_bytes_(new Mailbox[kEagerDepth]),
         arrived_(static_cast<size_t>(size)),
+        cpus_(static_cast<size_t>(size)),
         gone_(static_cast<size_t>(size)),
         channels_(static_cast<size_t>(size) * static_cast<size_t>(size)) {
     for (uint64_t i = 0; i < kEagerDepth; ++i) eager_[i].data = eager_bytes_[i].data;
@@ -483,8 +490,15 @@ class ThreadGroup {
   // a call), even where the rest of the header would match; a stale header passes only if it is
   // 2^32 barriers old. Roots take 24 bits (MakeThreadGroup: under 2^24 - 1 ranks), element
   // counts 48 (kNumelMask).
+  // The output pointer has one place, not two: only collectives with a closing barrier read it
+  // (an AllReduce's or a split Broadcast's peers write into it), and no rank publishes its next
+  // collective before every peer has reached that barrier, done with it. (Read from the slot,
+  // a line more to fetch that its owner then has to take back, a 2-rank 64 KiB AllReduce took
+  // 2.92-2.98 us, 2.69-2.84 from here, in alternating runs; ucx 2.69-2.80.)
   void PublishHeader(int rank, uint64_t seq, uint64_t target, const Header& h) {
-    std::atomic<uint64_t>* w = arrived_[static_cast<size_t>(rank)].head[seq & 1];
+    PaddedEpoch& line = arrived_[static_cast<size_t>(rank)];
+    line.out.store(reinterpret_cast<uintptr_t>(h.out), std::memory_order_relaxed);
+    std::atomic<uint64_t>* w = line.head[seq & 1];
     w[0].store(static_cast<uint64_t>(h.kind) | static_cast<uint64_t>(h.dtype) << 8 | static_cast<uint64_t>(h.op) << 16 |
                    (static_cast<uint64_t>(static_cast<uint32_t>(h.root)) & kRootMask) << 24 | (target & 0xffff) << 48,
                std::memory_order_relaxed);
@@ -493,7 +507,8 @@ class ThreadGroup {
   }
   // After `rank` arrived at the collective's first barrier (an acquire of its arrival).
   Header ReadHeader(int rank, uint64_t seq) const {
-    const std::atomic<uint64_t>* w = arrived_[static_cast<size_t>(rank)].head[seq & 1];
+    const PaddedEpoch& line = arrived_[static_cast<size_t>(rank)];
+    const std::atomic<uint64_t>* w = line.head[seq & 1];
     const uint64_t w0 = w[0].load(std::memory_order_relaxed);
     Header h;
     h.kind = static_cast<CallKind>(w0 & 0xff);
@@ -505,6 +520,7 @@ class ThreadGroup {
     h.tag = static_cast<uint32_t>(w0 >> 48 | (w1 >> 48) << 16);
     h.numel = static_cast<int64_t>(w1 & kNumelMask);
     h.in = reinterpret_cast<const char*>(w[2].load(std::memory_order_relaxed));
+    h.out = reinterpret_cast<char*>(line.out.load(std::memory_order_relaxed));
     return h;
   }
 
@@ -542,11 +558,13 @@ class ThreadGroup {
     const int cpu = sched_getcpu();
     PaddedEpoch& mine = arrived_[static_cast<size_t>(rank)];
     if (header != nullptr) PublishHeader(rank, seq, target, *header);
-    // Stored whether or not it changed: the peers poll this line, and a load of it here waited
-    // for the line to come back before the stores above could leave (2 ranks, alternating runs,
-    // us, with the load then without: reduce_scatter 4 KiB 1.04-1.10 then 0.80-0.84, 16 KiB
-    // 1.37-1.39 then 1.17-1.22; all_reduce 4 KiB 1.10-1.15 then 0.93-0.97; 4 ranks unchanged).
-    mine.cpu.store(cpu, std::memory_order_relaxed);
+    // The CPU in a line of its own, stored only when it changed: a store into a line the peers
+    // have read waits for the line to come back, and every store after it waits too (x86 keeps
+    // the order of stores), the arrival among them. (When the arrival line held it, a load there
+    // to skip an unchanged store made the arrival wait as well: 2 ranks, reduce_scatter 4 KiB,
+    // 1.04-1.10 us against 0.80-0.84 storing it every time.)
+    std::atomic<int>& last = cpus_[static_cast<size_t>(rank)].cpu;
+    if (last.load(std::memory_order_relaxed) != cpu) last.store(cpu, std::memory_order_relaxed);
     mine.value.store(target, std::memory_order_release);
     // Pairs with a sleeper's count then barrier (Sleep): either it sees this arrival, or this
     // sees it counted and wakes it. With light arrivals the sleeper's barrier runs on every CPU
@@ -563,7 +581,7 @@ class ThreadGroup {
   // With `only` >= 0, waits for that rank's arrival alone (a small Broadcast's receivers wait
   // for its root: RunEagerBroadcast).
   absl::Status Await(int rank, uint64_t target, const char* op, absl::Duration timeout, bool closing, int only = -1) {
-    const int cpu = arrived_[static_cast<size_t>(rank)].cpu.load(std::memory_order_relaxed);
+    const int cpu = cpus_[static_cast<size_t>(rank)].cpu.load(std::memory_order_relaxed);
     // A failed group fails every wait, also one whose ranks have all arrived: a peer that gave
     // up may be freeing what it published (its staging copy) while this rank would read it.
     const bool share = family_->share_cpus();
@@ -704,7 +722,7 @@ class ThreadGroup {
     for (int j = 0; j < size_; ++j) {
       const PaddedEpoch& a = arrived_[static_cast<size_t>(j)];
       if ((only < 0 || j == only) && a.value.load(std::memory_order_relaxed) < target &&
-          a.cpu.load(std::memory_order_relaxed) == cpu) {
+          cpus_[static_cast<size_t>(j)].cpu.load(std::memory_order_relaxed) == cpu) {
         return true;
       }
     }
@@ -792,18 +810,22 @@ class ThreadGroup {
   // A cache line of its own per rank: arrivals of different ranks do not steal each other's.
   struct alignas(64) PaddedEpoch {
     std::atomic<uint64_t> value{0};
-    std::atomic<int> cpu{-1};               // where the rank last arrived (sched_getcpu)
+    std::atomic<uint64_t> out{0};           // the Header's out (PublishHeader)
     std::atomic<uint64_t> head[2][3] = {};  // collective seq's Header at [seq & 1], packed (PublishHeader)
   };
   static_assert(sizeof(PaddedEpoch) == 64);
+  struct alignas(64) PaddedCpu {
+    std::atomic<int> cpu{-1};  // where the rank last arrived (sched_getcpu)
+  };
   struct alignas(64) Slot {  // lines of their own: ranks write their slots at the same time
     Call call;
   };
-  std::vector<Slot> slots_;                 // [2][size]; slot (seq, r) is written by rank r only
+  std::vector<Slot> slots_;                 // [2][size]; slot (seq, r) is written by rank r only (PublishesCall)
   std::vector<Mailbox> mailboxes_;          // [2][size], as the slots
   std::vector<EagerSlot> eager_;            // [kEagerDepth]
   std::unique_ptr<Mailbox[]> eager_bytes_;  // [kEagerDepth]: eager_[i].data
   std::vector<PaddedEpoch> arrived_;        // barriers each rank has reached
+  std::vector<PaddedCpu> cpus_;
   std::vector<std::atomic<bool>> gone_;
   const bool light_arrive_ = RegisterProcessBarrier();  // see Arrive
   alignas(64) std::atomic<int> sleepers_{0};            // ranks in Sleep
@@ -1352,7 +1374,7 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
       const char* op, Call&& call, bool closing, absl::FunctionRef<void()> own = [] {}) {
     ++seq_;
     const Header header = HeaderOf(call);
-    group_->slot(seq_, rank_) = std::move(call);
+    if (PublishesCall(call.kind)) group_->slot(seq_, rank_) = std::move(call);
     DT_RETURN_IF_ERROR(Sync(op, closing, own, &header));
     int stale = -1;  // a peer whose header is not from this barrier: not in this collective
     for (int j = 0; j < size(); ++j) {
@@ -1362,8 +1384,9 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     }
     if (stale >= 0) {
       const absl::Status mismatch =
-          InvalidArg("Debug", "rank ", rank_, " called ", Describe(group_->slot(seq_, rank_)), " but rank ", stale,
-                     " did not call it in step (it made a small Broadcast, which ",
+          InvalidArg("Debug", "rank ", rank_, " called ",
+                     PublishesCall(header.kind) ? Describe(group_->slot(seq_, rank_)) : Describe(header), " but rank ",
+                     stale, " did not call it in step (it made a small Broadcast, which ",
                      "does not meet the group, or a call rank ", rank_, " did not make)");
       group_->Fail(mismatch);
       return mismatch;
@@ -1371,14 +1394,14 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     const Header& first = Head(0);
     bool same = true;
     for (int j = 1; j < size() && same; ++j) same = SameHeader(first, Head(j));
-    const bool full = NeedsFullCall(first.kind);
-    if (!same || full) {
-      const Call& first_call = group_->slot(seq_, 0);
+    if (!same || NeedsFullCall(first.kind)) {
+      // A rank's slot holds its whole call only where its kind PublishesCall: a slot of another
+      // kind may be left from an earlier collective.
+      auto describe = [&](int j) { return PublishesCall(Head(j).kind) ? Describe(Peer(j)) : Describe(Head(j)); };
       for (int j = 1; j < size(); ++j) {
-        const Call& other = group_->slot(seq_, j);
-        if (!SameCall(first_call, other)) {
-          return InvalidArg("Debug", "rank 0 called ", Describe(first_call), " but rank ", j, " called ",
-                            Describe(other));
+        const bool whole = PublishesCall(first.kind) && PublishesCall(Head(j).kind);
+        if (!SameHeader(first, Head(j)) || (whole && !SameCall(Peer(0), Peer(j)))) {
+          return InvalidArg("Debug", "rank 0 called ", describe(0), " but rank ", j, " called ", describe(j));
         }
       }
     }
@@ -1397,7 +1420,7 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     return absl::OkStatus();
   }
 
-  // Rank j's call of the current collective: its header, or all of it.
+  // Rank j's call of the current collective: its header, or all of it (where PublishesCall).
   const Header& Head(int j) const { return heads_[j]; }
   const Call& Peer(int j) const { return group_->slot(seq_, j); }
   absl::Span<const char* const> Inputs() const { return absl::MakeConstSpan(inputs_, static_cast<size_t>(size())); }
@@ -1459,7 +1482,7 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
       for (int64_t at = begin; at < end; at += sc) {
         const int64_t m = std::min(sc, end - at);
         ReduceInRankOrder(dtype, rop, in, at, m, tmp);
-        for (int k = 0; k < size(); ++k) StreamCopy(Peer((rank_ + k) % size()).out + at * es, tmp, m * es);
+        for (int k = 0; k < size(); ++k) StreamCopy(Head((rank_ + k) % size()).out + at * es, tmp, m * es);
       }
       StreamFence();
       return Sync(op, /*closing=*/true);
@@ -1468,7 +1491,7 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
       const int64_t m = std::min(chunk, end - at);
       ReduceInRankOrder(dtype, rop, in, at, m, out + at * es);
       for (int k = 1; k < size(); ++k) {
-        Copy(Peer((rank_ + k) % size()).out + at * es, out + at * es, m * es);
+        Copy(Head((rank_ + k) % size()).out + at * es, out + at * es, m * es);
       }
     }
     return Sync(op, /*closing=*/true);  // every block is in every output; nobody reads this rank's buffers any more
@@ -1529,7 +1552,7 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
           const int64_t begin = BlockStart(bytes, rank_), end = BlockStart(bytes, rank_ + 1);
           const char* src = Head(root).in;
           for (int d = 0; d < size(); ++d) {
-            if (d != root) Copy(Peer(d).out + begin, src + begin, end - begin);
+            if (d != root) Copy(Head(d).out + begin, src + begin, end - begin);
           }
         } else if (rank_ != root) {
           Copy(out, Head(root).in, numel * es);  // small: the bytes land in the cache that reads them next

@@ -1237,6 +1237,37 @@ TEST(ThreadsTest, MismatchedCallsFailOnEveryRank) {
   for (const absl::Status& s : more) EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
 }
 
+// A rank's slot holds its whole call only for kinds whose peers need more than the header
+// (counts, views): here both slots of rank 2 (0 in the second round) hold AllGatherV calls
+// equal to the others' when it calls AllGather, which must be told from its header, not from
+// the slot left over. Every rank reaches the same verdict and the group stays usable.
+TEST(ThreadsTest, AMismatchIsToldFromThisCallNotFromASlotLeftByAnEarlierOne) {
+  auto comms = testing::Unwrap(MakeThreadGroup(3, absl::Seconds(20)));
+  const std::vector<int64_t> counts = {1, 1, 1};
+  for (const int odd : {2, 0}) {
+    const auto statuses = RunOn(comms, [&](int rank, CommPtr& comm) -> absl::Status {
+      Tensor in = Sentinel(1, DType::kFloat32);
+      for (int i = 0; i < 2; ++i) {
+        Tensor out = Sentinel(3, DType::kFloat32);
+        DT_RETURN_IF_ERROR(comm->AllGatherV(in, out, counts));
+      }
+      Tensor out = Sentinel(3, DType::kFloat32);
+      const absl::Status s = rank == odd ? comm->AllGather(in, out) : comm->AllGatherV(in, out, counts);
+      EXPECT_TRUE(comm->Barrier().ok());
+      return s;
+    });
+    const std::string want =
+        odd == 2 ? "[Debug] rank 0 called AllGatherV(float32, counts [1, 1, 1]) but rank 2 called AllGather(float32, 1 "
+                   "elements)"
+                 : "[Debug] rank 0 called AllGather(float32, 1 elements) but rank 1 called AllGatherV(float32, counts "
+                   "[1, 1, 1])";
+    for (const absl::Status& s : statuses) {
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_EQ(s.message(), want);
+    }
+  }
+}
+
 // A small Broadcast's root returns once its bytes are in the group's slot, up to 32 calls ahead
 // of its slowest receiver (RunEagerBroadcast): here the last receiver waits until the root has
 // made 32 calls before it makes its first (it gives up after 10 s and the test fails), and the
