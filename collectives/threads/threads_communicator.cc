@@ -612,6 +612,12 @@ class ThreadGroup {
 
   // Whether `rank` has arrived at barrier `target` (an acquire of its arrival).
   bool HasArrived(int rank, uint64_t target) const { return Arrived(target, rank); }
+  // The lowest barrier every rank has reached (an acquire of each arrival).
+  uint64_t LowestArrival() const {
+    uint64_t low = ~uint64_t{0};
+    for (const PaddedEpoch& a : arrived_) low = std::min(low, a.value.load(std::memory_order_acquire));
+    return low;
+  }
 
   void MarkGone(int rank) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1201,9 +1207,16 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     eager_epochs_[index % kEagerDepth] = target;
     EagerSlot& slot = group_->eager_slot(index);
     if (rank_ == root) {
-      if (index >= kEagerDepth) {  // every rank has entered small Broadcast index - kEagerDepth + 1
-        DT_RETURN_IF_ERROR(group_->Await(rank_, eager_epochs_[(index + 1) % kEagerDepth], kOp, timeout_,
-                                         /*closing=*/true));
+      // Every rank has entered small Broadcast index - kEagerDepth + 1. The root looks at the
+      // arrivals only when what it saw last does not tell: each look takes the receivers' arrival
+      // lines, which they then have to take back before their next arrival goes out.
+      const uint64_t need = eager_epochs_[(index + 1) % kEagerDepth];
+      if (index >= kEagerDepth && eager_seen_ < need) {
+        eager_seen_ = group_->LowestArrival();
+        if (eager_seen_ < need) {
+          DT_RETURN_IF_ERROR(group_->Await(rank_, need, kOp, timeout_, /*closing=*/true));
+          eager_seen_ = need;
+        }
       }
       const uint64_t claim = index << 24 | static_cast<uint64_t>(rank_);
       const uint64_t taken = slot.claim.exchange(claim, std::memory_order_acq_rel);
@@ -1634,6 +1647,7 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
   uint64_t epoch_ = 0;                       // barriers passed (all ranks of the group pass the same ones)
   uint64_t seq_ = 0;                         // collectives begun that meet the group (all but RunEagerBroadcast's)
   uint64_t eager_count_ = 0;                 // small Broadcasts made (RunEagerBroadcast)
+  uint64_t eager_seen_ = 0;                  // a barrier every rank had reached when a root last looked
   uint64_t eager_epochs_[kEagerDepth] = {};  // the barrier of small Broadcast i at [i % kEagerDepth]
   std::vector<char> staging_;
   // The ranks' headers of collective seq_ (Publish) and their `in`s. Written on every call: for
