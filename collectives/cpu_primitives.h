@@ -116,6 +116,22 @@ inline void ForEachBlockOf8(int64_t n, bool backwards, Block&& block, One&& one)
   }
 }
 
+// dst[i] = store(fold(i)) for i in [0, n): 8 folds (each reading srcs[j][i], accumulating in
+// A) before their 8 stores, which compilers turn into whole vectors and which makes dst == a
+// source safe, in the direction RunBackwards picks.
+template <typename A, typename T, typename Fold, typename Store>
+inline void StoreFoldsInBlocksOf8(T* dst, const void* const* srcs, size_t nsrcs, int64_t n, Fold&& fold,
+                                  Store&& store) {
+  ForEachBlockOf8(
+      n, RunBackwards(dst, srcs, nsrcs),
+      [&](int64_t i) {
+        A v[8];
+        for (int k = 0; k < 8; ++k) v[k] = fold(i + k);
+        for (int k = 0; k < 8; ++k) dst[i + k] = store(v[k]);
+      },
+      [&](int64_t i) { dst[i] = store(fold(i)); });
+}
+
 }  // namespace dtensor::internal
 
 #endif  // DTENSOR_COLLECTIVES_CPU_PRIMITIVES_H_

@@ -317,9 +317,9 @@ bool SameCall(const Call& a, const Call& b) {
   }
 }
 
-// What the peers need of a call on its fast path, published in the rank's arrival line (see
-// ThreadGroup::PublishHeader); the rest of the Call (output, counts, views, split) stays in its
-// slot, read only by the calls that use it and for error messages.
+// What the peers need of a call on its fast path, its output included, published in the rank's
+// arrival line (see ThreadGroup::PublishHeader); the rest of the Call (counts, views, split)
+// goes into its slot only for the kinds that need it (PublishesCall).
 constexpr uint64_t kRootMask = (uint64_t{1} << 24) - 1;  // a root in a header (-1: none)
 // A header's element count: a contiguous CPU tensor's, under 2^47 bytes of user address space.
 constexpr uint64_t kNumelMask = (uint64_t{1} << 48) - 1;

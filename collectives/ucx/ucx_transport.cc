@@ -604,15 +604,9 @@ void ReduceChunks(const void* const* srcs, int nsrcs, int64_t n, void* dst, Load
     return;
   }
   const T* s1 = static_cast<const T*>(srcs[1]);
-  if (nsrcs == 2) {  // in blocks of 8, in whichever direction RunBackwards picks
-    ForEachBlockOf8(
-        n, RunBackwards(d, srcs, 2),
-        [&](int64_t i) {
-          A v[8];
-          for (int k = 0; k < 8; ++k) v[k] = combine(load(s0[i + k]), load(s1[i + k]));
-          for (int k = 0; k < 8; ++k) d[i + k] = store(v[k]);
-        },
-        [&](int64_t i) { d[i] = store(combine(load(s0[i]), load(s1[i]))); });
+  if (nsrcs == 2) {
+    StoreFoldsInBlocksOf8<A>(
+        d, srcs, 2, n, [&](int64_t i) { return combine(load(s0[i]), load(s1[i])); }, store);
     return;
   }
   A acc[kChunk];
