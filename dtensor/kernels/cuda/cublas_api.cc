@@ -1,10 +1,10 @@
 #include "dtensor/kernels/cuda/cublas_api.h"
 
-#include <dlfcn.h>
-
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "dtensor/kernels/cuda/dl_library.h"
+#include "dtensor/tensor/status.h"
 
 namespace dtensor::internal {
 namespace {
@@ -15,38 +15,20 @@ constexpr const char* kLibrary = "libcublas.so." DT_STRINGIFY(CUBLAS_VER_MAJOR);
 #undef DT_STRINGIFY
 #undef DT_STRINGIFY_
 
-template <typename F>
-bool Resolve(void* lib, const char* name, F* out, std::string* missing) {
-  void* p = dlsym(lib, name);
-  if (p == nullptr) {
-    absl::StrAppend(missing, missing->empty() ? "" : ", ", name);
-    return false;
-  }
-  *out = reinterpret_cast<F>(p);
-  return true;
-}
-
 absl::StatusOr<const CublasApi*> Load() {
-  // Never closed: handles and the functions stay in use until the process exits.
-  void* lib = dlopen(kLibrary, RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) {
-    const char* why = dlerror();
-    return absl::FailedPreconditionError(absl::StrCat(
-        "[cuBLAS] ", kLibrary, " could not be loaded (", why != nullptr ? why : "no reason given",
-        "): GPU matrix multiplies need the CUDA Toolkit's cuBLAS (its lib directory on the loader's path)"));
-  }
+  DT_ASSIGN_OR_RETURN(
+      void* lib,
+      OpenLibrary("cuBLAS", kLibrary,
+                  "GPU matrix multiplies need the CUDA Toolkit's cuBLAS (its lib directory on the loader's path)"));
   static CublasApi api;
   std::string missing;
-  Resolve(lib, "cublasCreate_v2", &api.create, &missing);
-  Resolve(lib, "cublasDestroy_v2", &api.destroy, &missing);
-  Resolve(lib, "cublasSetStream_v2", &api.set_stream, &missing);
-  Resolve(lib, "cublasGetStatusName", &api.status_name, &missing);
-  Resolve(lib, "cublasGetStatusString", &api.status_string, &missing);
-  Resolve(lib, "cublasGemmStridedBatchedEx", &api.gemm_strided_batched_ex, &missing);
-  if (!missing.empty()) {
-    return absl::FailedPreconditionError(absl::StrCat("[cuBLAS] ", kLibrary, " lacks ", missing,
-                                                      " (an older cuBLAS than the headers dtensor was built with?)"));
-  }
+  ResolveSymbol(lib, "cublasCreate_v2", &api.create, &missing);
+  ResolveSymbol(lib, "cublasDestroy_v2", &api.destroy, &missing);
+  ResolveSymbol(lib, "cublasSetStream_v2", &api.set_stream, &missing);
+  ResolveSymbol(lib, "cublasGetStatusName", &api.status_name, &missing);
+  ResolveSymbol(lib, "cublasGetStatusString", &api.status_string, &missing);
+  ResolveSymbol(lib, "cublasGemmStridedBatchedEx", &api.gemm_strided_batched_ex, &missing);
+  if (!missing.empty()) return MissingSymbols("cuBLAS", kLibrary, missing);
   return &api;
 }
 
