@@ -73,3 +73,25 @@ if(DTENSOR_HAVE_CUDA)
 else()
   message(STATUS "dtensor: building CPU-only (no CUDA Toolkit found or DTENSOR_CUDA=OFF)")
 endif()
+
+# ---- cuDNN (optional, DTENSOR_CUDNN = AUTO | OFF): fused attention (dtensor/kernels/cuda/cudnn_sdpa.h) ----
+# Its headers only, version 9 or newer: the library is loaded with dlopen on first use, and
+# attention runs dtensor's own kernels where it is absent (cudnn_api.h).
+set(DTENSOR_CUDNN "AUTO" CACHE STRING "Use cuDNN's fused attention where found: AUTO or OFF")
+set_property(CACHE DTENSOR_CUDNN PROPERTY STRINGS AUTO OFF)
+set(DTENSOR_HAVE_CUDNN OFF)
+if(DTENSOR_HAVE_CUDA AND NOT DTENSOR_CUDNN STREQUAL "OFF")
+  find_path(DTENSOR_CUDNN_INCLUDE_DIR cudnn_graph.h
+    HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/include /usr/include/x86_64-linux-gnu)
+  if(DTENSOR_CUDNN_INCLUDE_DIR AND EXISTS ${DTENSOR_CUDNN_INCLUDE_DIR}/cudnn_version.h)
+    file(STRINGS ${DTENSOR_CUDNN_INCLUDE_DIR}/cudnn_version.h dtensor_cudnn_major REGEX "^#define CUDNN_MAJOR [0-9]+")
+    string(REGEX REPLACE "^#define CUDNN_MAJOR ([0-9]+).*" "\\1" dtensor_cudnn_major "${dtensor_cudnn_major}")
+    if(dtensor_cudnn_major GREATER_EQUAL 9)
+      set(DTENSOR_HAVE_CUDNN ON)
+      message(STATUS "dtensor: cuDNN ${dtensor_cudnn_major} headers in ${DTENSOR_CUDNN_INCLUDE_DIR} (fused attention)")
+    endif()
+  endif()
+  if(NOT DTENSOR_HAVE_CUDNN)
+    message(STATUS "dtensor: no cuDNN 9 headers found: attention runs dtensor's own CUDA kernels")
+  endif()
+endif()

@@ -30,8 +30,9 @@
 # minutes on an H100, its logs in LOGDIR/speed. Alone: DT_STAGES=speed bash /tmp/gpu/run.sh "$PWD"
 # A short lend (15 minutes of device time, start-up included) fits the new kernels' tests and the
 # speed stage, in one call: DT_STAGES="kernels speed" bash /tmp/gpu/run.sh "$PWD" (the kernels
-# stage checks the tensor-core attention, cuBLASLt epilogues and multi-tensor AdamW against the
-# CPU; DTENSOR_CUDA_ATTENTION=simple falls back to the old attention kernels if those fail).
+# stage checks the tensor-core attention, cuDNN's fused attention, cuBLASLt epilogues and
+# multi-tensor AdamW against the CPU; if an attention fails there, DTENSOR_CUDA_ATTENTION=flash
+# runs dtensor's own flash kernels instead of cuDNN's, =simple the old float32 ones).
 # Stage racecheck runs compute-sanitizer's racecheck over the flash-attention test (up to 5
 # minutes): add it to a lend with time left. run.sh exports DTENSOR_REQUIRE_GPU=1, so a GPU test
 # that finds no usable device (a driver older than this CUDA) fails instead of skipping.
@@ -80,6 +81,11 @@ logs=\${2:-/tmp/gpu_logs}
 mkdir -p "\$logs"
 find_dir() { dirname "\$(find /usr/local /opt /usr/lib -name "\$1" 2>/dev/null | head -1)"; }
 export LD_LIBRARY_PATH="\$here/lib:\$(find_dir 'libcublasLt.so.13*'):\$(find_dir 'libnccl.so.2*')\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+# cuDNN (optional: attention runs dtensor's own kernels without it; CudnnAttentionMatchesCpu then
+# skips, saying so).
+cudnn_dir=\$(find_dir 'libcudnn.so.9*')
+[[ "\$cudnn_dir" == . ]] && echo "no libcudnn.so.9 found: attention runs dtensor's own kernels" ||
+  export LD_LIBRARY_PATH="\$LD_LIBRARY_PATH:\$cudnn_dir"
 # The paths compiled into the tests: golden tensors and the trainer.
 mkdir -p "$src/tests" "$build/examples/gpt" "$build/collectives/dtrun" "$build/tests"
 [[ -e "$src/tests/golden" ]] || ln -s "\$repo/tests/golden" "$src/tests/golden"

@@ -19,7 +19,8 @@
 #
 # It runs, each under `timeout ${DT_BENCH_RUN_TIMEOUT:-300}`:
 #   speed   bf16 and fp32, B (default 16) x T=1024, N steps (default 20); a run out of GPU
-#           memory at B > 8 is rerun at B=8, and the table says so
+#           memory at B > 8 is rerun at B=8, and the table says so; then bf16 once more with
+#           DTENSOR_CUDA_ATTENTION=flash (dtensor's own attention kernels, not cuDNN's)
 #   curve   bf16 and fp32, B=4 x T=256, --curve-steps (default 100) steps of a short cosine
 #           schedule (lr 3e-4, warmup 10, clip 1): the first step's loss within 1e-2 (relative)
 #           and every step's within 2e-2 of fp32's (also the speed runs' first step, at 1e-2)
@@ -190,6 +191,13 @@ for dtype in bf16 fp32; do
   fi
   used_batch[$dtype]=$b
 done
+# bf16 again with dtensor's own attention kernels (flash_attention.cu) instead of cuDNN's fused
+# attention, which the runs above use where libcudnn is installed (cudnn_sdpa.h): the table
+# shows what cuDNN brings. Not in --cpu-smoke (the CPU has one attention).
+if [[ $device == cuda && -s "$out/speed_bf16.jsonl" ]]; then
+  DTENSOR_CUDA_ATTENTION=flash run speed_bf16_flash "${used_batch[bf16]}" "$seq" "$steps" --param-dtype bf16 ||
+    report_fail speed_bf16_flash
+fi
 
 # ---- curve: the bf16 loss against fp32's over a short schedule ----
 curve=(--lr 3e-4 --lr-schedule cosine --warmup 10 --min-lr 3e-5 --grad-clip 1)
@@ -258,11 +266,13 @@ def header(tag):  # the trainer's parameter count and peak FLOP/s line
 
 
 rows, peaks, fpt, params = {}, {}, None, None
-for dtype in ("bf16", "fp32"):
+batch["bf16_flash"] = batch["bf16"]
+tags = ("bf16", "fp32", "bf16_flash") if device == "cuda" else ("bf16", "fp32")
+for dtype in tags:
     lines = load("speed_" + dtype)
     p, peak, source = header("speed_" + dtype)
     params = params or p
-    if peak is not None:
+    if peak is not None and dtype in ("bf16", "fp32"):
         peaks[dtype] = (peak, source)
     if len(lines) != steps:
         print(f"speed_{dtype}: {len(lines)} steps in its metrics, want {steps}")
@@ -303,15 +313,16 @@ head = (f"{'config':<28} | {'ms/step':>8} | {'min-max':>13} | {'tokens/s':>9} | 
         f"{'peak GiB':>8} | target")
 print(head)
 print("-" * len(head) + "-" * 24)
-for dtype in ("bf16", "fp32"):
+for dtype in tags:
     b = batch[dtype]
-    config = f"{dtype} B={b} T={seq}" + (f" (B={asked}: OOM)" if b != asked else "")
+    name = "bf16 own attention" if dtype == "bf16_flash" else dtype
+    config = f"{name} B={b} T={seq}" + (f" (B={asked}: OOM)" if b != asked else "")
     r = rows.get(dtype)
     if r is None:
         print(f"{config:<28} | {'FAILED':>8} |")
         continue
     # MFU from the median step's tokens/s (the trainer logs one per step against the same peak).
-    own_peak = peaks.get(dtype, (0, ""))[0]
+    own_peak = peaks.get("bf16" if dtype == "bf16_flash" else dtype, (0, ""))[0]
     mfu = r["flops"] * r["tok"] / own_peak if own_peak and r["flops"] else float("nan")
     at_bf16 = r["flops"] * r["tok"] / bf16_peak if bf16_peak and r["flops"] else float("nan")
     target = "-"
@@ -323,6 +334,9 @@ for dtype in ("bf16", "fp32"):
           f"{100 * at_bf16:9.2f}% | {r['mem']:8.2f} | {target}")
 if "bf16" in rows and "fp32" in rows:
     print(f"bf16 / fp32 step time: {rows['bf16']['ms'] / rows['fp32']['ms']:.2f}x")
+if "bf16" in rows and "bf16_flash" in rows:
+    print(f"bf16 step time, default attention (cuDNN's where installed) / dtensor's own: "
+          f"{rows['bf16']['ms'] / rows['bf16_flash']['ms']:.2f}x")
 # The caching allocator should serve every step after the first from its cache (issue 31).
 for dtype in ("bf16", "fp32"):
     r = rows.get(dtype)

@@ -1,7 +1,7 @@
 # cuda_libs_test: a program built with the CUDA components starts and runs on CPU where the
 # CUDA libraries cannot be found, and says what is missing when a GPU path loads them.
 #   cmake -DPROBE=<cuda_libs_probe> -P cuda_libs_test.cmake
-# 1. ldd: the probe needs no libcudart, libcublas(Lt), libnccl or libcuda (static runtime,
+# 1. ldd: the probe needs no libcudart, libcublas(Lt), libnccl, libcudnn or libcuda (static runtime,
 #    dlopen on first use).
 # 2. As is: cuBLAS and NCCL load (when the loader knows them, as on the machines with the CUDA
 #    Toolkit: ldconfig -p lists them).
@@ -15,7 +15,7 @@ execute_process(COMMAND ldd ${PROBE} OUTPUT_VARIABLE needed RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "ldd ${PROBE} failed")
 endif()
-string(REGEX MATCHALL "lib(cudart|cublas|cublasLt|nccl|cuda)\\.so[^ \t\n]*" bad "${needed}")
+string(REGEX MATCHALL "lib(cudart|cublas|cublasLt|nccl|cuda|cudnn[a-z_]*)\\.so[^ \t\n]*" bad "${needed}")
 if(bad)
   message(FATAL_ERROR "the probe needs ${bad} to start:\n${needed}")
 endif()

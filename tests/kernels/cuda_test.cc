@@ -1097,78 +1097,89 @@ TEST(CudaKernelsTest, CausalAttentionMatchesCpu) {
   EXPECT_NE(s.message().find("160"), std::string::npos) << s;
 }
 
-// The tensor-core kernels (flash_attention.cu: bfloat16 / float16, D = 64, and D = 128 forward)
-// and the simple ones (DTENSOR_CUDA_ATTENTION=simple) on the same inputs, each against the CPU's
-// float32 computation. The tensor-core kernels round P and dS to the input dtype before their
-// products (as FlashAttention does), so they are held to the tensor's relative L2 error (1e-2
-// bfloat16, 2e-3 float16) and to an elementwise bound scaled by the largest reference value.
-// With T = 1 the exact dq and dk are zero (dS = P (dP - delta) with P = 1 and delta = dP): both
-// backends give only the rounding noise of dP - delta there, which no relative bound can hold,
-// so they are held to |x| <= 1e-3 instead. The tensor-core kernels must really have run: where
-// T >= 64, out (and dq for D = 64) differ from the simple kernels' somewhere (P rounded to the
-// dtype or not), else auto mode silently took the simple kernels and checked nothing new (the
-// build's architectures, 80 and 90, are all ones FlashAttentionSupported takes).
+struct AttentionCase {
+  int64_t b, h, t, d;
+};
+
+// Runs attention forward and backward on the CPU and on the GPU (whichever kernels
+// DTENSOR_CUDA_ATTENTION picks there) on the same inputs and holds the GPU's out, lse, dq, dk,
+// dv to the CPU's float32 computation: the tensor-core kernels (dtensor's flash kernels and
+// cuDNN's) round P and dS to the input dtype before their products (as FlashAttention does), so
+// they are held to the tensor's relative L2 error (1e-2 bfloat16, 2e-3 float16) and to an
+// elementwise bound scaled by the largest reference value. With T = 1 the exact dq and dk are
+// zero (dS = P (dP - delta) with P = 1 and delta = dP): both backends give only the rounding
+// noise of dP - delta there, which no relative bound can hold, so they are held to |x| <= 1e-3
+// instead. Returns the GPU's out and dq.
+std::pair<std::vector<double>, std::vector<double>> CheckAttentionAgainstCpu(DType dt, const AttentionCase& c,
+                                                                             const std::string& what) {
+  const double norm_tol = dt == DType::kBFloat16 ? 1e-2 : 2e-3;
+  const Shape shape = {c.b, c.h, c.t, c.d};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
+  const Pair q = RandomBoth(shape, dt, 41, -2.0, 2.0), k = RandomBoth(shape, dt, 42, -2.0, 2.0),
+             v = RandomBoth(shape, dt, 43), dout = RandomBoth(shape, dt, 44);
+  const Pair out = EmptyBoth(shape, dt), lse = EmptyBoth({c.b, c.h, c.t}, DType::kFloat32);
+  const Pair dq = EmptyBoth(shape, dt), dk = EmptyBoth(shape, dt), dv = EmptyBoth(shape, dt);
+  for (int side : {0, 1}) {
+    Kernels* kern = side ? Gpu() : Cpu();
+    ExpectOk(kern->CausalAttention(q[side], k[side], v[side], scale, out[side], lse[side]), what);
+    ExpectOk(kern->CausalAttentionBackward(dout[side], q[side], k[side], v[side], out[side], lse[side], scale, dq[side],
+                                           dk[side], dv[side]),
+             what);
+  }
+  ExpectOk(Gpu()->Synchronize(), what);
+  for (const auto& [name, p] :
+       {std::pair<const char*, const Pair*>{"out", &out}, {"lse", &lse}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
+    const std::vector<double> got = Vals(p->gpu), want = Vals(p->cpu);
+    if (c.t == 1 && (p == &dq || p == &dk)) {  // exactly zero: rounding noise on both sides
+      testing::ExpectNear(got, std::vector<double>(got.size(), 0.0), Tolerance{0.0, 1e-3}, what + " " + name);
+      testing::ExpectNear(want, std::vector<double>(want.size(), 0.0), Tolerance{0.0, 1e-3},
+                          what + " " + name + " (cpu)");
+      continue;
+    }
+    double peak = 0;
+    for (double x : want) peak = std::max(peak, std::fabs(x));
+    testing::ExpectNormNear(got, want, norm_tol, what + " " + name);
+    testing::ExpectNear(got, want, Tolerance{0.0, 5 * norm_tol * peak}, what + " " + name);
+  }
+  return {Vals(out.gpu), Vals(dq.gpu)};
+}
+
+// dtensor's tensor-core kernels (flash_attention.cu: bfloat16 / float16, D = 64, and D = 128
+// forward; DTENSOR_CUDA_ATTENTION=flash) and the simple ones (=simple) on the same inputs, each
+// against the CPU (CheckAttentionAgainstCpu). The tensor-core kernels must really have run:
+// where T >= 64, out (and dq for D = 64) differ from the simple kernels' somewhere (P rounded to
+// the dtype or not), else flash mode silently took the simple kernels and checked nothing new
+// (the build's architectures, 80 and 90, are all ones FlashAttentionSupported takes).
 TEST(CudaKernelsTest, FlashAttentionMatchesCpu) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
-  struct Case {
-    int64_t b, h, t, d;
-  };
   // One 64-row tile and less, several with a ragged end, GPT-2's T = 1024, D = 128.
-  const Case cases[] = {{1, 1, 1, 64}, {1, 2, 64, 64}, {2, 3, 130, 64}, {1, 2, 1024, 64}, {1, 2, 200, 128}};
+  const AttentionCase cases[] = {{1, 1, 1, 64}, {1, 2, 64, 64}, {2, 3, 130, 64}, {1, 2, 1024, 64}, {1, 2, 200, 128}};
   struct Mode {
     const char* env;  // DTENSOR_CUDA_ATTENTION
     const char* name;
   };
-  // The auto mode's out and dq per (dtype, case), compared with the simple kernels' below.
-  std::vector<std::vector<double>> auto_out, auto_dq;
-  for (const Mode mode : {Mode{"auto", "tensor cores"}, Mode{"simple", "simple kernels"}}) {
+  // The flash mode's out and dq per (dtype, case), compared with the simple kernels' below.
+  std::vector<std::vector<double>> flash_out, flash_dq;
+  for (const Mode mode : {Mode{"flash", "tensor cores"}, Mode{"simple", "simple kernels"}}) {
     ASSERT_EQ(setenv("DTENSOR_CUDA_ATTENTION", mode.env, 1), 0);
     const bool simple = std::strcmp(mode.env, "simple") == 0;
     size_t run = 0;
     for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
-      const double norm_tol = dt == DType::kBFloat16 ? 1e-2 : 2e-3;
-      for (const Case& c : cases) {
+      for (const AttentionCase& c : cases) {
         const std::string what =
             absl::StrCat("attention (", mode.name, ") ", Name(dt), " [", c.b, ", ", c.h, ", ", c.t, ", ", c.d, "]");
-        const Shape shape = {c.b, c.h, c.t, c.d};
-        const float scale = 1.0f / std::sqrt(static_cast<float>(c.d));
-        const Pair q = RandomBoth(shape, dt, 41, -2.0, 2.0), k = RandomBoth(shape, dt, 42, -2.0, 2.0),
-                   v = RandomBoth(shape, dt, 43), dout = RandomBoth(shape, dt, 44);
-        const Pair out = EmptyBoth(shape, dt), lse = EmptyBoth({c.b, c.h, c.t}, DType::kFloat32);
-        const Pair dq = EmptyBoth(shape, dt), dk = EmptyBoth(shape, dt), dv = EmptyBoth(shape, dt);
-        for (int side : {0, 1}) {
-          Kernels* kern = side ? Gpu() : Cpu();
-          ExpectOk(kern->CausalAttention(q[side], k[side], v[side], scale, out[side], lse[side]), what);
-          ExpectOk(kern->CausalAttentionBackward(dout[side], q[side], k[side], v[side], out[side], lse[side], scale,
-                                                 dq[side], dk[side], dv[side]),
-                   what);
-        }
-        ExpectOk(Gpu()->Synchronize(), what);
-        for (const auto& [name, p] :
-             {std::pair<const char*, const Pair*>{"out", &out}, {"lse", &lse}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
-          const std::vector<double> got = Vals(p->gpu), want = Vals(p->cpu);
-          if (c.t == 1 && (p == &dq || p == &dk)) {  // exactly zero: rounding noise on both sides
-            testing::ExpectNear(got, std::vector<double>(got.size(), 0.0), Tolerance{0.0, 1e-3}, what + " " + name);
-            testing::ExpectNear(want, std::vector<double>(want.size(), 0.0), Tolerance{0.0, 1e-3},
-                                what + " " + name + " (cpu)");
-            continue;
-          }
-          double peak = 0;
-          for (double x : want) peak = std::max(peak, std::fabs(x));
-          testing::ExpectNormNear(got, want, norm_tol, what + " " + name);
-          testing::ExpectNear(got, want, Tolerance{0.0, 5 * norm_tol * peak}, what + " " + name);
-        }
+        const auto [out, dq] = CheckAttentionAgainstCpu(dt, c, what);
         if (!simple) {
-          auto_out.push_back(Vals(out.gpu));
-          auto_dq.push_back(Vals(dq.gpu));
+          flash_out.push_back(out);
+          flash_dq.push_back(dq);
         } else if (c.t >= 64) {
-          EXPECT_GT(Differing(Vals(out.gpu), auto_out[run]), 0)
+          EXPECT_GT(Differing(out, flash_out[run]), 0)
               << what
-              << ": auto mode's out equals the simple kernels' bit for bit: the tensor-core forward did not run";
+              << ": flash mode's out equals the simple kernels' bit for bit: the tensor-core forward did not run";
           if (c.d == 64) {
-            EXPECT_GT(Differing(Vals(dq.gpu), auto_dq[run]), 0)
+            EXPECT_GT(Differing(dq, flash_dq[run]), 0)
                 << what
-                << ": auto mode's dq equals the simple kernels' bit for bit: the tensor-core backward did not run";
+                << ": flash mode's dq equals the simple kernels' bit for bit: the tensor-core backward did not run";
           }
         }
         ++run;
@@ -1176,6 +1187,79 @@ TEST(CudaKernelsTest, FlashAttentionMatchesCpu) {
     }
   }
   ASSERT_EQ(unsetenv("DTENSOR_CUDA_ATTENTION"), 0);
+}
+
+// cuDNN's fused attention (cudnn_sdpa.h; DTENSOR_CUDA_ATTENTION=cudnn, under which a problem
+// cuDNN declines is an error, so every case below really ran on cuDNN) against the CPU, as
+// above; then a forward on cuDNN with a backward on the flash kernels and the other way round
+// (the default mode may mix them where cuDNN declines one direction): their lse must mean the
+// same. Skips, saying why, where dtensor was built without cuDNN or libcudnn is not installed.
+TEST(CudaKernelsTest, CudnnAttentionMatchesCpu) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  ASSERT_EQ(setenv("DTENSOR_CUDA_ATTENTION", "cudnn", 1), 0);
+  {
+    const Shape shape = {1, 1, 64, 64};
+    const Tensor q = Unwrap(Zeros(shape, DType::kBFloat16, Device::Cuda(0)));
+    const Tensor out = Unwrap(Tensor::Empty(shape, DType::kBFloat16, Device::Cuda(0)));
+    const Tensor lse = Unwrap(Tensor::Empty({1, 1, 64}, DType::kFloat32, Device::Cuda(0)));
+    const absl::Status probe = Gpu()->CausalAttention(q, q, q, 0.125f, out, lse);
+    if (probe.code() == absl::StatusCode::kFailedPrecondition &&
+        (probe.message().find("without cuDNN") != std::string::npos ||
+         probe.message().find("could not be loaded") != std::string::npos)) {
+      ASSERT_EQ(unsetenv("DTENSOR_CUDA_ATTENTION"), 0);
+      GTEST_SKIP() << "cuDNN's fused attention is not available here: " << probe;
+    }
+    ExpectOk(probe, "cuDNN attention probe");
+  }
+  const AttentionCase cases[] = {{1, 1, 1, 64},    {1, 2, 64, 64},   {2, 3, 130, 64},
+                                 {1, 2, 1024, 64}, {1, 2, 200, 128}, {2, 12, 256, 64}};
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    for (const AttentionCase& c : cases) {
+      CheckAttentionAgainstCpu(
+          dt, c, absl::StrCat("attention (cuDNN) ", Name(dt), " [", c.b, ", ", c.h, ", ", c.t, ", ", c.d, "]"));
+    }
+  }
+  // Mixed: the lse one writes is what the other reads.
+  const AttentionCase c = {2, 3, 130, 64};
+  const Shape shape = {c.b, c.h, c.t, c.d};
+  const float scale = 0.125f;
+  const DType dt = DType::kBFloat16;
+  for (const auto& [fwd, bwd] : {std::pair<const char*, const char*>{"cudnn", "flash"}, {"flash", "cudnn"}}) {
+    const std::string what = absl::StrCat("attention forward on ", fwd, ", backward on ", bwd);
+    const Pair q = RandomBoth(shape, dt, 51, -2.0, 2.0), k = RandomBoth(shape, dt, 52, -2.0, 2.0),
+               v = RandomBoth(shape, dt, 53), dout = RandomBoth(shape, dt, 54);
+    const Pair out = EmptyBoth(shape, dt), lse = EmptyBoth({c.b, c.h, c.t}, DType::kFloat32);
+    const Pair dq = EmptyBoth(shape, dt), dk = EmptyBoth(shape, dt), dv = EmptyBoth(shape, dt);
+    ExpectOk(Cpu()->CausalAttention(q.cpu, k.cpu, v.cpu, scale, out.cpu, lse.cpu), what);
+    ExpectOk(
+        Cpu()->CausalAttentionBackward(dout.cpu, q.cpu, k.cpu, v.cpu, out.cpu, lse.cpu, scale, dq.cpu, dk.cpu, dv.cpu),
+        what);
+    ASSERT_EQ(setenv("DTENSOR_CUDA_ATTENTION", fwd, 1), 0);
+    ExpectOk(Gpu()->CausalAttention(q.gpu, k.gpu, v.gpu, scale, out.gpu, lse.gpu), what);
+    ASSERT_EQ(setenv("DTENSOR_CUDA_ATTENTION", bwd, 1), 0);
+    ExpectOk(
+        Gpu()->CausalAttentionBackward(dout.gpu, q.gpu, k.gpu, v.gpu, out.gpu, lse.gpu, scale, dq.gpu, dk.gpu, dv.gpu),
+        what);
+    ExpectOk(Gpu()->Synchronize(), what);
+    for (const auto& [name, p] : {std::pair<const char*, const Pair*>{"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
+      testing::ExpectNormNear(Vals(p->gpu), Vals(p->cpu), 1e-2, what + " " + name);
+    }
+  }
+  ASSERT_EQ(unsetenv("DTENSOR_CUDA_ATTENTION"), 0);
+}
+
+// An unknown DTENSOR_CUDA_ATTENTION is an error naming it, not a silent default.
+TEST(CudaKernelsTest, UnknownAttentionChoiceIsAnError) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
+  const Shape shape = {1, 1, 8, 64};
+  const Tensor q = Unwrap(Zeros(shape, DType::kBFloat16, Device::Cuda(0)));
+  const Tensor out = Unwrap(Tensor::Empty(shape, DType::kBFloat16, Device::Cuda(0)));
+  const Tensor lse = Unwrap(Tensor::Empty({1, 1, 8}, DType::kFloat32, Device::Cuda(0)));
+  ASSERT_EQ(setenv("DTENSOR_CUDA_ATTENTION", "cudnnn", 1), 0);
+  const absl::Status s = Gpu()->CausalAttention(q, q, q, 0.125f, out, lse);
+  ASSERT_EQ(unsetenv("DTENSOR_CUDA_ATTENTION"), 0);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("cudnnn"), std::string::npos) << s;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@
 #include "dtensor/kernels/cuda/cuda_kernels.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -20,6 +21,9 @@
 #include "dtensor/kernels/cuda/cuda_common.h"
 #include "dtensor/kernels/cuda/launch.h"
 #include "dtensor/tensor/status.h"
+#if defined(DTENSOR_WITH_CUDNN)
+#include "dtensor/kernels/cuda/cudnn_sdpa.h"
+#endif
 
 namespace dtensor::internal {
 namespace {
@@ -497,12 +501,74 @@ absl::Status CheckAttentionShape(const char* op, const Tensor& q) {
 }
 }  // namespace
 
+// Which attention kernels run (DTENSOR_CUDA_ATTENTION, read on each call):
+//   unset or "auto": cuDNN's fused attention where it is built in, installed and takes the
+//                    problem (cudnn_sdpa.h), else dtensor's own (flash where it applies)
+//   "cudnn":         cuDNN's or an error saying why not (for tests and benchmarks)
+//   "flash":         dtensor's own, tensor-core flash kernels where they apply
+//   "simple":        dtensor's own simple float32 kernels only (attention.cu)
+enum class AttentionKernels { kAuto, kCudnn, kOwn };
+absl::StatusOr<AttentionKernels> AttentionChoice(const char* op) {
+  const char* e = std::getenv("DTENSOR_CUDA_ATTENTION");
+  if (e == nullptr || *e == '\0' || std::strcmp(e, "auto") == 0) return AttentionKernels::kAuto;
+  if (std::strcmp(e, "cudnn") == 0) return AttentionKernels::kCudnn;
+  if (std::strcmp(e, "flash") == 0 || std::strcmp(e, "simple") == 0) return AttentionKernels::kOwn;
+  return InvalidArg(op, "DTENSOR_CUDA_ATTENTION='", e, "' is not one of auto, cudnn, flash, simple");
+}
+
+// Runs `cudnn` (a cuDNN attention call) unless the choice rules it out. *ran: whether it ran.
+// A decline (cuDNN missing or not taking the problem) is OK with *ran false under kAuto, and an
+// error under kCudnn.
+template <typename F>
+absl::Status TryCudnnAttention(const char* op, DType dtype, int device, bool* ran, F&& cudnn) {
+  *ran = false;
+  DT_ASSIGN_OR_RETURN(AttentionKernels choice, AttentionChoice(op));
+  if (choice == AttentionKernels::kOwn) return absl::OkStatus();
+#if defined(DTENSOR_WITH_CUDNN)
+  if (dtype == DType::kBFloat16 || dtype == DType::kFloat16) {
+    DeviceGuard guard(device);
+    if (!guard.ok()) return ToStatus(guard.error(), op, device);
+    absl::Status s = cudnn();
+    if (s.ok() || !IsCudnnDecline(s) || choice == AttentionKernels::kCudnn) {
+      *ran = true;
+      return s.ok() ? s : absl::Status(s.code(), absl::StrCat("[", op, "] ", s.message()));
+    }
+    return absl::OkStatus();
+  }
+  if (choice == AttentionKernels::kCudnn) {
+    return absl::FailedPreconditionError(absl::StrCat("[", op, "] DTENSOR_CUDA_ATTENTION=cudnn but cuDNN's fused ",
+                                                      "attention takes bfloat16 or float16, not ", DTypeName(dtype)));
+  }
+  return absl::OkStatus();
+#else
+  (void)dtype;
+  (void)device;
+  (void)cudnn;
+  if (choice == AttentionKernels::kCudnn) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("[", op, "] DTENSOR_CUDA_ATTENTION=cudnn but dtensor was built without cuDNN's headers"));
+  }
+  return absl::OkStatus();
+#endif
+}
+
 absl::Status CudaBackend::CausalAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
                                           const Tensor& out, const Tensor& lse) {
   constexpr const char* op = "CausalAttention";
   DT_RETURN_IF_ERROR(CheckAttentionShape(op, q));
   if (q.numel() == 0) return absl::OkStatus();
   const int64_t t = q.size(2), d = q.size(3), bh = q.size(0) * q.size(1);
+  bool ran = false;
+  DT_RETURN_IF_ERROR(TryCudnnAttention(op, q.dtype(), index_, &ran, [&] {
+#if defined(DTENSOR_WITH_CUDNN)
+    const SdpaProblem p{false, q.dtype(), q.size(0), q.size(1), t, d};
+    return CudnnCausalAttention(index_, p, q.raw_data(), k.raw_data(), v.raw_data(), scale, out.raw_data(),
+                                lse.data<float>());
+#else
+    return absl::OkStatus();
+#endif
+  }));
+  if (ran) return absl::OkStatus();
   return OnDevice(index_, op, [&] {
     return gpu::LaunchAttention(q.dtype(), q.raw_data(), k.raw_data(), v.raw_data(), scale, out.raw_data(),
                                 lse.data<float>(), bh, t, d);
@@ -516,6 +582,18 @@ absl::Status CudaBackend::CausalAttentionBackward(const Tensor& dout, const Tens
   DT_RETURN_IF_ERROR(CheckAttentionShape(op, q));
   if (q.numel() == 0) return absl::OkStatus();
   const int64_t t = q.size(2), d = q.size(3), bh = q.size(0) * q.size(1);
+  bool ran = false;
+  DT_RETURN_IF_ERROR(TryCudnnAttention(op, q.dtype(), index_, &ran, [&] {
+#if defined(DTENSOR_WITH_CUDNN)
+    const SdpaProblem p{true, q.dtype(), q.size(0), q.size(1), t, d};
+    return CudnnCausalAttentionBackward(index_, p, dout.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(),
+                                        out.raw_data(), lse.data<float>(), scale, dq.raw_data(), dk.raw_data(),
+                                        dv.raw_data());
+#else
+    return absl::OkStatus();
+#endif
+  }));
+  if (ran) return absl::OkStatus();
   DT_ASSIGN_OR_RETURN(Tensor delta, Scratch(bh * t, DType::kFloat32, index_));
   return OnDevice(index_, op, [&] {
     return gpu::LaunchAttentionBackward(q.dtype(), dout.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(),
