@@ -10,10 +10,18 @@
 // library (lib64/stubs/libcuda.so, loaded here first under its soname libcuda.so.1): its
 // functions fail with CUDA_ERROR_STUB_LIBRARY, so the last step, loading the compiled kernels,
 // fails there, and that failure (after compilation) is what a plan's status must then be.
-// Numbers are not checked here: only a GPU runs the kernels.
+// What the graphs compute is checked here by interpreting them on the CPU in float64 (see
+// CudnnSdpaGraphTest below); cuDNN's kernels' numbers only on a GPU.
 #include <dlfcn.h>
 
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <random>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -115,6 +123,287 @@ TEST_F(CudnnSdpaPlanTest, Float32IsDeclinedUpFront) {
   ASSERT_FALSE(check.ok());
   EXPECT_TRUE(internal::IsCudnnDecline(check.status())) << check.status();
   EXPECT_NE(check.status().message().find("float32"), std::string::npos) << check.status();
+}
+
+// ---- The graphs' meaning, on the CPU ----
+// An interpreter of SdpaGraph (DescribeSdpaGraph: the same calls that build the cuDNN graph) in
+// float64, after cuDNN's documented semantics of each operation: it runs the forward and
+// backward graphs on small random problems, and their outputs must be attention, computed
+// directly below. This checks what the plan test above cannot: the mask's direction, the
+// transposed views (K^T, V^T, E^T, dS^T), which operand each subtraction takes, where the
+// scale goes. (Rounding to the io type is not modelled: cuDNN's own numbers are checked on a
+// GPU, CudaKernelsTest.CudnnAttentionMatchesCpu.)
+using internal::DescribeSdpaGraph;
+using internal::SdpaGraph;
+using internal::SdpaGraphOp;
+using internal::SdpaGraphTensor;
+using Dims = std::array<int64_t, 4>;
+
+// A tensor's values by logical index (row-major over its dims), with its dims and strides.
+struct Values {
+  Dims dims{}, strides{};
+  std::vector<double> v;
+  int64_t Count() const { return dims[0] * dims[1] * dims[2] * dims[3]; }
+};
+
+Dims Unravel(int64_t i, const Dims& dims) {
+  Dims idx{};
+  for (int k = 3; k >= 0; --k) {
+    idx[static_cast<size_t>(k)] = i % dims[static_cast<size_t>(k)];
+    i /= dims[static_cast<size_t>(k)];
+  }
+  return idx;
+}
+int64_t Offset(const Dims& idx, const Dims& strides) {
+  int64_t o = 0;
+  for (size_t k = 0; k < 4; ++k) o += idx[k] * strides[k];
+  return o;
+}
+// The logical index of `src` that element `idx` of another tensor reads (broadcasting dims of
+// extent 1); an index past one of src's dims is a graph error (reported, read as element 0).
+int64_t Broadcast(const Dims& idx, const Values& src) {
+  int64_t i = 0;
+  for (size_t k = 0; k < 4; ++k) {
+    if (src.dims[k] != 1 && idx[k] >= src.dims[k]) {
+      ADD_FAILURE() << "index " << idx[k] << " past dim " << k << " of extent " << src.dims[k];
+      return 0;
+    }
+    i = i * src.dims[k] + (src.dims[k] == 1 ? 0 : idx[k]);
+  }
+  return i;
+}
+
+class GraphInterpreter {
+ public:
+  explicit GraphInterpreter(const SdpaGraph& g) : g_(g) {
+    for (const SdpaGraphTensor& t : g.tensors) meta_[t.uid] = &t;
+  }
+  // Binds a non-virtual tensor to `storage` (read through the tensor's strides) or a scalar.
+  void Bind(int64_t uid, const std::vector<double>& storage) {
+    const SdpaGraphTensor& t = *meta_.at(uid);
+    Values x{t.dims, t.strides, {}};
+    x.v.resize(static_cast<size_t>(x.Count()));
+    for (int64_t i = 0; i < x.Count(); ++i) {
+      x.v[static_cast<size_t>(i)] = storage.at(static_cast<size_t>(Offset(Unravel(i, t.dims), t.strides)));
+    }
+    vals_[uid] = std::move(x);
+  }
+  void Run() {
+    for (const SdpaGraphOp& op : g_.ops) Step(op);
+  }
+  // A tensor's values by logical index.
+  const Values& Get(int64_t uid) const { return vals_.at(uid); }
+
+ private:
+  void Step(const SdpaGraphOp& op) {
+    const SdpaGraphTensor& yt = *meta_.at(op.y);
+    Values y{yt.dims, yt.strides,
+             std::vector<double>(static_cast<size_t>(yt.dims[0] * yt.dims[1] * yt.dims[2] * yt.dims[3]))};
+    const Values& x = vals_.at(op.x);
+    using K = SdpaGraphOp::Kind;
+    switch (op.kind) {
+      case K::kMatmul: {
+        const Values& b = vals_.at(op.b);
+        const int64_t kk = x.dims[3];
+        if (b.dims[2] != kk || y.dims[2] != x.dims[2] || y.dims[3] != b.dims[3]) {
+          ADD_FAILURE() << "matmul " << op.x << " @ " << op.b << " -> " << op.y << ": shapes do not chain";
+          break;
+        }
+        for (int64_t i = 0; i < y.Count(); ++i) {
+          const Dims idx = Unravel(i, y.dims);
+          double acc = 0;
+          for (int64_t k = 0; k < kk; ++k) {
+            acc += x.v[static_cast<size_t>(Broadcast({idx[0], idx[1], idx[2], k}, x))] *
+                   b.v[static_cast<size_t>(Broadcast({idx[0], idx[1], k, idx[3]}, b))];
+          }
+          y.v[static_cast<size_t>(i)] = acc;
+        }
+        break;
+      }
+      case K::kReduceAdd:
+      case K::kReduceMax: {
+        std::fill(y.v.begin(), y.v.end(), op.kind == K::kReduceAdd ? 0.0 : -std::numeric_limits<double>::infinity());
+        for (int64_t i = 0; i < x.Count(); ++i) {
+          double& acc = y.v[static_cast<size_t>(Broadcast(Unravel(i, x.dims), y))];
+          const double xv = x.v[static_cast<size_t>(i)];
+          acc = op.kind == K::kReduceAdd ? acc + xv : std::max(acc, xv);
+        }
+        break;
+      }
+      case K::kReshape: {
+        // y's element at offset o (by y's strides) is x's element at offset o (by x's).
+        std::map<int64_t, double> memory;
+        for (int64_t i = 0; i < x.Count(); ++i)
+          memory[Offset(Unravel(i, x.dims), x.strides)] = x.v[static_cast<size_t>(i)];
+        for (int64_t i = 0; i < y.Count(); ++i) {
+          y.v[static_cast<size_t>(i)] = memory.at(Offset(Unravel(i, y.dims), y.strides));
+        }
+        break;
+      }
+      default:
+        for (int64_t i = 0; i < y.Count(); ++i) {
+          const Dims idx = Unravel(i, y.dims);
+          const double a = x.v[static_cast<size_t>(Broadcast(idx, x))];
+          const double b = op.b != 0 ? vals_.at(op.b).v[static_cast<size_t>(Broadcast(idx, vals_.at(op.b)))] : 0.0;
+          const double t = op.t != 0 ? vals_.at(op.t).v[static_cast<size_t>(Broadcast(idx, vals_.at(op.t)))] : 0.0;
+          double r = 0;
+          switch (op.kind) {
+            case K::kMul:
+              r = a * b;
+              break;
+            case K::kSub:
+              r = a - b;
+              break;
+            case K::kAdd:
+              r = a + b;
+              break;
+            case K::kDiv:
+              r = a / b;
+              break;
+            case K::kExp:
+              r = std::exp(a);
+              break;
+            case K::kLog:
+              r = std::log(a);
+              break;
+            case K::kIdentity:
+              r = a;
+              break;
+            case K::kGenIndex:
+              r = static_cast<double>(idx.at(static_cast<size_t>(op.axis)));
+              break;
+            case K::kCmpGe:
+              r = a >= b ? 1.0 : 0.0;
+              break;
+            case K::kSelect:
+              r = t != 0.0 ? a : b;
+              break;
+            default:
+              ADD_FAILURE() << "unhandled op kind " << static_cast<int>(op.kind);
+          }
+          y.v[static_cast<size_t>(i)] = r;
+        }
+    }
+    vals_[op.y] = std::move(y);
+  }
+
+  const SdpaGraph& g_;
+  std::map<int64_t, const SdpaGraphTensor*> meta_;
+  std::map<int64_t, Values> vals_;
+};
+
+// Causal attention of one problem, computed directly in float64 (all tensors [b, h, t, d]
+// row-major; lse, delta [b, h, t]).
+struct Reference {
+  std::vector<double> out, lse, dq, dk, dv, delta;
+};
+Reference Attention(int64_t b, int64_t h, int64_t t, int64_t d, double scale, const std::vector<double>& q,
+                    const std::vector<double>& k, const std::vector<double>& v, const std::vector<double>& dout) {
+  Reference r;
+  const size_t n = static_cast<size_t>(b * h * t * d);
+  r.out.assign(n, 0.0), r.dq.assign(n, 0.0), r.dk.assign(n, 0.0), r.dv.assign(n, 0.0);
+  r.lse.assign(static_cast<size_t>(b * h * t), 0.0), r.delta.assign(static_cast<size_t>(b * h * t), 0.0);
+  for (int64_t bh = 0; bh < b * h; ++bh) {
+    auto at = [&](const std::vector<double>& x, int64_t row, int64_t c) {
+      return x[static_cast<size_t>((bh * t + row) * d + c)];
+    };
+    auto ref = [&](std::vector<double>& x, int64_t row, int64_t c) -> double& {
+      return x[static_cast<size_t>((bh * t + row) * d + c)];
+    };
+    std::vector<double> p(static_cast<size_t>(t * t), 0.0);
+    for (int64_t i = 0; i < t; ++i) {
+      double m = -std::numeric_limits<double>::infinity();
+      std::vector<double> s(static_cast<size_t>(i + 1));
+      for (int64_t j = 0; j <= i; ++j) {
+        double dot = 0;
+        for (int64_t c = 0; c < d; ++c) dot += at(q, i, c) * at(k, j, c);
+        s[static_cast<size_t>(j)] = dot * scale;
+        m = std::max(m, dot * scale);
+      }
+      double sum = 0;
+      for (int64_t j = 0; j <= i; ++j) sum += std::exp(s[static_cast<size_t>(j)] - m);
+      r.lse[static_cast<size_t>(bh * t + i)] = m + std::log(sum);
+      for (int64_t j = 0; j <= i; ++j)
+        p[static_cast<size_t>(i * t + j)] = std::exp(s[static_cast<size_t>(j)] - m) / sum;
+      for (int64_t c = 0; c < d; ++c) {
+        for (int64_t j = 0; j <= i; ++j) ref(r.out, i, c) += p[static_cast<size_t>(i * t + j)] * at(v, j, c);
+      }
+    }
+    for (int64_t i = 0; i < t; ++i) {
+      double delta = 0;
+      for (int64_t c = 0; c < d; ++c) delta += at(dout, i, c) * ref(r.out, i, c);
+      r.delta[static_cast<size_t>(bh * t + i)] = delta;
+      for (int64_t j = 0; j <= i; ++j) {
+        const double pij = p[static_cast<size_t>(i * t + j)];
+        double dp = 0;
+        for (int64_t c = 0; c < d; ++c) dp += at(dout, i, c) * at(v, j, c);
+        const double ds = pij * (dp - delta) * scale;
+        for (int64_t c = 0; c < d; ++c) {
+          ref(r.dv, j, c) += pij * at(dout, i, c);
+          ref(r.dq, i, c) += ds * at(k, j, c);
+          ref(r.dk, j, c) += ds * at(q, i, c);
+        }
+      }
+    }
+  }
+  return r;
+}
+
+void ExpectClose(const std::vector<double>& got, const std::vector<double>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  size_t bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (!(std::fabs(got[i] - want[i]) <= 1e-10 * (1.0 + std::fabs(want[i]))) && bad++ < 5) {
+      ADD_FAILURE() << what << "[" << i << "]: graph " << got[i] << ", attention " << want[i];
+    }
+  }
+}
+
+TEST(CudnnSdpaGraphTest, ForwardAndBackwardGraphsComputeCausalAttention) {
+  struct Case {
+    int64_t b, h, t, d;
+  };
+  for (const Case& c : {Case{1, 1, 1, 4}, Case{1, 2, 5, 3}, Case{2, 3, 7, 4}}) {
+    const std::string shape = absl::StrCat(" [", c.b, ", ", c.h, ", ", c.t, ", ", c.d, "]");
+    const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+    std::mt19937_64 gen(17 + static_cast<uint64_t>(c.t));
+    std::uniform_real_distribution<double> dist(-2.0, 2.0);
+    auto random = [&] {
+      std::vector<double> x(static_cast<size_t>(c.b * c.h * c.t * c.d));
+      for (double& e : x) e = dist(gen);
+      return x;
+    };
+    const std::vector<double> q = random(), k = random(), v = random(), dout = random();
+    const Reference want = Attention(c.b, c.h, c.t, c.d, scale, q, k, v, dout);
+
+    const SdpaGraph fwd = DescribeSdpaGraph({false, DType::kBFloat16, c.b, c.h, c.t, c.d});
+    GraphInterpreter f(fwd);
+    f.Bind(internal::kSdpaQ, q);
+    f.Bind(internal::kSdpaK, k);  // K's storage, which the graph reads as K^T
+    f.Bind(internal::kSdpaV, v);
+    f.Bind(internal::kSdpaScale, {scale});
+    f.Bind(internal::kSdpaNegInf, {-std::numeric_limits<double>::infinity()});
+    f.Run();
+    ExpectClose(f.Get(internal::kSdpaO).v, want.out, "forward out" + shape);
+    ExpectClose(f.Get(internal::kSdpaStats).v, want.lse, "forward stats" + shape);
+
+    const SdpaGraph bwd = DescribeSdpaGraph({true, DType::kBFloat16, c.b, c.h, c.t, c.d});
+    GraphInterpreter g(bwd);
+    g.Bind(internal::kSdpaQ, q);
+    g.Bind(internal::kSdpaK, k);
+    g.Bind(internal::kSdpaV, v);  // V's storage, which the backward reads as V^T
+    g.Bind(internal::kSdpaO, want.out);
+    g.Bind(internal::kSdpaDO, dout);
+    g.Bind(internal::kSdpaStats, want.lse);
+    g.Bind(internal::kSdpaScale, {scale});
+    g.Bind(internal::kSdpaNegInf, {-std::numeric_limits<double>::infinity()});
+    g.Bind(internal::kSdpaOne, {1.0});
+    g.Run();
+    ExpectClose(g.Get(internal::kSdpaSoftmaxSum).v, want.delta, "backward softmax_sum" + shape);
+    ExpectClose(g.Get(internal::kSdpaDQ).v, want.dq, "backward dq" + shape);
+    ExpectClose(g.Get(internal::kSdpaDK).v, want.dk, "backward dk" + shape);
+    ExpectClose(g.Get(internal::kSdpaDV).v, want.dv, "backward dv" + shape);
+  }
 }
 
 #else

@@ -25,24 +25,10 @@ namespace {
 constexpr int kMaxDevices = 16;
 using Dims = std::array<int64_t, 4>;
 
-// The tensors a graph's caller binds, by unique id (virtual tensors get ids from 100 up).
-enum Uid : int64_t {
-  kQ = 1,
-  kK = 2,
-  kV = 3,
-  kO = 4,
-  kStats = 5,
-  kDO = 6,
-  kDQ = 7,
-  kDK = 8,
-  kDV = 9,
-  kScale = 10,       // by value (float)
-  kNegInf = 11,      // by value (float): the masked scores
-  kOne = 12,         // by value (float): the backward's dropout-scale slot, 1 without dropout
-  kSoftmaxSum = 13,  // backward, in the workspace: sum(dO * O) per row, float32 [b, h, t, 1]
-  kDQAccum = 14,     // backward, in the workspace: dQ in float32 [b, h, t, d]
-  kFirstVirtual = 100,
-};
+// Short names for the tensor ids (cudnn_sdpa.h).
+constexpr int64_t kQ = kSdpaQ, kK = kSdpaK, kV = kSdpaV, kO = kSdpaO, kStats = kSdpaStats, kDO = kSdpaDO, kDQ = kSdpaDQ,
+                  kDK = kSdpaDK, kDV = kSdpaDV, kScale = kSdpaScale, kNegInf = kSdpaNegInf, kOne = kSdpaOne,
+                  kSoftmaxSum = kSdpaSoftmaxSum, kDQAccum = kSdpaDQAccum, kFirstVirtual = kSdpaFirstVirtual;
 
 // Owns backend descriptors; destroys them in reverse order of creation.
 class Descriptors {
@@ -66,29 +52,29 @@ class Descriptors {
   std::vector<cudnnBackendDescriptor_t> owned_;
 };
 
-// Builds one operation graph: tensors, then operations on them. The first error sticks; every
-// later call is a no-op, so a graph reads as a list of calls with one check at the end.
+// Builds one operation graph: tensors, then operations on them, always as data (graph()) and,
+// given descriptors, in cuDNN. The first error sticks; every later call is a no-op, so a graph
+// reads as a list of calls with one check at the end.
 class GraphBuilder {
  public:
-  explicit GraphBuilder(Descriptors& descs) : descs_(descs), api_(descs.api()) {}
+  explicit GraphBuilder(Descriptors* descs) : descs_(descs) {}
 
   // A tensor; `uid` 0 allocates the next virtual id. Returns the uid.
   int64_t Tensor(int64_t uid, cudnnDataType_t type, const Dims& dims, const Dims& strides, bool is_virtual,
                  bool by_value = false) {
     if (uid == 0) uid = next_virtual_++;
-    if (!status_.ok()) return uid;
-    auto d = descs_.Create(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
-    if (!d.ok()) return Fail(d.status()), uid;
+    graph_.tensors.push_back(SdpaGraphTensor{uid, Describe(type), dims, strides, is_virtual, by_value});
+    cudnnBackendDescriptor_t d = Create(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
     const int64_t alignment = 16;
-    Set(*d, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type, "tensor data type");
-    Set(*d, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims.data(), "tensor dims");
-    Set(*d, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, strides.data(), "tensor strides");
-    Set(*d, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid, "tensor uid");
-    Set(*d, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &alignment, "tensor alignment");
-    Set(*d, CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &is_virtual, "tensor is_virtual");
-    if (by_value) Set(*d, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &by_value, "tensor is_by_value");
-    Finalize(*d, "tensor");
-    tensors_[uid] = TensorInfo{*d, type, dims, strides};
+    Set(d, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type, "tensor data type");
+    Set(d, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims.data(), "tensor dims");
+    Set(d, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, strides.data(), "tensor strides");
+    Set(d, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid, "tensor uid");
+    Set(d, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &alignment, "tensor alignment");
+    Set(d, CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &is_virtual, "tensor is_virtual");
+    if (by_value) Set(d, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &by_value, "tensor is_by_value");
+    Finalize(d, "tensor");
+    tensors_[uid] = TensorInfo{d, dims, strides};
     return uid;
   }
   // A virtual tensor like `like` (dims, strides), of `type`.
@@ -101,71 +87,65 @@ class GraphBuilder {
 
   // c = a @ b over the last two dims (float32 accumulation).
   void Matmul(int64_t a, int64_t b, int64_t c) {
-    if (!status_.ok()) return;
-    auto md = descs_.Create(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
-    if (!md.ok()) return Fail(md.status());
+    graph_.ops.push_back(SdpaGraphOp{SdpaGraphOp::Kind::kMatmul, a, b, 0, c});
+    cudnnBackendDescriptor_t md = Create(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
     const cudnnDataType_t comp = CUDNN_DATA_FLOAT;
-    Set(*md, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp, "matmul compute type");
-    Finalize(*md, "matmul descriptor");
-    auto op = descs_.Create(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR);
-    if (!op.ok()) return Fail(op.status());
-    SetTensor(*op, CUDNN_ATTR_OPERATION_MATMUL_ADESC, a);
-    SetTensor(*op, CUDNN_ATTR_OPERATION_MATMUL_BDESC, b);
-    SetTensor(*op, CUDNN_ATTR_OPERATION_MATMUL_CDESC, c);
-    Set(*op, CUDNN_ATTR_OPERATION_MATMUL_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &*md, "matmul desc");
-    AddOp(*op, "matmul");
+    Set(md, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp, "matmul compute type");
+    Finalize(md, "matmul descriptor");
+    cudnnBackendDescriptor_t op = Create(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR);
+    SetTensor(op, CUDNN_ATTR_OPERATION_MATMUL_ADESC, a);
+    SetTensor(op, CUDNN_ATTR_OPERATION_MATMUL_BDESC, b);
+    SetTensor(op, CUDNN_ATTR_OPERATION_MATMUL_CDESC, c);
+    Set(op, CUDNN_ATTR_OPERATION_MATMUL_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &md, "matmul desc");
+    AddOp(op, "matmul");
   }
   // y = mode(x[, b[, t]]), computed in `compute`; `axis` for GEN_INDEX.
   void Pointwise(cudnnPointwiseMode_t mode, int64_t x, int64_t y, int64_t b = 0, int64_t t = 0,
                  cudnnDataType_t compute = CUDNN_DATA_FLOAT, int64_t axis = -1) {
-    if (!status_.ok()) return;
-    auto pw = descs_.Create(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
-    if (!pw.ok()) return Fail(pw.status());
-    Set(*pw, CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode, "pointwise mode");
-    Set(*pw, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &compute, "pointwise precision");
-    if (mode == CUDNN_POINTWISE_GEN_INDEX) Set(*pw, CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &axis, "axis");
-    Finalize(*pw, "pointwise descriptor");
-    auto op = descs_.Create(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
-    if (!op.ok()) return Fail(op.status());
-    Set(*op, CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &*pw, "pw desc");
-    SetTensor(*op, CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x);
-    if (b != 0) SetTensor(*op, CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b);
-    if (t != 0) SetTensor(*op, CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t);
-    SetTensor(*op, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y);
-    AddOp(*op, "pointwise");
+    graph_.ops.push_back(SdpaGraphOp{Describe(mode), x, b, t, y, axis});
+    cudnnBackendDescriptor_t pw = Create(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
+    Set(pw, CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode, "pointwise mode");
+    Set(pw, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &compute, "pointwise precision");
+    if (mode == CUDNN_POINTWISE_GEN_INDEX) Set(pw, CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &axis, "axis");
+    Finalize(pw, "pointwise descriptor");
+    cudnnBackendDescriptor_t op = Create(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
+    Set(op, CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &pw, "pw desc");
+    SetTensor(op, CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x);
+    if (b != 0) SetTensor(op, CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b);
+    if (t != 0) SetTensor(op, CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t);
+    SetTensor(op, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y);
+    AddOp(op, "pointwise");
   }
   // y = reduce(x) over the dims where y has extent 1.
   void Reduction(cudnnReduceTensorOp_t mode, int64_t x, int64_t y) {
-    if (!status_.ok()) return;
-    auto rd = descs_.Create(CUDNN_BACKEND_REDUCTION_DESCRIPTOR);
-    if (!rd.ok()) return Fail(rd.status());
+    graph_.ops.push_back(SdpaGraphOp{
+        mode == CUDNN_REDUCE_TENSOR_MAX ? SdpaGraphOp::Kind::kReduceMax : SdpaGraphOp::Kind::kReduceAdd, x, 0, 0, y});
+    cudnnBackendDescriptor_t rd = Create(CUDNN_BACKEND_REDUCTION_DESCRIPTOR);
     const cudnnDataType_t comp = CUDNN_DATA_FLOAT;
     const bool deterministic = false;
-    Set(*rd, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp, "reduction compute type");
-    Set(*rd, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &mode, "reduction operator");
-    Set(*rd, CUDNN_ATTR_REDUCTION_IS_DETERMINISTIC, CUDNN_TYPE_BOOLEAN, 1, &deterministic, "reduction determinism");
-    Finalize(*rd, "reduction descriptor");
-    auto op = descs_.Create(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR);
-    if (!op.ok()) return Fail(op.status());
-    Set(*op, CUDNN_ATTR_OPERATION_REDUCTION_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &*rd, "reduction desc");
-    SetTensor(*op, CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x);
-    SetTensor(*op, CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y);
-    AddOp(*op, "reduction");
+    Set(rd, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp, "reduction compute type");
+    Set(rd, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &mode, "reduction operator");
+    Set(rd, CUDNN_ATTR_REDUCTION_IS_DETERMINISTIC, CUDNN_TYPE_BOOLEAN, 1, &deterministic, "reduction determinism");
+    Finalize(rd, "reduction descriptor");
+    cudnnBackendDescriptor_t op = Create(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR);
+    Set(op, CUDNN_ATTR_OPERATION_REDUCTION_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &rd, "reduction desc");
+    SetTensor(op, CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x);
+    SetTensor(op, CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y);
+    AddOp(op, "reduction");
   }
   // y = x seen through y's dims and strides (a transpose, here).
   void Reshape(int64_t x, int64_t y) {
-    if (!status_.ok()) return;
-    auto op = descs_.Create(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR);
-    if (!op.ok()) return Fail(op.status());
-    SetTensor(*op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x);
-    SetTensor(*op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y);
-    AddOp(*op, "reshape");
+    graph_.ops.push_back(SdpaGraphOp{SdpaGraphOp::Kind::kReshape, x, 0, 0, y});
+    cudnnBackendDescriptor_t op = Create(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR);
+    SetTensor(op, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x);
+    SetTensor(op, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y);
+    AddOp(op, "reshape");
   }
 
-  // The finalized operation graph.
+  // The finalized operation graph (with descriptors).
   absl::StatusOr<cudnnBackendDescriptor_t> Build(cudnnHandle_t handle) {
-    DT_RETURN_IF_ERROR(status_);
-    DT_ASSIGN_OR_RETURN(cudnnBackendDescriptor_t g, descs_.Create(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR));
+    if (descs_ == nullptr) return absl::InternalError("[cuDNN] GraphBuilder::Build without descriptors");
+    cudnnBackendDescriptor_t g = Create(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
     Set(g, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, static_cast<int64_t>(ops_.size()), ops_.data(),
         "graph ops");
     if (handle != nullptr) Set(g, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle, "graph handle");
@@ -173,42 +153,86 @@ class GraphBuilder {
     DT_RETURN_IF_ERROR(status_);
     return g;
   }
+  const SdpaGraph& graph() const { return graph_; }
 
  private:
   struct TensorInfo {
     cudnnBackendDescriptor_t desc = nullptr;
-    cudnnDataType_t type = CUDNN_DATA_FLOAT;
     Dims dims{}, strides{};
   };
+  static SdpaGraphTensor::Type Describe(cudnnDataType_t t) {
+    switch (t) {
+      case CUDNN_DATA_FLOAT:
+        return SdpaGraphTensor::Type::kFloat32;
+      case CUDNN_DATA_INT32:
+        return SdpaGraphTensor::Type::kInt32;
+      case CUDNN_DATA_BOOLEAN:
+        return SdpaGraphTensor::Type::kBool;
+      default:
+        return SdpaGraphTensor::Type::kIo;
+    }
+  }
+  static SdpaGraphOp::Kind Describe(cudnnPointwiseMode_t m) {
+    switch (m) {
+      case CUDNN_POINTWISE_MUL:
+        return SdpaGraphOp::Kind::kMul;
+      case CUDNN_POINTWISE_SUB:
+        return SdpaGraphOp::Kind::kSub;
+      case CUDNN_POINTWISE_ADD:
+        return SdpaGraphOp::Kind::kAdd;
+      case CUDNN_POINTWISE_DIV:
+        return SdpaGraphOp::Kind::kDiv;
+      case CUDNN_POINTWISE_EXP:
+        return SdpaGraphOp::Kind::kExp;
+      case CUDNN_POINTWISE_LOG:
+        return SdpaGraphOp::Kind::kLog;
+      case CUDNN_POINTWISE_GEN_INDEX:
+        return SdpaGraphOp::Kind::kGenIndex;
+      case CUDNN_POINTWISE_CMP_GE:
+        return SdpaGraphOp::Kind::kCmpGe;
+      case CUDNN_POINTWISE_BINARY_SELECT:
+        return SdpaGraphOp::Kind::kSelect;
+      default:
+        return SdpaGraphOp::Kind::kIdentity;
+    }
+  }
   void Fail(absl::Status s) {
     if (status_.ok()) status_ = std::move(s);
   }
+  bool Live() const { return descs_ != nullptr && status_.ok(); }
+  cudnnBackendDescriptor_t Create(cudnnBackendDescriptorType_t type) {
+    if (!Live()) return nullptr;
+    absl::StatusOr<cudnnBackendDescriptor_t> d = descs_->Create(type);
+    if (!d.ok()) return Fail(d.status()), nullptr;
+    return *d;
+  }
   void Set(cudnnBackendDescriptor_t d, cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type,
            int64_t count, const void* value, const char* what) {
-    if (!status_.ok()) return;
-    Fail(api_.Check(api_.set(d, name, type, count, value), what));
+    if (!Live()) return;
+    Fail(descs_->api().Check(descs_->api().set(d, name, type, count, value), what));
   }
   void SetTensor(cudnnBackendDescriptor_t op, cudnnBackendAttributeName_t name, int64_t uid) {
     auto it = tensors_.find(uid);
-    if (it == tensors_.end())
+    if (it == tensors_.end()) {
       return Fail(absl::InternalError(absl::StrCat("[cuDNN] graph uses tensor ", uid, " before creating it")));
+    }
     Set(op, name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &it->second.desc, "operation tensor");
   }
   void Finalize(cudnnBackendDescriptor_t d, const char* what) {
-    if (!status_.ok()) return;
-    Fail(api_.Check(api_.finalize(d), absl::StrCat("finalize ", what).c_str()));
+    if (!Live()) return;
+    Fail(descs_->api().Check(descs_->api().finalize(d), absl::StrCat("finalize ", what).c_str()));
   }
   void AddOp(cudnnBackendDescriptor_t op, const char* what) {
     Finalize(op, what);
     ops_.push_back(op);
   }
 
-  Descriptors& descs_;
-  const CudnnApi& api_;
+  Descriptors* descs_;
   absl::Status status_;
   int64_t next_virtual_ = kFirstVirtual;
   std::map<int64_t, TensorInfo> tensors_;
   std::vector<cudnnBackendDescriptor_t> ops_;
+  SdpaGraph graph_;
 };
 
 Dims Contiguous(const Dims& d) { return {d[1] * d[2] * d[3], d[2] * d[3], d[3], 1}; }
@@ -366,7 +390,7 @@ absl::StatusOr<std::unique_ptr<Plan>> BuildPlan(const CudnnApi& api, const SdpaP
                                                 SdpaPlanCheck* check) {
   DT_RETURN_IF_ERROR(CheckProblem(p));
   auto plan = std::make_unique<Plan>(api);
-  GraphBuilder g(plan->descs);
+  GraphBuilder g(&plan->descs);
   if (p.backward) {
     BackwardGraph(g, p);
   } else {
@@ -561,6 +585,16 @@ absl::Status CudnnCausalAttentionBackward(int device, const SdpaProblem& p, cons
                   const_cast<void*>(dout), const_cast<float*>(lse), dq, dk, dv, base + engine + DQAccumBytes(p),
                   base + engine, &scale, &neg_inf, &one},
                  base);
+}
+
+SdpaGraph DescribeSdpaGraph(const SdpaProblem& p) {
+  GraphBuilder g(nullptr);
+  if (p.backward) {
+    BackwardGraph(g, p);
+  } else {
+    ForwardGraph(g, p);
+  }
+  return g.graph();
 }
 
 absl::StatusOr<SdpaPlanCheck> CheckCudnnSdpaPlan(const SdpaProblem& p, std::string_view device_json) {

@@ -26,8 +26,10 @@
 #ifndef DTENSOR_KERNELS_CUDA_CUDNN_SDPA_H_
 #define DTENSOR_KERNELS_CUDA_CUDNN_SDPA_H_
 
+#include <array>
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -54,6 +56,61 @@ absl::Status CudnnCausalAttention(int device, const SdpaProblem& p, const void* 
 absl::Status CudnnCausalAttentionBackward(int device, const SdpaProblem& p, const void* dout, const void* q,
                                           const void* k, const void* v, const void* out, const float* lse, float scale,
                                           void* dq, void* dk, void* dv);
+
+// The tensors a graph's caller binds, by unique id (virtual tensors get ids from 100 up).
+enum SdpaTensorId : int64_t {
+  kSdpaQ = 1,
+  kSdpaK = 2,  // K's storage seen as K^T [b, h, d, t]
+  kSdpaV = 3,  // forward: V [b, h, t, d]; backward: V's storage seen as V^T [b, h, d, t]
+  kSdpaO = 4,
+  kSdpaStats = 5,
+  kSdpaDO = 6,
+  kSdpaDQ = 7,
+  kSdpaDK = 8,
+  kSdpaDV = 9,
+  kSdpaScale = 10,       // by value (float)
+  kSdpaNegInf = 11,      // by value (float): the masked scores
+  kSdpaOne = 12,         // by value (float): the backward's dropout-scale slot, 1 without dropout
+  kSdpaSoftmaxSum = 13,  // backward, in the workspace: sum(dO * O) per row, float32 [b, h, t, 1]
+  kSdpaDQAccum = 14,     // backward, in the workspace: dQ in float32 [b, h, t, d]
+  kSdpaFirstVirtual = 100,
+};
+
+// A problem's graph as data: what the builder hands cuDNN, for tests to interpret on the CPU
+// (tests/kernels/cudnn_sdpa_test.cc evaluates it against attention computed directly).
+struct SdpaGraphTensor {
+  enum class Type { kFloat32, kIo, kInt32, kBool };
+  int64_t uid = 0;
+  Type type = Type::kFloat32;
+  std::array<int64_t, 4> dims{}, strides{};
+  bool is_virtual = false, by_value = false;
+};
+struct SdpaGraphOp {
+  enum class Kind {
+    kMatmul,     // y = x @ b over the last two dims
+    kMul,        // y = x * b (b broadcast over its dims of extent 1; likewise below)
+    kSub,        // y = x - b
+    kAdd,        // y = x + b
+    kDiv,        // y = x / b
+    kExp,        // y = exp(x)
+    kLog,        // y = log(x)
+    kIdentity,   // y = x
+    kGenIndex,   // y = the index of each element along `axis` (x gives the shape)
+    kCmpGe,      // y = x >= b
+    kSelect,     // y = t ? x : b
+    kReduceAdd,  // y = sum of x over the dims where y has extent 1
+    kReduceMax,  // y = max of x over those dims
+    kReshape,    // y = x's elements seen through y's dims and strides
+  };
+  Kind kind = Kind::kIdentity;
+  int64_t x = 0, b = 0, t = 0, y = 0;  // tensor uids (0: none)
+  int64_t axis = -1;
+};
+struct SdpaGraph {
+  std::vector<SdpaGraphTensor> tensors;
+  std::vector<SdpaGraphOp> ops;
+};
+SdpaGraph DescribeSdpaGraph(const SdpaProblem& p);
 
 // Device-less check, for tests: builds p's graph and asks cuDNN's heuristics for engine
 // configurations on the GPU that `device_json` describes (cuDNN's device-property JSON, the
