@@ -30,11 +30,11 @@ void AttnRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vect
     s->push_back({ins, {Shard(d), Shard(d)}});
   }
 }
+// The inputs go as they are: dtensor::CausalAttention copies what its backend cannot read in
+// place (on a GPU, heads split out of the fused qkv projection are read uncopied).
 absl::StatusOr<std::vector<Tensor>> AttnLocal(const LocalCall& c) {
-  DT_ASSIGN_OR_RETURN(Tensor q, dtensor::Contiguous(c.inputs[0]));
-  DT_ASSIGN_OR_RETURN(Tensor k, dtensor::Contiguous(c.inputs[1]));
-  DT_ASSIGN_OR_RETURN(Tensor v, dtensor::Contiguous(c.inputs[2]));
-  DT_ASSIGN_OR_RETURN(AttentionOutput o, dtensor::CausalAttention(q, k, v, static_cast<float>(c.args.floats[0])));
+  DT_ASSIGN_OR_RETURN(AttentionOutput o, dtensor::CausalAttention(c.inputs[0], c.inputs[1], c.inputs[2],
+                                                                  static_cast<float>(c.args.floats[0])));
   return std::vector<Tensor>{o.out, o.lse};
 }
 const OpDef kAttention = {"causal_attention", AttnRule, AttnMeta, AttnLocal};
@@ -51,10 +51,7 @@ void AttnBwdRule(absl::Span<const TensorMeta>, const OpArgs&, IntSpan, std::vect
   }
 }
 absl::StatusOr<std::vector<Tensor>> AttnBwdLocal(const LocalCall& c) {
-  std::vector<Tensor> in;
-  for (int i = 0; i < 6; ++i) {
-    DT_ASSIGN_OR_RETURN(in.emplace_back(), dtensor::Contiguous(c.inputs[static_cast<size_t>(i)]));
-  }
+  const auto& in = c.inputs;  // as in AttnLocal: dtensor::CausalAttentionBackward copies what it must
   AttentionOutput saved{in[4], in[5]};
   DT_ASSIGN_OR_RETURN(AttentionGrads g, dtensor::CausalAttentionBackward(in[0], in[1], in[2], in[3], saved,
                                                                          static_cast<float>(c.args.floats[0])));

@@ -220,13 +220,17 @@ class Kernels {
 
   // ---- Causal scaled-dot-product attention ----
   // q, k, v, out contiguous [B, H, T, D]; lse float32 [B, H, T] (logsumexp of each score row,
-  // saved for backward). out[t] = softmax(scale * q[t].k[s] for s <= t) @ v.
+  // saved for backward). out[t] = softmax(scale * q[t].k[s] for s <= t) @ v. A backend whose
+  // AttentionTakesRowViews() is true also takes q, k, v (and dout) as row views: stride 1
+  // along D, any strides elsewhere (heads split out of a fused qkv projection, uncopied).
   virtual absl::Status CausalAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
                                        const Tensor& out, const Tensor& lse) = 0;
   // dq, dk, dv [B, H, T, D] contiguous, overwritten.
   virtual absl::Status CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& out, const Tensor& lse, float scale, const Tensor& dq,
                                                const Tensor& dk, const Tensor& dv) = 0;
+  // See CausalAttention. Default: no (ops.cc hands such a backend contiguous copies).
+  virtual bool AttentionTakesRowViews() const { return false; }
 
   // ---- Optimizer ----
   // Fused AdamW (decoupled weight decay, bias correction), in place on param, m and v.

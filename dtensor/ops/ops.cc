@@ -1343,6 +1343,13 @@ absl::Status CheckQkv(const char* op, const Tensor& q, const Tensor& k, const Te
   return absl::OkStatus();
 }
 
+// What the backend gets for an attention operand: `t` itself where the backend takes row views
+// and `t` is one (stride 1 along D), else a contiguous copy (t itself where contiguous).
+absl::StatusOr<Tensor> AttentionOperand(const Kernels& kern, const Tensor& t) {
+  if (kern.AttentionTakesRowViews() && t.stride(3) == 1) return t;
+  return Contiguous(t);
+}
+
 float DefaultScale(const Tensor& q, float scale) {
   return scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(std::max<int64_t>(q.size(3), 1)));
 }
@@ -1353,9 +1360,9 @@ absl::StatusOr<AttentionOutput> CausalAttention(const Tensor& q, const Tensor& k
   constexpr const char* op = "CausalAttention";
   DT_RETURN_IF_ERROR(CheckQkv(op, q, k, v));
   DT_ASSIGN_OR_RETURN(Kernels * kern, Backend(op, q));
-  DT_ASSIGN_OR_RETURN(Tensor cq, Contiguous(q));
-  DT_ASSIGN_OR_RETURN(Tensor ck, Contiguous(k));
-  DT_ASSIGN_OR_RETURN(Tensor cv, Contiguous(v));
+  DT_ASSIGN_OR_RETURN(Tensor cq, AttentionOperand(*kern, q));
+  DT_ASSIGN_OR_RETURN(Tensor ck, AttentionOperand(*kern, k));
+  DT_ASSIGN_OR_RETURN(Tensor cv, AttentionOperand(*kern, v));
   AttentionOutput o;
   DT_ASSIGN_OR_RETURN(o.out, Tensor::Empty(q.shape(), q.dtype(), q.device()));
   DT_ASSIGN_OR_RETURN(o.lse, Tensor::Empty(q.shape().subspan(0, 3), DType::kFloat32, q.device()));
@@ -1377,10 +1384,10 @@ absl::StatusOr<AttentionGrads> CausalAttentionBackward(const Tensor& dout, const
     return InvalidArg(op, "saved forward outputs do not match q ", ShapeString(q.shape()));
   }
   DT_ASSIGN_OR_RETURN(Kernels * kern, Backend(op, q));
-  DT_ASSIGN_OR_RETURN(Tensor cq, Contiguous(q));
-  DT_ASSIGN_OR_RETURN(Tensor ck, Contiguous(k));
-  DT_ASSIGN_OR_RETURN(Tensor cv, Contiguous(v));
-  DT_ASSIGN_OR_RETURN(Tensor cdo, Contiguous(dout));
+  DT_ASSIGN_OR_RETURN(Tensor cq, AttentionOperand(*kern, q));
+  DT_ASSIGN_OR_RETURN(Tensor ck, AttentionOperand(*kern, k));
+  DT_ASSIGN_OR_RETURN(Tensor cv, AttentionOperand(*kern, v));
+  DT_ASSIGN_OR_RETURN(Tensor cdo, AttentionOperand(*kern, dout));
   DT_ASSIGN_OR_RETURN(Tensor co, Contiguous(saved.out));
   DT_ASSIGN_OR_RETURN(Tensor clse, Contiguous(saved.lse));
   AttentionGrads g;

@@ -1191,9 +1191,11 @@ TEST(CudaKernelsTest, FlashAttentionMatchesCpu) {
 
 // cuDNN's fused attention (cudnn_sdpa.h; DTENSOR_CUDA_ATTENTION=cudnn, under which a problem
 // cuDNN declines is an error, so every case below really ran on cuDNN) against the CPU, as
-// above; then a forward on cuDNN with a backward on the flash kernels and the other way round
-// (the default mode may mix them where cuDNN declines one direction): their lse must mean the
-// same. Skips, saying why, where dtensor was built without cuDNN or libcudnn is not installed.
+// above; then q, k, v and dout as heads of fused projections (row views: cuDNN reads them in
+// place, the flash kernels read copies); then a forward on cuDNN with a backward on the flash
+// kernels and the other way round (the default mode may mix them where cuDNN declines one
+// direction): their lse must mean the same. Skips, saying why, where dtensor was built without
+// cuDNN or libcudnn is not installed.
 TEST(CudaKernelsTest, CudnnAttentionMatchesCpu) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
   ASSERT_EQ(setenv("DTENSOR_CUDA_ATTENTION", "cudnn", 1), 0);
@@ -1217,6 +1219,39 @@ TEST(CudaKernelsTest, CudnnAttentionMatchesCpu) {
     for (const AttentionCase& c : cases) {
       CheckAttentionAgainstCpu(
           dt, c, absl::StrCat("attention (cuDNN) ", Name(dt), " [", c.b, ", ", c.h, ", ", c.t, ", ", c.d, "]"));
+    }
+  }
+  // Heads read in place from a fused projection's output, as GPT's attention hands them over:
+  // q, k, v views of [B, T, 3, H, D] and dout of [B, T, H, D] on the GPU (cuDNN reads them in
+  // place, the flash kernels read copies), contiguous copies on the CPU (whose backend takes no
+  // row views).
+  for (const char* mode : {"cudnn", "flash"}) {
+    ASSERT_EQ(setenv("DTENSOR_CUDA_ATTENTION", mode, 1), 0);
+    const int64_t b = 2, h = 4, t = 96, d = 64;
+    const std::string what = absl::StrCat("attention (", mode, ") on heads of a fused qkv projection");
+    const DType dt = DType::kBFloat16;
+    const Pair qkv = RandomBoth({b, t, 3, h, d}, dt, 61, -2.0, 2.0), dy = RandomBoth({b, t, h, d}, dt, 62);
+    auto head = [&](const Tensor& x, int64_t j) {  // [B, T, 3, H, D] -> the j-th [B, H, T, D]
+      const Tensor part = Unwrap(Unwrap(x.Narrow(2, j, 1)).View({b, t, h, d}));
+      return Unwrap(part.Transpose(1, 2));
+    };
+    const Tensor gq = head(qkv.gpu, 0), gk = head(qkv.gpu, 1), gv = head(qkv.gpu, 2);
+    const Tensor gdo = Unwrap(dy.gpu.Transpose(1, 2));
+    ASSERT_FALSE(gq.is_contiguous());
+    const Tensor cq = Unwrap(Contiguous(head(qkv.cpu, 0))), ck = Unwrap(Contiguous(head(qkv.cpu, 1))),
+                 cv = Unwrap(Contiguous(head(qkv.cpu, 2))), cdo = Unwrap(Contiguous(Unwrap(dy.cpu.Transpose(1, 2))));
+    const Shape shape = {b, h, t, d};
+    const float scale = 0.125f;
+    const Pair out = EmptyBoth(shape, dt), lse = EmptyBoth({b, h, t}, DType::kFloat32);
+    const Pair dq = EmptyBoth(shape, dt), dk = EmptyBoth(shape, dt), dv = EmptyBoth(shape, dt);
+    ExpectOk(Cpu()->CausalAttention(cq, ck, cv, scale, out.cpu, lse.cpu), what);
+    ExpectOk(Cpu()->CausalAttentionBackward(cdo, cq, ck, cv, out.cpu, lse.cpu, scale, dq.cpu, dk.cpu, dv.cpu), what);
+    ExpectOk(Gpu()->CausalAttention(gq, gk, gv, scale, out.gpu, lse.gpu), what);
+    ExpectOk(Gpu()->CausalAttentionBackward(gdo, gq, gk, gv, out.gpu, lse.gpu, scale, dq.gpu, dk.gpu, dv.gpu), what);
+    ExpectOk(Gpu()->Synchronize(), what);
+    for (const auto& [name, p] :
+         {std::pair<const char*, const Pair*>{"out", &out}, {"lse", &lse}, {"dq", &dq}, {"dk", &dk}, {"dv", &dv}}) {
+      testing::ExpectNormNear(Vals(p->gpu), Vals(p->cpu), 1e-2, what + " " + name);
     }
   }
   // Mixed: the lse one writes is what the other reads.

@@ -48,18 +48,23 @@ constexpr const char* kH100 =
     R"("maxThreadsPerSM":2048,"pciDeviceId":0,"isTccDriver":0,"supportCoopLaunch":1,"totalGlobalMem":84987740160,)"
     R"("smClockRateKHz":1980000,"memClockRateKHz":2619000,"l2CacheSize":52428800})";
 
-// The driver API cuDNN will use: the installed driver's, else the toolkit's stub (see above).
-// Sets *stub when it is the stub; "" or why neither loads.
+// The driver API cuDNN will use: the installed driver's, else the toolkit's stub (see above),
+// loaded once per process (the stub, once loaded, answers to libcuda.so.1 itself). Sets *stub
+// when it is the stub; returns "" or why neither loads.
 std::string LoadDriverApi(bool* stub) {
-  *stub = false;
-  if (dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL) != nullptr) return "";
-  const std::string path = absl::StrCat(DTENSOR_CUDA_STUBS_DIR, "/libcuda.so");
-  if (dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL) != nullptr) {
-    *stub = true;
-    return "";
-  }
-  const char* why = dlerror();
-  return absl::StrCat("neither libcuda.so.1 nor ", path, " loads: ", why != nullptr ? why : "no reason given");
+  static bool is_stub = false;
+  static const std::string why = [] {
+    if (dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL) != nullptr) return std::string();
+    const std::string path = absl::StrCat(DTENSOR_CUDA_STUBS_DIR, "/libcuda.so");
+    if (dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL) != nullptr) {
+      is_stub = true;
+      return std::string();
+    }
+    const char* err = dlerror();
+    return absl::StrCat("neither libcuda.so.1 nor ", path, " loads: ", err != nullptr ? err : "no reason given");
+  }();
+  *stub = is_stub;
+  return why;
 }
 
 // Whether `check` shows a plan cuDNN built: finalized, or (with the stub driver) compiled and
@@ -103,6 +108,28 @@ TEST_F(CudnnSdpaPlanTest, GptShapesHaveAnEngineForwardAndBackward) {
           << what << ": " << check->tried << " of " << check->configs << " plans tried, the last: " << check->plan;
     }
   }
+}
+
+// GPT's attention hands q, k, v over as heads of the fused qkv projection [B, T, 3, H, D] and
+// dout as heads of [B, T, H, D], uncopied: cuDNN takes those strides (GPT-2 124M, B = 16).
+TEST_F(CudnnSdpaPlanTest, FusedProjectionStridesHaveAnEngine) {
+  const int64_t b = 16, h = 12, t = 1024, d = 64, c = h * d;
+  for (bool backward : {false, true}) {
+    SdpaProblem p{backward, DType::kBFloat16, b, h, t, d};
+    p.q_strides = p.k_strides = p.v_strides = {t * 3 * c, d, 3 * c, 1};
+    p.do_strides = {t * c, d, c, 1};
+    const absl::StatusOr<SdpaPlanCheck> check = CheckCudnnSdpaPlan(p, kH100);
+    ASSERT_TRUE(check.ok()) << check.status();
+    EXPECT_GE(check->configs, 1) << (backward ? "backward" : "forward");
+    EXPECT_TRUE(PlanBuilt(*check, stub_)) << (backward ? "backward" : "forward") << ": " << check->plan;
+  }
+  // Rows that do not start 16-byte aligned (a row stride of 3 * c + 1 elements) are declined
+  // before cuDNN is asked: dtensor's own kernels then read copies.
+  SdpaProblem odd{false, DType::kBFloat16, b, h, t, d};
+  odd.q_strides = {t * (3 * c + 1), d, 3 * c + 1, 1};
+  const absl::StatusOr<SdpaPlanCheck> check = CheckCudnnSdpaPlan(odd, kH100);
+  ASSERT_FALSE(check.ok());
+  EXPECT_TRUE(internal::IsCudnnDecline(check.status())) << check.status();
 }
 
 // The check can fail: a head dim that is not a multiple of 8 (cuDNN's fused attention reads
@@ -178,13 +205,14 @@ class GraphInterpreter {
   explicit GraphInterpreter(const SdpaGraph& g) : g_(g) {
     for (const SdpaGraphTensor& t : g.tensors) meta_[t.uid] = &t;
   }
-  // Binds a non-virtual tensor to `storage` (read through the tensor's strides) or a scalar.
-  void Bind(int64_t uid, const std::vector<double>& storage) {
+  // Binds a non-virtual tensor to `storage` from element `base` on (read through the tensor's
+  // strides), or a scalar.
+  void Bind(int64_t uid, const std::vector<double>& storage, int64_t base = 0) {
     const SdpaGraphTensor& t = *meta_.at(uid);
     Values x{t.dims, t.strides, {}};
     x.v.resize(static_cast<size_t>(x.Count()));
     for (int64_t i = 0; i < x.Count(); ++i) {
-      x.v[static_cast<size_t>(i)] = storage.at(static_cast<size_t>(Offset(Unravel(i, t.dims), t.strides)));
+      x.v[static_cast<size_t>(i)] = storage.at(static_cast<size_t>(base + Offset(Unravel(i, t.dims), t.strides)));
     }
     vals_[uid] = std::move(x);
   }
@@ -359,51 +387,96 @@ void ExpectClose(const std::vector<double>& got, const std::vector<double>& want
   }
 }
 
+// Runs both graphs of `p` on q, k, v, dout (row-major [b, h, t, d] values), each bound from
+// `storage` at `base` through `strides` (all zero: the values as they are), and holds the
+// outputs to attention.
+struct Operand {
+  const std::vector<double>* storage;
+  int64_t base;
+};
+void CheckGraphs(const internal::SdpaProblem& fwd_p, const std::vector<double>& q, const std::vector<double>& k,
+                 const std::vector<double>& v, const std::vector<double>& dout, Operand sq, Operand sk, Operand sv,
+                 Operand sdo, const std::string& what) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(fwd_p.d));
+  const Reference want = Attention(fwd_p.b, fwd_p.h, fwd_p.t, fwd_p.d, scale, q, k, v, dout);
+  const double inf = std::numeric_limits<double>::infinity();
+
+  const SdpaGraph fwd = DescribeSdpaGraph(fwd_p);
+  GraphInterpreter f(fwd);
+  f.Bind(internal::kSdpaQ, *sq.storage, sq.base);
+  f.Bind(internal::kSdpaK, *sk.storage, sk.base);  // K's storage, which the graph reads as K^T
+  f.Bind(internal::kSdpaV, *sv.storage, sv.base);
+  f.Bind(internal::kSdpaScale, {scale});
+  f.Bind(internal::kSdpaNegInf, {-inf});
+  f.Run();
+  ExpectClose(f.Get(internal::kSdpaO).v, want.out, "forward out" + what);
+  ExpectClose(f.Get(internal::kSdpaStats).v, want.lse, "forward stats" + what);
+
+  internal::SdpaProblem bwd_p = fwd_p;
+  bwd_p.backward = true;
+  const SdpaGraph bwd = DescribeSdpaGraph(bwd_p);
+  GraphInterpreter g(bwd);
+  g.Bind(internal::kSdpaQ, *sq.storage, sq.base);
+  g.Bind(internal::kSdpaK, *sk.storage, sk.base);
+  g.Bind(internal::kSdpaV, *sv.storage, sv.base);  // V's storage, which the backward reads as V^T
+  g.Bind(internal::kSdpaO, want.out);
+  g.Bind(internal::kSdpaDO, *sdo.storage, sdo.base);
+  g.Bind(internal::kSdpaStats, want.lse);
+  g.Bind(internal::kSdpaScale, {scale});
+  g.Bind(internal::kSdpaNegInf, {-inf});
+  g.Bind(internal::kSdpaOne, {1.0});
+  g.Run();
+  ExpectClose(g.Get(internal::kSdpaSoftmaxSum).v, want.delta, "backward softmax_sum" + what);
+  ExpectClose(g.Get(internal::kSdpaDQ).v, want.dq, "backward dq" + what);
+  ExpectClose(g.Get(internal::kSdpaDK).v, want.dk, "backward dk" + what);
+  ExpectClose(g.Get(internal::kSdpaDV).v, want.dv, "backward dv" + what);
+}
+
+std::vector<double> RandomValues(int64_t n, uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::uniform_real_distribution<double> dist(-2.0, 2.0);
+  std::vector<double> x(static_cast<size_t>(n));
+  for (double& e : x) e = dist(gen);
+  return x;
+}
+
 TEST(CudnnSdpaGraphTest, ForwardAndBackwardGraphsComputeCausalAttention) {
   struct Case {
     int64_t b, h, t, d;
   };
   for (const Case& c : {Case{1, 1, 1, 4}, Case{1, 2, 5, 3}, Case{2, 3, 7, 4}}) {
-    const std::string shape = absl::StrCat(" [", c.b, ", ", c.h, ", ", c.t, ", ", c.d, "]");
-    const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
-    std::mt19937_64 gen(17 + static_cast<uint64_t>(c.t));
-    std::uniform_real_distribution<double> dist(-2.0, 2.0);
-    auto random = [&] {
-      std::vector<double> x(static_cast<size_t>(c.b * c.h * c.t * c.d));
-      for (double& e : x) e = dist(gen);
-      return x;
-    };
-    const std::vector<double> q = random(), k = random(), v = random(), dout = random();
-    const Reference want = Attention(c.b, c.h, c.t, c.d, scale, q, k, v, dout);
-
-    const SdpaGraph fwd = DescribeSdpaGraph({false, DType::kBFloat16, c.b, c.h, c.t, c.d});
-    GraphInterpreter f(fwd);
-    f.Bind(internal::kSdpaQ, q);
-    f.Bind(internal::kSdpaK, k);  // K's storage, which the graph reads as K^T
-    f.Bind(internal::kSdpaV, v);
-    f.Bind(internal::kSdpaScale, {scale});
-    f.Bind(internal::kSdpaNegInf, {-std::numeric_limits<double>::infinity()});
-    f.Run();
-    ExpectClose(f.Get(internal::kSdpaO).v, want.out, "forward out" + shape);
-    ExpectClose(f.Get(internal::kSdpaStats).v, want.lse, "forward stats" + shape);
-
-    const SdpaGraph bwd = DescribeSdpaGraph({true, DType::kBFloat16, c.b, c.h, c.t, c.d});
-    GraphInterpreter g(bwd);
-    g.Bind(internal::kSdpaQ, q);
-    g.Bind(internal::kSdpaK, k);
-    g.Bind(internal::kSdpaV, v);  // V's storage, which the backward reads as V^T
-    g.Bind(internal::kSdpaO, want.out);
-    g.Bind(internal::kSdpaDO, dout);
-    g.Bind(internal::kSdpaStats, want.lse);
-    g.Bind(internal::kSdpaScale, {scale});
-    g.Bind(internal::kSdpaNegInf, {-std::numeric_limits<double>::infinity()});
-    g.Bind(internal::kSdpaOne, {1.0});
-    g.Run();
-    ExpectClose(g.Get(internal::kSdpaSoftmaxSum).v, want.delta, "backward softmax_sum" + shape);
-    ExpectClose(g.Get(internal::kSdpaDQ).v, want.dq, "backward dq" + shape);
-    ExpectClose(g.Get(internal::kSdpaDK).v, want.dk, "backward dk" + shape);
-    ExpectClose(g.Get(internal::kSdpaDV).v, want.dv, "backward dv" + shape);
+    const int64_t n = c.b * c.h * c.t * c.d;
+    const std::vector<double> q = RandomValues(n, 1), k = RandomValues(n, 2), v = RandomValues(n, 3),
+                              dout = RandomValues(n, 4);
+    CheckGraphs({false, DType::kBFloat16, c.b, c.h, c.t, c.d}, q, k, v, dout, {&q, 0}, {&k, 0}, {&v, 0}, {&dout, 0},
+                absl::StrCat(" [", c.b, ", ", c.h, ", ", c.t, ", ", c.d, "]"));
   }
+}
+
+// q, k, v read in place from a fused projection's output [b, t, 3, h, d] (as GPT's attention
+// hands them over), dout from [b, t, h, d]: the strides the trainer passes.
+TEST(CudnnSdpaGraphTest, HeadsReadInPlaceFromTheFusedProjection) {
+  const int64_t b = 2, h = 3, t = 6, d = 4, c = h * d;
+  const std::vector<double> qkv = RandomValues(b * t * 3 * c, 5), dy = RandomValues(b * t * c, 6);
+  // The same values as contiguous [b, h, t, d] tensors, for the reference.
+  std::vector<double> q, k, v, dout;
+  for (int64_t bi = 0; bi < b; ++bi) {
+    for (int64_t hi = 0; hi < h; ++hi) {
+      for (int64_t ti = 0; ti < t; ++ti) {
+        for (int64_t di = 0; di < d; ++di) {
+          const int64_t row = (bi * t + ti) * 3 * c + hi * d + di;
+          q.push_back(qkv[static_cast<size_t>(row)]);
+          k.push_back(qkv[static_cast<size_t>(row + c)]);
+          v.push_back(qkv[static_cast<size_t>(row + 2 * c)]);
+          dout.push_back(dy[static_cast<size_t>((bi * t + ti) * c + hi * d + di)]);
+        }
+      }
+    }
+  }
+  internal::SdpaProblem p{false, DType::kBFloat16, b, h, t, d};
+  p.q_strides = p.k_strides = p.v_strides = {t * 3 * c, d, 3 * c, 1};
+  p.do_strides = {t * c, d, c, 1};
+  CheckGraphs(p, q, k, v, dout, {&qkv, 0}, {&qkv, c}, {&qkv, 2 * c}, {&dy, 0}, " (fused qkv strides)");
 }
 
 #else

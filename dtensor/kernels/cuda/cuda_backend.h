@@ -62,6 +62,7 @@ class CudaBackend final : public Kernels {
   absl::Status CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                        const Tensor& out, const Tensor& lse, float scale, const Tensor& dq,
                                        const Tensor& dk, const Tensor& dv) override;
+  bool AttentionTakesRowViews() const override { return true; }
   absl::Status AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                      const AdamWParams& p) override;
   absl::Status AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) override;
@@ -70,6 +71,8 @@ class CudaBackend final : public Kernels {
   absl::Status Synchronize() override;
 
  private:
+  // t itself where contiguous, else a contiguous copy on this device (Copy reads any strides).
+  absl::StatusOr<Tensor> ContiguousHere(const Tensor& t);
   // c = a @ b on cuBLASLt with `epilogue` (gemm.cc): true when it ran, false when cuBLASLt is
   // missing or declines the problem (the caller then runs Kernels' unfused default).
   absl::StatusOr<bool> LtMatmul(const char* op, const Tensor& a, const Tensor& b, const Tensor& c, int epilogue,

@@ -9,6 +9,7 @@
 // stream (see allocator.h).
 #include "dtensor/kernels/cuda/cuda_kernels.h"
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -501,6 +502,8 @@ absl::Status CheckAttentionShape(const char* op, const Tensor& q) {
 }
 }  // namespace
 
+namespace {
+
 // Which attention kernels run (DTENSOR_CUDA_ATTENTION, read on each call):
 //   unset or "auto": cuDNN's fused attention where it is built in, installed and takes the
 //                    problem (cudnn_sdpa.h), else dtensor's own (flash where it applies)
@@ -552,48 +555,72 @@ absl::Status TryCudnnAttention(const char* op, DType dtype, int device, bool* ra
 #endif
 }
 
-absl::Status CudaBackend::CausalAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
+#if defined(DTENSOR_WITH_CUDNN)
+std::array<int64_t, 4> Strides4(const Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)}; }
+#endif
+
+}  // namespace
+
+absl::StatusOr<Tensor> CudaBackend::ContiguousHere(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  DT_ASSIGN_OR_RETURN(Tensor c, Tensor::Empty(t.shape(), t.dtype(), Device::Cuda(index_)));
+  DT_RETURN_IF_ERROR(Copy(t, c));
+  return c;
+}
+
+absl::Status CudaBackend::CausalAttention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, float scale,
                                           const Tensor& out, const Tensor& lse) {
   constexpr const char* op = "CausalAttention";
-  DT_RETURN_IF_ERROR(CheckAttentionShape(op, q));
-  if (q.numel() == 0) return absl::OkStatus();
-  const int64_t t = q.size(2), d = q.size(3), bh = q.size(0) * q.size(1);
+  DT_RETURN_IF_ERROR(CheckAttentionShape(op, q_in));
+  if (q_in.numel() == 0) return absl::OkStatus();
+  const int64_t t = q_in.size(2), d = q_in.size(3), bh = q_in.size(0) * q_in.size(1);
   bool ran = false;
-  DT_RETURN_IF_ERROR(TryCudnnAttention(op, q.dtype(), index_, &ran, [&] {
+  DT_RETURN_IF_ERROR(TryCudnnAttention(op, q_in.dtype(), index_, &ran, [&] {
 #if defined(DTENSOR_WITH_CUDNN)
-    const SdpaProblem p{false, q.dtype(), q.size(0), q.size(1), t, d};
-    return CudnnCausalAttention(index_, p, q.raw_data(), k.raw_data(), v.raw_data(), scale, out.raw_data(),
+    SdpaProblem p{false, q_in.dtype(), q_in.size(0), q_in.size(1), t, d};
+    p.q_strides = Strides4(q_in), p.k_strides = Strides4(k_in), p.v_strides = Strides4(v_in);
+    return CudnnCausalAttention(index_, p, q_in.raw_data(), k_in.raw_data(), v_in.raw_data(), scale, out.raw_data(),
                                 lse.data<float>());
 #else
     return absl::OkStatus();
 #endif
   }));
   if (ran) return absl::OkStatus();
+  // dtensor's own kernels read [B, H, T, D] contiguous: copies of row views.
+  DT_ASSIGN_OR_RETURN(Tensor q, ContiguousHere(q_in));
+  DT_ASSIGN_OR_RETURN(Tensor k, ContiguousHere(k_in));
+  DT_ASSIGN_OR_RETURN(Tensor v, ContiguousHere(v_in));
   return OnDevice(index_, op, [&] {
     return gpu::LaunchAttention(q.dtype(), q.raw_data(), k.raw_data(), v.raw_data(), scale, out.raw_data(),
                                 lse.data<float>(), bh, t, d);
   });
 }
 
-absl::Status CudaBackend::CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
-                                                  const Tensor& out, const Tensor& lse, float scale, const Tensor& dq,
-                                                  const Tensor& dk, const Tensor& dv) {
+absl::Status CudaBackend::CausalAttentionBackward(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in,
+                                                  const Tensor& v_in, const Tensor& out, const Tensor& lse, float scale,
+                                                  const Tensor& dq, const Tensor& dk, const Tensor& dv) {
   constexpr const char* op = "CausalAttentionBackward";
-  DT_RETURN_IF_ERROR(CheckAttentionShape(op, q));
-  if (q.numel() == 0) return absl::OkStatus();
-  const int64_t t = q.size(2), d = q.size(3), bh = q.size(0) * q.size(1);
+  DT_RETURN_IF_ERROR(CheckAttentionShape(op, q_in));
+  if (q_in.numel() == 0) return absl::OkStatus();
+  const int64_t t = q_in.size(2), d = q_in.size(3), bh = q_in.size(0) * q_in.size(1);
   bool ran = false;
-  DT_RETURN_IF_ERROR(TryCudnnAttention(op, q.dtype(), index_, &ran, [&] {
+  DT_RETURN_IF_ERROR(TryCudnnAttention(op, q_in.dtype(), index_, &ran, [&] {
 #if defined(DTENSOR_WITH_CUDNN)
-    const SdpaProblem p{true, q.dtype(), q.size(0), q.size(1), t, d};
-    return CudnnCausalAttentionBackward(index_, p, dout.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(),
-                                        out.raw_data(), lse.data<float>(), scale, dq.raw_data(), dk.raw_data(),
-                                        dv.raw_data());
+    SdpaProblem p{true, q_in.dtype(), q_in.size(0), q_in.size(1), t, d};
+    p.q_strides = Strides4(q_in), p.k_strides = Strides4(k_in), p.v_strides = Strides4(v_in);
+    p.do_strides = Strides4(dout_in);
+    return CudnnCausalAttentionBackward(index_, p, dout_in.raw_data(), q_in.raw_data(), k_in.raw_data(),
+                                        v_in.raw_data(), out.raw_data(), lse.data<float>(), scale, dq.raw_data(),
+                                        dk.raw_data(), dv.raw_data());
 #else
     return absl::OkStatus();
 #endif
   }));
   if (ran) return absl::OkStatus();
+  DT_ASSIGN_OR_RETURN(Tensor dout, ContiguousHere(dout_in));
+  DT_ASSIGN_OR_RETURN(Tensor q, ContiguousHere(q_in));
+  DT_ASSIGN_OR_RETURN(Tensor k, ContiguousHere(k_in));
+  DT_ASSIGN_OR_RETURN(Tensor v, ContiguousHere(v_in));
   DT_ASSIGN_OR_RETURN(Tensor delta, Scratch(bh * t, DType::kFloat32, index_));
   return OnDevice(index_, op, [&] {
     return gpu::LaunchAttentionBackward(q.dtype(), dout.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(),

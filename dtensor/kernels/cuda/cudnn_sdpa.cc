@@ -236,6 +236,10 @@ class GraphBuilder {
 };
 
 Dims Contiguous(const Dims& d) { return {d[1] * d[2] * d[3], d[2] * d[3], d[3], 1}; }
+// A [b, h, t, d] operand's strides: given, or contiguous where all zero.
+Dims StridesOf(const Dims& given, const Dims& dims) { return given == Dims{} ? Contiguous(dims) : given; }
+// The strides of that operand seen as its transpose [b, h, d, t].
+Dims Transposed(const Dims& s) { return {s[0], s[1], s[3], s[2]}; }
 
 // The causal mask (cudnn-frontend's diagonal band with right bound 0, top-left aligned):
 // s where row >= col, else -inf. Returns the masked scores' uid.
@@ -257,9 +261,9 @@ void ForwardGraph(GraphBuilder& g, const SdpaProblem& p) {
   const int64_t b = p.b, h = p.h, t = p.t, d = p.d;
   const cudnnDataType_t io = IoType(p.dtype);
   const Dims bhtd{b, h, t, d}, bhtt{b, h, t, t}, bht1{b, h, t, 1};
-  g.Tensor(kQ, io, bhtd, Contiguous(bhtd), false);
-  g.Tensor(kK, io, {b, h, d, t}, {h * t * d, t * d, 1, d}, false);  // K^T: K's storage, last two dims swapped
-  g.Tensor(kV, io, bhtd, Contiguous(bhtd), false);
+  g.Tensor(kQ, io, bhtd, StridesOf(p.q_strides, bhtd), false);
+  g.Tensor(kK, io, {b, h, d, t}, Transposed(StridesOf(p.k_strides, bhtd)), false);  // K^T: K's storage
+  g.Tensor(kV, io, bhtd, StridesOf(p.v_strides, bhtd), false);
   g.Tensor(kO, io, bhtd, Contiguous(bhtd), false);
   g.Tensor(kStats, CUDNN_DATA_FLOAT, bht1, Contiguous(bht1), false);
   g.Scalar(kScale);
@@ -291,12 +295,11 @@ void BackwardGraph(GraphBuilder& g, const SdpaProblem& p) {
   const int64_t b = p.b, h = p.h, t = p.t, d = p.d;
   const cudnnDataType_t io = IoType(p.dtype);
   const Dims bhtd{b, h, t, d}, bhtt{b, h, t, t}, bht1{b, h, t, 1};
-  const Dims transposed{h * t * d, t * d, 1, d};  // a [b, h, t, d] tensor seen as [b, h, d, t]
-  g.Tensor(kQ, io, bhtd, Contiguous(bhtd), false);
-  g.Tensor(kK, io, {b, h, d, t}, transposed, false);
-  g.Tensor(kV, io, {b, h, d, t}, transposed, false);
+  g.Tensor(kQ, io, bhtd, StridesOf(p.q_strides, bhtd), false);
+  g.Tensor(kK, io, {b, h, d, t}, Transposed(StridesOf(p.k_strides, bhtd)), false);  // K^T
+  g.Tensor(kV, io, {b, h, d, t}, Transposed(StridesOf(p.v_strides, bhtd)), false);  // V^T
   g.Tensor(kO, io, bhtd, Contiguous(bhtd), false);
-  g.Tensor(kDO, io, bhtd, Contiguous(bhtd), false);
+  g.Tensor(kDO, io, bhtd, StridesOf(p.do_strides, bhtd), false);
   g.Tensor(kStats, CUDNN_DATA_FLOAT, bht1, Contiguous(bht1), false);
   g.Tensor(kDQ, io, bhtd, Contiguous(bhtd), false);
   g.Tensor(kDK, io, bhtd, Contiguous(bhtd), false);
@@ -347,7 +350,7 @@ void BackwardGraph(GraphBuilder& g, const SdpaProblem& p) {
   g.Matmul(ds_t, kQ, kDK);
 
   // dQ = dS K, accumulated in float32, then cast.
-  const int64_t k = g.Tensor(0, io, bhtd, Contiguous(bhtd), true);
+  const int64_t k = g.Tensor(0, io, bhtd, StridesOf(p.k_strides, bhtd), true);  // K^T's memory seen as K
   g.Reshape(kK, k);
   g.Matmul(ds, k, kDQAccum);
   g.Pointwise(CUDNN_POINTWISE_IDENTITY, kDQAccum, kDQ);
@@ -380,6 +383,17 @@ absl::Status CheckProblem(const SdpaProblem& p) {
   if (p.b < 1 || p.h < 1 || p.t < 1 || p.d < 1) {
     return absl::UnimplementedError(
         absl::StrCat("[cuDNN] empty attention problem b=", p.b, " h=", p.h, " t=", p.t, " d=", p.d));
+  }
+  for (const Dims* st : {&p.q_strides, &p.k_strides, &p.v_strides, &p.do_strides}) {
+    if (*st == Dims{}) continue;
+    // Rows of 16 bytes or more, each starting 16-byte aligned: stride 1 along d, the others
+    // multiples of 8 elements (bfloat16 / float16).
+    if ((*st)[3] != 1 || (*st)[0] % 8 != 0 || (*st)[1] % 8 != 0 || (*st)[2] % 8 != 0) {
+      return absl::UnimplementedError(
+          absl::StrCat("[cuDNN] fused attention reads row views with 16-byte aligned rows; "
+                       "strides ",
+                       (*st)[0], ", ", (*st)[1], ", ", (*st)[2], ", ", (*st)[3]));
+    }
   }
   return absl::OkStatus();
 }
@@ -460,7 +474,7 @@ absl::StatusOr<std::unique_ptr<Plan>> BuildPlan(const CudnnApi& api, const SdpaP
 
 // This thread's cuDNN state for one device: a handle on the thread's stream, and the plan (or
 // the decline) per problem.
-using PlanKey = std::tuple<bool, int, int64_t, int64_t, int64_t, int64_t>;
+using PlanKey = std::tuple<bool, int, int64_t, int64_t, int64_t, int64_t, Dims, Dims, Dims, Dims>;
 struct DnnState {
   const CudnnApi* api = nullptr;
   cudnnHandle_t handle = nullptr;
@@ -502,7 +516,8 @@ absl::StatusOr<DnnState*> ThreadDnn(int device) {
 }
 
 absl::StatusOr<Plan*> PlanFor(DnnState& st, const SdpaProblem& p) {
-  const PlanKey key{p.backward, static_cast<int>(p.dtype), p.b, p.h, p.t, p.d};
+  const PlanKey key{p.backward,  static_cast<int>(p.dtype), p.b, p.h, p.t, p.d, p.q_strides, p.k_strides, p.v_strides,
+                    p.do_strides};
   auto it = st.plans.find(key);
   if (it == st.plans.end()) {
     it = st.plans.emplace(key, BuildPlan(*st.api, p, Target{st.handle, nullptr}, nullptr)).first;

@@ -4,7 +4,8 @@
 //   absl::Status s = CudnnCausalAttention(device, p, q, k, v, scale, out, lse);
 //   if (IsCudnnDecline(s)) { ...run dtensor's own kernels... }
 //
-// Legend: q, k, v, out, dout, dq, dk, dv [b, h, t, d] contiguous, bfloat16 or float16; lse
+// Legend: q, k, v, out, dout, dq, dk, dv [b, h, t, d], bfloat16 or float16 (q, k, v, dout of
+// any strides with stride 1 along d, SdpaProblem; the rest contiguous); lse
 // float32 [b, h, t], the natural-log sum of exp(scale q.k) over the keys a query sees, which is
 // cuDNN's "Stats" and what dtensor's own kernels write and read: a forward on one and a backward
 // on the other agree.
@@ -41,6 +42,11 @@ struct SdpaProblem {
   bool backward = false;
   DType dtype = DType::kBFloat16;
   int64_t b = 0, h = 0, t = 0, d = 0;
+  // The strides (in elements) of q, k, v and dout [b, h, t, d]: all zero means contiguous.
+  // Row views (stride 1 along d) are read in place: e.g. heads split out of a fused qkv
+  // projection [b, t, 3, h, d] have strides {t*3*h*d, d, 3*h*d, 1}. out, lse, dq, dk, dv are
+  // contiguous.
+  std::array<int64_t, 4> q_strides{}, k_strides{}, v_strides{}, do_strides{};
 };
 
 // Whether a status from the functions below means "cuDNN is missing or does not take this
