@@ -556,7 +556,17 @@ absl::Status TryCudnnAttention(const char* op, DType dtype, int device, bool* ra
 }
 
 #if defined(DTENSOR_WITH_CUDNN)
-std::array<int64_t, 4> Strides4(const Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2), t.stride(3)}; }
+// The cuDNN problem of an attention call: q's [B, H, T, D] and dtype, the operands' strides
+// (dout's too, for the backward).
+SdpaProblem ProblemOf(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor* dout) {
+  auto strides = [](const Tensor& x) {
+    return std::array<int64_t, 4>{x.stride(0), x.stride(1), x.stride(2), x.stride(3)};
+  };
+  SdpaProblem p{dout != nullptr, q.dtype(), q.size(0), q.size(1), q.size(2), q.size(3)};
+  p.q_strides = strides(q), p.k_strides = strides(k), p.v_strides = strides(v);
+  if (dout != nullptr) p.do_strides = strides(*dout);
+  return p;
+}
 #endif
 
 }  // namespace
@@ -577,10 +587,8 @@ absl::Status CudaBackend::CausalAttention(const Tensor& q_in, const Tensor& k_in
   bool ran = false;
   DT_RETURN_IF_ERROR(TryCudnnAttention(op, q_in.dtype(), index_, &ran, [&] {
 #if defined(DTENSOR_WITH_CUDNN)
-    SdpaProblem p{false, q_in.dtype(), q_in.size(0), q_in.size(1), t, d};
-    p.q_strides = Strides4(q_in), p.k_strides = Strides4(k_in), p.v_strides = Strides4(v_in);
-    return CudnnCausalAttention(index_, p, q_in.raw_data(), k_in.raw_data(), v_in.raw_data(), scale, out.raw_data(),
-                                lse.data<float>());
+    return CudnnCausalAttention(index_, ProblemOf(q_in, k_in, v_in, nullptr), q_in.raw_data(), k_in.raw_data(),
+                                v_in.raw_data(), scale, out.raw_data(), lse.data<float>());
 #else
     return absl::OkStatus();
 #endif
@@ -606,12 +614,9 @@ absl::Status CudaBackend::CausalAttentionBackward(const Tensor& dout_in, const T
   bool ran = false;
   DT_RETURN_IF_ERROR(TryCudnnAttention(op, q_in.dtype(), index_, &ran, [&] {
 #if defined(DTENSOR_WITH_CUDNN)
-    SdpaProblem p{true, q_in.dtype(), q_in.size(0), q_in.size(1), t, d};
-    p.q_strides = Strides4(q_in), p.k_strides = Strides4(k_in), p.v_strides = Strides4(v_in);
-    p.do_strides = Strides4(dout_in);
-    return CudnnCausalAttentionBackward(index_, p, dout_in.raw_data(), q_in.raw_data(), k_in.raw_data(),
-                                        v_in.raw_data(), out.raw_data(), lse.data<float>(), scale, dq.raw_data(),
-                                        dk.raw_data(), dv.raw_data());
+    return CudnnCausalAttentionBackward(index_, ProblemOf(q_in, k_in, v_in, &dout_in), dout_in.raw_data(),
+                                        q_in.raw_data(), k_in.raw_data(), v_in.raw_data(), out.raw_data(),
+                                        lse.data<float>(), scale, dq.raw_data(), dk.raw_data(), dv.raw_data());
 #else
     return absl::OkStatus();
 #endif
