@@ -164,6 +164,8 @@ absl::StatusOr<Value> Permute(const Value& x, std::vector<int64_t> dims);
 absl::StatusOr<Value> Narrow(const Value& x, int64_t dim, int64_t start, int64_t length);
 // Gradient of Narrow: g placed at [start, start+length) of dim in zeros of `shape`.
 absl::StatusOr<Value> NarrowBackward(const Value& g, std::vector<int64_t> shape, int64_t dim, int64_t start);
+// Gradient of a split: the pieces' gradients (all defined) concatenated along dim.
+absl::StatusOr<Value> SplitBackward(const std::vector<Value>& grads, int64_t dim);
 absl::StatusOr<Value> Contiguous(const Value& x);
 
 // ---- Random ----

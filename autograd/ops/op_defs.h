@@ -44,6 +44,7 @@ const OpDef& Reshape();               // view.cc: args.ints = the new shape (res
 const OpDef& Permute();               // view.cc: args.ints = the permutation
 const OpDef& Narrow();                // view.cc: args.ints = {dim, start, length}
 const OpDef& NarrowBackward();        // view.cc: args.ints = {dim, start, ndim, shape...}
+const OpDef& SplitBackward();         // view.cc: (g0, g1, ...) -> their concatenation; args.ints = {dim}
 const OpDef& Contiguous();            // view.cc: (x)
 
 }  // namespace dtensor::op_defs

@@ -1,4 +1,4 @@
-// Shape ops: reshape, transpose/permute, narrow (and its backward), contiguous.
+// Shape ops: reshape, transpose/permute, narrow and split (and their backwards), contiguous.
 //
 // Sharding rule: a sharded dim moves with its data — permute moves the shard, narrow keeps
 // shards on other dims, reshape keeps a shard on the first dim of a group of merged/split
@@ -6,6 +6,9 @@
 // size-1 dims do not count (a squeeze or unsqueeze keeps any shard).
 // Values are unchanged, so every Partial passes through. For DTensors the result may be a
 // view of the input's local piece.
+#include <algorithm>
+#include <optional>
+
 #include "dtensor/autograd/functional.h"
 #include "dtensor/autograd/ops.h"
 #include "dtensor/autograd/ops/op_util.h"
@@ -131,6 +134,66 @@ absl::StatusOr<std::vector<Tensor>> NarrowBwdLocal(const LocalCall& c) {
 }
 const OpDef kNarrowBackward = {"narrow_backward", NarrowBwdRule, NarrowBwdMeta, NarrowBwdLocal};
 
+// ---- split_backward: the pieces' gradients concatenated; args.ints = {dim} ----
+absl::StatusOr<std::vector<TensorMeta>> SplitBwdMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
+  const int64_t dim = args.ints[0];
+  Shape out = in[0].shape;
+  out[static_cast<size_t>(dim)] = 0;
+  for (const TensorMeta& m : in) {
+    bool fits = m.dtype == in[0].dtype && m.shape.size() == out.size();
+    for (size_t j = 0; fits && j < out.size(); ++j) fits = static_cast<int64_t>(j) == dim || m.shape[j] == out[j];
+    if (!fits) {
+      return op_util::Invalid("SplitBackward",
+                              absl::StrCat("gradient ", ShapeString(m.shape), " ", DTypeName(m.dtype), " does not fit ",
+                                           ShapeString(in[0].shape), " ", DTypeName(in[0].dtype), " along dim ", dim));
+    }
+    out[static_cast<size_t>(dim)] += m.shape[static_cast<size_t>(dim)];
+  }
+  return std::vector<TensorMeta>{{out, in[0].dtype}};
+}
+void SplitBwdRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan, std::vector<DimStrategy>* s) {
+  for (int64_t d = 0; d < static_cast<int64_t>(in[0].shape.size()); ++d) {
+    if (d == args.ints[0]) continue;
+    DimStrategy st;
+    st.inputs.assign(in.size(), Shard(d));
+    st.outputs.assign(1, Shard(d));
+    s->push_back(st);
+  }
+  PartialsPass(in.size(), s);  // no padding: every reduction passes
+}
+// The pieces as one tensor without a copy where they already are one: views of one storage at
+// the offsets and strides of the contiguous concatenation (the gradients of q, k and v that
+// CausalAttentionBackward writes into one [B, T, 3, H, D] buffer, seen as [B, T, C] each).
+std::optional<Tensor> AdjacentPieces(absl::Span<const Tensor> xs, int64_t dim, IntSpan out_shape) {
+  const Tensor& first = xs[0];
+  Shape strides(out_shape.size());
+  int64_t step = 1;
+  for (size_t j = out_shape.size(); j-- > 0;) {
+    strides[j] = step;
+    step *= out_shape[j];
+  }
+  int64_t at = first.storage_offset();
+  for (const Tensor& x : xs) {
+    if (x.storage() != first.storage() || x.storage_offset() != at) return std::nullopt;
+    for (size_t j = 0; j < out_shape.size(); ++j) {
+      if (x.size(static_cast<int64_t>(j)) > 1 && x.stride(static_cast<int64_t>(j)) != strides[j]) return std::nullopt;
+    }
+    at += x.size(dim) * strides[static_cast<size_t>(dim)];
+  }
+  auto whole = first.AsStrided(out_shape, strides, first.storage_offset());
+  if (!whole.ok()) return std::nullopt;
+  return *std::move(whole);
+}
+absl::StatusOr<std::vector<Tensor>> SplitBwdLocal(const LocalCall& c) {
+  const int64_t dim = c.args.ints[0];
+  Shape out(c.inputs[0].shape().begin(), c.inputs[0].shape().end());
+  out[static_cast<size_t>(dim)] = 0;
+  for (const Tensor& x : c.inputs) out[static_cast<size_t>(dim)] += x.size(dim);
+  if (std::optional<Tensor> whole = AdjacentPieces(c.inputs, dim, out)) return std::vector<Tensor>{*std::move(whole)};
+  return op_util::One(dtensor::Cat(c.inputs, dim));
+}
+const OpDef kSplitBackward = {"split_backward", SplitBwdRule, SplitBwdMeta, SplitBwdLocal};
+
 // ---- contiguous ----
 absl::StatusOr<std::vector<TensorMeta>> SameMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
   return std::vector<TensorMeta>{in[0]};
@@ -195,6 +258,14 @@ absl::StatusOr<Value> NarrowBackward(const Value& g, std::vector<int64_t> shape,
   return op_util::First(Dispatch(kNarrowBackward, {g}, args));
 }
 
+absl::StatusOr<Value> SplitBackward(const std::vector<Value>& grads, int64_t dim) {
+  if (grads.empty()) return op_util::Invalid("SplitBackward", "no gradients");
+  DT_ASSIGN_OR_RETURN(int64_t d, NormalizeDim("SplitBackward", dim, grads[0].dim()));
+  OpArgs args;
+  args.ints = {d};
+  return op_util::First(Dispatch(kSplitBackward, grads, args));
+}
+
 absl::StatusOr<Value> Contiguous(const Value& x) { return op_util::First(Dispatch(kContiguous, {x})); }
 
 }  // namespace fn
@@ -234,13 +305,42 @@ absl::StatusOr<Variable> Narrow(const Variable& x, int64_t dim, int64_t start, i
 absl::StatusOr<std::vector<Variable>> Split(const Variable& x, int64_t split_size, int64_t dim) {
   DT_ASSIGN_OR_RETURN(int64_t d, NormalizeDim("Split", dim, x.value().dim()));
   if (split_size <= 0) return op_util::Invalid("Split", absl::StrCat("split_size must be > 0, got ", split_size));
-  std::vector<Variable> out;
+  std::vector<Value> pieces;
+  std::vector<int64_t> starts;
   const int64_t n = x.value().shape()[static_cast<size_t>(d)];
   for (int64_t start = 0; start < n; start += split_size) {
-    DT_ASSIGN_OR_RETURN(Variable p, Narrow(x, d, start, std::min(split_size, n - start)));
-    out.push_back(std::move(p));
+    DT_ASSIGN_OR_RETURN(Value p, fn::Narrow(x.value(), d, start, std::min(split_size, n - start)));
+    pieces.push_back(std::move(p));
+    starts.push_back(start);
   }
-  return out;
+  if (!AnyRequiresGrad({x})) {
+    std::vector<Variable> out;
+    for (Value& p : pieces) out.push_back(Variable::Leaf(std::move(p)));
+    return out;
+  }
+  // One node for all pieces: their gradients are concatenated in one pass (a view where they
+  // already lie side by side), as torch.split's backward does; a piece without a gradient
+  // (unused) leaves its place zero.
+  return Record("Split", {x}, std::move(pieces),
+                [shape = op_util::ToVec(x.value().shape()), d,
+                 starts](std::vector<Value>& g) -> absl::StatusOr<std::vector<Value>> {
+                  if (g.size() == 1) return std::vector<Value>{g[0]};
+                  if (std::all_of(g.begin(), g.end(), [](const Value& v) { return v.defined(); })) {
+                    DT_ASSIGN_OR_RETURN(Value r, fn::SplitBackward(g, d));
+                    return std::vector<Value>{r};
+                  }
+                  Value sum;
+                  for (size_t i = 0; i < g.size(); ++i) {
+                    if (!g[i].defined()) continue;
+                    DT_ASSIGN_OR_RETURN(Value r, fn::NarrowBackward(g[i], shape, d, starts[i]));
+                    if (sum.defined()) {
+                      DT_ASSIGN_OR_RETURN(sum, fn::Add(sum, r));
+                    } else {
+                      sum = std::move(r);
+                    }
+                  }
+                  return std::vector<Value>{sum};
+                });
 }
 
 namespace op_defs {
@@ -248,6 +348,7 @@ const OpDef& Reshape() { return kReshape; }
 const OpDef& Permute() { return kPermute; }
 const OpDef& Narrow() { return kNarrow; }
 const OpDef& NarrowBackward() { return kNarrowBackward; }
+const OpDef& SplitBackward() { return kSplitBackward; }
 const OpDef& Contiguous() { return kContiguous; }
 }  // namespace op_defs
 

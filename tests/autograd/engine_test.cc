@@ -326,6 +326,36 @@ TEST(Engine, UnusedOutputsGetNoGradient) {
   EXPECT_FALSE(other.grad().defined());
 }
 
+// Split's backward concatenates the parts' gradients in one pass. Where they already lie side
+// by side in one buffer, as CausalAttentionBackward writes dq, dk and dv for the heads of one qkv
+// projection, the concatenation is that buffer, uncopied; anything else is copied.
+TEST(Engine, SplitBackwardOfAdjacentGradientsIsTheirBuffer) {
+  const Tensor buf = Rand({2, 3, 12}, 17);
+  std::vector<Value> parts;
+  for (int64_t j = 0; j < 3; ++j) parts.push_back(Value(Unwrap(buf.Narrow(2, 4 * j, 4))));
+  const Value whole = Unwrap(fn::SplitBackward(parts, 2));
+  EXPECT_EQ(whole.local().storage(), buf.storage());
+  ExpectValues(whole, buf, "adjacent parts");
+
+  // Out of order, or rows with a gap between them: copies, with Cat's values.
+  const std::vector<Value> swapped = {parts[1], parts[0], parts[2]};
+  const Value cat = Unwrap(fn::SplitBackward(swapped, 2));
+  EXPECT_NE(cat.local().storage(), buf.storage());
+  ExpectValues(cat, Unwrap(Cat({parts[1].local(), parts[0].local(), parts[2].local()}, 2)), "swapped parts");
+  const Tensor gapped = Rand({2, 3, 13}, 18);
+  std::vector<Value> rows;
+  for (int64_t j = 0; j < 3; ++j) rows.push_back(Value(Unwrap(gapped.Narrow(2, 4 * j, 4))));
+  const Value copied = Unwrap(fn::SplitBackward(rows, 2));
+  EXPECT_NE(copied.local().storage(), gapped.storage());
+  ExpectValues(copied, Unwrap(Contiguous(Unwrap(gapped.Narrow(2, 0, 12)))), "parts of rows with a gap");
+  // Along the first dim: [2, 3] and [1, 3] of one [3, 3] buffer, in order.
+  const Tensor rows3 = Rand({3, 3}, 19);
+  const Value stacked =
+      Unwrap(fn::SplitBackward({Value(Unwrap(rows3.Narrow(0, 0, 2))), Value(Unwrap(rows3.Narrow(0, 2, 1)))}, 0));
+  EXPECT_EQ(stacked.local().storage(), rows3.storage());
+  ExpectValues(stacked, rows3, "dim 0");
+}
+
 // ---- DTensor boundaries ----
 
 // Forward x (layout `from`) -> Redistribute(to) -> sum(y * W): the gradient of x is W laid out

@@ -229,6 +229,14 @@ std::vector<Case> NarrowBackwardCases() {
   };
 }
 
+// (g0, g1, ...) -> their concatenation; args.ints = {dim}
+std::vector<Case> SplitBackwardCases() {
+  return {
+      {"3 x [2,3,4] dim 2", {Rand({2, 3, 4}, 114), Rand({2, 3, 4}, 115), Rand({2, 3, 4}, 116)}, Args({2})},
+      {"[4,5] + [2,5] dim 0", {Rand({4, 5}, 117), Rand({2, 5}, 118)}, Args({0})},
+  };
+}
+
 std::vector<Case> ContiguousCases() {
   return {
       {"[5,6] non-contiguous", {testing::NonContiguous(Rand({5, 6}, 121))}, {}},
@@ -641,6 +649,7 @@ const OpSpec kSpecs[] = {
     {"Permute", op_defs::Permute, PermuteCases},
     {"Narrow", op_defs::Narrow, NarrowCases},
     {"NarrowBackward", op_defs::NarrowBackward, NarrowBackwardCases},
+    {"SplitBackward", op_defs::SplitBackward, SplitBackwardCases},
     {"Contiguous", op_defs::Contiguous, ContiguousCases},
 };
 constexpr int kNumSpecs = static_cast<int>(sizeof(kSpecs) / sizeof(kSpecs[0]));
@@ -669,7 +678,7 @@ INSTANTIATE_TEST_SUITE_P(OpDefs, EveryStrategy, ::testing::Range(0, kNumSpecs),
                          [](const ::testing::TestParamInfo<int>& info) { return kSpecs[info.param].test_name; });
 
 TEST(EveryStrategyTable, CoversEveryOpDefOnce) {
-  EXPECT_EQ(kNumSpecs, 37);
+  EXPECT_EQ(kNumSpecs, 38);
   for (int i = 0; i < kNumSpecs; ++i) {
     for (int j = 0; j < i; ++j) {
       EXPECT_NE(&kSpecs[i].op(), &kSpecs[j].op()) << kSpecs[i].test_name << " and " << kSpecs[j].test_name;
