@@ -203,8 +203,11 @@ absl::StatusOr<Variable> CausalSelfAttention::Forward(const Variable& x) {
   return WithHooks(x, [&](const Variable& x) -> absl::StatusOr<Variable> {
     const int64_t b = x.value().shape()[0], t = x.value().shape()[1];
     DT_ASSIGN_OR_RETURN(std::vector<Variable> heads, QkvHeads(x));
-    DT_ASSIGN_OR_RETURN(Variable y, dtensor::CausalAttention(heads[0], heads[1], heads[2]));  // [B, H, T, D]
-    DT_ASSIGN_OR_RETURN(y, dtensor::Transpose(y, 1, 2));                                      // [B, T, H, D]
+    // y [B, H, T, D] lies as [B, T, H, D] (ops.h: results take the heads' layout), so merging
+    // the heads back is a view, and in the backward the gradients of q, k, v are one [B, T, 3C]
+    // buffer: Split's backward takes it as it is.
+    DT_ASSIGN_OR_RETURN(Variable y, dtensor::CausalAttention(heads[0], heads[1], heads[2]));
+    DT_ASSIGN_OR_RETURN(y, dtensor::Transpose(y, 1, 2));  // [B, T, H, D]
     DT_ASSIGN_OR_RETURN(y, dtensor::Reshape(y, {b, t, c_}));
     DT_ASSIGN_OR_RETURN(y, c_proj_->Forward(y));
     return resid_dropout_->Forward(y);

@@ -219,17 +219,20 @@ class Kernels {
   virtual absl::Status ScaleByRatio(const Tensor& x, const Tensor& num, const Tensor& den) = 0;
 
   // ---- Causal scaled-dot-product attention ----
-  // q, k, v, out contiguous [B, H, T, D]; lse float32 [B, H, T] (logsumexp of each score row,
-  // saved for backward). out[t] = softmax(scale * q[t].k[s] for s <= t) @ v. A backend whose
-  // AttentionTakesRowViews() is true also takes q, k, v (and dout) as row views: stride 1
-  // along D, any strides elsewhere (heads split out of a fused qkv projection, uncopied).
+  // q, k, v, out [B, H, T, D]; lse float32 [B, H, T] contiguous (logsumexp of each score row,
+  // saved for backward). out[t] = softmax(scale * q[t].k[s] for s <= t) @ v. The tensors are
+  // contiguous, or, for a backend whose AttentionTakesRowViews() is true, row views: stride 1
+  // along D and any strides elsewhere (heads split out of a fused qkv projection read uncopied;
+  // out laid out as [B, T, H, D], so that the transpose back to [B, T, C] is a view). Outputs
+  // do not overlap inputs.
   virtual absl::Status CausalAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
                                        const Tensor& out, const Tensor& lse) = 0;
-  // dq, dk, dv [B, H, T, D] contiguous, overwritten.
+  // dq, dk, dv [B, H, T, D] overwritten; as above, contiguous or row views (dq, dk, dv in one
+  // [B, T, 3, H, D] buffer where q, k, v are the heads of one).
   virtual absl::Status CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                                const Tensor& out, const Tensor& lse, float scale, const Tensor& dq,
                                                const Tensor& dk, const Tensor& dv) = 0;
-  // See CausalAttention. Default: no (ops.cc hands such a backend contiguous copies).
+  // See CausalAttention. Default: no (ops.cc hands such a backend contiguous tensors).
   virtual bool AttentionTakesRowViews() const { return false; }
 
   // ---- Optimizer ----

@@ -1344,10 +1344,38 @@ absl::Status CheckQkv(const char* op, const Tensor& q, const Tensor& k, const Te
 }
 
 // What the backend gets for an attention operand: `t` itself where the backend takes row views
-// and `t` is one (stride 1 along D), else a contiguous copy (t itself where contiguous).
+// and `t` is one (stride 1 along D, rows at least D apart), else a contiguous copy (t itself
+// where contiguous).
 absl::StatusOr<Tensor> AttentionOperand(const Kernels& kern, const Tensor& t) {
-  if (kern.AttentionTakesRowViews() && t.stride(3) == 1) return t;
+  if (kern.AttentionTakesRowViews() && t.stride(3) == 1 && (t.size(2) == 1 || t.stride(2) >= t.size(3))) return t;
   return Contiguous(t);
+}
+
+// Whether `like`'s rows lie as [B, T, H, D]: the heads of a [B, T, C] tensor, transposed.
+bool RowsLieTimeMajor(const Tensor& like) {
+  return like.size(1) > 1 && like.size(2) > 1 && like.stride(3) == 1 && like.stride(2) > like.stride(1);
+}
+
+// A [B, H, T, D] result laid out as `like` is (Kernels::AttentionTakesRowViews): as [B, T, H, D]
+// where like's rows lie so, else contiguous.
+absl::StatusOr<Tensor> AttentionResultLike(const Kernels& kern, const Tensor& like) {
+  if (!kern.AttentionTakesRowViews() || !RowsLieTimeMajor(like)) {
+    return Tensor::Empty(like.shape(), like.dtype(), like.device());
+  }
+  DT_ASSIGN_OR_RETURN(
+      Tensor t, Tensor::Empty({like.size(0), like.size(2), like.size(1), like.size(3)}, like.dtype(), like.device()));
+  return t.Transpose(1, 2);
+}
+
+// Whether q, k, v are the heads of one [B, T, 3, H, D] buffer: q's, k's and v's rows one after
+// another (a fused qkv projection [B, T, 3C] split in three, each seen as [B, H, T, D]).
+bool HeadsOfOneQkv(const Tensor& q, const Tensor& k, const Tensor& v) {
+  const int64_t t = q.size(2), d = q.size(3), c = q.size(1) * d;
+  const Shape want_shape = {t * 3 * c, d, 3 * c, 1};
+  const IntSpan want(want_shape);
+  return q.storage() == k.storage() && q.storage() == v.storage() && q.strides() == want && k.strides() == want &&
+         v.strides() == want && k.storage_offset() == q.storage_offset() + c &&
+         v.storage_offset() == k.storage_offset() + c;
 }
 
 float DefaultScale(const Tensor& q, float scale) {
@@ -1364,7 +1392,7 @@ absl::StatusOr<AttentionOutput> CausalAttention(const Tensor& q, const Tensor& k
   DT_ASSIGN_OR_RETURN(Tensor ck, AttentionOperand(*kern, k));
   DT_ASSIGN_OR_RETURN(Tensor cv, AttentionOperand(*kern, v));
   AttentionOutput o;
-  DT_ASSIGN_OR_RETURN(o.out, Tensor::Empty(q.shape(), q.dtype(), q.device()));
+  DT_ASSIGN_OR_RETURN(o.out, AttentionResultLike(*kern, q));
   DT_ASSIGN_OR_RETURN(o.lse, Tensor::Empty(q.shape().subspan(0, 3), DType::kFloat32, q.device()));
   if (q.numel() == 0) return o;
   DT_RETURN_IF_ERROR(PrefixStatus(op, kern->CausalAttention(cq, ck, cv, DefaultScale(q, scale), o.out, o.lse)));
@@ -1388,12 +1416,22 @@ absl::StatusOr<AttentionGrads> CausalAttentionBackward(const Tensor& dout, const
   DT_ASSIGN_OR_RETURN(Tensor ck, AttentionOperand(*kern, k));
   DT_ASSIGN_OR_RETURN(Tensor cv, AttentionOperand(*kern, v));
   DT_ASSIGN_OR_RETURN(Tensor cdo, AttentionOperand(*kern, dout));
-  DT_ASSIGN_OR_RETURN(Tensor co, Contiguous(saved.out));
+  DT_ASSIGN_OR_RETURN(Tensor co, AttentionOperand(*kern, saved.out));
   DT_ASSIGN_OR_RETURN(Tensor clse, Contiguous(saved.lse));
   AttentionGrads g;
-  DT_ASSIGN_OR_RETURN(g.dq, Tensor::Empty(q.shape(), q.dtype(), q.device()));
-  DT_ASSIGN_OR_RETURN(g.dk, Tensor::Empty(q.shape(), q.dtype(), q.device()));
-  DT_ASSIGN_OR_RETURN(g.dv, Tensor::Empty(q.shape(), q.dtype(), q.device()));
+  if (kern->AttentionTakesRowViews() && HeadsOfOneQkv(q, k, v)) {
+    const int64_t b = q.size(0), h = q.size(1), t = q.size(2), d = q.size(3);
+    DT_ASSIGN_OR_RETURN(Tensor dqkv, Tensor::Empty({b, t, 3, h, d}, q.dtype(), q.device()));
+    Tensor* grads[] = {&g.dq, &g.dk, &g.dv};
+    for (int64_t j = 0; j < 3; ++j) {
+      DT_ASSIGN_OR_RETURN(Tensor part, dqkv.Select(2, j));  // [B, T, H, D]
+      DT_ASSIGN_OR_RETURN(*grads[j], part.Transpose(1, 2));
+    }
+  } else {
+    DT_ASSIGN_OR_RETURN(g.dq, AttentionResultLike(*kern, q));
+    DT_ASSIGN_OR_RETURN(g.dk, AttentionResultLike(*kern, k));
+    DT_ASSIGN_OR_RETURN(g.dv, AttentionResultLike(*kern, v));
+  }
   if (q.numel() == 0) return g;
   DT_RETURN_IF_ERROR(PrefixStatus(
       op, kern->CausalAttentionBackward(cdo, cq, ck, cv, co, clse, DefaultScale(q, scale), g.dq, g.dk, g.dv)));

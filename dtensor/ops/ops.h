@@ -230,6 +230,12 @@ struct AttentionGrads {
   Tensor dq, dk, dv;
 };
 // q, k, v [B, H, T, D] of one float dtype; scale defaults to 1/sqrt(D) when <= 0.
+// As PyTorch's fused attention does, the results take their inputs' memory layout where the
+// backend reads views in place (CPU, CUDA): with q's rows laid out as [B, T, H, D] (the heads of
+// a [B, T, C] projection, transposed), out is laid out as [B, T, H, D] too, so that its
+// transpose back to [B, T, C] is a view; dq, dk, dv likewise, and where q, k, v are the heads of
+// one [B, T, 3, H, D] buffer (a fused qkv projection split in three) dq, dk, dv are those of one
+// new buffer, whose concatenation is then a view. Else they are contiguous.
 absl::StatusOr<AttentionOutput> CausalAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale = 0.0f);
 absl::StatusOr<AttentionGrads> CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k,
                                                        const Tensor& v, const AttentionOutput& saved,

@@ -1221,10 +1221,10 @@ TEST(CudaKernelsTest, CudnnAttentionMatchesCpu) {
           dt, c, absl::StrCat("attention (cuDNN) ", Name(dt), " [", c.b, ", ", c.h, ", ", c.t, ", ", c.d, "]"));
     }
   }
-  // Heads read in place from a fused projection's output, as GPT's attention hands them over:
-  // q, k, v views of [B, T, 3, H, D] and dout of [B, T, H, D] on the GPU (cuDNN reads them in
-  // place, the flash kernels read copies), contiguous copies on the CPU (whose backend takes no
-  // row views).
+  // Heads read and written in place, as dtensor::CausalAttention lays them out for GPT's
+  // attention (ops.h): q, k, v views of [B, T, 3, H, D], out and dout of [B, T, H, D], dq, dk,
+  // dv views of one [B, T, 3, H, D] on the GPU (cuDNN reads and writes them in place, the flash
+  // kernels through contiguous copies); contiguous tensors on the CPU, the reference.
   for (const char* mode : {"cudnn", "flash"}) {
     ASSERT_EQ(setenv("DTENSOR_CUDA_ATTENTION", mode, 1), 0);
     const int64_t b = 2, h = 4, t = 96, d = 64;
@@ -1242,8 +1242,11 @@ TEST(CudaKernelsTest, CudnnAttentionMatchesCpu) {
                  cv = Unwrap(Contiguous(head(qkv.cpu, 2))), cdo = Unwrap(Contiguous(Unwrap(dy.cpu.Transpose(1, 2))));
     const Shape shape = {b, h, t, d};
     const float scale = 0.125f;
-    const Pair out = EmptyBoth(shape, dt), lse = EmptyBoth({b, h, t}, DType::kFloat32);
-    const Pair dq = EmptyBoth(shape, dt), dk = EmptyBoth(shape, dt), dv = EmptyBoth(shape, dt);
+    Pair out = EmptyBoth(shape, dt), lse = EmptyBoth({b, h, t}, DType::kFloat32);
+    Pair dq = EmptyBoth(shape, dt), dk = EmptyBoth(shape, dt), dv = EmptyBoth(shape, dt);
+    out.gpu = Unwrap(Unwrap(Tensor::Empty({b, t, h, d}, dt, Device::Cuda(0))).Transpose(1, 2));
+    const Tensor dqkv = Unwrap(Tensor::Empty({b, t, 3, h, d}, dt, Device::Cuda(0)));
+    dq.gpu = head(dqkv, 0), dk.gpu = head(dqkv, 1), dv.gpu = head(dqkv, 2);
     ExpectOk(Cpu()->CausalAttention(cq, ck, cv, scale, out.cpu, lse.cpu), what);
     ExpectOk(Cpu()->CausalAttentionBackward(cdo, cq, ck, cv, out.cpu, lse.cpu, scale, dq.cpu, dk.cpu, dv.cpu), what);
     ExpectOk(Gpu()->CausalAttention(gq, gk, gv, scale, out.gpu, lse.gpu), what);

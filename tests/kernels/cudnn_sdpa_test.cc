@@ -111,13 +111,15 @@ TEST_F(CudnnSdpaPlanTest, GptShapesHaveAnEngineForwardAndBackward) {
 }
 
 // GPT's attention hands q, k, v over as heads of the fused qkv projection [B, T, 3, H, D] and
-// dout as heads of [B, T, H, D], uncopied: cuDNN takes those strides (GPT-2 124M, B = 16).
+// out and dout as heads of [B, T, H, D], uncopied, and takes dq, dk, dv as heads of one
+// [B, T, 3, H, D]: cuDNN takes those strides (GPT-2 124M, B = 16).
 TEST_F(CudnnSdpaPlanTest, FusedProjectionStridesHaveAnEngine) {
   const int64_t b = 16, h = 12, t = 1024, d = 64, c = h * d;
   for (bool backward : {false, true}) {
     SdpaProblem p{backward, DType::kBFloat16, b, h, t, d};
     p.q_strides = p.k_strides = p.v_strides = {t * 3 * c, d, 3 * c, 1};
-    p.do_strides = {t * c, d, c, 1};
+    p.o_strides = p.do_strides = {t * c, d, c, 1};
+    if (backward) p.dq_strides = p.dk_strides = p.dv_strides = p.q_strides;
     const absl::StatusOr<SdpaPlanCheck> check = CheckCudnnSdpaPlan(p, kH100);
     ASSERT_TRUE(check.ok()) << check.status();
     EXPECT_GE(check->configs, 1) << (backward ? "backward" : "forward");
@@ -221,6 +223,15 @@ class GraphInterpreter {
   }
   // A tensor's values by logical index.
   const Values& Get(int64_t uid) const { return vals_.at(uid); }
+  // Writes a non-virtual tensor's values where the graph puts them: into `storage` from element
+  // `base` on, through the tensor's strides.
+  void Store(int64_t uid, std::vector<double>& storage, int64_t base = 0) const {
+    const SdpaGraphTensor& t = *meta_.at(uid);
+    const Values& x = vals_.at(uid);
+    for (int64_t i = 0; i < x.Count(); ++i) {
+      storage.at(static_cast<size_t>(base + Offset(Unravel(i, t.dims), t.strides))) = x.v[static_cast<size_t>(i)];
+    }
+  }
 
  private:
   void Step(const SdpaGraphOp& op) {
@@ -389,14 +400,22 @@ void ExpectClose(const std::vector<double>& got, const std::vector<double>& want
 
 // Runs both graphs of `p` on q, k, v, dout (row-major [b, h, t, d] values), each bound from
 // `storage` at `base` through `strides` (all zero: the values as they are), and holds the
-// outputs to attention.
+// outputs to attention. The outputs are also stored through their strides, as cuDNN writes
+// them: out into a buffer of b*h*t*d (which the backward then reads as O), dq, dk, dv into one
+// of 3*b*h*t*d at elements 0, dk_base and dv_base; both are returned.
 struct Operand {
   const std::vector<double>* storage;
   int64_t base;
 };
-void CheckGraphs(const internal::SdpaProblem& fwd_p, const std::vector<double>& q, const std::vector<double>& k,
-                 const std::vector<double>& v, const std::vector<double>& dout, Operand sq, Operand sk, Operand sv,
-                 Operand sdo, const std::string& what) {
+struct Stored {
+  std::vector<double> out, grads;
+};
+Stored CheckGraphs(const internal::SdpaProblem& fwd_p, const std::vector<double>& q, const std::vector<double>& k,
+                   const std::vector<double>& v, const std::vector<double>& dout, Operand sq, Operand sk, Operand sv,
+                   Operand sdo, const std::string& what, int64_t dk_base = -1, int64_t dv_base = -1) {
+  const int64_t n = fwd_p.b * fwd_p.h * fwd_p.t * fwd_p.d;
+  Stored stored{std::vector<double>(static_cast<size_t>(n), std::nan("")),
+                std::vector<double>(static_cast<size_t>(3 * n), std::nan(""))};
   const double scale = 1.0 / std::sqrt(static_cast<double>(fwd_p.d));
   const Reference want = Attention(fwd_p.b, fwd_p.h, fwd_p.t, fwd_p.d, scale, q, k, v, dout);
   const double inf = std::numeric_limits<double>::infinity();
@@ -411,6 +430,7 @@ void CheckGraphs(const internal::SdpaProblem& fwd_p, const std::vector<double>& 
   f.Run();
   ExpectClose(f.Get(internal::kSdpaO).v, want.out, "forward out" + what);
   ExpectClose(f.Get(internal::kSdpaStats).v, want.lse, "forward stats" + what);
+  f.Store(internal::kSdpaO, stored.out);
 
   internal::SdpaProblem bwd_p = fwd_p;
   bwd_p.backward = true;
@@ -419,7 +439,7 @@ void CheckGraphs(const internal::SdpaProblem& fwd_p, const std::vector<double>& 
   g.Bind(internal::kSdpaQ, *sq.storage, sq.base);
   g.Bind(internal::kSdpaK, *sk.storage, sk.base);
   g.Bind(internal::kSdpaV, *sv.storage, sv.base);  // V's storage, which the backward reads as V^T
-  g.Bind(internal::kSdpaO, want.out);
+  g.Bind(internal::kSdpaO, stored.out);            // where the forward put it
   g.Bind(internal::kSdpaDO, *sdo.storage, sdo.base);
   g.Bind(internal::kSdpaStats, want.lse);
   g.Bind(internal::kSdpaScale, {scale});
@@ -430,6 +450,10 @@ void CheckGraphs(const internal::SdpaProblem& fwd_p, const std::vector<double>& 
   ExpectClose(g.Get(internal::kSdpaDQ).v, want.dq, "backward dq" + what);
   ExpectClose(g.Get(internal::kSdpaDK).v, want.dk, "backward dk" + what);
   ExpectClose(g.Get(internal::kSdpaDV).v, want.dv, "backward dv" + what);
+  g.Store(internal::kSdpaDQ, stored.grads, 0);
+  g.Store(internal::kSdpaDK, stored.grads, dk_base >= 0 ? dk_base : n);
+  g.Store(internal::kSdpaDV, stored.grads, dv_base >= 0 ? dv_base : 2 * n);
+  return stored;
 }
 
 std::vector<double> RandomValues(int64_t n, uint64_t seed) {
@@ -477,6 +501,29 @@ TEST(CudnnSdpaGraphTest, HeadsReadInPlaceFromTheFusedProjection) {
   p.q_strides = p.k_strides = p.v_strides = {t * 3 * c, d, 3 * c, 1};
   p.do_strides = {t * c, d, c, 1};
   CheckGraphs(p, q, k, v, dout, {&qkv, 0}, {&qkv, c}, {&qkv, 2 * c}, {&dy, 0}, " (fused qkv strides)");
+
+  // The outputs where dtensor puts them (ops.h): out as [b, t, h, d], dq, dk, dv as the heads of
+  // one [b, t, 3, h, d] buffer, laid out as q, k, v are.
+  p.o_strides = {t * c, d, c, 1};
+  p.dq_strides = p.dk_strides = p.dv_strides = p.q_strides;
+  const Stored stored =
+      CheckGraphs(p, q, k, v, dout, {&qkv, 0}, {&qkv, c}, {&qkv, 2 * c}, {&dy, 0}, " (outputs in place)", c, 2 * c);
+  const Reference want = Attention(b, h, t, d, 1.0 / std::sqrt(static_cast<double>(d)), q, k, v, dout);
+  std::vector<double> out_btHd, dqkv;  // the expected memory: [b, t, h, d] and [b, t, 3, h, d]
+  for (int64_t bi = 0; bi < b; ++bi) {
+    for (int64_t ti = 0; ti < t; ++ti) {
+      for (const std::vector<double>* x : {&want.out, &want.dq, &want.dk, &want.dv}) {
+        for (int64_t hi = 0; hi < h; ++hi) {
+          for (int64_t di = 0; di < d; ++di) {
+            const double e = (*x)[static_cast<size_t>(((bi * h + hi) * t + ti) * d + di)];
+            (x == &want.out ? out_btHd : dqkv).push_back(e);
+          }
+        }
+      }
+    }
+  }
+  ExpectClose(stored.out, out_btHd, "out stored as [b, t, h, d]");
+  ExpectClose(stored.grads, dqkv, "dq, dk, dv stored as [b, t, 3, h, d]");
 }
 
 #else

@@ -120,6 +120,78 @@ TEST(CpuAttentionTest, NonContiguousInputsFromTransposedHeads) {
   testing::ExpectNear(Values(o.out), ref.out, ForwardTol(DType::kFloat32), "transposed out");
 }
 
+// The heads of a fused qkv projection [B, T, 3C], as a GPT block makes them: q, k, v are
+// [B, H, T, D] views of one buffer (rows 3C + pad apart), read where they lie.
+struct QkvViews {
+  Tensor buffer, q, k, v;
+};
+QkvViews HeadsOf(const Case& c, DType dt, int64_t pad, uint64_t seed) {
+  const int64_t cc = c.h * c.d;
+  QkvViews r;
+  r.buffer = testing::Random({c.b, c.t, 3 * cc + pad}, dt, seed, -1.5, 1.5);
+  Tensor* heads[] = {&r.q, &r.k, &r.v};
+  for (int64_t j = 0; j < 3; ++j) {
+    const Tensor part = Unwrap(r.buffer.Narrow(2, j * cc, cc));
+    *heads[j] = Unwrap(Unwrap(part.View({c.b, c.t, c.h, c.d})).Transpose(1, 2));
+  }
+  return r;
+}
+Shape StridesOf(const Tensor& t) { return Shape(t.strides().begin(), t.strides().end()); }
+
+// Results take the inputs' layout (ops.h): out as [B, T, H, D] so that the heads merge back into
+// [B, T, C] as a view; dq, dk, dv in one [B, T, 3, H, D] buffer laid out as q, k, v are, so that
+// their concatenation is the projection's gradient as a view. The values are those of the
+// contiguous tensors; with rows padded (not one qkv buffer) each gradient is [B, T, H, D].
+TEST(CpuAttentionTest, FusedQkvHeadsAreReadAndWrittenWhereTheyLie) {
+  constexpr Case kLayoutCases[] = {{2, 3, 9, 6}, {1, 2, 130, 8}, {2, 1, 5, 4}, {2, 3, 1, 4}, {1, 4, 33, 16}};
+  for (DType dt : kFloatTypes) {
+    for (const Case& c : kLayoutCases) {
+      for (int64_t pad : {0, 8}) {
+        const std::string what = What(dt, c) + " pad " + std::to_string(pad);
+        const QkvViews in = HeadsOf(c, dt, pad, 21);
+        ASSERT_FALSE(in.q.is_contiguous()) << what;
+        const Tensor cq = Unwrap(Contiguous(in.q)), ck = Unwrap(Contiguous(in.k)), cv = Unwrap(Contiguous(in.v));
+        const AttentionOutput o = Unwrap(CausalAttention(in.q, in.k, in.v));
+        const AttentionOutput co = Unwrap(CausalAttention(cq, ck, cv));
+        const bool time_major = c.h > 1 && c.t > 1;
+        const int64_t cc = c.h * c.d;
+        if (time_major) {
+          EXPECT_EQ(StridesOf(o.out), Shape({c.t * cc, c.d, cc, 1})) << what << ": out laid out as [B, T, H, D]";
+        } else {
+          EXPECT_TRUE(o.out.is_contiguous()) << what;
+        }
+        const Ref ref =
+            RefAttention(Values(cq), Values(ck), Values(cv), c.t, c.d, 1.0 / std::sqrt(static_cast<double>(c.d)));
+        testing::ExpectNear(Values(o.out), ref.out, ForwardTol(dt), what + " out");
+        testing::ExpectNear(Values(o.lse), ref.lse, {1e-5, 1e-5}, what + " lse");
+
+        // Backward, dout laid out as the merged heads' gradient is: [B, T, H, D] seen as [B, H, T, D].
+        const Tensor dout_btHd = testing::Random({c.b, c.t, c.h, c.d}, dt, 23);
+        const Tensor d_out = Unwrap(dout_btHd.Transpose(1, 2));
+        const AttentionGrads g = Unwrap(CausalAttentionBackward(d_out, in.q, in.k, in.v, o));
+        const AttentionGrads cg = Unwrap(CausalAttentionBackward(Unwrap(Contiguous(d_out)), cq, ck, cv, co));
+        const testing::Tolerance tol = dt == DType::kFloat32 ? testing::Tolerance{1e-5, 1e-6} : testing::Tol(dt);
+        testing::ExpectNear(Values(g.dq), Values(cg.dq), tol, what + " dq");
+        testing::ExpectNear(Values(g.dk), Values(cg.dk), tol, what + " dk");
+        testing::ExpectNear(Values(g.dv), Values(cg.dv), tol, what + " dv");
+        if (pad == 0 && c.t > 1 && c.h > 1) {
+          // One buffer, laid out as q, k, v.
+          EXPECT_EQ(g.dk.storage(), g.dq.storage()) << what;
+          EXPECT_EQ(g.dv.storage(), g.dq.storage()) << what;
+          EXPECT_EQ(StridesOf(g.dq), StridesOf(in.q)) << what;
+          EXPECT_EQ(g.dk.storage_offset(), g.dq.storage_offset() + cc) << what;
+          EXPECT_EQ(g.dv.storage_offset(), g.dk.storage_offset() + cc) << what;
+        } else if (time_major) {
+          EXPECT_NE(g.dk.storage(), g.dq.storage()) << what;
+          for (const Tensor* x : {&g.dq, &g.dk, &g.dv}) {
+            EXPECT_EQ(StridesOf(*x), Shape({c.t * cc, c.d, cc, 1})) << what << ": [B, T, H, D]";
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(CpuAttentionTest, BackwardMatchesFiniteDifferences) {
   for (DType dt : kFloatTypes) {
     for (const Case& c : kCases) {

@@ -1,8 +1,12 @@
 // Causal scaled-dot-product attention, forward and backward (CPU).
 //
-// Legend: q, k, v, out, dout, dq, dk, dv [B, H, T, D] contiguous; lse float32 [B, H, T].
+// Legend: q, k, v, out, dout, dq, dk, dv [B, H, T, D] row views (stride 1 along D, any strides
+// elsewhere: heads split out of a fused qkv projection, or an output laid out as [B, T, H, D],
+// are read and written where they lie); lse float32 [B, H, T] contiguous.
 // Each (batch, head) is an independent [T, D] problem, computed in float32 with OpenBLAS sgemm
-// over blocks of kQueryBlock query rows; a block of rows [r0, r1) only needs keys [0, r1), so
+// over blocks of kQueryBlock query rows (sgemm takes a head's row stride as its leading
+// dimension, so a float32 head is used in place; bfloat16 and float16 heads are converted
+// through per-thread scratch); a block of rows [r0, r1) only needs keys [0, r1), so
 // the masked upper triangle beyond the diagonal block is never computed. When there are at least
 // as many heads as threads the heads are split over OpenMP threads (sgemm then runs on one
 // thread: OpenBLAS does not nest inside a parallel region); otherwise heads run in turn and
@@ -28,31 +32,49 @@ namespace {
 // Query rows per score block: bounds scratch to kQueryBlock * T floats per thread.
 constexpr int64_t kQueryBlock = 128;
 
-// n values as float32: src itself for float, else converted into scratch.
+// Where the heads of a [B, H, T, D] row view lie: head bh = b * H + h starts at b * sb + h * sh,
+// its rows `ld` apart (stride 1 along D).
+struct Heads {
+  int64_t h, sb, sh, ld;
+  Heads(const Tensor& x, int64_t d)
+      // One row: its stride addresses nothing, and sgemm wants ld >= D.
+      : h(x.size(1)), sb(x.stride(0)), sh(x.stride(1)), ld(x.size(2) == 1 ? d : x.stride(2)) {}
+  int64_t Offset(int64_t bh) const { return bh / h * sb + bh % h * sh; }
+};
+
+// A head as float32 rows: `p` with rows `ld` apart.
+struct RowsF32 {
+  float* p;
+  int64_t ld;
+};
+
+// Head bh of `base` as float32: in place for float, else converted into scratch (rows d apart).
 template <typename T>
-const float* AsF32(const T* src, int64_t n, std::vector<float>& scratch) {
+RowsF32 LoadHead(const T* base, const Heads& hs, int64_t bh, int64_t t, int64_t d, std::vector<float>& scratch) {
+  const T* src = base + hs.Offset(bh);
   if constexpr (std::is_same_v<T, float>) {
-    return src;
+    return {const_cast<float*>(src), hs.ld};
   } else {
-    scratch.resize(static_cast<size_t>(n));
-    LoadRow(src, scratch.data(), n);
-    return scratch.data();
+    scratch.resize(static_cast<size_t>(t * d));
+    for (int64_t i = 0; i < t; ++i) LoadRow(src + i * hs.ld, scratch.data() + i * d, d);
+    return {scratch.data(), d};
   }
 }
-// Where to compute n output values: dst itself for float, else scratch (then StoreF32).
+// Where to compute head bh of `base`: in place for float, else scratch (then StoreHead).
 template <typename T>
-float* OutF32(T* dst, int64_t n, std::vector<float>& scratch) {
+RowsF32 OutHead(T* base, const Heads& hs, int64_t bh, int64_t t, int64_t d, std::vector<float>& scratch) {
   if constexpr (std::is_same_v<T, float>) {
-    return dst;
+    return {base + hs.Offset(bh), hs.ld};
   } else {
-    scratch.resize(static_cast<size_t>(n));
-    return scratch.data();
+    scratch.resize(static_cast<size_t>(t * d));
+    return {scratch.data(), d};
   }
 }
 template <typename T>
-void StoreF32(const float* src, int64_t n, T* dst) {
+void StoreHead(const RowsF32& src, T* base, const Heads& hs, int64_t bh, int64_t t, int64_t d) {
   if constexpr (!std::is_same_v<T, float>) {
-    StoreRow(src, dst, n);
+    T* dst = base + hs.Offset(bh);
+    for (int64_t i = 0; i < t; ++i) StoreRow(src.p + i * src.ld, dst + i * hs.ld, d);
   }
 }
 
@@ -90,15 +112,15 @@ void ForEachHead(int64_t bh_count, int64_t t, int64_t d, Body&& body) {
   }
 }
 
-// One head: o = softmax(scale * q k^T, causal) v, lse per row. q, k, v, o [T, D].
-void HeadForward(const float* q, const float* k, const float* v, int64_t t, int64_t d, float scale, float* o,
-                 float* lse, Scratch& sc) {
+// One head: o = softmax(scale * q k^T, causal) v, lse per row. q, k, v, o [T, D] rows.
+void HeadForward(RowsF32 q, RowsF32 k, RowsF32 v, int64_t t, int64_t d, float scale, RowsF32 o, float* lse,
+                 Scratch& sc) {
   sc.s.resize(static_cast<size_t>(std::min(t, kQueryBlock) * t));
   for (int64_t r0 = 0; r0 < t; r0 += kQueryBlock) {
     const int64_t r1 = std::min(t, r0 + kQueryBlock);
     const int64_t m = r1 - r0;  // rows in this block; keys [0, r1)
     float* s = sc.s.data();     // [m, r1]
-    Sgemm(false, true, m, r1, d, scale, q + r0 * d, d, k, d, 0.0f, s, r1);
+    Sgemm(false, true, m, r1, d, scale, q.p + r0 * q.ld, q.ld, k.p, k.ld, 0.0f, s, r1);
     for (int64_t i = 0; i < m; ++i) {
       float* row = s + i * r1;
       const int64_t n = r0 + i + 1;  // keys 0..r0+i are visible
@@ -115,22 +137,24 @@ void HeadForward(const float* q, const float* k, const float* v, int64_t t, int6
       for (int64_t j = n; j < r1; ++j) row[j] = 0.0f;
       lse[r0 + i] = mx + std::log(sum);
     }
-    Sgemm(false, false, m, d, r1, 1.0f, s, r1, v, d, 0.0f, o + r0 * d, d);
+    Sgemm(false, false, m, d, r1, 1.0f, s, r1, v.p, v.ld, 0.0f, o.p + r0 * o.ld, o.ld);
   }
 }
 
-// One head's gradients. dq, dk, dv [T, D] are overwritten.
-void HeadBackward(const float* dout, const float* q, const float* k, const float* v, const float* o, const float* lse,
-                  int64_t t, int64_t d, float scale, float* dq, float* dk, float* dv, Scratch& sc) {
+// One head's gradients. dq, dk, dv [T, D] rows are overwritten.
+void HeadBackward(RowsF32 dout, RowsF32 q, RowsF32 k, RowsF32 v, RowsF32 o, const float* lse, int64_t t, int64_t d,
+                  float scale, RowsF32 dq, RowsF32 dk, RowsF32 dv, Scratch& sc) {
   const size_t block = static_cast<size_t>(std::min(t, kQueryBlock) * t);
   sc.s.resize(block);
   sc.ds.resize(block);
   sc.rowdot.resize(static_cast<size_t>(t));
   // rowdot[i] = dout[i] . o[i] = sum_j P[i, j] dP[i, j].
   for (int64_t i = 0; i < t; ++i) {
+    const float* dr = dout.p + i * dout.ld;
+    const float* orow = o.p + i * o.ld;
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t x = 0; x < d; ++x) acc += dout[i * d + x] * o[i * d + x];
+    for (int64_t x = 0; x < d; ++x) acc += dr[x] * orow[x];
     sc.rowdot[i] = acc;
   }
   for (int64_t r0 = 0; r0 < t; r0 += kQueryBlock) {
@@ -138,7 +162,7 @@ void HeadBackward(const float* dout, const float* q, const float* k, const float
     const int64_t m = r1 - r0;
     float* p = sc.s.data();    // [m, r1]
     float* ds = sc.ds.data();  // [m, r1]
-    Sgemm(false, true, m, r1, d, scale, q + r0 * d, d, k, d, 0.0f, p, r1);
+    Sgemm(false, true, m, r1, d, scale, q.p + r0 * q.ld, q.ld, k.p, k.ld, 0.0f, p, r1);
     for (int64_t i = 0; i < m; ++i) {
       float* row = p + i * r1;
       const int64_t n = r0 + i + 1;
@@ -150,14 +174,14 @@ void HeadBackward(const float* dout, const float* q, const float* k, const float
     // dk and dv rows [0, r1) accumulate over blocks: the first block overwrites (beta 0); a
     // later block first zeroes its new key rows [r0, r1), then adds.
     const float beta = r0 == 0 ? 0.0f : 1.0f;
-    if (r0 > 0) {
-      std::fill(dv + r0 * d, dv + r1 * d, 0.0f);
-      std::fill(dk + r0 * d, dk + r1 * d, 0.0f);
+    for (int64_t i = r0 == 0 ? r1 : r0; i < r1; ++i) {
+      std::fill_n(dv.p + i * dv.ld, d, 0.0f);
+      std::fill_n(dk.p + i * dk.ld, d, 0.0f);
     }
     // dv[0:r1] += P^T dout[r0:r1]
-    Sgemm(true, false, r1, d, m, 1.0f, p, r1, dout + r0 * d, d, beta, dv, d);
+    Sgemm(true, false, r1, d, m, 1.0f, p, r1, dout.p + r0 * dout.ld, dout.ld, beta, dv.p, dv.ld);
     // dP = dout[r0:r1] v[0:r1]^T, then dS = P * (dP - rowdot).
-    Sgemm(false, true, m, r1, d, 1.0f, dout + r0 * d, d, v, d, 0.0f, ds, r1);
+    Sgemm(false, true, m, r1, d, 1.0f, dout.p + r0 * dout.ld, dout.ld, v.p, v.ld, 0.0f, ds, r1);
     for (int64_t i = 0; i < m; ++i) {
       const float rd = sc.rowdot[r0 + i];
       float* dsr = ds + i * r1;
@@ -166,8 +190,8 @@ void HeadBackward(const float* dout, const float* q, const float* k, const float
       for (int64_t j = 0; j < r1; ++j) dsr[j] = pr[j] * (dsr[j] - rd);
     }
     // dq[r0:r1] = scale dS k[0:r1];  dk[0:r1] (+)= scale dS^T q[r0:r1].
-    Sgemm(false, false, m, d, r1, scale, ds, r1, k, d, 0.0f, dq + r0 * d, d);
-    Sgemm(true, false, r1, d, m, scale, ds, r1, q + r0 * d, d, beta, dk, d);
+    Sgemm(false, false, m, d, r1, scale, ds, r1, k.p, k.ld, 0.0f, dq.p + r0 * dq.ld, dq.ld);
+    Sgemm(true, false, r1, d, m, scale, ds, r1, q.p + r0 * q.ld, q.ld, beta, dk.p, dk.ld);
   }
 }
 
@@ -176,24 +200,21 @@ void HeadBackward(const float* dout, const float* q, const float* k, const float
 absl::Status CpuBackend::CausalAttention(const Tensor& q, const Tensor& k, const Tensor& v, float scale,
                                          const Tensor& out, const Tensor& lse) {
   if (q.numel() == 0) return absl::OkStatus();
-  const int64_t t = q.size(-2), d = q.size(-1);
-  const int64_t bh_count = q.numel() / (t * d);
-  const int64_t head = t * d;
+  const int64_t t = q.size(2), d = q.size(3);
+  const int64_t bh_count = q.size(0) * q.size(1);
+  const Heads qh(q, d), kh(k, d), vh(v, d), oh(out, d);
   return DispatchFloat("CausalAttention", q.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    const T* qp = q.data<T>();  // [B*H, T, D]
+    const T* qp = q.data<T>();
     const T* kp = k.data<T>();
     const T* vp = v.data<T>();
     T* op = out.data<T>();
     float* lp = lse.data<float>();  // [B*H, T]
     ForEachHead(bh_count, t, d, [&](int64_t bh, Scratch& sc) {
-      const int64_t off = bh * head;
-      const float* qf = AsF32(qp + off, head, sc.q);
-      const float* kf = AsF32(kp + off, head, sc.k);
-      const float* vf = AsF32(vp + off, head, sc.v);
-      float* of = OutF32(op + off, head, sc.o);
-      HeadForward(qf, kf, vf, t, d, scale, of, lp + bh * t, sc);
-      StoreF32(of, head, op + off);
+      const RowsF32 of = OutHead(op, oh, bh, t, d, sc.o);
+      HeadForward(LoadHead(qp, qh, bh, t, d, sc.q), LoadHead(kp, kh, bh, t, d, sc.k), LoadHead(vp, vh, bh, t, d, sc.v),
+                  t, d, scale, of, lp + bh * t, sc);
+      StoreHead(of, op, oh, bh, t, d);
     });
     return absl::OkStatus();
   });
@@ -203,12 +224,12 @@ absl::Status CpuBackend::CausalAttentionBackward(const Tensor& dout, const Tenso
                                                  const Tensor& out, const Tensor& lse, float scale, const Tensor& dq,
                                                  const Tensor& dk, const Tensor& dv) {
   if (q.numel() == 0) return absl::OkStatus();
-  const int64_t t = q.size(-2), d = q.size(-1);
-  const int64_t bh_count = q.numel() / (t * d);
-  const int64_t head = t * d;
+  const int64_t t = q.size(2), d = q.size(3);
+  const int64_t bh_count = q.size(0) * q.size(1);
+  const Heads doh(dout, d), qh(q, d), kh(k, d), vh(v, d), oh(out, d), dqh(dq, d), dkh(dk, d), dvh(dv, d);
   return DispatchFloat("CausalAttentionBackward", q.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    const T* dop = dout.data<T>();  // [B*H, T, D]
+    const T* dop = dout.data<T>();
     const T* qp = q.data<T>();
     const T* kp = k.data<T>();
     const T* vp = v.data<T>();
@@ -218,19 +239,15 @@ absl::Status CpuBackend::CausalAttentionBackward(const Tensor& dout, const Tenso
     T* dkp = dk.data<T>();
     T* dvp = dv.data<T>();
     ForEachHead(bh_count, t, d, [&](int64_t bh, Scratch& sc) {
-      const int64_t off = bh * head;
-      const float* dof = AsF32(dop + off, head, sc.dout);
-      const float* qf = AsF32(qp + off, head, sc.q);
-      const float* kf = AsF32(kp + off, head, sc.k);
-      const float* vf = AsF32(vp + off, head, sc.v);
-      const float* of = AsF32(op + off, head, sc.o);
-      float* dqf = OutF32(dqp + off, head, sc.dq);
-      float* dkf = OutF32(dkp + off, head, sc.dk);
-      float* dvf = OutF32(dvp + off, head, sc.dv);
-      HeadBackward(dof, qf, kf, vf, of, lp + bh * t, t, d, scale, dqf, dkf, dvf, sc);
-      StoreF32(dqf, head, dqp + off);
-      StoreF32(dkf, head, dkp + off);
-      StoreF32(dvf, head, dvp + off);
+      const RowsF32 dqf = OutHead(dqp, dqh, bh, t, d, sc.dq);
+      const RowsF32 dkf = OutHead(dkp, dkh, bh, t, d, sc.dk);
+      const RowsF32 dvf = OutHead(dvp, dvh, bh, t, d, sc.dv);
+      HeadBackward(LoadHead(dop, doh, bh, t, d, sc.dout), LoadHead(qp, qh, bh, t, d, sc.q),
+                   LoadHead(kp, kh, bh, t, d, sc.k), LoadHead(vp, vh, bh, t, d, sc.v), LoadHead(op, oh, bh, t, d, sc.o),
+                   lp + bh * t, t, d, scale, dqf, dkf, dvf, sc);
+      StoreHead(dqf, dqp, dqh, bh, t, d);
+      StoreHead(dkf, dkp, dkh, bh, t, d);
+      StoreHead(dvf, dvp, dvh, bh, t, d);
     });
     return absl::OkStatus();
   });

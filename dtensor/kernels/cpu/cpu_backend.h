@@ -52,6 +52,7 @@ class CpuBackend final : public Kernels {
   absl::Status CausalAttentionBackward(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v,
                                        const Tensor& out, const Tensor& lse, float scale, const Tensor& dq,
                                        const Tensor& dk, const Tensor& dv) override;
+  bool AttentionTakesRowViews() const override { return true; }
   absl::Status AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                      const AdamWParams& p) override;
   absl::Status AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) override;

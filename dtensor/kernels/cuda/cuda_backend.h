@@ -73,6 +73,11 @@ class CudaBackend final : public Kernels {
  private:
   // t itself where contiguous, else a contiguous copy on this device (Copy reads any strides).
   absl::StatusOr<Tensor> ContiguousHere(const Tensor& t);
+  // Where a kernel that writes contiguous tensors computes output t: t itself where contiguous,
+  // else a new contiguous tensor, which CopyBackTo(computed, t) then copies into t (a no-op
+  // where computed is t).
+  absl::StatusOr<Tensor> ContiguousOutputHere(const Tensor& t);
+  absl::Status CopyBackTo(const Tensor& computed, const Tensor& t);
   // c = a @ b on cuBLASLt with `epilogue` (gemm.cc): true when it ran, false when cuBLASLt is
   // missing or declines the problem (the caller then runs Kernels' unfused default).
   absl::StatusOr<bool> LtMatmul(const char* op, const Tensor& a, const Tensor& b, const Tensor& c, int epilogue,

@@ -556,15 +556,19 @@ absl::Status TryCudnnAttention(const char* op, DType dtype, int device, bool* ra
 }
 
 #if defined(DTENSOR_WITH_CUDNN)
-// The cuDNN problem of an attention call: q's [B, H, T, D] and dtype, the operands' strides
-// (dout's too, for the backward).
-SdpaProblem ProblemOf(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor* dout) {
-  auto strides = [](const Tensor& x) {
-    return std::array<int64_t, 4>{x.stride(0), x.stride(1), x.stride(2), x.stride(3)};
-  };
-  SdpaProblem p{dout != nullptr, q.dtype(), q.size(0), q.size(1), q.size(2), q.size(3)};
-  p.q_strides = strides(q), p.k_strides = strides(k), p.v_strides = strides(v);
-  if (dout != nullptr) p.do_strides = strides(*dout);
+// The cuDNN problem of an attention call: q's [B, H, T, D] and dtype, and every operand's strides.
+std::array<int64_t, 4> StridesOf(const Tensor& x) { return {x.stride(0), x.stride(1), x.stride(2), x.stride(3)}; }
+SdpaProblem ForwardProblemOf(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out) {
+  SdpaProblem p{false, q.dtype(), q.size(0), q.size(1), q.size(2), q.size(3)};
+  p.q_strides = StridesOf(q), p.k_strides = StridesOf(k), p.v_strides = StridesOf(v), p.o_strides = StridesOf(out);
+  return p;
+}
+SdpaProblem BackwardProblemOf(const Tensor& dout, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                              const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+  SdpaProblem p = ForwardProblemOf(q, k, v, out);
+  p.backward = true;
+  p.do_strides = StridesOf(dout), p.dq_strides = StridesOf(dq), p.dk_strides = StridesOf(dk);
+  p.dv_strides = StridesOf(dv);
   return p;
 }
 #endif
@@ -578,6 +582,16 @@ absl::StatusOr<Tensor> CudaBackend::ContiguousHere(const Tensor& t) {
   return c;
 }
 
+absl::StatusOr<Tensor> CudaBackend::ContiguousOutputHere(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  return Tensor::Empty(t.shape(), t.dtype(), Device::Cuda(index_));
+}
+
+absl::Status CudaBackend::CopyBackTo(const Tensor& computed, const Tensor& t) {
+  if (computed.raw_data() == t.raw_data()) return absl::OkStatus();
+  return Copy(computed, t);
+}
+
 absl::Status CudaBackend::CausalAttention(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in, float scale,
                                           const Tensor& out, const Tensor& lse) {
   constexpr const char* op = "CausalAttention";
@@ -587,26 +601,29 @@ absl::Status CudaBackend::CausalAttention(const Tensor& q_in, const Tensor& k_in
   bool ran = false;
   DT_RETURN_IF_ERROR(TryCudnnAttention(op, q_in.dtype(), index_, &ran, [&] {
 #if defined(DTENSOR_WITH_CUDNN)
-    return CudnnCausalAttention(index_, ProblemOf(q_in, k_in, v_in, nullptr), q_in.raw_data(), k_in.raw_data(),
+    return CudnnCausalAttention(index_, ForwardProblemOf(q_in, k_in, v_in, out), q_in.raw_data(), k_in.raw_data(),
                                 v_in.raw_data(), scale, out.raw_data(), lse.data<float>());
 #else
     return absl::OkStatus();
 #endif
   }));
   if (ran) return absl::OkStatus();
-  // dtensor's own kernels read [B, H, T, D] contiguous: copies of row views.
+  // dtensor's own kernels read and write [B, H, T, D] contiguous: copies of row views.
   DT_ASSIGN_OR_RETURN(Tensor q, ContiguousHere(q_in));
   DT_ASSIGN_OR_RETURN(Tensor k, ContiguousHere(k_in));
   DT_ASSIGN_OR_RETURN(Tensor v, ContiguousHere(v_in));
-  return OnDevice(index_, op, [&] {
-    return gpu::LaunchAttention(q.dtype(), q.raw_data(), k.raw_data(), v.raw_data(), scale, out.raw_data(),
+  DT_ASSIGN_OR_RETURN(Tensor o, ContiguousOutputHere(out));
+  DT_RETURN_IF_ERROR(OnDevice(index_, op, [&] {
+    return gpu::LaunchAttention(q.dtype(), q.raw_data(), k.raw_data(), v.raw_data(), scale, o.raw_data(),
                                 lse.data<float>(), bh, t, d);
-  });
+  }));
+  return CopyBackTo(o, out);
 }
 
 absl::Status CudaBackend::CausalAttentionBackward(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in,
-                                                  const Tensor& v_in, const Tensor& out, const Tensor& lse, float scale,
-                                                  const Tensor& dq, const Tensor& dk, const Tensor& dv) {
+                                                  const Tensor& v_in, const Tensor& out_in, const Tensor& lse,
+                                                  float scale, const Tensor& dq_out, const Tensor& dk_out,
+                                                  const Tensor& dv_out) {
   constexpr const char* op = "CausalAttentionBackward";
   DT_RETURN_IF_ERROR(CheckAttentionShape(op, q_in));
   if (q_in.numel() == 0) return absl::OkStatus();
@@ -614,9 +631,10 @@ absl::Status CudaBackend::CausalAttentionBackward(const Tensor& dout_in, const T
   bool ran = false;
   DT_RETURN_IF_ERROR(TryCudnnAttention(op, q_in.dtype(), index_, &ran, [&] {
 #if defined(DTENSOR_WITH_CUDNN)
-    return CudnnCausalAttentionBackward(index_, ProblemOf(q_in, k_in, v_in, &dout_in), dout_in.raw_data(),
-                                        q_in.raw_data(), k_in.raw_data(), v_in.raw_data(), out.raw_data(),
-                                        lse.data<float>(), scale, dq.raw_data(), dk.raw_data(), dv.raw_data());
+    return CudnnCausalAttentionBackward(
+        index_, BackwardProblemOf(dout_in, q_in, k_in, v_in, out_in, dq_out, dk_out, dv_out), dout_in.raw_data(),
+        q_in.raw_data(), k_in.raw_data(), v_in.raw_data(), out_in.raw_data(), lse.data<float>(), scale,
+        dq_out.raw_data(), dk_out.raw_data(), dv_out.raw_data());
 #else
     return absl::OkStatus();
 #endif
@@ -626,12 +644,19 @@ absl::Status CudaBackend::CausalAttentionBackward(const Tensor& dout_in, const T
   DT_ASSIGN_OR_RETURN(Tensor q, ContiguousHere(q_in));
   DT_ASSIGN_OR_RETURN(Tensor k, ContiguousHere(k_in));
   DT_ASSIGN_OR_RETURN(Tensor v, ContiguousHere(v_in));
+  DT_ASSIGN_OR_RETURN(Tensor o, ContiguousHere(out_in));
+  DT_ASSIGN_OR_RETURN(Tensor dq, ContiguousOutputHere(dq_out));
+  DT_ASSIGN_OR_RETURN(Tensor dk, ContiguousOutputHere(dk_out));
+  DT_ASSIGN_OR_RETURN(Tensor dv, ContiguousOutputHere(dv_out));
   DT_ASSIGN_OR_RETURN(Tensor delta, Scratch(bh * t, DType::kFloat32, index_));
-  return OnDevice(index_, op, [&] {
+  DT_RETURN_IF_ERROR(OnDevice(index_, op, [&] {
     return gpu::LaunchAttentionBackward(q.dtype(), dout.raw_data(), q.raw_data(), k.raw_data(), v.raw_data(),
-                                        out.raw_data(), lse.data<float>(), scale, dq.raw_data(), dk.raw_data(),
+                                        o.raw_data(), lse.data<float>(), scale, dq.raw_data(), dk.raw_data(),
                                         dv.raw_data(), delta.data<float>(), bh, t, d);
-  });
+  }));
+  DT_RETURN_IF_ERROR(CopyBackTo(dq, dq_out));
+  DT_RETURN_IF_ERROR(CopyBackTo(dk, dk_out));
+  return CopyBackTo(dv, dv_out);
 }
 
 // ---- Optimizer ----

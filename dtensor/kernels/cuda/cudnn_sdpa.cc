@@ -264,7 +264,7 @@ void ForwardGraph(GraphBuilder& g, const SdpaProblem& p) {
   g.Tensor(kQ, io, bhtd, StridesOf(p.q_strides, bhtd), false);
   g.Tensor(kK, io, {b, h, d, t}, Transposed(StridesOf(p.k_strides, bhtd)), false);  // K^T: K's storage
   g.Tensor(kV, io, bhtd, StridesOf(p.v_strides, bhtd), false);
-  g.Tensor(kO, io, bhtd, Contiguous(bhtd), false);
+  g.Tensor(kO, io, bhtd, StridesOf(p.o_strides, bhtd), false);
   g.Tensor(kStats, CUDNN_DATA_FLOAT, bht1, Contiguous(bht1), false);
   g.Scalar(kScale);
   g.Scalar(kNegInf);
@@ -298,12 +298,12 @@ void BackwardGraph(GraphBuilder& g, const SdpaProblem& p) {
   g.Tensor(kQ, io, bhtd, StridesOf(p.q_strides, bhtd), false);
   g.Tensor(kK, io, {b, h, d, t}, Transposed(StridesOf(p.k_strides, bhtd)), false);  // K^T
   g.Tensor(kV, io, {b, h, d, t}, Transposed(StridesOf(p.v_strides, bhtd)), false);  // V^T
-  g.Tensor(kO, io, bhtd, Contiguous(bhtd), false);
+  g.Tensor(kO, io, bhtd, StridesOf(p.o_strides, bhtd), false);
   g.Tensor(kDO, io, bhtd, StridesOf(p.do_strides, bhtd), false);
   g.Tensor(kStats, CUDNN_DATA_FLOAT, bht1, Contiguous(bht1), false);
-  g.Tensor(kDQ, io, bhtd, Contiguous(bhtd), false);
-  g.Tensor(kDK, io, bhtd, Contiguous(bhtd), false);
-  g.Tensor(kDV, io, bhtd, Contiguous(bhtd), false);
+  g.Tensor(kDQ, io, bhtd, StridesOf(p.dq_strides, bhtd), false);
+  g.Tensor(kDK, io, bhtd, StridesOf(p.dk_strides, bhtd), false);
+  g.Tensor(kDV, io, bhtd, StridesOf(p.dv_strides, bhtd), false);
   g.Tensor(kSoftmaxSum, CUDNN_DATA_FLOAT, bht1, Contiguous(bht1), false);
   g.Tensor(kDQAccum, CUDNN_DATA_FLOAT, bhtd, Contiguous(bhtd), false);
   g.Scalar(kScale);
@@ -384,7 +384,8 @@ absl::Status CheckProblem(const SdpaProblem& p) {
     return absl::UnimplementedError(
         absl::StrCat("[cuDNN] empty attention problem b=", p.b, " h=", p.h, " t=", p.t, " d=", p.d));
   }
-  for (const Dims* st : {&p.q_strides, &p.k_strides, &p.v_strides, &p.do_strides}) {
+  for (const Dims* st : {&p.q_strides, &p.k_strides, &p.v_strides, &p.o_strides, &p.do_strides, &p.dq_strides,
+                         &p.dk_strides, &p.dv_strides}) {
     if (*st == Dims{}) continue;
     // Rows of 16 bytes or more, each starting 16-byte aligned: stride 1 along d, the others
     // multiples of 8 elements (bfloat16 / float16).
@@ -474,7 +475,16 @@ absl::StatusOr<std::unique_ptr<Plan>> BuildPlan(const CudnnApi& api, const SdpaP
 
 // This thread's cuDNN state for one device: a handle on the thread's stream, and the plan (or
 // the decline) per problem.
-using PlanKey = std::tuple<bool, int, int64_t, int64_t, int64_t, int64_t, Dims, Dims, Dims, Dims>;
+using PlanKey = std::tuple<bool, int, int64_t, int64_t, int64_t, int64_t, std::array<Dims, 8>>;
+PlanKey KeyOf(const SdpaProblem& p) {
+  return {p.backward,
+          static_cast<int>(p.dtype),
+          p.b,
+          p.h,
+          p.t,
+          p.d,
+          {p.q_strides, p.k_strides, p.v_strides, p.o_strides, p.do_strides, p.dq_strides, p.dk_strides, p.dv_strides}};
+}
 struct DnnState {
   const CudnnApi* api = nullptr;
   cudnnHandle_t handle = nullptr;
@@ -516,8 +526,7 @@ absl::StatusOr<DnnState*> ThreadDnn(int device) {
 }
 
 absl::StatusOr<Plan*> PlanFor(DnnState& st, const SdpaProblem& p) {
-  const PlanKey key{p.backward,  static_cast<int>(p.dtype), p.b, p.h, p.t, p.d, p.q_strides, p.k_strides, p.v_strides,
-                    p.do_strides};
+  const PlanKey key = KeyOf(p);
   auto it = st.plans.find(key);
   if (it == st.plans.end()) {
     it = st.plans.emplace(key, BuildPlan(*st.api, p, Target{st.handle, nullptr}, nullptr)).first;

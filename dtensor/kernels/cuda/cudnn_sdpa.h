@@ -4,8 +4,8 @@
 //   absl::Status s = CudnnCausalAttention(device, p, q, k, v, scale, out, lse);
 //   if (IsCudnnDecline(s)) { ...run dtensor's own kernels... }
 //
-// Legend: q, k, v, out, dout, dq, dk, dv [b, h, t, d], bfloat16 or float16 (q, k, v, dout of
-// any strides with stride 1 along d, SdpaProblem; the rest contiguous); lse
+// Legend: q, k, v, out, dout, dq, dk, dv [b, h, t, d], bfloat16 or float16, of any strides with
+// stride 1 along d (SdpaProblem); lse
 // float32 [b, h, t], the natural-log sum of exp(scale q.k) over the keys a query sees, which is
 // cuDNN's "Stats" and what dtensor's own kernels write and read: a forward on one and a backward
 // on the other agree.
@@ -20,7 +20,7 @@
 //             dS = (dO V^T - D) * E * scale; dK = dS^T Q; dQacc = dS K (float32); dQ = dQacc
 // D ("softmax_sum") and dQacc live in the workspace after the engine's own.
 //
-// Plans are built once per (direction, dtype, b, h, t, d) and per (thread, device), on a cuDNN
+// Plans are built once per (direction, dtype, b, h, t, d, strides) and per (thread, device), on a cuDNN
 // handle bound to the thread's stream (cudaStreamPerThread), as gemm.cc does for cuBLASLt; the
 // scale is passed by value on each call. A problem cuDNN declines is remembered and answered
 // with the same decline.
@@ -42,11 +42,12 @@ struct SdpaProblem {
   bool backward = false;
   DType dtype = DType::kBFloat16;
   int64_t b = 0, h = 0, t = 0, d = 0;
-  // The strides (in elements) of q, k, v and dout [b, h, t, d]: all zero means contiguous.
-  // Row views (stride 1 along d) are read in place: e.g. heads split out of a fused qkv
-  // projection [b, t, 3, h, d] have strides {t*3*h*d, d, 3*h*d, 1}. out, lse, dq, dk, dv are
-  // contiguous.
-  std::array<int64_t, 4> q_strides{}, k_strides{}, v_strides{}, do_strides{};
+  // The strides (in elements) of the [b, h, t, d] operands: all zero means contiguous. Row
+  // views (stride 1 along d) are read and written in place: e.g. heads split out of a fused qkv
+  // projection [b, t, 3, h, d] have strides {t*3*h*d, d, 3*h*d, 1}, an output laid out as
+  // [b, t, h, d] {t*h*d, d, h*d, 1}. lse is contiguous. The forward reads o_strides too (out).
+  std::array<int64_t, 4> q_strides{}, k_strides{}, v_strides{}, o_strides{};
+  std::array<int64_t, 4> do_strides{}, dq_strides{}, dk_strides{}, dv_strides{};  // backward
 };
 
 // Whether a status from the functions below means "cuDNN is missing or does not take this
