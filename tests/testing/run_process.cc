@@ -76,7 +76,8 @@ ProcessRun RunProcess(const std::vector<std::string>& argv, const ProcessOptions
   if (options.during) options.during(pid);
   int status = 0;
   bool done = false;
-  const absl::Time deadline = start + options.timeout;
+  // A sanitizer build runs the program several times slower (DTENSOR_TEST_TIME_SCALE).
+  const absl::Time deadline = start + options.timeout * TimeScale();
   while (!done) {
     done = waitpid(pid, &status, WNOHANG) == pid;
     if (done || absl::Now() >= deadline) break;

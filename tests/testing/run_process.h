@@ -27,7 +27,7 @@ struct ProcessOptions {
   std::vector<std::string> env = {};            // "NAME=value" added to (or replacing in) this process's environment
   std::vector<std::string> unset = {};          // names removed from it first
   std::vector<int> cpus = {};                   // when not empty, the program may run only on these CPUs
-  absl::Duration timeout = absl::Seconds(60);   // then its whole process group is killed
+  absl::Duration timeout = absl::Seconds(60);   // times TimeScale(); then its whole process group is killed
   bool merge_output = false;                    // stderr into out
   std::function<void(pid_t)> during = nullptr;  // runs once the program started (e.g. to signal it)
 };
