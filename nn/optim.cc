@@ -219,6 +219,14 @@ absl::StatusOr<Tensor> NormOnDevice(const std::vector<Tensor>& sums, const char*
   return Sqrt(total);
 }
 
+// torch.nn.utils.clip_grad_norm_'s factor, min(1, max_norm / (norm + 1e-6)), computed where
+// norm (float32 [1]) is.
+absl::StatusOr<Tensor> ClipFactorOnDevice(const Tensor& norm, double max_norm) {
+  DT_ASSIGN_OR_RETURN(Tensor coef, AddScalar(norm, 1e-6));
+  DT_ASSIGN_OR_RETURN(coef, BinaryScalar(BinaryOp::kDiv, coef, max_norm, /*scalar_first=*/true));
+  return BinaryScalar(BinaryOp::kMin, coef, 1.0);
+}
+
 }  // namespace
 
 absl::StatusOr<double> ClipGradNorm(const std::vector<Variable*>& params, double max_norm) {
@@ -237,10 +245,8 @@ absl::StatusOr<Tensor> ClipGradNormAsync(const std::vector<Variable*>& params, d
   DT_ASSIGN_OR_RETURN(std::vector<Tensor> sums, GradSquareSums(params));
   DT_ASSIGN_OR_RETURN(Tensor norm, NormOnDevice(sums, "ClipGradNormAsync"));
   if (max_norm <= 0) return norm;
-  // torch.nn.utils.clip_grad_norm_: every gradient times min(1, max_norm / (norm + 1e-6)).
-  DT_ASSIGN_OR_RETURN(Tensor coef, AddScalar(norm, 1e-6));
-  DT_ASSIGN_OR_RETURN(coef, BinaryScalar(BinaryOp::kDiv, coef, max_norm, /*scalar_first=*/true));
-  DT_ASSIGN_OR_RETURN(coef, BinaryScalar(BinaryOp::kMin, coef, 1.0));
+  // Every gradient times the factor.
+  DT_ASSIGN_OR_RETURN(Tensor coef, ClipFactorOnDevice(norm, max_norm));
   std::map<DType, Tensor> coef_as;  // the factor in each gradient dtype
   for (Variable* p : params) {
     if (!p->grad().defined()) continue;
@@ -295,13 +301,43 @@ absl::StatusOr<Tensor> AdamW::StepWithGradNormAsync() {
   return NormOnDevice(sums, "StepWithGradNormAsync");
 }
 
+absl::StatusOr<double> AdamW::StepWithClip(double max_norm) {
+  if (!(max_norm > 0)) return StepWithGradNorm();
+  DT_ASSIGN_OR_RETURN(std::vector<Tensor> sums, GradSquareSums(params_));
+  DT_ASSIGN_OR_RETURN(const double norm, NormOnHost(sums));
+  DeviceFactors factors;  // ClipGradNorm's, on each gradient's device
+  if (norm > max_norm) {
+    const double factor = max_norm / (norm + 1e-6);
+    for (Variable* p : params_) {
+      if (!p->grad().defined()) continue;
+      const Device d = p->grad().local().device();
+      if (std::none_of(factors.begin(), factors.end(), [&](const auto& f) { return f.first == d; })) {
+        DT_ASSIGN_OR_RETURN(Tensor t, Full({1}, factor, DType::kFloat32, d));
+        factors.emplace_back(d, std::move(t));
+      }
+    }
+  }
+  DT_RETURN_IF_ERROR(StepImpl(nullptr, &factors));
+  return norm;
+}
+
+absl::StatusOr<Tensor> AdamW::StepWithClipAsync(double max_norm) {
+  if (!(max_norm > 0)) return StepWithGradNormAsync();
+  DT_ASSIGN_OR_RETURN(std::vector<Tensor> sums, GradSquareSums(params_));
+  DT_ASSIGN_OR_RETURN(Tensor norm, NormOnDevice(sums, "StepWithClipAsync"));
+  DT_ASSIGN_OR_RETURN(Tensor factor, ClipFactorOnDevice(norm, max_norm));
+  const DeviceFactors factors = {{factor.device(), factor}};
+  DT_RETURN_IF_ERROR(StepImpl(nullptr, &factors));
+  return norm;
+}
+
 absl::StatusOr<std::vector<Tensor>> AdamW::StepWithSquareSums() {
   SquareSumGroups sums;
   DT_RETURN_IF_ERROR(StepImpl(&sums));
   return sums.Finish();
 }
 
-absl::Status AdamW::StepImpl(SquareSumGroups* sums) {
+absl::Status AdamW::StepImpl(SquareSumGroups* sums, const DeviceFactors* grad_scales) {
   DT_RETURN_IF_ERROR(InitState());
   AdamWParams hp;
   hp.lr = static_cast<float>(options_.lr);
@@ -325,6 +361,11 @@ absl::Status AdamW::StepImpl(SquareSumGroups* sums) {
     // As ClipGradNorm leaves it: a Partial gradient replaced by its reduction.
     if (sums != nullptr && p->grad().is_dtensor() && p->grad().dtensor().layout().has_partial()) p->set_grad(gv);
     AdamWTensors t{.param = p->value().local(), .grad = g, .m = m_[i], .v = v_[i], .step = steps_[i] + 1};
+    if (grad_scales != nullptr) {
+      for (const auto& [device, factor] : *grad_scales) {
+        if (device == g.device()) t.grad_scale = factor;
+      }
+    }
     if (sums != nullptr) {
       DT_ASSIGN_OR_RETURN(t.grad_square_sum, Tensor::Empty({1}, DType::kFloat32, g.device()));
       DT_RETURN_IF_ERROR(sums->Add(gv, t.grad_square_sum));

@@ -3,9 +3,8 @@
 //   nn::AdamW opt(model.Parameters(), {.lr = 6e-4, .weight_decay = 0.1});
 //   DT_RETURN_IF_ERROR(Backward(loss));
 //   DT_RETURN_IF_ERROR(nn::ReduceGradients(model.Parameters()));     // Partial -> parameter layout
-//   DT_ASSIGN_OR_RETURN(double norm, nn::ClipGradNorm(model.Parameters(), 1.0));
 //   opt.set_lr(nn::WarmupCosineLr(step, {.max_lr = 6e-4, .warmup = 100, .total = 5000}));
-//   DT_RETURN_IF_ERROR(opt.Step());
+//   DT_ASSIGN_OR_RETURN(double norm, opt.StepWithClip(1.0));  // = ClipGradNorm(params, 1.0), Step()
 //   opt.ZeroGrad();
 //
 // Updates run on each rank's local pieces: a parameter's gradient must be laid out as the
@@ -16,6 +15,7 @@
 #define DTENSOR_NN_OPTIM_H_
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -66,6 +66,16 @@ class AdamW {
   absl::StatusOr<double> StepWithGradNorm();
   // The same as ClipGradNormAsync(params, 0) gives it: a float32 [1] on the gradients' device.
   absl::StatusOr<Tensor> StepWithGradNormAsync();
+  // ClipGradNorm(params, max_norm) then Step, with one pass over the gradients less: the norm
+  // first (the same sums and all_reduces), then the update reads every gradient times
+  // ClipGradNorm's factor, max_norm / (norm + 1e-6) where norm > max_norm (llm.c's AdamW takes
+  // its grad_scale so). The gradients themselves are left unscaled. Returns the norm before
+  // clipping; max_norm <= 0: StepWithGradNorm.
+  absl::StatusOr<double> StepWithClip(double max_norm);
+  // The same without waiting for the device, as ClipGradNormAsync clips: the factor
+  // min(1, max_norm / (norm + 1e-6)) is computed on the device and read there by the update.
+  // Returns the norm as a float32 [1] on the gradients' device (one device per rank).
+  absl::StatusOr<Tensor> StepWithClipAsync(double max_norm);
   void ZeroGrad();  // drops the gradients (set_to_none)
   void set_lr(double lr) { options_.lr = lr; }
   double lr() const { return options_.lr; }
@@ -85,7 +95,10 @@ class AdamW {
   absl::Status set_steps(int64_t step_count, const std::vector<int64_t>& param_steps);
 
  private:
-  absl::Status StepImpl(SquareSumGroups* sums);
+  // The update; with `sums`, each gradient's sum of squares from the update's pass; with
+  // `grad_scales`, each gradient read times the factor on its device (AdamWTensors::grad_scale).
+  using DeviceFactors = std::vector<std::pair<Device, Tensor>>;
+  absl::Status StepImpl(SquareSumGroups* sums, const DeviceFactors* grad_scales = nullptr);
   absl::StatusOr<std::vector<Tensor>> StepWithSquareSums();
 
   std::vector<Variable*> params_;

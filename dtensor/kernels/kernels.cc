@@ -112,7 +112,19 @@ absl::Status Kernels::AdamWMulti(absl::Span<const AdamWTensors> list, const Adam
     }
     AdamWParams one = p;
     one.step = t.step;
-    absl::Status s = AdamW(t.param, t.grad, t.m, t.v, one);
+    Tensor grad = t.grad;
+    if (t.grad_scale.defined()) {  // a scaled float32 copy: the caller's gradient stays as it is
+      absl::StatusOr<Tensor> scaled = Tensor::Empty(t.grad.shape(), DType::kFloat32, t.grad.device());
+      if (!scaled.ok()) return scaled.status();
+      absl::StatusOr<Tensor> factor = t.grad_scale.View(Shape(static_cast<size_t>(t.grad.dim()), 1));
+      if (factor.ok()) factor = factor->Expand(t.grad.shape());
+      if (!factor.ok()) return factor.status();
+      absl::Status s = Copy(t.grad, *scaled);
+      if (s.ok()) s = Binary(BinaryOp::kMul, *scaled, *factor, *scaled);
+      if (!s.ok()) return s;
+      grad = *scaled;
+    }
+    absl::Status s = AdamW(t.param, grad, t.m, t.v, one);
     if (!s.ok()) return s;
   }
   return absl::OkStatus();

@@ -60,6 +60,11 @@ struct AdamWTensors {
   // Kernels::SumOfSquares gives, read in the update's own pass where the backend can (the CPU):
   // the gradient norm without a pass of its own (nn::AdamW::StepWithGradNorm).
   Tensor grad_square_sum = Tensor();
+  // Optional: a float32 [1] on grad's device, by which the update multiplies the gradient as it
+  // reads it (gradient clipping's factor, computed where the norm is: nn::AdamW::StepWithClip);
+  // grad itself is not written. grad_square_sum, where asked too, sums the squares of grad as
+  // stored.
+  Tensor grad_scale = Tensor();
 };
 
 class Kernels {
@@ -242,9 +247,10 @@ class Kernels {
   virtual absl::Status AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                              const AdamWParams& p) = 0;
   // AdamW on every entry of `list` (each with its own step; p.step is not used), with AdamW's
-  // contract per entry and the same results, and SumOfSquares(grad) into the entries'
-  // grad_square_sum where defined. This default calls SumOfSquares, then AdamW, once per entry; CUDA
-  // updates many parameters per kernel launch.
+  // contract per entry and the same results, the gradient read times grad_scale where defined,
+  // and SumOfSquares(grad) into the entries' grad_square_sum where defined. This default calls
+  // SumOfSquares, then AdamW (on a scaled float32 copy of grad where there is a grad_scale), once
+  // per entry; the CPU reads each gradient once, CUDA updates many parameters per launch.
   virtual absl::Status AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p);
 
   // ---- Host <-> device (CUDA only; CPU returns Unimplemented) ----

@@ -1497,12 +1497,14 @@ absl::Status AdamWStepMulti_(absl::Span<const AdamWTensors> list, const AdamWPar
     AdamWParams one = p;
     one.step = list[i].step;
     absl::Status s = CheckAdamW(op, list[i].param, list[i].grad, list[i].m, list[i].v, one);
-    const Tensor& sq = list[i].grad_square_sum;
-    if (s.ok() && sq.defined()) {
-      s = CheckSameDevice(op, list[i].grad, sq);
-      if (s.ok() && (sq.dtype() != DType::kFloat32 || sq.numel() != 1)) {
-        s = InvalidArg(op, "grad_square_sum must be a float32 of one element, got ", DTypeName(sq.dtype()), " ",
-                       ShapeString(sq.shape()));
+    // grad_square_sum and grad_scale, where given: a float32 of one element on grad's device.
+    for (const auto& [name, x] : {std::pair<const char*, const Tensor*>{"grad_square_sum", &list[i].grad_square_sum},
+                                  {"grad_scale", &list[i].grad_scale}}) {
+      if (!s.ok() || !x->defined()) continue;
+      s = CheckSameDevice(op, list[i].grad, *x);
+      if (s.ok() && (x->dtype() != DType::kFloat32 || x->numel() != 1)) {
+        s = InvalidArg(op, name, " must be a float32 of one element, got ", DTypeName(x->dtype()), " ",
+                       ShapeString(x->shape()));
       }
     }
     if (!s.ok()) return absl::Status(s.code(), absl::StrCat(s.message(), " (entry ", i, " of ", list.size(), ")"));

@@ -249,8 +249,9 @@ absl::Status AdamWStep_(const Tensor& param, const Tensor& grad, const Tensor& m
 // checks and results, with the entries of one device updated by one backend call
 // (Kernels::AdamWMulti: on CUDA, one launch per 64 parameters of one dtype pair). An entry's
 // grad_square_sum, where defined (float32 [1] on grad's device), receives SumOfSquares(grad):
-// on the CPU read in the update's own pass, with the same bits. An error names the entry;
-// nothing is updated when any entry is invalid.
+// on the CPU read in the update's own pass, with the same bits. An entry's grad_scale, where
+// defined (float32 [1] on grad's device), multiplies its gradient as the update reads it (grad
+// is not written). An error names the entry; nothing is updated when any entry is invalid.
 absl::Status AdamWStepMulti_(absl::Span<const AdamWTensors> list, const AdamWParams& p);
 
 // Waits for the device work this thread issued (no-op on CPU).

@@ -792,13 +792,10 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       } else {
         DT_ASSIGN_OR_RETURN(rec.norm, opt.StepWithGradNorm());
       }
+    } else if (device.is_cuda()) {  // clipping: the update reads the gradients times the factor
+      DT_ASSIGN_OR_RETURN(rec.norm_on_device, opt.StepWithClipAsync(f.grad_clip));
     } else {
-      if (device.is_cuda()) {
-        DT_ASSIGN_OR_RETURN(rec.norm_on_device, nn::ClipGradNormAsync(params, f.grad_clip));
-      } else {
-        DT_ASSIGN_OR_RETURN(rec.norm, nn::ClipGradNorm(params, f.grad_clip));
-      }
-      DT_RETURN_IF_ERROR(opt.Step());
+      DT_ASSIGN_OR_RETURN(rec.norm, opt.StepWithClip(f.grad_clip));
     }
     // Memory at rest (parameters, gradients, optimizer state on this rank), before the
     // gradients are dropped.

@@ -459,9 +459,9 @@ TEST(CudaKernelsTest, AdamWMatchesCpu) {
 // Reductions, softmax, normalisation
 // ---------------------------------------------------------------------------------------
 
-// The multi-tensor AdamW (64 parameters per launch, grouped by dtype pair) against the CPU's
-// one-by-one AdamW: 300 parameters of 4 dtype pairs (75 each, 65 of them non-empty: a full
-// launch of 64, then one of 1), every pair with every size from 0 to 70001, and their own steps.
+// The multi-tensor AdamW (64 parameters per launch, grouped by dtype pair and grad_scale)
+// against the CPU's: 300 parameters of 4 dtype pairs (75 each), every pair with every size from
+// 0 to 70001, their own steps, and a third of them with a gradient factor (two factors).
 TEST(CudaKernelsTest, AdamWMultiMatchesCpu) {
   if (CudaDeviceCount() == 0) GTEST_SKIP() << kNoGpu;
   const std::pair<DType, DType> combos[] = {{DType::kFloat32, DType::kFloat32},
@@ -471,6 +471,9 @@ TEST(CudaKernelsTest, AdamWMultiMatchesCpu) {
   const int64_t sizes[] = {1, 3, 0, 2047, 2048, 2049, 70001, 768};
   std::vector<Pair> params, grads, ms, vs;
   std::vector<AdamWTensors> cpu, gpu;
+  const Tensor cpu_factors[] = {Unwrap(Full({1}, 0.37, DType::kFloat32)), Unwrap(Full({1}, 1e-3, DType::kFloat32))};
+  const Tensor gpu_factors[] = {Unwrap(Full({1}, 0.37, DType::kFloat32, Device::Cuda(0))),
+                                Unwrap(Full({1}, 1e-3, DType::kFloat32, Device::Cuda(0)))};
   for (int i = 0; i < 300; ++i) {
     const auto& [pd, gd] = combos[i % 4];
     const Shape shape = {sizes[(i / 4) % 8]};
@@ -484,6 +487,13 @@ TEST(CudaKernelsTest, AdamWMultiMatchesCpu) {
     gpu.push_back({params[i].gpu, grads[i].gpu, ms[i].gpu, vs[i].gpu, step});
     // Every third entry also sums its gradient's squares (nn::AdamW::StepWithGradNorm).
     if (i % 3 == 0) gpu.back().grad_square_sum = Unwrap(Full({1}, -1.0, DType::kFloat32, Device::Cuda(0)));
+    // Entries 100-199 read their gradients times a factor (clipping): one shared factor, and
+    // every tenth another, which takes launches of its own.
+    if (i >= 100 && i < 200) {
+      const int which = i % 10 == 0 ? 1 : 0;
+      cpu.back().grad_scale = cpu_factors[which];
+      gpu.back().grad_scale = gpu_factors[which];
+    }
   }
   AdamWParams hp;
   hp.lr = 1e-2f;

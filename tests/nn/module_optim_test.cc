@@ -1,12 +1,15 @@
 // Module bookkeeping and hooks, DistributeModule, and the optimizers/gradient utilities against
 // naive references (single-rank values, hand-written update rules).
 #include <cmath>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "dtensor/autograd/dispatch.h"
 #include "dtensor/autograd/ops.h"
 #include "dtensor/collectives/threads/threads_communicator.h"
@@ -293,79 +296,41 @@ TEST(OptimTest, BucketedReductionAndGlobalNormOverRanks) {
   }
 }
 
-// AdamW::StepWithGradNorm(Async) against ClipGradNorm(Async)(params, 0) then Step() on a copy
-// of the model: the same norm, bit for bit, the same parameters after two steps, and the same
-// collectives; on one rank with plain tensors, and on 2 thread ranks with the parameters
-// Replicate (DDP) and Shard(0) (FSDP-like: the squares add up over the ranks). The norm is the
-// single-rank model's.
-TEST(OptimTest, StepWithGradNormIsClipGradNormThenStep) {
-  Tensor ids = Unwrap(Tensor::FromVector<int32_t>({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5}, {3, 6}));
-  Tensor tg = Unwrap(Tensor::FromVector<int32_t>({2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6}, {3, 6}));
-  auto ref = Unwrap(nn::GPT::Create(Tiny()));
-  ASSERT_TRUE(ref->InitWeights(5).ok());
-  ASSERT_TRUE(Backward(Unwrap(ref->Forward(Variable::Constant(ids), Variable::Constant(tg))).loss).ok());
-  const double ref_norm = Unwrap(nn::ClipGradNorm(ref->Parameters(), 0.0));
-  // One rank's pair of models; mesh undefined: plain tensors.
-  auto run = [&](const DeviceMesh* mesh, bool shard_params) {
-    std::unique_ptr<nn::GPT> m[2];
-    std::optional<nn::AdamW> opt[2];
-    for (int k = 0; k < 2; ++k) {
-      m[k] = Unwrap(nn::GPT::Create(Tiny()));
-      ASSERT_TRUE(m[k]->InitWeights(5).ok());
-      if (mesh != nullptr) {
-        ASSERT_TRUE(nn::DistributeModule(*m[k], *mesh, [&](const std::string&, const Variable& v) {
-                      return shard_params && v.value().dim() == 2 ? Layout({Shard(0)}) : Layout({Replicate()});
-                    }).ok());
-      }
-      opt[k].emplace(m[k]->Parameters(), nn::AdamWOptions{.lr = 0.01, .weight_decay = 0.1});
+// Two copies of Tiny() (the same weights), each with its AdamW, on one rank with plain tensors
+// (mesh null) or distributed over `mesh`: Shard(0) for 2-d parameters when shard_params, else
+// Replicate.
+struct ModelPair {
+  std::unique_ptr<nn::GPT> m[2];
+  std::optional<nn::AdamW> opt[2];
+};
+void MakePair(const DeviceMesh* mesh, bool shard_params, ModelPair& pair) {
+  for (int k = 0; k < 2; ++k) {
+    pair.m[k] = Unwrap(nn::GPT::Create(Tiny()));
+    ASSERT_TRUE(pair.m[k]->InitWeights(5).ok());
+    if (mesh != nullptr) {
+      ASSERT_TRUE(nn::DistributeModule(*pair.m[k], *mesh, [&](const std::string&, const Variable& v) {
+                    return shard_params && v.value().dim() == 2 ? Layout({Shard(0)}) : Layout({Replicate()});
+                  }).ok());
     }
-    for (int step = 0; step < 2; ++step) {
-      double norm[2] = {0, 0};
-      int64_t reduces[2] = {0, 0};
-      for (int k = 0; k < 2; ++k) {
-        Variable x = Variable::Constant(ids), y = Variable::Constant(tg);
-        if (mesh != nullptr) {
-          x = Variable::Constant(Unwrap(DTensor::Distribute(ids, *mesh, {Shard(0)}, {.src_rank = std::nullopt})));
-          y = Variable::Constant(Unwrap(DTensor::Distribute(tg, *mesh, {Shard(0)}, {.src_rank = std::nullopt})));
-        }
-        ASSERT_TRUE(Backward(Unwrap(m[k]->Forward(x, y)).loss).ok());
-        if (mesh != nullptr) {
-          ASSERT_TRUE(nn::ReduceGradients(m[k]->Parameters()).ok());
-        }
-        CommCounter counter;
-        if (mesh != nullptr) SetCommCounter(*mesh, &counter);
-        if (step == 0) {
-          if (k == 0) {
-            norm[k] = Unwrap(nn::ClipGradNorm(m[k]->Parameters(), 0.0));
-            ASSERT_TRUE(opt[k]->Step().ok());
-          } else {
-            norm[k] = Unwrap(opt[k]->StepWithGradNorm());
-          }
-        } else {
-          if (k == 0) {
-            norm[k] = testing::Values(Unwrap(nn::ClipGradNormAsync(m[k]->Parameters(), 0.0)))[0];
-            ASSERT_TRUE(opt[k]->Step().ok());
-          } else {
-            norm[k] = testing::Values(Unwrap(opt[k]->StepWithGradNormAsync()))[0];
-          }
-        }
-        if (mesh != nullptr) SetCommCounter(*mesh, nullptr);
-        reduces[k] = counter.calls(CommKind::kAllReduce);
-        opt[k]->ZeroGrad();
-      }
-      EXPECT_EQ(norm[1], norm[0]) << "step " << step;
-      EXPECT_EQ(reduces[1], reduces[0]) << "step " << step;
-      EXPECT_EQ(reduces[1], shard_params ? 1 : 0) << "step " << step;
-      if (step == 0) {
-        EXPECT_NEAR(norm[1], ref_norm, 1e-5 * ref_norm);
-      }
-      const std::vector<Variable*> pa = m[0]->Parameters(), pb = m[1]->Parameters();
-      for (size_t i = 0; i < pa.size(); ++i) {
-        EXPECT_EQ(testing::Values(pb[i]->value().local()), testing::Values(pa[i]->value().local()))
-            << pa[i]->name() << ", step " << step;
-      }
-    }
-  };
+    pair.opt[k].emplace(pair.m[k]->Parameters(), nn::AdamWOptions{.lr = 0.01, .weight_decay = 0.1});
+  }
+}
+// Forward and backward of one batch (sharded over the mesh's ranks where there is a mesh), and
+// the gradients reduced to the parameters' layouts.
+void ForwardBackward(nn::GPT& m, const DeviceMesh* mesh, const Tensor& ids, const Tensor& tg) {
+  Variable x = Variable::Constant(ids), y = Variable::Constant(tg);
+  if (mesh != nullptr) {
+    x = Variable::Constant(Unwrap(DTensor::Distribute(ids, *mesh, {Shard(0)}, {.src_rank = std::nullopt})));
+    y = Variable::Constant(Unwrap(DTensor::Distribute(tg, *mesh, {Shard(0)}, {.src_rank = std::nullopt})));
+  }
+  ASSERT_TRUE(Backward(Unwrap(m.Forward(x, y)).loss).ok());
+  if (mesh != nullptr) {
+    ASSERT_TRUE(nn::ReduceGradients(m.Parameters()).ok());
+  }
+}
+// run(nullptr, false) on one rank, then run(&mesh, shard_params) on 2 thread ranks for
+// Replicate and Shard(0) parameters.
+void OnOneRankAndTwo(const std::function<void(const DeviceMesh*, bool)>& run) {
   run(nullptr, false);
   for (bool shard_params : {false, true}) {
     SCOPED_TRACE(shard_params ? "Shard(0)" : "Replicate");
@@ -379,6 +344,127 @@ TEST(OptimTest, StepWithGradNormIsClipGradNormThenStep) {
     }
     for (auto& t : threads) t.join();
   }
+}
+// The two models' parameters are the same, bit for bit.
+void ExpectSameParameters(ModelPair& pair, const std::string& what) {
+  const std::vector<Variable*> pa = pair.m[0]->Parameters(), pb = pair.m[1]->Parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_EQ(testing::Values(pb[i]->value().local()), testing::Values(pa[i]->value().local()))
+        << pa[i]->name() << ", " << what;
+  }
+}
+
+// AdamW::StepWithGradNorm(Async) against ClipGradNorm(Async)(params, 0) then Step() on a copy
+// of the model: the same norm, bit for bit, the same parameters after two steps, and the same
+// collectives; on one rank with plain tensors, and on 2 thread ranks with the parameters
+// Replicate (DDP) and Shard(0) (FSDP-like: the squares add up over the ranks). The norm is the
+// single-rank model's.
+TEST(OptimTest, StepWithGradNormIsClipGradNormThenStep) {
+  Tensor ids = Unwrap(Tensor::FromVector<int32_t>({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5}, {3, 6}));
+  Tensor tg = Unwrap(Tensor::FromVector<int32_t>({2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6}, {3, 6}));
+  auto ref = Unwrap(nn::GPT::Create(Tiny()));
+  ASSERT_TRUE(ref->InitWeights(5).ok());
+  ASSERT_TRUE(Backward(Unwrap(ref->Forward(Variable::Constant(ids), Variable::Constant(tg))).loss).ok());
+  const double ref_norm = Unwrap(nn::ClipGradNorm(ref->Parameters(), 0.0));
+  OnOneRankAndTwo([&](const DeviceMesh* mesh, bool shard_params) {
+    ModelPair pair;
+    MakePair(mesh, shard_params, pair);
+    for (int step = 0; step < 2; ++step) {
+      double norm[2] = {0, 0};
+      int64_t reduces[2] = {0, 0};
+      for (int k = 0; k < 2; ++k) {
+        ForwardBackward(*pair.m[k], mesh, ids, tg);
+        CommCounter counter;
+        if (mesh != nullptr) SetCommCounter(*mesh, &counter);
+        const std::vector<Variable*> params = pair.m[k]->Parameters();
+        if (step == 0) {
+          if (k == 0) {
+            norm[k] = Unwrap(nn::ClipGradNorm(params, 0.0));
+            ASSERT_TRUE(pair.opt[k]->Step().ok());
+          } else {
+            norm[k] = Unwrap(pair.opt[k]->StepWithGradNorm());
+          }
+        } else {
+          if (k == 0) {
+            norm[k] = testing::Values(Unwrap(nn::ClipGradNormAsync(params, 0.0)))[0];
+            ASSERT_TRUE(pair.opt[k]->Step().ok());
+          } else {
+            norm[k] = testing::Values(Unwrap(pair.opt[k]->StepWithGradNormAsync()))[0];
+          }
+        }
+        if (mesh != nullptr) SetCommCounter(*mesh, nullptr);
+        reduces[k] = counter.calls(CommKind::kAllReduce);
+        pair.opt[k]->ZeroGrad();
+      }
+      EXPECT_EQ(norm[1], norm[0]) << "step " << step;
+      EXPECT_EQ(reduces[1], reduces[0]) << "step " << step;
+      EXPECT_EQ(reduces[1], shard_params ? 1 : 0) << "step " << step;
+      if (step == 0) {
+        EXPECT_NEAR(norm[1], ref_norm, 1e-5 * ref_norm);
+      }
+      ExpectSameParameters(pair, absl::StrCat("step ", step));
+    }
+  });
+}
+
+// AdamW::StepWithClip(Async) against ClipGradNorm(Async)(params, max_norm) then Step() on a
+// copy of the model: the same norm, the same parameters after each step, bit for bit, and the
+// same collectives, with the gradients themselves left unscaled; steps that clip (max_norm half
+// the norm) and one that does not, on one rank with plain tensors and on 2 thread ranks with
+// the parameters Replicate and Shard(0).
+TEST(OptimTest, StepWithClipIsClipGradNormThenStep) {
+  Tensor ids = Unwrap(Tensor::FromVector<int32_t>({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5}, {3, 6}));
+  Tensor tg = Unwrap(Tensor::FromVector<int32_t>({2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6}, {3, 6}));
+  OnOneRankAndTwo([&](const DeviceMesh* mesh, bool shard_params) {
+    ModelPair pair;
+    MakePair(mesh, shard_params, pair);
+    // Steps 0 and 1 clip, on the host and on the device; step 2's max_norm is above the norm.
+    for (int step = 0; step < 3; ++step) {
+      double norm[2] = {0, 0};
+      int64_t reduces[2] = {0, 0};
+      double max_norm = 0;
+      for (int k = 0; k < 2; ++k) {
+        ForwardBackward(*pair.m[k], mesh, ids, tg);
+        const std::vector<Variable*> params = pair.m[k]->Parameters();
+        if (k == 0) {
+          const double unclipped = Unwrap(nn::ClipGradNorm(params, 0.0));
+          max_norm = step < 2 ? unclipped / 2 : unclipped * 2;
+        }
+        std::vector<std::vector<double>> grads_before;
+        for (Variable* p : params) grads_before.push_back(testing::Values(p->grad().local()));
+        CommCounter counter;
+        if (mesh != nullptr) SetCommCounter(*mesh, &counter);
+        if (step != 1) {
+          if (k == 0) {
+            norm[k] = Unwrap(nn::ClipGradNorm(params, max_norm));
+            ASSERT_TRUE(pair.opt[k]->Step().ok());
+          } else {
+            norm[k] = Unwrap(pair.opt[k]->StepWithClip(max_norm));
+          }
+        } else {
+          if (k == 0) {
+            norm[k] = testing::Values(Unwrap(nn::ClipGradNormAsync(params, max_norm)))[0];
+            ASSERT_TRUE(pair.opt[k]->Step().ok());
+          } else {
+            norm[k] = testing::Values(Unwrap(pair.opt[k]->StepWithClipAsync(max_norm)))[0];
+          }
+        }
+        if (mesh != nullptr) SetCommCounter(*mesh, nullptr);
+        reduces[k] = counter.calls(CommKind::kAllReduce);
+        if (k == 1) {
+          for (size_t i = 0; i < params.size(); ++i) {
+            EXPECT_EQ(testing::Values(params[i]->grad().local()), grads_before[i])
+                << params[i]->name() << ": StepWithClip scaled the gradient itself, step " << step;
+          }
+        }
+        pair.opt[k]->ZeroGrad();
+      }
+      EXPECT_EQ(norm[1], norm[0]) << "step " << step;
+      EXPECT_GT(norm[0], 0.0);
+      EXPECT_EQ(reduces[1], reduces[0]) << "step " << step;
+      ExpectSameParameters(pair, absl::StrCat("step ", step));
+    }
+  });
 }
 
 // AdamW's bias correction counts each parameter's own updates (PyTorch's state['step']): a

@@ -293,5 +293,91 @@ TEST(CpuAdamWTest, MultiRefusesABadSquareSumAndUpdatesNothing) {
   }
 }
 
+// grad_scale: the update reads the gradient times the factor (clipping, nn::AdamW::StepWithClip)
+// and leaves the gradient as it is. Against plain entries whose float32 gradient is that
+// product (AdamW takes a float32 gradient for any param dtype): bit for bit, for each param and
+// grad dtype, entries sharing one factor, another factor, and none; grad_square_sum sums the
+// gradient as stored. The base class's AdamWMulti (for backends without their own) gives the
+// same bits.
+TEST(CpuAdamWTest, MultiReadsTheGradientTimesItsScale) {
+  struct Entry {
+    DType param, grad;
+    int64_t n;
+    int scale;  // 0: none, 1 or 2: which factor
+  };
+  const Entry entries[] = {{DType::kFloat32, DType::kFloat32, 70001, 1}, {DType::kBFloat16, DType::kBFloat16, 131, 1},
+                           {DType::kFloat16, DType::kFloat16, 257, 2},   {DType::kBFloat16, DType::kFloat32, 9, 2},
+                           {DType::kFloat32, DType::kFloat32, 33, 0},    {DType::kFloat32, DType::kFloat32, 0, 1}};
+  const Tensor factors[] = {Tensor(), Unwrap(Full({1}, 0.37, DType::kFloat32)),
+                            Unwrap(Full({1}, 1e-3, DType::kFloat32))};
+  AdamWParams hp;
+  hp.lr = 1e-2f;
+  hp.weight_decay = 0.1f;
+  for (const bool base_class : {false, true}) {
+    std::vector<AdamWTensors> scaled, plain;
+    std::vector<std::vector<double>> grads_before;
+    uint64_t seed = 300;
+    for (const Entry& e : entries) {
+      AdamWTensors a = RandomEntry(e.param, e.grad, e.n, /*step=*/2, seed);
+      a.grad_scale = factors[e.scale];
+      a.grad_square_sum = Unwrap(Full({1}, -1.0, DType::kFloat32));
+      AdamWTensors b = CopyOf(a);
+      b.grad = Unwrap(Cast(a.grad, DType::kFloat32));
+      if (e.scale != 0) b.grad = Unwrap(Mul(b.grad, factors[e.scale]));
+      grads_before.push_back(Values(a.grad));
+      scaled.push_back(a);
+      plain.push_back(b);
+    }
+    if (base_class) {
+      ASSERT_TRUE(CpuKernels()->Kernels::AdamWMulti(scaled, hp).ok());
+    } else {
+      ASSERT_TRUE(AdamWStepMulti_(scaled, hp).ok());
+    }
+    ASSERT_TRUE(AdamWStepMulti_(plain, hp).ok());
+    for (size_t i = 0; i < scaled.size(); ++i) {
+      const std::string what = "entry " + std::to_string(i) + (base_class ? " (Kernels::AdamWMulti)" : "");
+      EXPECT_EQ(Values(scaled[i].param), Values(plain[i].param)) << what;
+      EXPECT_EQ(Values(scaled[i].m), Values(plain[i].m)) << what;
+      EXPECT_EQ(Values(scaled[i].v), Values(plain[i].v)) << what;
+      EXPECT_EQ(Values(scaled[i].grad), grads_before[i]) << what << ": the gradient was written";
+      if (entries[i].n > 0) {
+        EXPECT_EQ(Values(scaled[i].grad_square_sum)[0], Values(Unwrap(SumOfSquares(scaled[i].grad)))[0]) << what;
+      }
+    }
+  }
+  // The factor matters: the same entry without it moves otherwise.
+  uint64_t seed = 300;
+  AdamWTensors a = RandomEntry(DType::kFloat32, DType::kFloat32, 70001, 2, seed);
+  AdamWTensors b = CopyOf(a);
+  a.grad_scale = factors[1];
+  ASSERT_TRUE(AdamWStepMulti_({a}, hp).ok());
+  ASSERT_TRUE(AdamWStepMulti_({b}, hp).ok());
+  EXPECT_NE(Values(a.m), Values(b.m));
+}
+
+// A bad grad_scale: refused with its dtype and shape named, nothing updated; through the ops
+// layer and the backend.
+TEST(CpuAdamWTest, MultiRefusesABadGradScaleAndUpdatesNothing) {
+  const Tensor p0 = testing::Random({4}, DType::kFloat32, 1);
+  const Tensor before = Unwrap(Clone(p0));
+  for (const Tensor& bad : {Unwrap(Zeros({1}, DType::kBFloat16)), Unwrap(Zeros({2}, DType::kFloat32))}) {
+    const std::vector<AdamWTensors> list = {{.param = p0,
+                                             .grad = testing::Random({4}, DType::kFloat32, 2),
+                                             .m = Unwrap(Zeros({4}, DType::kFloat32)),
+                                             .v = Unwrap(Zeros({4}, DType::kFloat32)),
+                                             .step = 1,
+                                             .grad_square_sum = Tensor(),
+                                             .grad_scale = bad}};
+    for (const bool backend : {false, true}) {
+      const absl::Status s =
+          backend ? CpuKernels()->AdamWMulti(list, AdamWParams{}) : AdamWStepMulti_(list, AdamWParams{});
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+      EXPECT_NE(s.message().find("grad_scale"), std::string::npos) << s;
+      EXPECT_NE(s.message().find(ShapeString(bad.shape())), std::string::npos) << s;
+      EXPECT_EQ(Values(p0), Values(before)) << "refused, yet moved";
+    }
+  }
+}
+
 }  // namespace
 }  // namespace dtensor

@@ -3,7 +3,8 @@
 //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
 //   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
 // One pass over param, grad, m, v (memory bound), split over OpenMP threads; AdamWMulti also
-// sums the squares of the gradients it reads where asked (the gradient norm, in the same pass).
+// sums the squares of the gradients it reads where asked (the gradient norm, in the same pass),
+// and multiplies each gradient by its grad_scale as it reads it (clipping, without a pass).
 #include <algorithm>
 #include <bit>
 #include <cmath>
@@ -34,7 +35,8 @@ inline float SqrtF(float x) {
 // The step's constants.
 struct StepConsts {
   float b1, b2, lr, eps, decay, inv_bc1, inv_bc2;
-  explicit StepConsts(const AdamWParams& hp)
+  float gscale;  // the gradient's factor (1: none; x * 1.0f is x exactly)
+  StepConsts(const AdamWParams& hp, float grad_scale)
       : b1(hp.beta1),
         b2(hp.beta2),
         lr(hp.lr),
@@ -43,13 +45,14 @@ struct StepConsts {
         inv_bc1(
             static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(hp.beta1), static_cast<double>(hp.step))))),
         inv_bc2(
-            static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(hp.beta2), static_cast<double>(hp.step))))) {}
+            static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(hp.beta2), static_cast<double>(hp.step))))),
+        gscale(grad_scale) {}
 };
 
 template <typename P, typename G>
 inline void StepRange(P* param, const G* grad, float* m, float* v, int64_t begin, int64_t end, const StepConsts& k) {
   for (int64_t i = begin; i < end; ++i) {
-    const float g = ToFloat(grad[i]);
+    const float g = ToFloat(grad[i]) * k.gscale;
     const float mi = k.b1 * m[i] + (1.0f - k.b1) * g;
     const float vi = k.b2 * v[i] + (1.0f - k.b2) * g * g;
     m[i] = mi;
@@ -60,8 +63,8 @@ inline void StepRange(P* param, const G* grad, float* m, float* v, int64_t begin
 }
 
 template <typename P, typename G>
-void Step(P* param, const G* grad, float* m, float* v, int64_t n, const AdamWParams& hp) {
-  const StepConsts k(hp);
+void Step(P* param, const G* grad, float* m, float* v, int64_t n, const AdamWParams& hp, float grad_scale) {
+  const StepConsts k(hp, grad_scale);
   ParallelFor(n, kParallelGrain, [&](int64_t begin, int64_t end) { StepRange(param, grad, m, v, begin, end, k); });
 }
 
@@ -69,9 +72,9 @@ void Step(P* param, const G* grad, float* m, float* v, int64_t n, const AdamWPar
 // squares (SquareSumChunk: the same bits as SumOfSquares) then its update, while the chunk's
 // gradient is still in cache, so the gradient is read from memory once.
 template <typename P, typename G>
-void StepWithSquareSum(P* param, const G* grad, float* m, float* v, int64_t n, const AdamWParams& hp,
+void StepWithSquareSum(P* param, const G* grad, float* m, float* v, int64_t n, const AdamWParams& hp, float grad_scale,
                        float* square_sum) {
-  const StepConsts k(hp);
+  const StepConsts k(hp, grad_scale);
   const int64_t chunks = (n + kSquareChunk - 1) / kSquareChunk;
   std::vector<double> partial(static_cast<size_t>(chunks));
   ParallelFor(chunks, 1, [&](int64_t b, int64_t e) {
@@ -89,7 +92,8 @@ void StepWithSquareSum(P* param, const G* grad, float* m, float* v, int64_t n, c
 namespace {
 
 // The backend's own checks of one entry (the ops layer checks the rest first).
-absl::Status CheckOne(const Tensor& m, const Tensor& v, const AdamWParams& p, const Tensor& square_sum) {
+absl::Status CheckOne(const Tensor& m, const Tensor& v, const AdamWParams& p, const Tensor& square_sum,
+                      const Tensor& grad_scale) {
   if (p.step < 1) return InvalidArg("AdamW", "step must be >= 1 (1-based), got ", p.step);
   if (m.dtype() != DType::kFloat32 || v.dtype() != DType::kFloat32) {
     return InvalidArg("AdamW", "m and v must be float32, got ", DTypeName(m.dtype()), " and ", DTypeName(v.dtype()));
@@ -100,13 +104,21 @@ absl::Status CheckOne(const Tensor& m, const Tensor& v, const AdamWParams& p, co
                       DTypeName(square_sum.dtype()), " ", ShapeString(square_sum.shape()), " on ",
                       square_sum.device().ToString());
   }
+  if (grad_scale.defined() &&
+      (grad_scale.dtype() != DType::kFloat32 || grad_scale.numel() != 1 || !grad_scale.device().is_cpu())) {
+    return InvalidArg("AdamW", "grad_scale must be a float32 of one element on the cpu, got ",
+                      DTypeName(grad_scale.dtype()), " ", ShapeString(grad_scale.shape()), " on ",
+                      grad_scale.device().ToString());
+  }
   return absl::OkStatus();
 }
 
-// AdamW, and the sum of squares of grad into square_sum when it is defined (checked by CheckOne).
+// AdamW on grad * grad_scale (where defined), and the sum of squares of grad into square_sum
+// when it is defined (both checked by CheckOne).
 absl::Status AdamWOne(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWParams& p,
-                      const Tensor& square_sum) {
+                      const Tensor& square_sum, const Tensor& grad_scale) {
   const int64_t n = param.numel();
+  const float gscale = grad_scale.defined() ? grad_scale.data<float>()[0] : 1.0f;
   if (n == 0) {
     if (square_sum.defined()) square_sum.data<float>()[0] = 0.0f;
     return absl::OkStatus();
@@ -116,10 +128,10 @@ absl::Status AdamWOne(const Tensor& param, const Tensor& grad, const Tensor& m, 
     return DispatchFloat("AdamW", grad.dtype(), [&](auto gtag) {
       using G = decltype(gtag);
       if (square_sum.defined()) {
-        StepWithSquareSum(param.data<P>(), grad.data<G>(), m.data<float>(), v.data<float>(), n, p,
+        StepWithSquareSum(param.data<P>(), grad.data<G>(), m.data<float>(), v.data<float>(), n, p, gscale,
                           square_sum.data<float>());
       } else {
-        Step(param.data<P>(), grad.data<G>(), m.data<float>(), v.data<float>(), n, p);
+        Step(param.data<P>(), grad.data<G>(), m.data<float>(), v.data<float>(), n, p, gscale);
       }
       return absl::OkStatus();
     });
@@ -130,8 +142,8 @@ absl::Status AdamWOne(const Tensor& param, const Tensor& grad, const Tensor& m, 
 
 absl::Status CpuBackend::AdamW(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                                const AdamWParams& p) {
-  DT_RETURN_IF_ERROR(CheckOne(m, v, p, Tensor()));
-  return AdamWOne(param, grad, m, v, p, Tensor());
+  DT_RETURN_IF_ERROR(CheckOne(m, v, p, Tensor(), Tensor()));
+  return AdamWOne(param, grad, m, v, p, Tensor(), Tensor());
 }
 
 absl::Status CpuBackend::AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) {
@@ -139,12 +151,12 @@ absl::Status CpuBackend::AdamWMulti(absl::Span<const AdamWTensors> list, const A
   for (const AdamWTensors& t : list) {
     AdamWParams one = p;
     one.step = t.step;
-    DT_RETURN_IF_ERROR(CheckOne(t.m, t.v, one, t.grad_square_sum));
+    DT_RETURN_IF_ERROR(CheckOne(t.m, t.v, one, t.grad_square_sum, t.grad_scale));
   }
   for (const AdamWTensors& t : list) {
     AdamWParams one = p;
     one.step = t.step;
-    DT_RETURN_IF_ERROR(AdamWOne(t.param, t.grad, t.m, t.v, one, t.grad_square_sum));
+    DT_RETURN_IF_ERROR(AdamWOne(t.param, t.grad, t.m, t.v, one, t.grad_square_sum, t.grad_scale));
   }
   return absl::OkStatus();
 }

@@ -706,7 +706,8 @@ absl::Status CudaBackend::AdamW(const Tensor& param, const Tensor& grad, const T
   });
 }
 
-// Parameters of one (param, grad) dtype pair go kAdamWMultiMax per launch, in list order.
+// Parameters of one (param, grad) dtype pair and one grad_scale go kAdamWMultiMax per launch,
+// in list order.
 absl::Status CudaBackend::AdamWMulti(absl::Span<const AdamWTensors> list, const AdamWParams& p) {
   constexpr const char* op = "AdamW";
   for (const AdamWTensors& t : list) DT_RETURN_IF_ERROR(CheckAdamWTensors(op, t.param, t.grad, t.m, t.v, t.step));
@@ -715,20 +716,32 @@ absl::Status CudaBackend::AdamWMulti(absl::Span<const AdamWTensors> list, const 
   for (const AdamWTensors& t : list) {
     if (t.grad_square_sum.defined()) DT_RETURN_IF_ERROR(SumOfSquares(t.grad, t.grad_square_sum));
   }
+  for (const AdamWTensors& t : list) {
+    const Tensor& gs = t.grad_scale;
+    if (gs.defined() && (gs.dtype() != DType::kFloat32 || gs.numel() != 1 || gs.device() != Device::Cuda(index_))) {
+      return InvalidArg(op, "grad_scale must be a float32 of one element on cuda:", index_, ", got ",
+                        DTypeName(gs.dtype()), " ", ShapeString(gs.shape()), " on ", gs.device().ToString());
+    }
+  }
   std::vector<bool> done(list.size(), false);
   for (size_t first = 0; first < list.size(); ++first) {
     if (done[first]) continue;
+    // One launch takes parameters of one (param, grad) dtype pair and one grad_scale.
     const DType pd = list[first].param.dtype(), gd = list[first].grad.dtype();
+    const Tensor& scale = list[first].grad_scale;
+    const float* scale_ptr = scale.defined() ? scale.data<float>() : nullptr;
     gpu::AdamWMultiList batch;
     auto launch = [&]() -> absl::Status {
-      const gpu::AdamWArgs args = AdamWScalars(p);
+      gpu::AdamWArgs args = AdamWScalars(p);
+      args.grad_scale = scale_ptr;
       absl::Status s = OnDevice(index_, op, [&] { return gpu::LaunchAdamWMulti(pd, gd, batch, args); });
       batch.count = 0;
       return s;
     };
     for (size_t i = first; i < list.size(); ++i) {
       const AdamWTensors& t = list[i];
-      if (done[i] || t.param.dtype() != pd || t.grad.dtype() != gd) continue;
+      const float* ptr = t.grad_scale.defined() ? t.grad_scale.data<float>() : nullptr;
+      if (done[i] || t.param.dtype() != pd || t.grad.dtype() != gd || ptr != scale_ptr) continue;
       done[i] = true;
       if (t.param.numel() == 0) continue;
       AdamWParams one = p;

@@ -207,9 +207,9 @@ __global__ void UnaryBackwardKernel(UnOp op, T* dx, const T* dy, const T* x, int
 
 // PyTorch AdamW: p *= 1 - lr wd; m, v updated; p -= lr * mhat / (sqrt(vhat) + eps).
 template <typename P, typename G>
-__device__ __forceinline__ void AdamWElement(P* param, const G* grad, float* m, float* v, int64_t i,
-                                             const AdamWArgs& h) {
-  const float g = ToFloat(grad[i]);
+__device__ __forceinline__ void AdamWElement(P* param, const G* grad, float* m, float* v, int64_t i, const AdamWArgs& h,
+                                             float gscale) {
+  const float g = ToFloat(grad[i]) * gscale;
   const float mi = h.beta1 * m[i] + (1.0f - h.beta1) * g;
   const float vi = h.beta2 * v[i] + (1.0f - h.beta2) * g * g;
   m[i] = mi;
@@ -220,7 +220,8 @@ __device__ __forceinline__ void AdamWElement(P* param, const G* grad, float* m, 
 
 template <typename P, typename G>
 __global__ void AdamWKernel(P* param, const G* grad, float* m, float* v, int64_t n, AdamWArgs h) {
-  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) AdamWElement(param, grad, m, v, i, h);
+  const float gscale = h.grad_scale != nullptr ? *h.grad_scale : 1.0f;
+  for (int64_t i = GlobalThread(); i < n; i += GridThreads()) AdamWElement(param, grad, m, v, i, h, gscale);
 }
 
 // AdamWMultiKernel: block b updates elements [c * kAdamWChunk, (c + 1) * kAdamWChunk) of the
@@ -239,8 +240,10 @@ __global__ void __launch_bounds__(kThreads)
   h.inv_bc2 = list.inv_bc2[i];
   const int64_t begin = static_cast<int64_t>(blockIdx.x - blocks.first[i]) * kAdamWChunk;
   const int64_t end = min(list.n[i], begin + kAdamWChunk);
+  const float gscale = h.grad_scale != nullptr ? *h.grad_scale : 1.0f;
   for (int64_t j = begin + threadIdx.x; j < end; j += blockDim.x) {
-    AdamWElement(static_cast<P*>(list.param[i]), static_cast<const G*>(list.grad[i]), list.m[i], list.v[i], j, h);
+    AdamWElement(static_cast<P*>(list.param[i]), static_cast<const G*>(list.grad[i]), list.m[i], list.v[i], j, h,
+                 gscale);
   }
 }
 

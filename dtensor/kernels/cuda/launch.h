@@ -66,16 +66,18 @@ cudaError_t LaunchUnary(UnOp op, DType dtype, void* out, const void* a, const La
 // dx[i] = dy[i] * f'(x[i]), all contiguous, float dtypes.
 cudaError_t LaunchUnaryBackward(UnOp op, DType dtype, void* dx, const void* dy, const void* x, int64_t n);
 // Fused AdamW on n contiguous elements (see Kernels::AdamW); decay = 1 - lr * wd,
-// inv_bc1/2 = 1 / (1 - beta^step).
+// inv_bc1/2 = 1 / (1 - beta^step); grad_scale: null, or one float32 on the device by which every
+// gradient element is multiplied as it is read (AdamWTensors::grad_scale).
 struct AdamWArgs {
   float lr, beta1, beta2, eps, decay, inv_bc1, inv_bc2;
+  const float* grad_scale = nullptr;
 };
 cudaError_t LaunchAdamW(DType param_dtype, void* param, DType grad_dtype, const void* grad, float* m, float* v,
                         int64_t n, const AdamWArgs& args);
 // AdamW over up to kAdamWMultiMax parameters of one (param, grad) dtype pair in one launch,
 // passed by value (about 3.6 KB, under the 4 KB kernel-parameter limit of older drivers):
-// tensor i has n[i] elements and its own bias corrections; lr, betas, eps and decay are shared
-// (those of `args`; its inv_bc1/2 are unused).
+// tensor i has n[i] elements and its own bias corrections; lr, betas, eps, decay and grad_scale
+// are shared (those of `args`; its inv_bc1/2 are unused).
 inline constexpr int kAdamWMultiMax = 64;
 struct AdamWMultiList {
   int count = 0;
