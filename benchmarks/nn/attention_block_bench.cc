@@ -2,22 +2,25 @@
 // projection, its split into heads, causal attention, the heads merged back, the output
 // projection), forward + backward on the CPU, at GPT-2 124M's width (C = 768, 12 heads) and a
 // few (B, T). Prints the median and the fastest milliseconds of a forward + backward (the
-// fastest is the steadier on a shared machine) and the allocations per step (each copy between layouts allocates its
-// result). For comparing builds of two commits on one machine: run them in turn.
+// fastest is the steadier on a shared machine) and the allocations per step (each copy between
+// layouts allocates its result). For comparing builds of two commits on one machine: run them in
+// turn.
 //
-//   build/benchmarks/attention_block_bench [--reps N]
+//   build/benchmarks/attention_block_bench [--reps=N]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
 #include "dtensor/autograd/ops.h"
 #include "dtensor/nn/layers.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/allocator.h"
 #include "dtensor/tensor/status.h"
+
+ABSL_FLAG(int, reps, 20, "timed forward + backward steps per shape (after 3 warmup steps)");
 
 namespace dtensor {
 namespace {
@@ -58,15 +61,8 @@ absl::StatusOr<Row> Measure(int64_t b, int64_t t, int64_t c, int64_t heads, int 
 }
 
 int Main(int argc, char** argv) {
-  int reps = 20;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
-      reps = std::max(1, std::atoi(argv[++i]));
-    } else {
-      std::fprintf(stderr, "usage: %s [--reps N]\n", argv[0]);
-      return 2;
-    }
-  }
+  absl::ParseCommandLine(argc, argv);
+  const int reps = std::max(1, absl::GetFlag(FLAGS_reps));
   const int64_t c = 768, heads = 12;
   struct Shape2 {
     int64_t b, t;

@@ -8,20 +8,23 @@
 // before each separate step (which scales them), untimed. Prints the median and fastest ms of
 // each and fused / separate.
 //
-//   build/benchmarks/clip_step_bench [--reps N]
+//   build/benchmarks/clip_step_bench [--reps=N]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
 #include "dtensor/autograd/variable.h"
 #include "dtensor/nn/optim.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
+
+ABSL_FLAG(int, reps, 10, "timed steps of each way (after 2 warmup steps)");
 
 namespace dtensor {
 namespace {
@@ -110,15 +113,8 @@ absl::Status Run(int reps) {
 }  // namespace dtensor
 
 int main(int argc, char** argv) {
-  int reps = 10;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
-      reps = std::max(1, std::atoi(argv[++i]));
-    } else {
-      std::fprintf(stderr, "usage: %s [--reps N]\n", argv[0]);
-      return 2;
-    }
-  }
+  absl::ParseCommandLine(argc, argv);
+  const int reps = std::max(1, absl::GetFlag(FLAGS_reps));
   const absl::Status s = dtensor::Run(reps);
   if (!s.ok()) {
     std::fprintf(stderr, "%s\n", s.ToString().c_str());
