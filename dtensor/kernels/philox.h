@@ -8,11 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define DT_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define DT_HOST_DEVICE inline
-#endif
+#include "dtensor/kernels/host_device.h"
 
 namespace dtensor::internal {
 

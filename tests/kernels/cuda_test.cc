@@ -578,6 +578,28 @@ TEST(CudaKernelsTest, SoftmaxMatchesCpu) {
     for (int side : {0, 1}) ExpectOk((side ? Gpu() : Cpu())->Softmax(x[side], y[side], log), "special");
     ExpectSame(y, {1e-5, 1e-6}, log ? "log_softmax special" : "softmax special");
   }
+  // A row holding NaN or +inf is NaN, as on the CPU, wherever the value falls (max_sum.h; the
+  // online state's rules are checked on the CPU by MaxSumTest).
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> special(3 * 300, 0.5f);
+  special[17] = nan;
+  special[300 + 299] = inf;
+  special[600 + 5] = -inf;
+  const Pair xs = Both(Unwrap(Tensor::FromVector<float>(special, {3, 300})));
+  for (bool log : {false, true}) {
+    const Pair y = EmptyBoth({3, 300}, DType::kFloat32);
+    for (int side : {0, 1}) ExpectOk((side ? Gpu() : Cpu())->Softmax(xs[side], y[side], log), "NaN / inf");
+    ExpectSame(y, {1e-5, 1e-6}, log ? "log_softmax NaN / inf rows" : "softmax NaN / inf rows");
+  }
+  const Pair t = Both(testing::FromDoubles({0, 1, 2}, {3}, DType::kInt64));
+  const Pair losses = EmptyBoth({3}, DType::kFloat32), valid = EmptyBoth({3}, DType::kFloat32),
+             lse = EmptyBoth({3}, DType::kFloat32);
+  for (int side : {0, 1}) {
+    ExpectOk((side ? Gpu() : Cpu())->CrossEntropy(xs[side], t[side], -100, losses[side], valid[side], lse[side]),
+             "cross_entropy NaN / inf");
+  }
+  ExpectSame(lse, kF32Sum, "cross_entropy lse of NaN / inf rows");
+  ExpectSame(losses, kF32Sum, "cross_entropy losses of NaN / inf rows");
 }
 
 TEST(CudaKernelsTest, LayerNormAndRmsNormMatchCpu) {

@@ -21,7 +21,7 @@ __global__ void CrossEntropyKernel(const T* logits, const I* targets, int64_t ig
   __shared__ float smem[64];
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
     const T* row = logits + r * v;
-    MaxSum ms{-INFINITY, 0.0f};
+    MaxSum ms = EmptyMaxSum();
     for (int64_t j = threadIdx.x; j < v; j += blockDim.x) ms = MaxSumAdd(ms, ToFloat(row[j]));
     ms = BlockMaxSum(ms, smem);
     if (threadIdx.x == 0) {
@@ -61,7 +61,7 @@ __global__ void CrossEntropyWithGradKernel(const T* logits, const I* targets, in
   __shared__ float smem[64];
   for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
     const T* row = logits + r * v;
-    MaxSum ms{-INFINITY, 0.0f};
+    MaxSum ms = EmptyMaxSum();
     for (int64_t j = threadIdx.x; j < v; j += blockDim.x) ms = MaxSumAdd(ms, ToFloat(row[j]));
     ms = BlockMaxSum(ms, smem);  // every thread gets the row's result
     const float l = LogSumExp(ms);

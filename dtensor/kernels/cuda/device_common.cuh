@@ -31,6 +31,7 @@
 #include <type_traits>
 
 #include "dtensor/kernels/cuda/launch.h"
+#include "dtensor/kernels/cuda/max_sum.h"
 #include "dtensor/tensor/dtype.h"
 
 namespace dtensor::internal::gpu {
@@ -275,28 +276,7 @@ __device__ __forceinline__ float BlockSum(float v, float* smem) {
   return r;
 }
 
-// Online softmax state: running max m and sum s of exp(x - m).
-struct MaxSum {
-  float m;
-  float s;
-};
-// Adds element x. -inf adds nothing; NaN makes the sum NaN (and so every output of the row).
-__device__ __forceinline__ MaxSum MaxSumAdd(MaxSum a, float x) {
-  if (x > a.m) {
-    a.s = a.s * expf(a.m - x) + 1.0f;  // a.m = -inf at first: exp(-inf) = 0
-    a.m = x;
-  } else if (x != -INFINITY) {
-    a.s += expf(x - a.m);
-  }
-  return a;
-}
-__device__ __forceinline__ MaxSum MaxSumMerge(MaxSum a, MaxSum b) {
-  const float m = fmaxf(a.m, b.m);
-  if (m == -INFINITY) return MaxSum{m, a.s + b.s};
-  const float sa = a.m == -INFINITY ? 0.0f : a.s * expf(a.m - m);
-  const float sb = b.m == -INFINITY ? 0.0f : b.s * expf(b.m - m);
-  return MaxSum{m, sa + sb};
-}
+// Online softmax state (max_sum.h) merged across a warp and a block.
 __device__ __forceinline__ MaxSum WarpMaxSum(MaxSum v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -314,13 +294,11 @@ __device__ __forceinline__ MaxSum BlockMaxSum(MaxSum v, float* smem) {
     smem[32 + warp] = v.s;
   }
   __syncthreads();
-  MaxSum r = lane < warps ? MaxSum{smem[lane], smem[32 + lane]} : MaxSum{-INFINITY, 0.0f};
+  MaxSum r = lane < warps ? MaxSum{smem[lane], smem[32 + lane]} : EmptyMaxSum();
   r = WarpMaxSum(r);
   __syncthreads();
   return r;
 }
-// logsumexp from a MaxSum: an infinite max (all -inf, or a +inf element) is the result itself.
-__device__ __forceinline__ float LogSumExp(MaxSum v) { return isinf(v.m) ? v.m : v.m + logf(v.s); }
 
 }  // namespace dtensor::internal::gpu
 

@@ -169,7 +169,7 @@ __global__ void SoftmaxKernel(const T* x, T* y, int64_t rows, int64_t n, bool lo
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * n;
     T* yr = y + r * n;
-    MaxSum ms{-INFINITY, 0.0f};
+    MaxSum ms = EmptyMaxSum();
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) ms = MaxSumAdd(ms, ToFloat(xr[j]));
     ms = BlockMaxSum(ms, smem);
     if (log) {
