@@ -127,15 +127,17 @@ class CachingAllocator final : public Allocator {
     // synchronises it), e.g. behind an NCCL kernel waiting for a peer, and other threads
     // must still be served from the cache meanwhile.
     absl::StatusOr<void*> got = system_.Alloc(size);
-    if (!got.ok()) {
-      // Return the cache to the system and try once more. One thread at a time, and after any
-      // release in progress has finished (else this retry could run before another thread's
-      // EmptyCache has given its blocks back, and fail with memory about to be free).
+    if (absl::IsResourceExhausted(got.status())) {
+      // Out of memory: return the cache to the system and try once more. One thread at a time,
+      // and after any release in progress has finished (else this retry could run before
+      // another thread's EmptyCache has given its blocks back, and fail with memory about to
+      // be free). Any other failure (a missing device, a kernel fault the call reported) is
+      // returned as it is.
       absl::MutexLock release(&release_mu_);
       ReleaseCache();
       got = system_.Alloc(size);
-      if (!got.ok()) return got.status();
     }
+    if (!got.ok()) return got.status();
     MutexLock lock(&mu_);
     ++stats_.num_system_allocs;
     return HandedLocked(*got, size);

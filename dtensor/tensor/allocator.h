@@ -51,8 +51,8 @@ struct AllocatorStats {
 class Allocator {
  public:
   virtual ~Allocator() = default;
-  // Returns a block of at least `nbytes` bytes (nullptr for 0). ResourceExhausted when the
-  // device is out of memory even after emptying the cache.
+  // Returns a block of at least `nbytes` bytes (nullptr for 0). ResourceExhausted when the device is out of memory
+  // even after emptying the cache, and only then (no device: FailedPrecondition; a CUDA fault: Internal).
   virtual absl::StatusOr<void*> Allocate(size_t nbytes) = 0;
   // Returns a block obtained from Allocate() to the cache. nullptr is ignored, and so is a
   // second Free of a block not handed out again since (CPU: its header says so; CUDA: it is

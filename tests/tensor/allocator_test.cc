@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "dtensor/tensor/cuda_hooks.h"
 #include "dtensor/tensor/tensor.h"
 #include "gtest/gtest.h"
 #include "tests/testing/test_util.h"
@@ -186,6 +187,27 @@ TEST(AllocatorTest, HugeRequestIsResourceExhausted) {
   auto p = alloc.Allocate(size_t{1} << 62);
   ASSERT_FALSE(p.ok());
   EXPECT_TRUE(absl::IsResourceExhausted(p.status())) << p.status();
+}
+
+// A failed cudaMalloc is ResourceExhausted (what the caching allocator retries after releasing
+// its cache, and what a caller may take for "use a smaller batch") only when memory ran out: on
+// a machine without a GPU the device is missing (FailedPrecondition); with one, a request larger
+// than any GPU's memory runs out.
+TEST(AllocatorTest, CudaMallocFailsAsOutOfMemoryOnlyWhenItIs) {
+  const internal::CudaHooks* cuda = internal::GetCudaHooks();
+  if (cuda == nullptr) GTEST_SKIP() << "this build has no CUDA component";
+  if (CudaDeviceCount() == 0) {
+    absl::StatusOr<void*> p = cuda->malloc(0, 1024);
+    ASSERT_FALSE(p.ok());
+    EXPECT_TRUE(absl::IsFailedPrecondition(p.status())) << p.status();
+    EXPECT_NE(p.status().message().find("cudaMalloc of 1024 bytes"), std::string::npos) << p.status();
+    return;
+  }
+  absl::StatusOr<void*> p = cuda->malloc(0, size_t{1} << 52);
+  ASSERT_FALSE(p.ok());
+  EXPECT_TRUE(absl::IsResourceExhausted(p.status())) << p.status();
+  EXPECT_TRUE(DefaultAllocator(Device::Cuda(0)).Allocate(size_t{1} << 52).status().code() ==
+              absl::StatusCode::kResourceExhausted);
 }
 
 // Pinned host memory: on a machine without a GPU (or a program without the cuda component),

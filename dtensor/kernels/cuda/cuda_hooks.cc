@@ -6,7 +6,10 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
+
 #include "absl/strings/str_cat.h"
+#include "dtensor/kernels/cuda/cuda_common.h"
 #include "dtensor/kernels/cuda/cuda_device_guard.h"
 #include "dtensor/kernels/cuda/cuda_kernels.h"
 
@@ -23,15 +26,23 @@ int DeviceCount() {
   return n;
 }
 
+// A failed allocation's status: ResourceExhausted only where the memory ran out
+// (cudaErrorMemoryAllocation), so that the caching allocator's release-and-retry and a caller's
+// "out of memory" fallback (a smaller batch) do not take a kernel fault reported by this call
+// (an illegal address: the context is lost, Internal) or a missing device (FailedPrecondition)
+// for one.
+absl::Status AllocFailure(cudaError_t err, const std::string& where, const char* call, size_t n) {
+  cudaGetLastError();  // clear the (non-sticky) error state
+  return absl::Status(ToStatus(err, "Allocate", 0).code(),
+                      absl::StrCat("[Allocate] ", where, ": ", call, " of ", n,
+                                   " bytes failed: ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
+}
+
 absl::StatusOr<void*> Malloc(int device, size_t n) {
   DeviceGuard guard(device);
   void* p = nullptr;
   const cudaError_t err = guard.ok() ? cudaMalloc(&p, n) : guard.error();
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // clear the (non-sticky) error state
-    return absl::ResourceExhaustedError(
-        absl::StrCat("[Allocate] cuda:", device, ": cudaMalloc of ", n, " bytes failed: ", cudaGetErrorString(err)));
-  }
+  if (err != cudaSuccess) return AllocFailure(err, absl::StrCat("cuda:", device), "cudaMalloc", n);
   return p;
 }
 
@@ -43,11 +54,7 @@ void Free(int device, void* p) {
 absl::StatusOr<void*> HostMalloc(size_t n) {
   void* p = nullptr;
   const cudaError_t err = cudaHostAlloc(&p, n, cudaHostAllocPortable);
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    return absl::ResourceExhaustedError(absl::StrCat("[Allocate] pinned host memory: cudaHostAlloc of ", n,
-                                                     " bytes failed: ", cudaGetErrorString(err)));
-  }
+  if (err != cudaSuccess) return AllocFailure(err, "pinned host memory", "cudaHostAlloc", n);
   return p;
 }
 
