@@ -125,7 +125,10 @@ class GraphBuilder {
     const bool deterministic = false;
     Set(rd, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp, "reduction compute type");
     Set(rd, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &mode, "reduction operator");
-    Set(rd, CUDNN_ATTR_REDUCTION_IS_DETERMINISTIC, CUDNN_TYPE_BOOLEAN, 1, &deterministic, "reduction determinism");
+    // The attribute exists from cuDNN 9.11 (9.8-9.10 refuse it; cudnn-frontend sets it only there).
+    if (Live() && descs_->api().version() >= 91100) {
+      Set(rd, CUDNN_ATTR_REDUCTION_IS_DETERMINISTIC, CUDNN_TYPE_BOOLEAN, 1, &deterministic, "reduction determinism");
+    }
     Finalize(rd, "reduction descriptor");
     cudnnBackendDescriptor_t op = Create(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR);
     Set(op, CUDNN_ATTR_OPERATION_REDUCTION_DESC, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &rd, "reduction desc");
@@ -570,6 +573,12 @@ absl::StatusOr<Tensor> Workspace(int64_t bytes, int device) {
   return Tensor::Empty(shape, DType::kInt64, Device::Cuda(device));
 }
 
+// The score the causal mask gives a masked position: -inf, or below cuDNN 9.10 the lowest
+// float, as cudnn-frontend does ("older cuDNN prefers lowest for the softmax mask").
+float MaskedScore(const CudnnApi& api) {
+  return api.version() >= 91000 ? -std::numeric_limits<float>::infinity() : std::numeric_limits<float>::lowest();
+}
+
 }  // namespace
 
 bool IsCudnnDecline(const absl::Status& s) { return absl::IsFailedPrecondition(s) || absl::IsUnimplemented(s); }
@@ -584,7 +593,7 @@ absl::Status CudnnCausalAttention(int device, const SdpaProblem& p, const void* 
   // Scratch is freed when this returns, while the kernels may still run: the allocator hands a
   // block back only in this thread's stream order (cuda_kernels.cc).
   DT_ASSIGN_OR_RETURN(Tensor ws, Workspace(plan->engine_workspace, device));
-  float neg_inf = -std::numeric_limits<float>::infinity();
+  float neg_inf = MaskedScore(*st->api);
   return Execute(*st, *plan, {kQ, kK, kV, kO, kStats, kScale, kNegInf},
                  {const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), out, lse, &scale, &neg_inf},
                  ws.raw_data());
@@ -602,7 +611,7 @@ absl::Status CudnnCausalAttentionBackward(int device, const SdpaProblem& p, cons
   const int64_t engine = Align256(plan->engine_workspace);
   DT_ASSIGN_OR_RETURN(Tensor ws, Workspace(engine + DQAccumBytes(p) + SoftmaxSumBytes(p), device));
   char* base = static_cast<char*>(ws.raw_data());
-  float neg_inf = -std::numeric_limits<float>::infinity();
+  float neg_inf = MaskedScore(*st->api);
   float one = 1.0f;
   return Execute(*st, *plan, {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kSoftmaxSum, kDQAccum, kScale, kNegInf, kOne},
                  {const_cast<void*>(q), const_cast<void*>(k), const_cast<void*>(v), const_cast<void*>(out),
