@@ -79,7 +79,8 @@ class CudaBackend final : public Kernels {
   absl::StatusOr<Tensor> ContiguousOutputHere(const Tensor& t);
   absl::Status CopyBackTo(const Tensor& computed, const Tensor& t);
   // c = a @ b on cuBLASLt with `epilogue` (gemm.cc): true when it ran, false when cuBLASLt is
-  // missing or declines the problem (the caller then runs Kernels' unfused default).
+  // missing or declines the problem (the caller then runs Kernels' unfused default): its
+  // heuristic offers no algorithm or fails, or a problem's first matmul fails.
   absl::StatusOr<bool> LtMatmul(const char* op, const Tensor& a, const Tensor& b, const Tensor& c, int epilogue,
                                 const void* bias, const void* aux);
   int index_;

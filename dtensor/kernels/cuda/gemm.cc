@@ -140,6 +140,7 @@ struct LtPlan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo = {};
   bool usable = false;  // false: cuBLASLt declined; the caller runs unfused
+  bool ran = false;     // a matmul with it succeeded (a failing first one declines the plan)
   ~LtPlan() {
     if (lt == nullptr) return;
     if (desc != nullptr) lt->desc_destroy(desc);
@@ -244,13 +245,11 @@ absl::Status MakeLtPlan(const LtState& st, int device, const Operand& oa, const 
     s = lt->heuristic(st.handle, plan->desc, plan->a, plan->b, plan->d, plan->d, pref, 1, &result, &found);
   }
   lt->pref_destroy(pref);
-  // NOT_SUPPORTED or no algorithm: cuBLASLt declines; anything else is an error, except that
-  // the gradient epilogues' support depends on the operands' transposes, and a combination
-  // cuBLASLt lacks may be answered with INVALID_VALUE (a precaution, not seen on a GPU yet):
-  // those run unfused rather than fail the backward pass.
-  const bool grad_epilogue = epilogue == CUBLASLT_EPILOGUE_BGRADB || epilogue == CUBLASLT_EPILOGUE_DGELU_BGRAD;
-  if (grad_epilogue && s == CUBLAS_STATUS_INVALID_VALUE) s = CUBLAS_STATUS_NOT_SUPPORTED;
-  if (s != CUBLAS_STATUS_SUCCESS && s != CUBLAS_STATUS_NOT_SUPPORTED) return ok(s);
+  // Whatever the heuristic answers but an algorithm, cuBLASLt declines and the caller runs
+  // unfused: NOT_SUPPORTED, no algorithm, or an error (support for an epilogue depends on the
+  // operands' transposes and alignments, and a combination cuBLASLt lacks may be answered with
+  // INVALID_VALUE). A fused GEMM is a speed-up, never worth failing the step for; a broken
+  // context fails the unfused path as well.
   if (s == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
     plan->algo = result.algo;
     plan->usable = true;
@@ -307,9 +306,15 @@ absl::StatusOr<bool> CudaBackend::LtMatmul(const char* op, const Tensor& a, cons
     DT_RETURN_IF_ERROR(ok(lt->desc_set(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof(aux))));
   }
   const float alpha = 1.0f, beta = 0.0f;
-  DT_RETURN_IF_ERROR(ok(lt->matmul((*st)->handle, plan->desc, &alpha, ob.data, plan->a, oa.data, plan->b, &beta,
-                                   c.raw_data(), plan->d, c.raw_data(), plan->d, &plan->algo,
-                                   (*st)->workspace.raw_data(), kLtWorkspaceBytes, cudaStreamPerThread)));
+  const cublasStatus_t s = lt->matmul((*st)->handle, plan->desc, &alpha, ob.data, plan->a, oa.data, plan->b, &beta,
+                                      c.raw_data(), plan->d, c.raw_data(), plan->d, &plan->algo,
+                                      (*st)->workspace.raw_data(), kLtWorkspaceBytes, cudaStreamPerThread);
+  if (s != CUBLAS_STATUS_SUCCESS && !plan->ran) {  // the plan's first call: declined from now on
+    plan->usable = false;
+    return false;
+  }
+  DT_RETURN_IF_ERROR(ok(s));
+  plan->ran = true;
   return true;
 }
 
