@@ -78,6 +78,13 @@ absl::Status GPT::InitWeights(uint64_t seed) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<Tensor> GPT::Positions(int64_t start, int64_t t, Device device) {
+  if (!positions_.defined() || positions_.device() != device) {
+    DT_ASSIGN_OR_RETURN(positions_, Arange(config_.block_size, DType::kInt64, device));
+  }
+  return positions_.Narrow(0, start, t);
+}
+
 absl::StatusOr<GPT::Output> GPT::Forward(const Variable& ids, const Variable& targets, double loss_grad) {
   IntSpan s = ids.value().shape();
   if (s.size() != 2 || s[1] > config_.block_size || s[1] <= 0) {
@@ -87,7 +94,7 @@ absl::StatusOr<GPT::Output> GPT::Forward(const Variable& ids, const Variable& ta
   const int64_t t = s[1];
   Variable in = ids;
   DT_RETURN_IF_ERROR(RunForwardPreHooks(in));
-  DT_ASSIGN_OR_RETURN(Tensor pos, Arange(t, DType::kInt64, ids.value().device()));
+  DT_ASSIGN_OR_RETURN(Tensor pos, Positions(0, t, ids.value().device()));
   DT_ASSIGN_OR_RETURN(Variable tok_emb, wte_->Forward(in));                       // [B, T, C]
   DT_ASSIGN_OR_RETURN(Variable pos_emb, wpe_->Forward(Variable::Constant(pos)));  // [T, C]
   DT_ASSIGN_OR_RETURN(Variable x, dtensor::Add(tok_emb, pos_emb));
@@ -139,10 +146,7 @@ absl::StatusOr<Variable> GPT::ForwardCached(const Variable& ids, KvCache& cache)
   }
   Variable in = ids;
   DT_RETURN_IF_ERROR(RunForwardPreHooks(in));
-  std::vector<int64_t> positions(static_cast<size_t>(t));
-  for (int64_t i = 0; i < t; ++i) positions[static_cast<size_t>(i)] = past + i;
-  DT_ASSIGN_OR_RETURN(Tensor pos, Tensor::FromVector<int64_t>(positions, {t}));
-  DT_ASSIGN_OR_RETURN(pos, dtensor::To(pos, ids.value().device()));
+  DT_ASSIGN_OR_RETURN(Tensor pos, Positions(past, t, ids.value().device()));
   DT_ASSIGN_OR_RETURN(Variable tok_emb, wte_->Forward(in));                       // [B, T, C]
   DT_ASSIGN_OR_RETURN(Variable pos_emb, wpe_->Forward(Variable::Constant(pos)));  // [T, C]
   DT_ASSIGN_OR_RETURN(Variable x, dtensor::Add(tok_emb, pos_emb));

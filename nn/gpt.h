@@ -92,7 +92,13 @@ class GPT : public Module {
   absl::StatusOr<Variable> ForwardCached(const Variable& ids, KvCache& cache);
 
  private:
+  // Positions [start, start + t) on `device`, int64: a view of one arange(block_size) made
+  // there on first use, so that a forward copies nothing from the host (on a GPU such a copy
+  // would wait for the device).
+  absl::StatusOr<Tensor> Positions(int64_t start, int64_t t, Device device);
+
   GPTConfig config_;
+  Tensor positions_;  // int64 [block_size] on the device Positions was last asked for
   Module* transformer_;
   Embedding* wte_;
   Embedding* wpe_;
