@@ -124,8 +124,9 @@ ABSL_FLAG(int64_t, log_every, 1, "print a line every N steps");
 ABSL_FLAG(std::string, progress, "auto", "a progress bar with ETA: auto (on a terminal), true or false");
 ABSL_FLAG(std::string, read_loss, "auto",
           "when a step's loss and grad norm are read to the host: now (the device idles from that read until the "
-          "next step's first kernel), next (once the next step is queued, llm.c's way; steps that validate or "
-          "checkpoint, and the last, read at once), auto (next on a GPU, now on the CPU)");
+          "next step's first kernel), next (once the next step is queued; the copy is queued behind that step, so "
+          "the read waits for it too; steps that validate or checkpoint, and the last, read at once), auto (next "
+          "on a GPU, now on the CPU)");
 ABSL_FLAG(double, peak_flops, 0.0,
           "peak FLOP/s of one rank's device for MFU (0: the GPU's by model; on CPUs measured by a short GEMM)");
 ABSL_FLAG(int64_t, sample_tokens, 200, "tokens to sample at the end (0: none)");
