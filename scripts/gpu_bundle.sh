@@ -29,7 +29,14 @@
 # lib/libdtensor_kernel_profile.so (CUPTI; the bundle carries lib/libcupti.so.13 too); about 3
 # minutes on an H100, its logs in LOGDIR/speed. Alone: DT_STAGES=speed bash /tmp/gpu/run.sh "$PWD"
 # A short lend (15 minutes of device time, start-up included) fits the new kernels' tests and the
-# speed stage, in one call: DT_STAGES="kernels speed" bash /tmp/gpu/run.sh "$PWD" (the kernels
+# speed stage, in one call of the device tool (timeout_s 560; the tarball built in the checkout,
+# which carries it as an untracked file; Python unpacks it where the machine has no xz; each
+# stage bounded so that a hang cannot take the call; the logs come back as $OUT/gpu_logs.tgz):
+#   { mkdir -p /tmp/gpu && tar xJf gpu.tar.xz -C /tmp/gpu ||
+#     python3 -c 'import sys,tarfile;tarfile.open(sys.argv[1]).extractall(sys.argv[2])' gpu.tar.xz /tmp/gpu; } &&
+#   DT_STAGES=kernels DT_STEP_TIMEOUT=180 bash /tmp/gpu/run.sh "$PWD" /tmp/gpu_logs;
+#   DT_STAGES=speed DT_STEP_TIMEOUT=330 bash /tmp/gpu/run.sh "$PWD" /tmp/gpu_logs
+# or, unbounded: DT_STAGES="kernels speed" bash /tmp/gpu/run.sh "$PWD" (the kernels
 # stage checks the tensor-core attention, cuDNN's fused attention, cuBLASLt epilogues and
 # multi-tensor AdamW against the CPU; if an attention fails there, DTENSOR_CUDA_ATTENTION=flash
 # runs dtensor's own flash kernels instead of cuDNN's, =simple the old float32 ones).
@@ -61,8 +68,13 @@ profiler="$build/benchmarks/libdtensor_kernel_profile.so"
 [[ -f "$profiler" ]] || { echo "gpu_bundle.sh: $profiler is not built (it needs the CUDA Toolkit's CUPTI)" >&2; exit 1; }
 strip --strip-unneeded -o "$stage/lib/libdtensor_kernel_profile.so" "$profiler"
 # Shared libraries outside glibc/libstdc++ and the CUDA libraries the GPU machine provides.
-for b in "$stage"/bin/* "$stage/lib/libdtensor_kernel_profile.so"; do [[ "$b" == *.sh ]] || ldd "$b"; done |
-  awk '/=>/ {print $3}' | sort -u |
+deps=$(for b in "$stage"/bin/* "$stage/lib/libdtensor_kernel_profile.so"; do [[ "$b" == *.sh ]] || ldd "$b"; done)
+if grep -q 'not found' <<<"$deps"; then
+  echo "gpu_bundle.sh: libraries the binaries need are not found here:" >&2
+  grep 'not found' <<<"$deps" | sort -u >&2
+  exit 1
+fi
+awk '/=>/ {print $3}' <<<"$deps" | sort -u |
   grep -Ev '/(libc|libm|libdl|libpthread|librt|libutil|libstdc\+\+|libgcc_s|ld-linux[^/]*)\.so|libcublas|libnccl|libcuda\.so' |
   while read -r lib; do cp -L "$lib" "$stage/lib/"; done
 [[ -f "$stage/lib/libcupti.so.13" ]] || { echo "gpu_bundle.sh: libcupti.so.13 (the profiler's) was not found by ldd" >&2; exit 1; }
@@ -71,14 +83,26 @@ if [[ -d /usr/lib/x86_64-linux-gnu/ucx ]]; then  # UCX's transport modules, foun
   cp -L /usr/lib/x86_64-linux-gnu/ucx/*.so.0 "$stage/lib/ucx/" 2>/dev/null || true
 fi
 
+# Which commit the binaries are of (run.sh prints it beside the checkout's).
+git -C "$src" describe --always --dirty >"$stage/COMMIT" 2>/dev/null || echo unknown >"$stage/COMMIT"
+
 cat > "$stage/run.sh" <<EOF
 #!/usr/bin/env bash
-# Runs the bundle's GPU checks against the checkout \$1 (logs in \$2, default /tmp/gpu_logs).
+# Runs the bundle's GPU checks against the checkout \$1 (logs in \$2, default /tmp/gpu_logs; where
+# \$OUT names a folder, as on the device tool's machine, they are also packed into
+# \$OUT/gpu_logs.tgz at the end, whatever happened).
 set -u
 here=\$(cd "\$(dirname "\$0")" && pwd)
 repo=\$(cd "\${1:?usage: run.sh CHECKOUT [LOGDIR]}" && pwd)
 logs=\${2:-/tmp/gpu_logs}
 mkdir -p "\$logs"
+pack_logs() {
+  [[ -n "\${OUT:-}" && -d "\${OUT:-}" ]] || return 0
+  tar czf "\$OUT/gpu_logs.tgz" --exclude=corpus.txt --exclude='ckpt_*' -C "\$(dirname "\$logs")" "\$(basename "\$logs")" &&
+    echo "logs: \$OUT/gpu_logs.tgz"
+}
+trap pack_logs EXIT
+echo "bundle of \$(cat "\$here/COMMIT"); checkout at \$(git -C "\$repo" describe --always --dirty 2>/dev/null || echo '?')"
 find_dir() { dirname "\$(find /usr/local /opt /usr/lib -name "\$1" 2>/dev/null | head -1)"; }
 export LD_LIBRARY_PATH="\$here/lib:\$(find_dir 'libcublasLt.so.13*'):\$(find_dir 'libnccl.so.2*')\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 # cuDNN (optional: attention runs dtensor's own kernels without it; CudnnAttentionMatchesCpu then
@@ -86,6 +110,11 @@ export LD_LIBRARY_PATH="\$here/lib:\$(find_dir 'libcublasLt.so.13*'):\$(find_dir
 cudnn_dir=\$(find_dir 'libcudnn.so.9*')
 [[ "\$cudnn_dir" == . ]] && echo "no libcudnn.so.9 found: attention runs dtensor's own kernels" ||
   export LD_LIBRARY_PATH="\$LD_LIBRARY_PATH:\$cudnn_dir"
+# NVRTC, with which cuDNN compiles some of its attention kernels at run time.
+nvrtc_dir=\$(find_dir 'libnvrtc.so.13*')
+[[ "\$nvrtc_dir" == . ]] && echo "no libnvrtc.so.13 found: cuDNN may decline attention" ||
+  export LD_LIBRARY_PATH="\$LD_LIBRARY_PATH:\$nvrtc_dir"
+echo "LD_LIBRARY_PATH=\$LD_LIBRARY_PATH"
 # The paths compiled into the tests: golden tensors and the trainer.
 mkdir -p "$src/tests" "$build/examples/gpt" "$build/collectives/dtrun" "$build/tests"
 [[ -e "$src/tests/golden" ]] || ln -s "\$repo/tests/golden" "$src/tests/golden"
@@ -101,10 +130,13 @@ want() { [[ -z "\${DT_STAGES:-}" || " \$DT_STAGES " == *" \$1 "* ]]; }
 t() {
   local name=\$1; shift
   want "\$name" || return 0
-  timeout "\${DT_STEP_TIMEOUT:-600}" "\$@" > "\$logs/\$name.log" 2>&1; local r=\$?
+  timeout -k 15 "\${DT_STEP_TIMEOUT:-600}" "\$@" > "\$logs/\$name.log" 2>&1; local r=\$?
   [[ \$r -eq 0 ]] || rc=1
   echo "\$name: exit \$r, \$(grep -E '^(\[rank [0-9]+\] )?\[  PASSED  \]' "\$logs/\$name.log" | head -1)"
-  grep -E '^(\[rank [0-9]+\] )?\[  FAILED  \]' "\$logs/\$name.log" | head -20
+  grep -E '^(\[rank [0-9]+\] )?\[  (SKIPPED |FAILED  )\]' "\$logs/\$name.log" | grep -v ' listed below' |
+    sed 's/ ([0-9]* ms)\$//' | awk '!seen[\$0]++' | head -30
+  [[ \$r -eq 0 ]] || { echo "--- \$name.log: its failures, then its end"; grep -E -A4 ': Failure\$' "\$logs/\$name.log" | head -60
+    tail -n 15 "\$logs/\$name.log"; }
 }
 t kernels "\$here/bin/kernels_test"
 t tensor "\$here/bin/tensor_test"
@@ -123,14 +155,14 @@ share() { bash -c 'export NCCL_HOSTID=dtensor-rank-\$RANK NCCL_SOCKET_IFNAME=lo;
 export -f share
 procs() {  # procs N PROGRAM ARGS: N ranks under dtrun, sharing cuda:0 where GPUs are fewer
   local n=\$1; shift
-  local run=(timeout "\${DT_STEP_TIMEOUT:-600}" "\$here/bin/dtrun" --nproc-per-node "\$n")
+  local run=(timeout -k 15 "\${DT_STEP_TIMEOUT:-600}" "\$here/bin/dtrun" --nproc-per-node "\$n")
   if [[ \$gpus -ge \$n ]]; then "\${run[@]}" "\$@"
   else CUDA_VISIBLE_DEVICES=\${CUDA_VISIBLE_DEVICES:-0} "\${run[@]}" bash -c 'share "\$@"' procs "\$@"; fi
 }
 t nccl_procs2 "\$here/bin/dtrun" --nproc-per-node 2 "\$here/bin/collectives_test" --gtest_filter='NcclTest.MultiRank*'
 t nccl_procs4 "\$here/bin/dtrun" --nproc-per-node 4 "\$here/bin/collectives_test" --gtest_filter='NcclTest.MultiRank*'
 want redistribute && for n in 2 4; do
-  timeout "\${DT_STEP_TIMEOUT:-600}" "\$here/bin/dtrun" --nproc-per-node "\$n" "\$here/bin/dtensor_ucx_child" --backend nccl \
+  timeout -k 15 "\${DT_STEP_TIMEOUT:-600}" "\$here/bin/dtrun" --nproc-per-node "\$n" "\$here/bin/dtensor_ucx_child" --backend nccl \
     > "\$logs/redistribute_nccl\$n.log" 2>&1 || rc=1
   echo "redistributions over nccl, \$n ranks: \$(grep -h 'cases on' "\$logs/redistribute_nccl\$n.log" | head -1)"
   grep -h 'FAIL' "\$logs/redistribute_nccl\$n.log" | head -10
@@ -263,15 +295,17 @@ if want racecheck && command -v compute-sanitizer > /dev/null; then
 fi
 # Last (nothing else on the GPU while it measures): the step benchmark, its table printed whole.
 if want speed; then
-  timeout "\${DT_STEP_TIMEOUT:-600}" bash "\$here/bin/gpu_step_bench.sh" "\$here/bin" --repo "\$repo" --out "\$logs/speed" \\
-    > "\$logs/speed.log" 2> "\$logs/speed_progress.log"; s=\$?
+  # No limit around the script (a hung run's processes would outlive it on the GPU): its runs
+  # are cut to DT_BENCH_DEADLINE seconds from its start (DT_STEP_TIMEOUT by default).
+  DT_BENCH_DEADLINE=\${DT_BENCH_DEADLINE:-\${DT_STEP_TIMEOUT:-600}} bash "\$here/bin/gpu_step_bench.sh" "\$here/bin" \\
+    --repo "\$repo" --out "\$logs/speed" > "\$logs/speed.log" 2> "\$logs/speed_progress.log"; s=\$?
   [[ \$s -eq 0 ]] || rc=1
-  echo "speed: exit \$s (0: runs and checks passed; 1: one failed; 4: no GPU visible; 124: timed out)"
+  echo "speed: exit \$s (0: runs and checks passed; 1: one failed or was cut at the deadline; 2: bad arguments; 4: no GPU)"
   cat "\$logs/speed.log"
   [[ \$s -eq 0 ]] || tail -n 20 "\$logs/speed_progress.log"
 fi
 exit \$rc
 EOF
 chmod +x "$stage/run.sh"
-tar -C "$stage" -cJf "$out" bin lib run.sh
+tar -C "$stage" -cJf "$out" bin lib run.sh COMMIT
 echo "gpu_bundle.sh: $out ($(du -h "$out" | cut -f1))"

@@ -17,7 +17,10 @@
 # the checkout (--repo, default the one holding this script; ~3 MB), else generated text; or
 # --train-bin, an llm.c token file of GPT-2 tokens. Nothing needs GPT-2's tokenizer files.
 #
-# It runs, each under `timeout ${DT_BENCH_RUN_TIMEOUT:-300}`:
+# It runs, each under `timeout ${DT_BENCH_RUN_TIMEOUT:-150}` and, with DT_BENCH_DEADLINE=S, within
+# S seconds of the script's start (a run is cut to the time left; one with under 20 s left is
+# skipped and counts as failed: so one lend's call bounds the whole stage, where a limit around
+# the script would leave a hung run's processes behind on the GPU):
 #   speed   bf16 and fp32, B (default 16) x T=1024, N steps (default 20); a run out of GPU
 #           memory at B > 8 is rerun at B=8, and the table says so; then bf16 once more with
 #           DTENSOR_CUDA_ATTENTION=flash (dtensor's own attention kernels, not cuDNN's)
@@ -149,14 +152,20 @@ failed=0
 run() {
   local tag=$1 b=$2 t=$3 n=$4
   shift 4
-  local start=$SECONDS rc
-  if [[ -n "${DT_BENCH_SIMULATE_OOM:-}" && "$b" == "$DT_BENCH_SIMULATE_OOM" ]]; then
+  local start=$SECONDS rc limit=${DT_BENCH_RUN_TIMEOUT:-150}
+  rm -f "$out/$tag.jsonl"  # no metrics of an earlier run left for one that dies before writing its own
+  if [[ ${DT_BENCH_DEADLINE:-0} -gt 0 && $((DT_BENCH_DEADLINE - SECONDS)) -lt $limit ]]; then
+    limit=$((DT_BENCH_DEADLINE - SECONDS))
+  fi
+  if [[ $limit -lt 20 ]]; then
+    echo "gpt_train not run: ${limit} s left before DT_BENCH_DEADLINE=${DT_BENCH_DEADLINE:-0}" >"$out/$tag.log"
+    rc=124
+  elif [[ -n "${DT_BENCH_SIMULATE_OOM:-}" && "$b" == "$DT_BENCH_SIMULATE_OOM" ]]; then
     echo "gpt_train rank 0: RESOURCE_EXHAUSTED: [Allocate] cuda:0: cudaMalloc of 1 bytes failed: out of memory" \
       "(simulated: DT_BENCH_SIMULATE_OOM=$b)" >"$out/$tag.log"
-    rm -f "$out/$tag.jsonl"
     rc=1
   else
-    timeout "${DT_BENCH_RUN_TIMEOUT:-300}" "${launch[@]}" "${data[@]}" "${model[@]}" --device "$device" \
+    timeout -k 10 "$limit" "${launch[@]}" "${data[@]}" "${model[@]}" --device "$device" \
       --batch "$b" --seq "$t" --steps "$n" --log-every 5 --sample-tokens 0 --progress false \
       --metrics "$out/$tag.jsonl" "$@" >"$out/$tag.log" 2>&1
     rc=$?

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # gpu_step_bench.sh's logic on the CPU (--cpu-smoke: a tiny model, one thread rank): its runs,
 # the out-of-memory fallback (simulated at B=16, rerun at B=8), the table with the MFU formula
-# checked against the trainer's, the bf16-vs-fp32 checks; bad arguments exit 2; and, where no
-# GPU is visible, the GPU run stops at once with "no GPU visible" and exit 4.
+# checked against the trainer's, the bf16-vs-fp32 checks; DT_BENCH_DEADLINE; bad arguments exit 2;
+# and, where no GPU is visible, the GPU run stops at once with "no GPU visible" and exit 4.
 #   gpu_step_bench_test.sh GPU_STEP_BENCH_SH BUILD_DIR
 set -u
 script=$1
@@ -33,6 +33,17 @@ grep -q '^bf16 B=8 .*>= 460K tokens/s: \(ok\|BELOW\)' <<<"$log" || fail "no targ
 checks=$(grep -c '^check .*: ok' <<<"$log")
 [[ $checks -eq 3 ]] || fail "$checks checks ok, want 3 (speed first step, curve first step, curve)"
 grep -q '^kernel profile: not run (--cpu-smoke)$' <<<"$log" || fail "no word on the kernel profile"
+
+# DT_BENCH_DEADLINE: runs that would start with under 20 s left are not started and fail, and no
+# metrics of an earlier run in the same folder pass for theirs.
+mkdir -p "$tmp/late"
+echo '{"step": 0, "loss": 1.0}' >"$tmp/late/speed_bf16.jsonl"
+log=$(OMP_NUM_THREADS=1 DT_BENCH_DEADLINE=1 bash "$script" "$build" --cpu-smoke --out "$tmp/late" 2>"$tmp/err")
+rc=$?
+[[ $rc -eq 1 ]] || fail "DT_BENCH_DEADLINE=1: exit $rc, want 1"
+[[ ! -e "$tmp/late/speed_bf16.jsonl" ]] || fail "DT_BENCH_DEADLINE=1: an earlier run's metrics were left in place"
+grep -q 'speed_bf16: B=4 T=32, 6 steps: exit 124' "$tmp/err" || fail "DT_BENCH_DEADLINE=1: speed_bf16 was not cut"
+grep -q 'not run: .* left before DT_BENCH_DEADLINE=1' "$tmp/late/speed_bf16.log" || fail "DT_BENCH_DEADLINE=1: no reason"
 
 bash "$script" "$build" --cpu-smoke --steps 2 >/dev/null 2>&1
 rc=$?
