@@ -127,14 +127,12 @@ struct FsdpHooks {
   }
 
   // The end of the backward pass: groups whose post-backward did not run (their output had
-  // no gradient), then the last reduce-scatter, awaited on the host where the mesh has peers
-  // (one that failed is then an error within the timeout); on a one-rank mesh the compute
-  // stream waits for it, so the host queues the update while the backward still runs.
+  // no gradient), then the last reduce-scatter.
   static absl::Status EndBackward(FsdpTree& t) {
     t.end_queued = false;
     for (auto it = t.groups.rbegin(); it != t.groups.rend(); ++it) DT_RETURN_IF_ERROR(PostBackward(**it));
     for (FsdpGroup* g : t.groups) {
-      if (g->reduce_pending()) DT_RETURN_IF_ERROR(g->FinishReduce(/*host_wait=*/g->mesh().size() > 1));
+      if (g->reduce_pending()) DT_RETURN_IF_ERROR(g->FinishReduce());
     }
     t.reducing = nullptr;
     return absl::OkStatus();
