@@ -598,7 +598,8 @@ inline float ExpKeyClamped(float x) {
 }
 
 // max(row[0..n)) for n >= 1, as an integer max over FloatKey (so both compilers vectorise it
-// without fast-math). A NaN may or may not win; callers' sums of exp then turn NaN anyway.
+// without fast-math). A NaN wins where its sign bit is clear and is passed over where it is set;
+// callers' sums of exp then turn NaN anyway, where the max is finite.
 inline float RowMaxKeyed(const float* row, int64_t n) {
   constexpr int32_t kMinusInf = FloatKey(std::bit_cast<int32_t>(-std::numeric_limits<float>::infinity()));
   int32_t k = kMinusInf;

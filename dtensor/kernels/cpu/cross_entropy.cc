@@ -66,10 +66,21 @@ const float* RowF32(const T* src, int64_t n, float* scratch) {
   }
 }
 
-// logsumexp of row [V], V >= 1.
+// Whether row [V] holds a NaN (of either sign).
+bool HasNaN(const float* row, int64_t v) {
+  for (int64_t i = 0; i < v; ++i) {
+    if (std::isnan(row[i])) return true;
+  }
+  return false;
+}
+
+// logsumexp of row [V], V >= 1; NaN where the row holds one (as torch's).
 DT_ROW_CLONES float LogSumExp(const float* row, int64_t v) {
   const float m = RowMaxKeyed(row, v);
-  if (std::isinf(m)) return m;  // all -inf (-inf), or an +inf logit (+inf)
+  // All -inf (-inf), or an +inf logit (+inf). The keyed max passes over a NaN with the sign bit
+  // set (what x86 arithmetic makes: inf - inf, 0 * inf), which the sum below turns into NaN in
+  // a finite row; an infinite max skips that sum, so it looks for one here.
+  if (std::isinf(m)) return HasNaN(row, v) ? std::numeric_limits<float>::quiet_NaN() : m;
   // float sums over blocks (vectorised), blocks summed in double: a plain float sum over
   // V = 50257 terms loses ~1e-5 relative.
   double s = 0.0;

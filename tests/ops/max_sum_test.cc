@@ -4,7 +4,9 @@
 // in each warp of 32, then one over the warps' results), and the outputs are the kernels'
 // formulas (softmax e^(x - m) * (1 / s), log-softmax x - (m + log s), the loss's LogSumExp).
 // Checked against the CPU kernels, the reference, on rows holding NaN, +inf and -inf in
-// changing places, so that a special value falls in any thread's share; and on finite rows.
+// changing places (NaN of either sign: the CPU's cross-entropy takes its max on integer keys,
+// where the two signs sort apart), so that a special value falls in any thread's share; and on
+// finite rows.
 #include "dtensor/kernels/cuda/max_sum.h"
 
 #include <cmath>
@@ -12,6 +14,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -33,6 +36,7 @@ using testing::Unwrap;
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr float kNegNaN = -kNaN;  // sign bit set, as x86 arithmetic makes it (inf - inf, 0 * inf)
 
 // Every lane of a warp merged with lane ^ o for o = 16, 8, 4, 2, 1 (__shfl_xor_sync), all lanes
 // at once.
@@ -85,7 +89,7 @@ std::vector<std::vector<float>> Rows() {
     rows.push_back(large);
     const std::vector<int> at = {0, n / 3, n - 1};
     for (int i : at) {
-      for (float special : {kNaN, kInf, -kInf}) {
+      for (float special : {kNaN, kNegNaN, kInf, -kInf}) {
         std::vector<float> r = base;
         r[i] = special;
         rows.push_back(r);
@@ -93,7 +97,8 @@ std::vector<std::vector<float>> Rows() {
       if (n > 1) {
         const int k = (i + n / 2 + 1) % n;  // a second special value elsewhere
         for (auto [a, b] : {std::pair{kInf, kInf}, std::pair{kInf, kNaN}, std::pair{kNaN, kInf}, std::pair{-kInf, kNaN},
-                            std::pair{kNaN, -kInf}, std::pair{kInf, -kInf}}) {
+                            std::pair{kNaN, -kInf}, std::pair{kInf, -kInf}, std::pair{kInf, kNegNaN},
+                            std::pair{kNegNaN, kInf}, std::pair{-kInf, kNegNaN}}) {
           std::vector<float> r = base;
           r[i] = a;
           r[k] = b;
@@ -103,6 +108,12 @@ std::vector<std::vector<float>> Rows() {
     }
     rows.push_back(std::vector<float>(n, -kInf));
     rows.push_back(std::vector<float>(n, kNaN));
+    rows.push_back(std::vector<float>(n, kNegNaN));
+    for (float nan : {kNaN, kNegNaN}) {  // -inf but for one NaN
+      std::vector<float> r(n, -kInf);
+      r[n - 1] = nan;
+      rows.push_back(r);
+    }
     std::vector<float> all_but_one(n, -kInf);
     all_but_one[n / 2] = 1.5f;
     rows.push_back(all_but_one);
@@ -142,7 +153,7 @@ TEST(MaxSumTest, SoftmaxAndLogSumExpMatchTheCpuKernelsWhateverTheSpecialValues) 
       ++checked;
     }
   }
-  EXPECT_GT(checked, 400);
+  EXPECT_GT(checked, 1000);
 }
 
 // The state's own contract, one element at a time and merged in both orders.
