@@ -34,8 +34,8 @@
 # stage bounded so that a hang cannot take the call; the logs come back as $OUT/gpu_logs.tgz):
 #   { mkdir -p /tmp/gpu && tar xJf gpu.tar.xz -C /tmp/gpu ||
 #     python3 -c 'import sys,tarfile;tarfile.open(sys.argv[1]).extractall(sys.argv[2])' gpu.tar.xz /tmp/gpu; } &&
-#   DT_STAGES=kernels DT_STEP_TIMEOUT=180 bash /tmp/gpu/run.sh "$PWD" /tmp/gpu_logs;
-#   DT_STAGES=speed DT_STEP_TIMEOUT=330 bash /tmp/gpu/run.sh "$PWD" /tmp/gpu_logs
+#   DT_STAGES=kernels DT_STEP_TIMEOUT=170 bash /tmp/gpu/run.sh "$PWD" /tmp/gpu_logs;
+#   DT_STAGES=speed DT_STEP_TIMEOUT=300 bash /tmp/gpu/run.sh "$PWD" /tmp/gpu_logs
 # or, unbounded: DT_STAGES="kernels speed" bash /tmp/gpu/run.sh "$PWD" (the kernels
 # stage checks the tensor-core attention, cuDNN's fused attention, cuBLASLt epilogues and
 # multi-tensor AdamW against the CPU; if an attention fails there, DTENSOR_CUDA_ATTENTION=flash
@@ -297,7 +297,9 @@ fi
 if want speed; then
   # No limit around the script (a hung run's processes would outlive it on the GPU): its runs
   # are cut to DT_BENCH_DEADLINE seconds from its start (DT_STEP_TIMEOUT by default).
-  DT_BENCH_DEADLINE=\${DT_BENCH_DEADLINE:-\${DT_STEP_TIMEOUT:-600}} bash "\$here/bin/gpu_step_bench.sh" "\$here/bin" \\
+  deadline=\${DT_BENCH_DEADLINE:-\${DT_STEP_TIMEOUT:-600}}
+  [[ \$deadline =~ ^[0-9]+\$ ]] || deadline=600  # timeout's forms (10m, 1.5h) are not seconds
+  DT_BENCH_DEADLINE=\$deadline bash "\$here/bin/gpu_step_bench.sh" "\$here/bin" \\
     --repo "\$repo" --out "\$logs/speed" > "\$logs/speed.log" 2> "\$logs/speed_progress.log"; s=\$?
   [[ \$s -eq 0 ]] || rc=1
   echo "speed: exit \$s (0: runs and checks passed; 1: one failed or was cut at the deadline; 2: bad arguments; 4: no GPU)"

@@ -108,6 +108,9 @@ for v in batch steps curve_steps; do
   [[ "${!v}" =~ ^[1-9][0-9]*$ ]] || die "--${v//_/-} wants a positive integer, not '${!v}'"
 done
 [[ $steps -ge 4 ]] || die "--steps $steps: the median skips the first 3 steps, so give at least 4"
+for v in DT_BENCH_DEADLINE DT_BENCH_RUN_TIMEOUT; do
+  [[ -z "${!v:-}" || "${!v}" =~ ^[0-9]+$ ]] || die "$v wants whole seconds, not '${!v}'"
+done
 if [[ $device == cuda ]]; then
   gpus=0
   if command -v nvidia-smi >/dev/null; then

@@ -45,6 +45,10 @@ rc=$?
 grep -q 'speed_bf16: B=4 T=32, 6 steps: exit 124' "$tmp/err" || fail "DT_BENCH_DEADLINE=1: speed_bf16 was not cut"
 grep -q 'not run: .* left before DT_BENCH_DEADLINE=1' "$tmp/late/speed_bf16.log" || fail "DT_BENCH_DEADLINE=1: no reason"
 
+DT_BENCH_DEADLINE=10m bash "$script" "$build" --cpu-smoke >/dev/null 2>&1
+rc=$?
+[[ $rc -eq 2 ]] || fail "DT_BENCH_DEADLINE=10m: exit $rc, want 2"
+
 bash "$script" "$build" --cpu-smoke --steps 2 >/dev/null 2>&1
 rc=$?
 [[ $rc -eq 2 ]] || fail "--steps 2: exit $rc, want 2"
