@@ -1,7 +1,7 @@
 // The online softmax state of the CUDA softmax and cross-entropy kernels (device_common.cuh's
 // WarpMaxSum / BlockMaxSum merge it across a row's threads): a running max m and the sum s of
 // e^(x - m), rescaled when the max grows, so a row is read once. Host and device (no CUDA
-// header): tests/kernels/max_sum_test.cc checks it on the CPU against the CPU kernels.
+// header): tests/ops/max_sum_test.cc checks it on the CPU against the CPU kernels.
 //
 // Special values give what the CPU kernels (cpu/softmax.cc, cpu/cross_entropy.cc) give, in any
 // order of adds and merges:
