@@ -80,21 +80,37 @@ absl::Status CheckDevice(const char* op, const Tensor& t, const DeviceMesh& mesh
 namespace {
 
 // FromLocal's checks of this rank's own arguments; `global` gets the global shape (from the
-// options, else from the local shape as if the shards were even).
+// options, else from the local shape as if the shards were even). *own_data: whether the
+// failure lies in this rank's piece (its device, its number of dims), which its peers may not
+// share, rather than in arguments every rank passes alike (the layout against the mesh and
+// the given global shape).
 absl::Status CheckLocal(const char* op, const Tensor& local, const DeviceMesh& mesh, const Layout& layout,
-                        const DTensor::FromLocalOptions& options, Layout* l, Shape* global) {
+                        const DTensor::FromLocalOptions& options, Layout* l, Shape* global, bool* own_data) {
+  *own_data = true;
   DT_RETURN_IF_ERROR(CheckDevice(op, local, mesh));
-  DT_ASSIGN_OR_RETURN(*l, NormalizeLayout(op, layout, local.dim(), mesh.ndim()));
   if (options.global_shape) {
     *global = *options.global_shape;
+    *own_data = false;
+    DT_ASSIGN_OR_RETURN(*l, NormalizeLayout(op, layout, static_cast<int64_t>(global->size()), mesh.ndim()));
+    for (int64_t n : *global) {
+      if (n < 0) return InvalidArg(op, "negative size in global shape ", ShapeString(*global));
+    }
+    *own_data = true;
     if (static_cast<int64_t>(global->size()) != local.dim()) {
       return InvalidArg(op, "global shape ", ShapeString(*global), " and local shape ", ShapeString(local.shape()),
                         " have different ranks");
     }
-    for (int64_t n : *global) {
-      if (n < 0) return InvalidArg(op, "negative size in global shape ", ShapeString(*global));
-    }
   } else {
+    // What fails for any number of dims (the placement count, mixed Partial ops) fails alike:
+    // checked first against a tensor with every shard dim in range.
+    int64_t any_dims = 1;
+    for (const Placement& p : layout.placements()) {
+      if (p.is_shard()) any_dims = std::max(any_dims, p.shard_dim() < 0 ? -p.shard_dim() : p.shard_dim() + 1);
+    }
+    *own_data = false;
+    DT_RETURN_IF_ERROR(NormalizeLayout(op, layout, any_dims, mesh.ndim()).status());
+    *own_data = true;
+    DT_ASSIGN_OR_RETURN(*l, NormalizeLayout(op, layout, local.dim(), mesh.ndim()));
     global->assign(local.shape().begin(), local.shape().end());
     for (int m = 0; m < mesh.ndim(); ++m) {
       if ((*l)[m].is_shard()) (*global)[static_cast<size_t>((*l)[m].shard_dim())] *= mesh.size(m);
@@ -125,10 +141,13 @@ absl::StatusOr<DTensor> DTensor::FromLocal(Tensor local, const DeviceMesh& mesh,
   const char* op = "FromLocal";
   Layout l;
   Shape global;
-  const absl::Status checked = CheckLocal(op, local, mesh, layout, options, &l, &global);
+  bool own_data = false;
+  const absl::Status checked = CheckLocal(op, local, mesh, layout, options, &l, &global, &own_data);
   if (!checked.ok() && (!options.run_check || !mesh.defined())) {
-    // Without run_check this rank's error reaches the peers only through an abort.
-    return CheckDevice(op, local, mesh).ok() ? checked : FailTogether(mesh, checked);
+    // Without run_check this rank's error reaches the peers only through an abort. (Without a
+    // global shape the layout is checked against the piece's dims: a rank whose piece has a
+    // dim fewer fails alone, so that too is this rank's own.)
+    return own_data ? FailTogether(mesh, checked) : checked;
   }
   if (options.run_check) {
     // First a fixed-size header from every rank (its own checks passed, dims, dtype), so that

@@ -645,6 +645,10 @@ absl::StatusOr<RedistributePlan> PlanRedistribute(IntSpan global_shape, IntSpan 
   for (int64_t n : mesh_shape) {
     if (n < 1) return InvalidArg(op, "mesh shape ", ShapeString(mesh_shape), ": every mesh dim needs a rank");
   }
+  for (int64_t n : global_shape) {
+    if (n < 0) return InvalidArg(op, "negative size in global shape ", ShapeString(global_shape));
+  }
+  if (element_size < 1) return InvalidArg(op, "element size ", element_size, ": an element has at least one byte");
   for (int m = 0; m < md; ++m) {
     if (mesh_shape[static_cast<size_t>(m)] > 1 && plan.src[m].is_shard() && plan.dst[m].is_partial()) {
       return InvalidArg(op, plan.src.ToString(), " -> ", plan.dst.ToString(), ": mesh dim ", m, " goes from ",

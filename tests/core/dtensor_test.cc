@@ -784,5 +784,49 @@ TEST(DTensorFailTogether, FromLocalFailureReachesPeersWaitingInRedistribute) {
   }
 }
 
+// A piece with a dim more or fewer than its layout or the global shape want (without
+// run_check) is this rank's own error too: the peers waiting in Redistribute get Aborted
+// naming it within 1 s. An argument every rank passes alike (a wrong placement count, a
+// shard dim the given global shape lacks) fails everywhere and aborts nothing.
+TEST(DTensorFailTogether, PieceWithOtherDimsReachesPeers) {
+  for (bool with_global : {true, false}) {
+    SCOPED_TRACE(with_global ? "global shape given" : "global shape inferred");
+    std::vector<double> waited(2, -1.0);
+    RunRanks(2, [&](int rank, Communicator& comm) {
+      DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2}));
+      DTensor::FromLocalOptions o;
+      if (with_global) o.global_shape = Shape{4, 6};
+      // Alike on both ranks: errors, and the mesh still works.
+      const Tensor piece = suite::MakeTensor(std::vector<double>(12, 1.0), {2, 6}, DType::kFloat32);
+      absl::StatusOr<DTensor> alike = DTensor::FromLocal(piece, mesh, Layout({Shard(0), Replicate()}), o);
+      EXPECT_EQ(alike.status().code(), absl::StatusCode::kInvalidArgument) << alike.status();
+      if (with_global) {
+        alike = DTensor::FromLocal(piece, mesh, Layout({Shard(2)}), o);
+        EXPECT_EQ(alike.status().code(), absl::StatusCode::kInvalidArgument) << alike.status();
+      }
+      ASSERT_TRUE(comm.Barrier().ok()) << "rank " << rank;
+      if (rank == 1) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        // A 3-d piece of the 2-d global shape; inferred, S(2) of the 2-d piece.
+        const Tensor wrong = suite::MakeTensor(std::vector<double>(12, 1.0), {2, 6, 1}, DType::kFloat32);
+        const absl::StatusOr<DTensor> x = with_global ? DTensor::FromLocal(wrong, mesh, Layout({Shard(0)}), o)
+                                                      : DTensor::FromLocal(piece, mesh, Layout({Shard(2)}), o);
+        ASSERT_FALSE(x.ok());
+        EXPECT_EQ(x.status().code(), absl::StatusCode::kInvalidArgument) << x.status();
+      } else {
+        DTensor x = Unwrap(DTensor::FromLocal(piece, mesh, Layout({Shard(0)}), o));
+        const auto t0 = std::chrono::steady_clock::now();
+        const absl::StatusOr<DTensor> y = x.Redistribute(Layout({Replicate()}));
+        waited[0] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        ASSERT_FALSE(y.ok());
+        EXPECT_EQ(y.status().code(), absl::StatusCode::kAborted) << y.status();
+        EXPECT_THAT(y.status().message(), HasSubstr("rank 1 aborted the communicator"));
+      }
+    });
+    EXPECT_GE(waited[0], 0.0);
+    EXPECT_LT(waited[0], 1.0);
+  }
+}
+
 }  // namespace
 }  // namespace dtensor

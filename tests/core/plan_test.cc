@@ -762,6 +762,15 @@ TEST(PlanErrorTest, TooManyDimsAndEmptyMeshDims) {
   ASSERT_FALSE(empty.ok());
   EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument) << empty.status();
   EXPECT_THAT(empty.status().message(), HasSubstr("[2, 0]"));
+  // A negative size or an element of no bytes: errors naming them, not a plan of negative bytes.
+  const absl::StatusOr<RedistributePlan> negative = PlanRedistribute({-3, 4}, {2}, {S0}, {R}, 4);
+  ASSERT_FALSE(negative.ok());
+  EXPECT_EQ(negative.status().code(), absl::StatusCode::kInvalidArgument) << negative.status();
+  EXPECT_THAT(negative.status().message(), HasSubstr("[-3, 4]"));
+  const absl::StatusOr<RedistributePlan> no_bytes = PlanRedistribute({4}, {2}, {S0}, {R}, 0);
+  ASSERT_FALSE(no_bytes.ok());
+  EXPECT_EQ(no_bytes.status().code(), absl::StatusCode::kInvalidArgument) << no_bytes.status();
+  EXPECT_THAT(no_bytes.status().message(), HasSubstr("element size 0"));
 }
 
 TEST(PlanErrorTest, BadLayouts) {
