@@ -143,13 +143,41 @@ absl::StatusOr<std::vector<Value>> FunctionNode::ApplyInto(std::vector<Value> gr
   return into_(grad_outputs, pending);
 }
 
-// Accumulates into a leaf's grad.
+namespace {
+
+// Whether `d` is sharded on a mesh dim (of more than one rank) where `target` is Partial: no
+// redistribution goes there (Shard -> Partial), so such gradients are added by the
+// dispatcher's Add, which picks a layout both reach.
+bool ShardMeetsPartial(const DTensor& d, const Layout& target) {
+  const Layout& have = d.layout();
+  for (int m = 0; m < d.mesh().ndim(); ++m) {
+    if (d.mesh().size(m) > 1 && have[m].is_shard() && target[m].is_partial()) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+// Accumulates into a leaf's grad. It runs as soon as every gradient for its leaf has arrived
+// (it outranks every other node, as PyTorch's AccumulateGrad does): a node kept from an
+// earlier graph (a previous step's loss still held) or made at a module's first use in a
+// forward that used it twice is older than the module's later forward, yet its leaf's
+// gradient must be in place before that forward's post-backward callbacks (FSDP's reduce)
+// run.
 struct AccumulateGradNode : public Node {
   explicit AccumulateGradNode(std::weak_ptr<VariableImpl> v) : Node("AccumulateGrad", 1), var(std::move(v)) {}
   absl::StatusOr<std::vector<Value>> Apply(std::vector<Value> grads) override {
     std::shared_ptr<VariableImpl> impl = var.lock();
     if (impl == nullptr || !grads[0].defined()) return std::vector<Value>{};
     Value g = std::move(grads[0]);
+    if (g.is_dtensor() && impl->value.defined() && !impl->value.is_dtensor()) {
+      // A plain leaf used beside DTensors took part as Replicate (as under PyTorch's implicit
+      // replication): its gradient is the whole one, reduced from the Partial / Shard pieces.
+      const DTensor& d = g.dtensor();
+      DT_ASSIGN_OR_RETURN(DTensor r,
+                          d.Redistribute(Layout(Placements(static_cast<size_t>(d.mesh().ndim()), Replicate()))));
+      g = Value(r.ToLocal());
+    }
     for (GradHook& h : impl->hooks) DT_RETURN_IF_ERROR(h(g));
     if (!impl->grad.defined()) {
       // A leaf's grad never shares memory with another tensor (as in PyTorch): a gradient
@@ -173,7 +201,8 @@ struct AccumulateGradNode : public Node {
     } else if (impl->grad_owned && impl->grad.is_dtensor() == g.is_dtensor() &&
                (!g.is_dtensor() || impl->grad.dtensor().layout() == g.dtensor().layout())) {
       DT_RETURN_IF_ERROR(Add_(impl->grad.local(), g.local()));
-    } else if (impl->grad_owned && g.is_dtensor() && impl->grad.is_dtensor()) {
+    } else if (impl->grad_owned && g.is_dtensor() && impl->grad.is_dtensor() &&
+               !ShardMeetsPartial(g.dtensor(), impl->grad.dtensor().layout())) {
       DT_ASSIGN_OR_RETURN(DTensor r, g.dtensor().Redistribute(impl->grad.dtensor().layout()));
       DT_RETURN_IF_ERROR(Add_(impl->grad.local(), r.ToLocal()));
     } else {
@@ -320,7 +349,11 @@ absl::Status RunBackward(absl::Span<const Variable> roots, absl::Span<const Valu
     }
     DT_RETURN_IF_ERROR(deliver(root_edges[i], std::move(g)));
   }
-  auto later_first = [](Node* a, Node* b) { return a->sequence_nr() < b->sequence_nr(); };
+  // Newest first; accumulators first of all (AccumulateGradNode).
+  auto priority = [](Node* n) {
+    return dynamic_cast<const AccumulateGradNode*>(n) != nullptr ? ~uint64_t{0} : n->sequence_nr();
+  };
+  auto later_first = [&priority](Node* a, Node* b) { return priority(a) < priority(b); };
   std::priority_queue<Node*, std::vector<Node*>, decltype(later_first)> ready(later_first);
   for (const Edge& e : root_edges) {
     if (deps[e.node.get()] == 0) {
@@ -331,7 +364,7 @@ absl::Status RunBackward(absl::Span<const Variable> roots, absl::Span<const Valu
   while (!ready.empty()) {
     Node* n = ready.top();
     ready.pop();
-    if (!pass.pending.empty()) DT_RETURN_IF_ERROR(pass.RunDue(n->sequence_nr(), /*at_end=*/false));
+    if (!pass.pending.empty()) DT_RETURN_IF_ERROR(pass.RunDue(priority(n), /*at_end=*/false));
     // (The roots hold the graph, so every node stays alive during the pass.)
     std::vector<Value> in_grads;
     auto buf = buffers.find(n);

@@ -61,8 +61,10 @@ struct FsdpHooks {
       if (FsdpGroup* next = t.Next(g, +1)) DT_RETURN_IF_ERROR(next->StartUnshard());
     }
     DT_RETURN_IF_ERROR(g.Unshard());
-    g.forward_seq_ = NextSequenceNr();
-    g.forwarded_ = GradEnabled();
+    // A module used twice in one forward keeps its first use's start: its post-backward then
+    // waits for the backward of both uses (and of what ran between them).
+    if (!g.forwarded_ || !GradEnabled()) g.forward_seq_ = NextSequenceNr();
+    g.forwarded_ = g.forwarded_ || GradEnabled();
     g.backward_queued_ = false;
     return absl::OkStatus();
   }

@@ -703,6 +703,46 @@ TEST(OpsStrategy, PlainTensorIsReplicate) {
   });
 }
 
+// A plain leaf used beside a DTensor gets the whole gradient as a plain tensor (PyTorch: a
+// plain tensor enters as from_local(Replicate), whose backward makes its gradient Replicate):
+// x S(0) times plain w makes w's gradient P(sum) pieces, which the leaf reduces. (Before, the
+// leaf kept a P(sum) DTensor, and an optimizer reading its local piece got this rank's part.)
+TEST(OpsStrategy, PlainLeafGetsTheWholeGradient) {
+  const Tensor x = Rand({5, 6}, 184), w = Rand({3, 6}, 185);
+  Variable wr = Variable::Leaf(Value(w), true, "w");
+  ASSERT_TRUE(Backward(Unwrap(Sum(Unwrap(Linear(Variable::Constant(Value(x)), wr))))).ok());
+  const Tensor want = wr.grad().local();
+  agtest::RunMesh({2, 2}, [&](const DeviceMesh& mesh) {
+    DTensor xd = Unwrap(DTensor::Distribute(x, mesh, {S0, S0}, {.src_rank = std::nullopt}));
+    Variable wv = Variable::Leaf(Value(w), true, "w");
+    ASSERT_TRUE(Backward(Unwrap(Sum(Unwrap(Linear(Variable::Constant(Value(xd)), wv))))).ok());
+    ASSERT_FALSE(wv.grad().is_dtensor()) << wv.grad().ToString();
+    agtest::ExpectClose(wv.grad(), want, "plain w's gradient");
+  });
+}
+
+// A second backward whose gradient for a leaf is sharded where the first left it Partial
+// adds the two (Shard -> Partial is no redistribution; the dispatcher's Add finds a layout):
+// w R: Linear(x S(0), w) gives w a P(sum) gradient, w * c (c S(0)) an S(0) one.
+TEST(OpsStrategy, ShardGradientAddsToPartialOne) {
+  const Tensor x = Rand({5, 6}, 186), w = Rand({4, 6}, 187), c = Rand({4, 6}, 188);
+  Variable wr = Variable::Leaf(Value(w), true, "w");
+  ASSERT_TRUE(Backward(Unwrap(Sum(Unwrap(Linear(Variable::Constant(Value(x)), wr))))).ok());
+  ASSERT_TRUE(Backward(Unwrap(Sum(Unwrap(Mul(wr, Variable::Constant(Value(c))))))).ok());
+  const Tensor want = wr.grad().local();
+  agtest::RunMesh({2}, [&](const DeviceMesh& mesh) {
+    auto on = [&](const Tensor& t, Placement p) {
+      return Value(Unwrap(DTensor::Distribute(t, mesh, {p}, {.src_rank = std::nullopt})));
+    };
+    Variable wv = Variable::Leaf(on(w, R), true, "w");
+    ASSERT_TRUE(Backward(Unwrap(Sum(Unwrap(Linear(Variable::Constant(on(x, S0)), wv))))).ok());
+    ASSERT_EQ(wv.grad().dtensor().layout(), Layout({P}));
+    const absl::Status second = Backward(Unwrap(Sum(Unwrap(Mul(wv, Variable::Constant(on(c, S0)))))));
+    ASSERT_TRUE(second.ok()) << second;
+    agtest::ExpectClose(wv.grad(), want, "w's gradient after two passes");
+  });
+}
+
 TEST(OpsStrategy, DifferentMeshesAreRefused) {
   const Tensor x = Rand({4, 6}, 191);
   agtest::RunMesh({2, 2}, [&](const DeviceMesh& mesh) {

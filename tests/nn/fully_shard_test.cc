@@ -20,6 +20,7 @@
 #include "dtensor/nn/gpt.h"
 #include "dtensor/nn/optim.h"
 #include "dtensor/ops/ops.h"
+#include "dtensor/tensor/status.h"
 #include "gtest/gtest.h"
 #include "tests/testing/test_util.h"
 
@@ -380,6 +381,85 @@ TEST(FullyShardTest, SecondBackwardThroughTheSameGraphAccumulates) {
         std::vector<double> twice = once[i++];
         for (double& v : twice) v *= 2;
         testing::ExpectNear(testing::Values(Unwrap(p->grad().dtensor().FullTensor())), twice, {1e-6, 1e-9}, p->name());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// Two Linears, the first used twice in one forward: x -> l1 -> l1 -> l2.
+class TwiceUsed : public nn::Module {
+ public:
+  TwiceUsed() {
+    l1 = RegisterModule("l1", std::make_unique<nn::Linear>(5, 5));
+    l2 = RegisterModule("l2", std::make_unique<nn::Linear>(5, 3));
+  }
+  absl::StatusOr<Variable> Forward(const Variable& x) {
+    return WithHooks(x, [&](const Variable& in) -> absl::StatusOr<Variable> {
+      DT_ASSIGN_OR_RETURN(Variable h, l1->Forward(in));
+      DT_ASSIGN_OR_RETURN(h, l1->Forward(h));
+      return l2->Forward(h);
+    });
+  }
+  nn::Linear* l1;
+  nn::Linear* l2;
+};
+
+// A module used twice in one forward, and the previous step's loss still held during the next
+// forward (its graph keeps the parameters' accumulators alive): FSDP still reduce-scatters
+// every gradient once per backward, in its group's post-backward. Each rank trains on its own
+// rows as plain tensors (PyTorch's way: the reduction averages them), so a gradient left
+// unreduced is wrong, not merely late: it must equal the gradient of the mean over ranks of
+// each rank's summed output, computed on one rank. (Before the accumulators outranked other
+// nodes and a second use kept the first's start, l1's gradients were each rank's own, up to
+// 0.83 off.)
+TEST(FullyShardTest, ModuleUsedTwiceAndAHeldEarlierLossReduceEveryGradient) {
+  constexpr int kWorld = 2, kRows = 4, kSteps = 2;
+  auto input = [](int64_t rows) {
+    std::vector<float> v;
+    for (int64_t i = 0; i < rows * 5; ++i) v.push_back(static_cast<float>(std::sin(0.7 * i + 0.3)));
+    return Unwrap(Tensor::FromVector<float>(v, {rows, 5}));
+  };
+  auto init = [](TwiceUsed& m) {
+    int s = 1;
+    for (Variable* p : m.Parameters()) {
+      std::vector<float> v;
+      for (int64_t i = 0; i < p->value().numel(); ++i) v.push_back(static_cast<float>(0.5 * std::cos(1.3 * i + s)));
+      ++s;
+      ASSERT_TRUE(Copy_(p->value().local(), Unwrap(Tensor::FromVector<float>(v, p->value().shape()))).ok());
+    }
+  };
+  // One rank, every row, the loss scaled by 1 / kWorld; gradients summed over kSteps passes.
+  std::vector<std::vector<double>> want;
+  {
+    TwiceUsed m;
+    init(m);
+    for (int step = 0; step < kSteps; ++step) {
+      Variable loss = Unwrap(Scale(Unwrap(Sum(Unwrap(m.Forward(Variable::Constant(input(kWorld * kRows)))))), 0.5));
+      ASSERT_TRUE(Backward(loss).ok());
+    }
+    for (Variable* p : m.Parameters()) want.push_back(testing::Values(p->grad().local()));
+  }
+  auto comms = Unwrap(MakeThreadGroup(kWorld, absl::Seconds(30)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {kWorld}));
+      TwiceUsed m;
+      init(m);
+      for (nn::Module* g : std::vector<nn::Module*>{m.l1, m.l2, &m}) ASSERT_TRUE(nn::FullyShard(*g, mesh).ok());
+      const Tensor mine = Unwrap(Clone(Unwrap(input(kWorld * kRows).Narrow(0, r * kRows, kRows))));
+      std::vector<Variable> held;  // every step's loss, kept (to log them later, say)
+      for (int step = 0; step < kSteps; ++step) {
+        held.push_back(Unwrap(Sum(Unwrap(m.Forward(Variable::Constant(mine))))));
+        ASSERT_TRUE(Backward(held.back()).ok());
+      }
+      size_t i = 0;
+      for (auto& [name, p] : m.NamedParameters()) {
+        const DTensor g = p->grad().dtensor();
+        // Reduced by FSDP: laid out as the parameter (not left R / P for the optimizer).
+        EXPECT_EQ(g.layout(), p->value().dtensor().layout()) << name;
+        testing::ExpectNear(testing::Values(Unwrap(g.FullTensor())), want[i++], {1e-5, 1e-6}, name);
       }
     });
   }
