@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "dtensor/nn/file_io.h"
 #include "dtensor/ops/ops.h"
+#include "dtensor/tensor/json_nesting.h"
 #include "dtensor/tensor/status.h"
 #include "nlohmann/json.hpp"
 
@@ -273,24 +274,7 @@ absl::StatusOr<NamedTensors> ReadSafetensors(const std::string& path) {
   // A safetensors header nests 3 deep; a hostile one nested deeper would make parsing,
   // copying and printing it recurse until the stack overflows.
   constexpr int kMaxDepth = 64;
-  int depth = 0;
-  bool in_string = false, escaped = false;
-  for (const char ch : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (ch == '\\') {
-        escaped = true;
-      } else if (ch == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    if (ch == '"') in_string = true;
-    if (ch == '[' || ch == '{') ++depth;
-    if (ch == ']' || ch == '}') --depth;
-    if (depth > kMaxDepth) return ReadError(path, "header nests deeper than ", kMaxDepth, " levels");
-  }
+  if (JsonNesting(text) > kMaxDepth) return ReadError(path, "header nests deeper than ", kMaxDepth, " levels");
   Json header;
   try {
     header = Json::parse(text);

@@ -21,6 +21,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "dtensor/ops/ops.h"
+#include "dtensor/tensor/json_nesting.h"
 #include "dtensor/tensor/status.h"
 #include "nlohmann/json.hpp"
 
@@ -281,6 +282,13 @@ absl::StatusOr<Json> WritePieces(int rank, const std::string& dir, const std::ve
 absl::StatusOr<Json> Skeleton(const CheckpointState& state) {
   Json tensors = Json::object();
   for (const StateEntry& e : state) {
+    // Names go into JSON, which holds UTF-8 only (printing another name throws).
+    try {
+      (void)Json(e.name).dump();
+    } catch (const Json::exception&) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("[SaveCheckpoint] tensor name \"", absl::CHexEscape(e.name), "\" is not UTF-8"));
+    }
     const DTensor* d = std::get_if<DTensor>(&e.tensor);
     const Tensor& x = d != nullptr ? d->ToLocal() : std::get<Tensor>(e.tensor);
     DT_ASSIGN_OR_RETURN(auto shapes, Shapes(e));
@@ -430,6 +438,15 @@ struct PieceInfo {
   int64_t bytes = 0;
   std::vector<uint32_t> crcs;  // one per block_bytes
 };
+
+// Whether two pieces share an element.
+bool BoxesOverlap(const PieceInfo& a, const PieceInfo& b) {
+  for (size_t d = 0; d < a.box.size(); ++d) {
+    if (a.box[d] == 0 || b.box[d] == 0) return false;
+    if (a.offset[d] >= b.offset[d] + b.box[d] || b.offset[d] >= a.offset[d] + a.box[d]) return false;
+  }
+  return true;
+}
 
 absl::StatusOr<PieceInfo> ParsePiece(const Json& j, const Shape& stored, int64_t elem, int64_t block_bytes,
                                      const std::string& tensor, const std::string& dir) {
@@ -589,10 +606,13 @@ absl::Status Begin(SaveJob& job, const CheckpointState& state, bool copy) {
   absl::Status prepared;
   if (world.rank() == 0) {
     std::error_code ec;
-    fs::create_directories(job.root, ec);
-    if (fs::exists(job.final_dir, ec)) {
+    // A root made here is made durable (its parent fsynced), or a crash could lose it and
+    // every checkpoint saved in it.
+    const fs::path parent = fs::absolute(job.root, ec).parent_path();
+    if (!fs::exists(job.root, ec) && fs::create_directories(job.root, ec)) prepared = FsyncPath(parent.string(), true);
+    if (prepared.ok() && fs::exists(job.final_dir, ec)) {
       prepared = absl::AlreadyExistsError(absl::StrCat("[SaveCheckpoint] ", job.final_dir, " exists"));
-    } else {
+    } else if (prepared.ok()) {
       fs::remove_all(job.tmp, ec);
       if (!fs::create_directory(job.tmp, ec)) {
         prepared = absl::InternalError(absl::StrCat("[SaveCheckpoint] creating ", job.tmp, ": ", ec.message()));
@@ -610,6 +630,36 @@ absl::Status Begin(SaveJob& job, const CheckpointState& state, bool copy) {
   return absl::OkStatus();
 }
 
+// Keeps `keep` complete checkpoints of `root`: the one just committed (`name`) and the newest
+// of those before it (by name, as LatestCheckpoint orders them); those after it (another
+// run's) are left alone. Each one removed is first renamed to a dot name, which no reader
+// picks, so a crash while removing it never leaves a checkpoint that looks complete but is
+// missing files; such leftovers are removed by the next prune.
+absl::Status Prune(const std::string& root, const std::string& name, int64_t keep) {
+  std::vector<std::string> older;
+  for (const std::string& n : Complete(root)) {
+    if (n < name) older.push_back(n);
+  }
+  std::error_code ec;
+  std::vector<std::string> doomed;
+  for (const fs::directory_entry& e : fs::directory_iterator(root, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(".pruned-", 0) == 0) doomed.push_back(n);
+  }
+  for (size_t i = 0; i + static_cast<size_t>(keep - 1) < older.size(); ++i) {
+    const std::string gone = ".pruned-" + older[i];
+    fs::remove_all(root + "/" + gone, ec);
+    fs::rename(root + "/" + older[i], root + "/" + gone, ec);
+    if (ec)
+      return absl::InternalError(absl::StrCat("[SaveCheckpoint] pruning ", root, "/", older[i], ": ", ec.message()));
+    doomed.push_back(gone);
+  }
+  if (doomed.empty()) return absl::OkStatus();
+  DT_RETURN_IF_ERROR(FsyncPath(root, true));  // the renames first: then the removals are safe
+  for (const std::string& n : doomed) fs::remove_all(root + "/" + n, ec);
+  return absl::OkStatus();
+}
+
 void Write(SaveJob& job) {
   job.written = WritePieces(job.world->rank(), job.tmp, job.pieces, job.options.block_bytes);
   job.pieces.clear();  // the staging memory
@@ -623,13 +673,7 @@ absl::Status Finish(SaveJob& job) {
   if (world.rank() == 0) {
     absl::StatusOr<Json> metadata = BuildMetadata(job.skeleton, texts, job.options.block_bytes);
     committed = metadata.ok() ? CommitMetadata(job.tmp, job.final_dir, job.root, *metadata) : metadata.status();
-    if (committed.ok() && job.options.keep > 0) {
-      std::vector<std::string> all = Complete(job.root);
-      for (size_t i = 0; i + static_cast<size_t>(job.options.keep) < all.size(); ++i) {
-        std::error_code ec;
-        fs::remove_all(job.root + "/" + all[i], ec);
-      }
-    }
+    if (committed.ok() && job.options.keep > 0) committed = Prune(job.root, job.name, job.options.keep);
   }
   return Agree(world, committed, "committing the metadata");
 }
@@ -688,6 +732,12 @@ absl::Status LoadCheckpoint(const std::string& dir, const CheckpointState& state
   }
   std::stringstream text;
   text << in.rdbuf();
+  // Metadata nests 6 deep; far deeper would make parsing and printing it overflow the stack.
+  constexpr int64_t kMaxNesting = 64;
+  if (JsonNesting(text.str()) > kMaxNesting) {
+    return absl::DataLossError(absl::StrCat("[LoadCheckpoint] ", path, " nests deeper than ", kMaxNesting,
+                                            " levels: not a checkpoint's metadata"));
+  }
   const Json meta = Json::parse(text.str(), nullptr, false);
   if (meta.is_discarded() || !meta.is_object() || !meta.contains("format") || meta["format"] != kFormat ||
       !meta.contains("tensors") || !meta["tensors"].is_object()) {
@@ -750,6 +800,17 @@ absl::Status LoadCheckpoint(const std::string& dir, const CheckpointState& state
       for (const Json& j : tm["pieces"]) {
         DT_ASSIGN_OR_RETURN(PieceInfo piece, ParsePiece(j, shapes.second, elem, block_bytes, name, dir));
         pieces.push_back(std::move(piece));
+      }
+      // Saved pieces are disjoint; two that overlap would count their common elements twice
+      // below and so hide elements no piece holds.
+      for (size_t a = 0; a < pieces.size(); ++a) {
+        for (size_t b = a + 1; b < pieces.size(); ++b) {
+          if (!BoxesOverlap(pieces[a], pieces[b])) continue;
+          return absl::DataLossError(absl::StrCat(
+              "[LoadCheckpoint] tensor ", name, " in ", dir, ": pieces ", a, " (offset ", ShapeString(pieces[a].offset),
+              ", box ", ShapeString(pieces[a].box), ") and ", b, " (offset ", ShapeString(pieces[b].offset), ", box ",
+              ShapeString(pieces[b].box), ") overlap"));
+        }
       }
       for (const LocalBox& sb : StoredBoxes(box, shapes.first, shapes.second)) {  // in order, back to back
         for (const PieceInfo& piece : pieces) {

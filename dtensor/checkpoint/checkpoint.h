@@ -68,7 +68,9 @@ struct StateEntry {
 using CheckpointState = std::vector<StateEntry>;
 
 struct SaveOptions {
-  int64_t keep = 0;               // then keep only the newest `keep` complete checkpoints (0: all)
+  // Then keep `keep` complete checkpoints (0: all): this one and the newest before it by name;
+  // those named after it (another run's) are left alone.
+  int64_t keep = 0;
   int64_t block_bytes = 1 << 20;  // checksum granularity (and the reader's unit)
 };
 

@@ -218,11 +218,57 @@ TEST_F(CheckpointTest, KeepsTheNewestAndNeverPicksAnIncompleteOne) {
   testing::WriteBytes(Root() + "/.tmp-step-00000009/rank-00000.bin", "partial");
   std::filesystem::create_directories(Root() + "/step-00000008");
   EXPECT_EQ(Unwrap(LatestCheckpoint(Root())), Root() + "/step-00000003");
-  // A name that exists is refused on every rank.
+  // A name that exists is refused on every rank, and so is a tensor name JSON cannot hold.
   RunRanks(2, [&](int, Communicator& comm) {
     const absl::Status s = SaveCheckpoint(comm, Root(), "step-00000003", {});
     EXPECT_TRUE(absl::IsAlreadyExists(s)) << s;
+    const absl::Status utf8 =
+        SaveCheckpoint(comm, Root(), "step-00000005", {{"bad\xff", Unwrap(Zeros({2}, DType::kFloat32))}});
+    EXPECT_TRUE(absl::IsInvalidArgument(utf8)) << utf8;
+    EXPECT_THAT(utf8.message(), HasSubstr("is not UTF-8"));
   });
+  EXPECT_FALSE(std::filesystem::exists(Root() + "/step-00000005"));
+  // A save named before another run's newer checkpoint keeps itself (and leaves the newer one):
+  // keep counts it and those before it.
+  Save(Root(), "step-00000010");
+  Save(Root(), "step-00000004", {.keep = 1});
+  EXPECT_TRUE(std::filesystem::exists(Root() + "/step-00000004/metadata.json"));
+  EXPECT_TRUE(std::filesystem::exists(Root() + "/step-00000010/metadata.json"));
+  EXPECT_FALSE(std::filesystem::exists(Root() + "/step-00000003"));
+  EXPECT_FALSE(std::filesystem::exists(Root() + "/step-00000002"));
+  for (const auto& e : std::filesystem::directory_iterator(Root())) {
+    EXPECT_NE(e.path().filename().string().rfind(".pruned-", 0), 0u) << e.path();
+  }
+}
+
+// Metadata whose pieces overlap (two copies of one piece standing in for another: the count of
+// elements still adds up) and metadata nested 100,000 deep are DataLoss, not a tensor with
+// unwritten elements or a crash.
+TEST_F(CheckpointTest, OverlappingPiecesAndDeepNestingAreDataLoss) {
+  const std::string dir = Save(Root(), "step-1");
+  const std::string meta = dir + "/metadata.json";
+  const std::string good = testing::ReadBytes(meta);
+  auto load_a = [&]() {
+    absl::Status s;
+    RunRanks(1, [&](int, Communicator&) { s = LoadCheckpoint(dir, {{"a", Unwrap(Zeros({8, 6}, DType::kFloat32))}}); });
+    return s;
+  };
+  ASSERT_TRUE(load_a().ok());
+  // "a" is [8, 6] as S(0) x S(1) on 2 x 2: four [4, 3] pieces, in the order the ranks wrote.
+  const size_t pieces = good.find("\"pieces\"", good.find("\"a\""));
+  const size_t first = good.find('{', pieces), second = good.find('{', good.find('}', first));
+  ASSERT_NE(second, std::string::npos);
+  const std::string piece0 = good.substr(first, good.find('}', first) + 1 - first);
+  const std::string piece1 = good.substr(second, good.find('}', second) + 1 - second);
+  ASSERT_NE(piece0, piece1);
+  testing::WriteBytes(meta, good.substr(0, second) + piece0 + good.substr(second + piece1.size()));
+  absl::Status s = load_a();
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("overlap"));
+  testing::WriteBytes(meta, "{\"version\": " + std::string(100000, '[') + std::string(100000, ']') + "}");
+  s = load_a();
+  EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+  EXPECT_THAT(s.message(), HasSubstr("nests deeper than 64 levels"));
 }
 
 TEST_F(CheckpointTest, BadFilesAndTargetsAreErrorsNamingThem) {
