@@ -158,9 +158,12 @@ absl::StatusOr<Variable> RMSNorm::Forward(const Variable& x) {
 }
 
 absl::StatusOr<Variable> Dropout::Forward(const Variable& x) {
-  if (!training() || p_ == 0) return x;
-  const uint64_t seed = seed_ * 0x9E3779B97F4A7C15ull + (calls_++);
-  return dtensor::Dropout(x, p_, seed, true);
+  // Through the hooks also in eval and at p = 0 (a style's layouts apply either way).
+  return WithHooks(x, [&](const Variable& x) -> absl::StatusOr<Variable> {
+    if (!training() || p_ == 0) return x;
+    const uint64_t seed = seed_ * 0x9E3779B97F4A7C15ull + (calls_++);
+    return dtensor::Dropout(x, p_, seed, true);
+  });
 }
 
 CausalSelfAttention::CausalSelfAttention(int64_t c, int64_t heads, double dropout, uint64_t seed)
@@ -175,6 +178,12 @@ absl::StatusOr<std::vector<Variable>> CausalSelfAttention::QkvHeads(const Variab
   std::vector<Variable> parts;  // q, k, v: [B, T, C]
   const Variable& w = *c_attn_->weight();
   if (w.value().dim() == 3) {
+    if (c_attn_->has_hooks()) {
+      return absl::FailedPreconditionError(
+          "[CausalSelfAttention] c_attn is viewed as stacked q, k, v (tensor parallelism's fused=3), which the "
+          "attention projects itself: hooks on c_attn (FullyShard, a wrapper, a style) would not run; put them on "
+          "the attention module");
+    }
     // The projection stacked as [3, C, C] (bias [3, C]): the same values as GPT-2's fused
     // [3C, C], laid out so that each of q, k and v can be split on its own (tensor
     // parallelism shards dim 1: each rank holds q, k and v of its heads; nn/parallel/).

@@ -47,8 +47,11 @@ absl::StatusOr<Call> SplitCall(const std::string& text) {
     const size_t eq = p.find('=');
     if (eq == std::string::npos)
       return InvalidArg("ParseStyle", "argument '", p, "' of '", text, "' is not name=value");
-    c.args.emplace_back(std::string(absl::StripAsciiWhitespace(p.substr(0, eq))),
-                        std::string(absl::StripAsciiWhitespace(p.substr(eq + 1))));
+    const std::string name(absl::StripAsciiWhitespace(p.substr(0, eq)));
+    for (const auto& [seen, value] : c.args) {
+      if (seen == name) return InvalidArg("ParseStyle", "argument '", name, "' given twice in '", text, "'");
+    }
+    c.args.emplace_back(name, std::string(absl::StripAsciiWhitespace(p.substr(eq + 1))));
   }
   return c;
 }

@@ -2,10 +2,14 @@
 
 #include <fnmatch.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -63,9 +67,13 @@ absl::Status ToLocalIf(bool local, Variable& x) {
   return absl::OkStatus();
 }
 
-// Records what `style` asks of `m`'s parameters into `plans` and installs its hooks.
-absl::Status Apply(const std::string& name, Module& m, const ParallelStyle& style, const std::string& rule,
-                   const DeviceMesh& mesh, int tp, absl::flat_hash_map<const VariableImpl*, ParamPlan>* plans) {
+// Records what `style` asks of `m` (whose parent is `parent`, null for the root) into `plans`
+// and its hooks into `hooks`, installed once the whole plan has passed its checks. The hooks
+// share `mesh_ptr` (a copy of the caller's mesh, alive as long as they are).
+absl::Status Apply(const std::string& name, Module& m, Module* parent, const ParallelStyle& style,
+                   const std::string& rule, const std::shared_ptr<const DeviceMesh>& mesh_ptr, int tp,
+                   absl::flat_hash_map<const VariableImpl*, ParamPlan>* plans,
+                   std::vector<std::function<void()>>* hooks) {
   auto place = [&](Variable* v, Placement p, int64_t fused = 1) -> absl::Status {
     if (v == nullptr) return absl::OkStatus();
     ParamPlan want{p, fused, rule};
@@ -89,6 +97,19 @@ absl::Status Apply(const std::string& name, Module& m, const ParallelStyle& styl
         return InvalidArg(kOp, where, ": fused=", c->fused, " needs a Linear whose ", out,
                           " outputs divide into that many blocks");
       }
+      // The stacked view is read by the attention's projection of q, k and v, which runs the
+      // three blocks itself (not through the Linear's Forward, so no hooks of its own).
+      const bool qkv = dynamic_cast<CausalSelfAttention*>(parent) != nullptr && absl::EndsWith(name, "c_attn");
+      if (!qkv || c->fused != 3) {
+        return InvalidArg(kOp, where, ": fused=", c->fused,
+                          " applies to the q, k, v projection (c_attn) of a CausalSelfAttention, as fused=3");
+      }
+      if (c->input_layout != Placement(Replicate()) || c->output_layout != Placement(Shard(-1)) ||
+          c->use_local_output) {
+        return InvalidArg(kOp, where, ": fused=3 keeps the default input (R), output (S(-1)) and use_local_output ",
+                          "(false): the attention consumes q, k and v itself (lay out its input with ",
+                          "PrepareModuleInput on the attention)");
+      }
     }
     if (linear != nullptr) {
       const Placement p = c->fused > 1 ? Placement(Shard(1)) : Placement(Shard(0));
@@ -97,13 +118,16 @@ absl::Status Apply(const std::string& name, Module& m, const ParallelStyle& styl
     } else {
       DT_RETURN_IF_ERROR(place(embedding->weight(), Shard(1)));
     }
+    if (c->fused > 1) return absl::OkStatus();
     const ColwiseParallel s = *c;
-    m.RegisterForwardInputHook([=, &mesh](Module&, Variable& x) {
-      return Prepare(x, mesh, tp, s.input_layout, Replicate(), where + " input");
-    });
-    m.RegisterForwardOutputHook([=, &mesh](Module&, Variable& y) -> absl::Status {
-      DT_RETURN_IF_ERROR(Prepare(y, mesh, tp, s.output_layout, s.output_layout, where + " output"));
-      return ToLocalIf(s.use_local_output, y);
+    hooks->push_back([=, &m] {
+      m.RegisterForwardInputHook([=](Module&, Variable& x) {
+        return Prepare(x, *mesh_ptr, tp, s.input_layout, Replicate(), where + " input");
+      });
+      m.RegisterForwardOutputHook([=](Module&, Variable& y) -> absl::Status {
+        DT_RETURN_IF_ERROR(Prepare(y, *mesh_ptr, tp, s.output_layout, s.output_layout, where + " output"));
+        return ToLocalIf(s.use_local_output, y);
+      });
     });
     return absl::OkStatus();
   }
@@ -118,13 +142,17 @@ absl::Status Apply(const std::string& name, Module& m, const ParallelStyle& styl
       DT_RETURN_IF_ERROR(place(embedding->weight(), Shard(0)));
     }
     const RowwiseParallel s = *r;
+    // Plain inputs are taken as laid out as input_layout, ids too (PyTorch's from_local with
+    // input_layouts), then brought to what the op needs.
     const Placement desired_in = embedding != nullptr ? Placement(Replicate()) : Placement(Shard(-1));
-    const Placement plain_in = embedding != nullptr ? Placement(Replicate()) : s.input_layout;
-    m.RegisterForwardInputHook(
-        [=, &mesh](Module&, Variable& x) { return Prepare(x, mesh, tp, plain_in, desired_in, where + " input"); });
-    m.RegisterForwardOutputHook([=, &mesh](Module&, Variable& y) -> absl::Status {
-      DT_RETURN_IF_ERROR(Prepare(y, mesh, tp, Partial(), s.output_layout, where + " output"));
-      return ToLocalIf(s.use_local_output, y);
+    hooks->push_back([=, &m] {
+      m.RegisterForwardInputHook([=](Module&, Variable& x) {
+        return Prepare(x, *mesh_ptr, tp, s.input_layout, desired_in, where + " input");
+      });
+      m.RegisterForwardOutputHook([=](Module&, Variable& y) -> absl::Status {
+        DT_RETURN_IF_ERROR(Prepare(y, *mesh_ptr, tp, Partial(), s.output_layout, where + " output"));
+        return ToLocalIf(s.use_local_output, y);
+      });
     });
     return absl::OkStatus();
   }
@@ -135,22 +163,28 @@ absl::Status Apply(const std::string& name, Module& m, const ParallelStyle& styl
     }
     for (auto& [pname, v] : m.NamedParameters()) DT_RETURN_IF_ERROR(place(v, Replicate()));
     const SequenceParallel s = *q;
-    m.RegisterForwardInputHook([=, &mesh](Module&, Variable& x) {
-      return Prepare(x, mesh, tp, Shard(s.sequence_dim), Shard(s.sequence_dim), where + " input");
+    hooks->push_back([=, &m] {
+      m.RegisterForwardInputHook([=](Module&, Variable& x) {
+        return Prepare(x, *mesh_ptr, tp, Shard(s.sequence_dim), Shard(s.sequence_dim), where + " input");
+      });
+      m.RegisterForwardOutputHook([=](Module&, Variable& y) { return ToLocalIf(s.use_local_output, y); });
     });
-    m.RegisterForwardOutputHook([=](Module&, Variable& y) { return ToLocalIf(s.use_local_output, y); });
     return absl::OkStatus();
   }
   if (const auto* i = std::get_if<PrepareModuleInput>(&style)) {
     const PrepareModuleInput s = *i;
-    m.RegisterForwardInputHook([=, &mesh](Module&, Variable& x) {
-      return Prepare(x, mesh, tp, s.input_layout, s.desired_input_layout, where + " input");
+    hooks->push_back([=, &m] {
+      m.RegisterForwardInputHook([=](Module&, Variable& x) {
+        return Prepare(x, *mesh_ptr, tp, s.input_layout, s.desired_input_layout, where + " input");
+      });
     });
     return absl::OkStatus();
   }
   const PrepareModuleOutput s = std::get<PrepareModuleOutput>(style);
-  m.RegisterForwardOutputHook([=, &mesh](Module&, Variable& y) {
-    return Prepare(y, mesh, tp, s.output_layout, s.desired_output_layout, where + " output");
+  hooks->push_back([=, &m] {
+    m.RegisterForwardOutputHook([=](Module&, Variable& y) {
+      return Prepare(y, *mesh_ptr, tp, s.output_layout, s.desired_output_layout, where + " output");
+    });
   });
   return absl::OkStatus();
 }
@@ -186,18 +220,21 @@ absl::Status ParallelizeModule(Module& module, const DeviceMesh& mesh, const Par
   } else if (mesh.ndim() != 1) {
     return InvalidArg(kOp, "mesh ", mesh.ToString(), " has ", mesh.ndim(), " dims: name its tensor-parallel dim");
   }
-  // The mesh must outlive the hooks: keep a copy with the module.
-  auto kept = std::make_shared<DeviceMesh>(mesh);
-  module.SetAttachment(absl::StrCat("tp:", mesh.ToString(), ":", tp), kept);
+  // The hooks hold the mesh (a copy shared by them): it outlives the caller's.
+  auto kept = std::make_shared<const DeviceMesh>(mesh);
   absl::flat_hash_map<const VariableImpl*, ParamPlan> plans;
+  std::vector<std::function<void()>> hooks;  // installed once every check has passed
   std::vector<std::pair<std::string, Module*>> modules = module.NamedModules();
+  absl::flat_hash_map<std::string, Module*> by_name(modules.begin(), modules.end());
   for (const auto& [pattern, style] : plan.rules) {
     const std::string rule = absl::StrCat(pattern, ": ", StyleToString(style));
     int matched = 0;
     for (auto& [name, m] : modules) {
       if (!MatchesModulePattern(pattern, name)) continue;
       ++matched;
-      DT_RETURN_IF_ERROR(Apply(name, *m, style, rule, *kept, tp, &plans));
+      const size_t dot = name.rfind('.');
+      Module* parent = name.empty() ? nullptr : by_name[dot == std::string::npos ? "" : name.substr(0, dot)];
+      DT_RETURN_IF_ERROR(Apply(name, *m, parent, style, rule, kept, tp, &plans, &hooks));
     }
     if (matched == 0) return InvalidArg(kOp, "rule '", rule, "' matches no module");
   }
@@ -239,13 +276,19 @@ absl::Status ParallelizeModule(Module& module, const DeviceMesh& mesh, const Par
       }
     }
   }
-  // Every parameter onto the mesh: its placement on tp, Replicate elsewhere.
   for (auto& [name, v] : named) {
     const Value& val = v->value();
     if (val.is_dtensor()) {
       return InvalidArg(kOp, "parameter ", name, " is a DTensor already (", val.dtensor().ToString(),
-                        "): apply tensor parallelism first");
+                        "): apply tensor parallelism first, and once");
     }
+  }
+  // Checked: nothing was changed before this point, so a plan refused leaves the module as it
+  // was (and may be fixed and applied again).
+  for (const std::function<void()>& install : hooks) install();
+  // Every parameter onto the mesh: its placement on tp, Replicate elsewhere.
+  for (auto& [name, v] : named) {
+    const Value& val = v->value();
     ParamPlan pp{Replicate(), 1, ""};
     if (auto it = plans.find(v->id()); it != plans.end()) pp = it->second;
     Tensor full = val.local();

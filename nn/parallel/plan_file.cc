@@ -1,10 +1,12 @@
 #include "dtensor/nn/parallel/plan_file.h"
 
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "dtensor/tensor/json_nesting.h"
 #include "dtensor/tensor/status.h"
 #include "nlohmann/json.hpp"
 
@@ -46,14 +48,36 @@ absl::StatusOr<ParallelDims> ParallelDims::Resolve(int64_t world) const {
 }
 
 absl::StatusOr<PlanFile> ParsePlanFile(const std::string& json, const std::string& source) {
-  Json j = Json::parse(json, nullptr, /*allow_exceptions=*/false);
+  // A plan nests 3 deep; a text nested far deeper would overflow the stack when parsed.
+  constexpr int64_t kMaxNesting = 16;
+  if (JsonNesting(json) > kMaxNesting) return InvalidArg(kOp, source, ": nests deeper than ", kMaxNesting, " levels");
+  // A key given twice in one object would otherwise silently take its last value.
+  std::vector<std::set<std::string>> keys;  // of each object open
+  std::string twice;
+  Json::parser_callback_t check = [&](int /*depth*/, Json::parse_event_t event, Json& parsed) {
+    if (event == Json::parse_event_t::object_start) keys.emplace_back();
+    if (event == Json::parse_event_t::object_end && !keys.empty()) keys.pop_back();
+    if (event == Json::parse_event_t::key && !keys.empty() && !keys.back().insert(parsed.get<std::string>()).second &&
+        twice.empty()) {
+      twice = parsed.get<std::string>();
+    }
+    return true;
+  };
+  Json j = Json::parse(json, check, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return InvalidArg(kOp, source, ": not a JSON object");
+  if (!twice.empty()) return InvalidArg(kOp, source, ": key \"", twice, "\" appears twice in one object");
   PlanFile f;
   f.plan.every_parameter = true;
   for (auto it = j.begin(); it != j.end(); ++it) {
-    if (it.key() != "mesh" && it.key() != "rules") {
-      return InvalidArg(kOp, source, ": unknown key \"", it.key(), "\" (a plan has \"mesh\" and \"rules\")");
+    if (it.key() != "mesh" && it.key() != "rules" && it.key() != "every_parameter") {
+      return InvalidArg(kOp, source, ": unknown key \"", it.key(),
+                        "\" (a plan has \"mesh\", \"rules\" and optionally \"every_parameter\")");
     }
+  }
+  if (j.contains("every_parameter")) {
+    if (!j["every_parameter"].is_boolean())
+      return InvalidArg(kOp, source, ": \"every_parameter\" must be true or false");
+    f.plan.every_parameter = j["every_parameter"].get<bool>();
   }
   if (j.contains("mesh")) {
     const Json& m = j["mesh"];
@@ -119,6 +143,7 @@ absl::StatusOr<PlanFile> ReadPlanFile(const std::string& path) {
 std::string PlanFileToJson(const PlanFile& file) {
   Json j;
   j["mesh"] = {{"dp_replicate", file.dims.dp_replicate}, {"dp_shard", file.dims.dp_shard}, {"tp", file.dims.tp}};
+  if (!file.plan.every_parameter) j["every_parameter"] = false;  // files default to true
   j["rules"] = Json::array();
   for (const auto& [pattern, style] : file.plan.rules) {
     j["rules"].push_back({{"module", pattern}, {"style", StyleToString(style)}});

@@ -20,10 +20,11 @@
 // form, applied as ParallelizeModule applies a style) or {"param": pattern, "placements":
 // {dim: placement}} (raw placements of parameters on the model-parallel dims: "S(0)", "R").
 // Patterns are dotted names with shell globs per segment. A file describes every parameter:
-// one that no rule covers is refused (every_parameter).
+// one that no rule covers is refused ("every_parameter", default true; false: such parameters
+// are Replicate, as in a code plan that says so).
 //
-// Errors (InvalidArgument quoting the file and the rule): malformed JSON, unknown keys, an
-// unknown mesh dim, a bad style or placement text; then, when applied: degrees that do not
+// Errors (InvalidArgument quoting the file and the rule): malformed JSON, unknown keys, a key
+// twice in one object, an unknown mesh dim, a bad style or placement text; then, when applied: degrees that do not
 // multiply to the world size, a shard of a dim a parameter lacks, a parameter no rule covers.
 #ifndef DTENSOR_NN_PARALLEL_PLAN_FILE_H_
 #define DTENSOR_NN_PARALLEL_PLAN_FILE_H_
@@ -49,7 +50,7 @@ struct ParallelDims {
 
 struct PlanFile {
   ParallelDims dims;
-  ParallelizePlan plan;  // every_parameter set
+  ParallelizePlan plan;  // every_parameter as the file says (default true)
 };
 
 absl::StatusOr<PlanFile> ParsePlanFile(const std::string& json, const std::string& source = "plan");

@@ -37,6 +37,11 @@ TEST(PlanFileTest, TheGptPlanFileHoldsTheCodesRules) {
   const nn::PlanFile back = Unwrap(nn::ParsePlanFile(nn::PlanFileToJson(f)));
   EXPECT_EQ(back.plan, f.plan);
   EXPECT_EQ(back.dims, f.dims);
+  // A code plan (every_parameter false: parameters no rule names are Replicate) written out
+  // reads back as the same plan, not as one that refuses wpe.
+  const nn::PlanFile code{.dims = f.dims, .plan = nn::GptTensorParallelPlan(false)};
+  ASSERT_FALSE(code.plan.every_parameter);
+  EXPECT_EQ(Unwrap(nn::ParsePlanFile(nn::PlanFileToJson(code))).plan, code.plan);
 }
 
 // Per rank: every parameter's layout and the losses of 3 steps, under `plan`.
@@ -106,6 +111,10 @@ TEST(PlanFileTest, WrongFilesAreRefusedWithTheRule) {
   parse_error(R"j({"rules": [{"param": "x", "placements": {"tp": "S"}}]})j", R"j("tp":"S")j");
   parse_error(R"j({"rules": [{"layer": "x"}]})j", "names neither");
   parse_error(R"j({"mode": 1, "rules": []})j", "unknown key \"mode\"");
+  parse_error(R"j({"rules": [{"module": "lm_head", "module": "transformer.wte", "style": "RowwiseParallel"}]})j",
+              "key \"module\" appears twice");
+  parse_error(R"j({"every_parameter": 1, "rules": []})j", "must be true or false");
+  parse_error(std::string(100000, '[') + std::string(100000, ']'), "nests deeper than 16 levels");
 
   // Applied: a shard of a dim the parameter lacks, a parameter no rule covers, a
   // data-parallel dim, each naming the rule or the parameter.

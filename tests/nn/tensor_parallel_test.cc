@@ -14,9 +14,11 @@
 #include "dtensor/autograd/ops.h"
 #include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/nn/gpt.h"
+#include "dtensor/nn/layers.h"
 #include "dtensor/nn/optim.h"
 #include "dtensor/nn/parallel/fully_shard.h"
 #include "dtensor/nn/parallel/gpt_plan.h"
+#include "dtensor/nn/parallel/parallelize.h"
 #include "dtensor/ops/ops.h"
 #include "gtest/gtest.h"
 #include "tests/testing/test_util.h"
@@ -249,9 +251,102 @@ TEST(TensorParallelTest, StylesPrintAndParseBack) {
   EXPECT_TRUE(absl::IsInvalidArgument(nn::ParseStyle("DiagonalParallel").status()));
   EXPECT_TRUE(absl::IsInvalidArgument(nn::ParseStyle("ColwiseParallel(outptu=R)").status()));
   EXPECT_TRUE(absl::IsInvalidArgument(nn::ParseStyle("RowwiseParallel(output=S(x))").status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(nn::ParseStyle("ColwiseParallel(output=R, output=S(0))").status()));
   EXPECT_TRUE(nn::MatchesModulePattern("transformer.h.*.attn", "transformer.h.11.attn"));
   EXPECT_FALSE(nn::MatchesModulePattern("transformer.h.*.attn", "transformer.h.1.attn.c_attn"));
   EXPECT_FALSE(nn::MatchesModulePattern("transformer.h.*", "transformer.ln_f"));
+}
+
+// A plan refused part way (its last rule matches nothing) changes nothing, so the fixed plan
+// then applies cleanly, and applying it again is refused; the forward after both, on plain
+// ids (which the wte hook lays out on the mesh it keeps), gives the one-rank loss. (The
+// hooks of a second call once replaced the mesh the first call's hooks used: a use after
+// free that ASan reports.)
+TEST(TensorParallelTest, ARefusedPlanChangesNothingAndASecondApplyIsRefused) {
+  auto [inputs, targets] = Batch(0);
+  double want = 0;
+  {
+    auto model = Unwrap(nn::GPT::Create(Config()));
+    ASSERT_TRUE(model->InitWeights(5).ok());
+    want = testing::Values(Unwrap(model->Forward(Variable::Constant(Value(inputs)), Variable::Constant(Value(targets))))
+                               .loss.value()
+                               .local())[0];
+  }
+  auto comms = Unwrap(MakeThreadGroup(2, absl::Seconds(30)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto model = Unwrap(nn::GPT::Create(Config()));
+      ASSERT_TRUE(model->InitWeights(5).ok());
+      nn::ParallelizePlan bad = nn::GptTensorParallelPlan(false);
+      bad.rules.emplace_back("transformer.h.*.mlpp", nn::ColwiseParallel{});
+      {
+        DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2}, {"tp"}));
+        EXPECT_TRUE(absl::IsInvalidArgument(nn::ParallelizeModule(*model, mesh, bad, "tp")));
+        for (auto& [name, m] : model->NamedModules()) EXPECT_FALSE(m->has_hooks()) << name;
+        ASSERT_TRUE(nn::ParallelizeModule(*model, mesh, nn::GptTensorParallelPlan(false), "tp").ok());
+        const absl::Status again = nn::ParallelizeModule(*model, mesh, nn::GptTensorParallelPlan(false), "tp");
+        EXPECT_TRUE(absl::IsInvalidArgument(again)) << again;
+        EXPECT_NE(again.message().find("is a DTensor already"), std::string::npos) << again;
+      }  // the caller's mesh is gone; the hooks keep theirs
+      nn::GPT::Output o = Unwrap(model->Forward(Variable::Constant(Value(inputs)), Variable::Constant(Value(targets))));
+      Value l = o.loss.value();
+      if (l.is_dtensor()) l = Unwrap(l.dtensor().Redistribute(Layout({Replicate()})));
+      EXPECT_NEAR(testing::Values(l.local())[0], want, 1e-5) << "rank " << r;
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// Styles apply where they say: SequenceParallel on a Dropout lays its plain input out as
+// Shard(1) (in eval and at p = 0 too); RowwiseParallel on an Embedding takes plain ids as its
+// input_layout (here each rank's half of the sequence) and gathers them to Replicate, as
+// PyTorch's from_local(input_layouts) does. A fused rule is only for attention's c_attn, with
+// its default layouts (the attention projects q, k and v itself).
+TEST(TensorParallelTest, StylesApplyWhereTheySay) {
+  const Tensor table = Unwrap(Reshape(Unwrap(Arange(10 * 4, DType::kFloat32)), {10, 4}));
+  std::vector<int32_t> ids_all = {3, 1, 4, 1, 5, 9, 2, 6};  // [2, 4]
+  auto comms = Unwrap(MakeThreadGroup(2, absl::Seconds(30)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2}, {"tp"}));
+      nn::Dropout drop(0.0, 1);
+      ASSERT_TRUE(nn::ParallelizeModule(drop, mesh, {{"", nn::SequenceParallel{}}}, "tp").ok());
+      const Tensor piece = Unwrap(Zeros({2, 3, 4}, DType::kFloat32));
+      Variable y = Unwrap(drop.Forward(Variable::Constant(Value(piece))));
+      ASSERT_TRUE(y.value().is_dtensor());
+      EXPECT_EQ(y.value().dtensor().layout(), Layout({Shard(1)}));
+      EXPECT_EQ(y.value().shape(), IntSpan({2, 6, 4}));
+
+      nn::Embedding emb(10, 4);
+      ASSERT_TRUE(Copy_(emb.weight()->value().local(), table).ok());
+      ASSERT_TRUE(nn::ParallelizeModule(emb, mesh, {{"", nn::RowwiseParallel{.input_layout = Shard(1)}}}, "tp").ok());
+      std::vector<int32_t> mine;  // columns 2r, 2r + 1 of each row
+      for (int64_t b = 0; b < 2; ++b) {
+        for (int64_t t = 2 * r; t < 2 * r + 2; ++t) mine.push_back(ids_all[static_cast<size_t>(b * 4 + t)]);
+      }
+      Variable e = Unwrap(emb.Forward(Variable::Constant(Value(Unwrap(Tensor::FromVector<int32_t>(mine, {2, 2}))))));
+      ASSERT_TRUE(e.value().is_dtensor());
+      EXPECT_EQ(e.value().shape(), IntSpan({2, 4, 4}));
+      std::vector<double> want;
+      for (int32_t id : ids_all) {
+        for (int64_t c = 0; c < 4; ++c) want.push_back(static_cast<double>(id * 4 + c));
+      }
+      EXPECT_EQ(testing::Values(Unwrap(e.value().dtensor().FullTensor())), want);
+
+      auto refused = [&](const nn::ParallelizePlan& plan, const std::string& needle) {
+        auto model = Unwrap(nn::GPT::Create(Config()));
+        const absl::Status s = nn::ParallelizeModule(*model, mesh, plan, "tp");
+        EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+        EXPECT_NE(s.message().find(needle), std::string::npos) << s;
+      };
+      refused({{"transformer.h.*.mlp.c_fc", nn::ColwiseParallel{.fused = 2}}}, "applies to the q, k, v projection");
+      refused({{"transformer.h.*.attn.c_attn", nn::ColwiseParallel{.output_layout = Replicate(), .fused = 3}}},
+              "keeps the default input");
+    });
+  }
+  for (auto& t : threads) t.join();
 }
 
 TEST(TensorParallelTest, BadPlansAreRefusedWithTheRule) {
