@@ -139,7 +139,7 @@ ABSL_FLAG(int64_t, val_batches, 4, "batches per validation");
 // Checkpoints.
 ABSL_FLAG(std::string, ckpt_dir, "", "directory of the distributed checkpoints");
 ABSL_FLAG(int64_t, ckpt_every, 0, "save a checkpoint every N steps (0: never)");
-ABSL_FLAG(int64_t, ckpt_keep, 0, "keep the newest K checkpoints (0: all)");
+ABSL_FLAG(int64_t, ckpt_keep, 0, "keep K checkpoints: the one saved and the newest before it (0: all)");
 ABSL_FLAG(bool, ckpt_async, false, "write checkpoints in the background (committed at the next save or the end)");
 ABSL_FLAG(bool, resume, false, "resume from the newest complete checkpoint in --ckpt-dir, under any parallelism");
 
@@ -520,7 +520,28 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   // every --ckpt-every steps; --resume loads the newest onto whatever layouts this run has ----
   const std::vector<std::pair<std::string, Variable*>> named = model->NamedParameters();
   const int64_t n_params = static_cast<int64_t>(named.size());
-  auto checkpoint_state = [&](const Tensor& progress) -> absl::StatusOr<CheckpointState> {
+  // With dropout, each layer's call count (which picks its next mask) is saved too, so a
+  // resumed run draws the masks the uninterrupted one would.
+  std::vector<nn::Dropout*> dropouts;
+  if (f.dropout > 0) {
+    for (auto& [name, m] : model->NamedModules()) {
+      if (auto* d = dynamic_cast<nn::Dropout*>(m)) dropouts.push_back(d);
+    }
+  }
+  const int64_t n_dropouts = static_cast<int64_t>(dropouts.size());
+  // Every rank's verdict on a step each did alone (loading, opening a file): all fail when one
+  // does, the others naming it, instead of waiting for it in the next collective.
+  auto agree = [&](const absl::Status& mine, const std::string& what) -> absl::Status {
+    if (world.size() == 1) return mine;
+    DT_ASSIGN_OR_RETURN(Tensor flag, Tensor::FromVector<float>({mine.ok() ? 1.0f : 0.0f}, {1}));
+    DT_ASSIGN_OR_RETURN(flag, To(flag, world.device()));
+    DT_RETURN_IF_ERROR(world.AllReduce(flag, flag, CommReduceOp::kMin));
+    DT_ASSIGN_OR_RETURN(flag, To(flag, Device::Cpu()));
+    if (!mine.ok() || flag.data<float>()[0] > 0.5f) return mine;
+    return absl::AbortedError(
+        absl::StrCat("[gpt_train] rank ", world.rank(), ": another rank failed ", what, " (its error says why)"));
+  };
+  auto checkpoint_state = [&](const Tensor& progress, const Tensor& dropout_calls) -> absl::StatusOr<CheckpointState> {
     DT_RETURN_IF_ERROR(opt.InitState());
     CheckpointState state;
     for (size_t i = 0; i < named.size(); ++i) {
@@ -540,6 +561,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       state.push_back({"optim." + named[i].first + ".exp_avg_sq", as_param(opt.exp_avg_sq(i)), stored});
     }
     state.push_back({"train.progress", progress});
+    if (n_dropouts > 0) state.push_back({"train.dropout_calls", dropout_calls});
     return state;
   };
   int64_t first_step = 0;
@@ -547,8 +569,12 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   if (f.resume) {
     DT_ASSIGN_OR_RETURN(const std::string dir, LatestCheckpoint(f.ckpt_dir));
     DT_ASSIGN_OR_RETURN(Tensor progress, Zeros({3 + n_params}, DType::kInt64));
-    DT_ASSIGN_OR_RETURN(CheckpointState state, checkpoint_state(progress));
-    DT_RETURN_IF_ERROR(LoadCheckpoint(dir, state));
+    DT_ASSIGN_OR_RETURN(Tensor dropout_calls, Zeros({std::max<int64_t>(n_dropouts, 1)}, DType::kInt64));
+    DT_ASSIGN_OR_RETURN(CheckpointState state, checkpoint_state(progress, dropout_calls));
+    DT_RETURN_IF_ERROR(agree(LoadCheckpoint(dir, state), "to load " + dir));
+    for (int64_t i = 0; i < n_dropouts; ++i) {
+      dropouts[static_cast<size_t>(i)]->set_calls(static_cast<uint64_t>(dropout_calls.data<int64_t>()[i]));
+    }
     const int64_t* pr = progress.data<int64_t>();
     first_step = pr[0];
     DT_RETURN_IF_ERROR(loader.set_position(pr[1]));
@@ -561,17 +587,11 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     metrics.open(f.metrics, std::ios::trunc);
     metrics_ok = static_cast<bool>(metrics);
   }
-  if (world.size() > 1) {  // every rank stops when rank 0 cannot write (else they wait for it)
-    DT_ASSIGN_OR_RETURN(Tensor flag, Tensor::FromVector<float>({metrics_ok ? 1.0f : 0.0f}, {1}));
-    DT_ASSIGN_OR_RETURN(flag, To(flag, world.device()));
-    DT_RETURN_IF_ERROR(world.AllReduce(flag, flag, CommReduceOp::kMin));
-    DT_ASSIGN_OR_RETURN(flag, To(flag, Device::Cpu()));
-    metrics_ok = flag.data<float>()[0] > 0.5f;
-  }
-  if (!metrics_ok) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("[gpt_train] rank ", world.rank(), ": rank 0 cannot open --metrics ", f.metrics));
-  }
+  // Every rank stops when rank 0 cannot write (else they wait for it).
+  DT_RETURN_IF_ERROR(agree(metrics_ok ? absl::OkStatus()
+                                      : absl::InvalidArgumentError(absl::StrCat("[gpt_train] rank ", world.rank(),
+                                                                                ": cannot open --metrics ", f.metrics)),
+                           "to open --metrics " + f.metrics));
 
   // ---- Training ----
   // What each phase sent, per collective kind (the mesh's CommCounter, switched per phase), and
@@ -831,7 +851,11 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       std::vector<int64_t> progress = {step + 1, loader.position(), opt.step_count()};
       for (int64_t s : opt.param_steps()) progress.push_back(s);
       DT_ASSIGN_OR_RETURN(Tensor pt, Tensor::FromVector<int64_t>(progress, {3 + n_params}));
-      DT_ASSIGN_OR_RETURN(CheckpointState state, checkpoint_state(pt));
+      std::vector<int64_t> calls;
+      for (nn::Dropout* d : dropouts) calls.push_back(static_cast<int64_t>(d->calls()));
+      if (calls.empty()) calls.push_back(0);
+      DT_ASSIGN_OR_RETURN(Tensor dc, Tensor::FromVector<int64_t>(calls, {static_cast<int64_t>(calls.size())}));
+      DT_ASSIGN_OR_RETURN(CheckpointState state, checkpoint_state(pt, dc));
       // The number of heads, which the parameters' shapes do not tell (for gpt_generate and
       // gpt_export; a resume does not read it).
       DT_ASSIGN_OR_RETURN(Tensor heads, Tensor::FromVector<int64_t>({cfg.n_head}, {1}));

@@ -335,8 +335,10 @@ TEST_F(GptTrainTest, ExplainMatchesOneRealStep) {
 // one-rank run.
 TEST_F(GptFsdpTest, ResumeUnderTheSameParallelismIsBitIdentical) {
   const std::string common = "--batch 12 --eps 1e-5 --device cpu ";
-  for (const std::string flags : {"--ranks 1", "--ranks 2 --dp-shard 1 --dp-replicate 2", "--ranks 4",
-                                  "--ranks 2 --tp 2", "--ranks 4 --tp 2", "--ranks 4 --ckpt-async true"}) {
+  // (--dropout: each layer's dropout call count, which picks its next mask, is saved too.)
+  for (const std::string flags :
+       {"--ranks 1", "--ranks 2 --dp-shard 1 --dp-replicate 2", "--ranks 4", "--ranks 2 --tp 2", "--ranks 4 --tp 2",
+        "--ranks 4 --ckpt-async true", "--ranks 2 --dropout 0.1"}) {
     SCOPED_TRACE(flags);
     const std::string dir = Path("ckpt" + std::to_string(std::hash<std::string>()(flags)));
     const std::vector<double> whole = RunLosses("", common + "--steps 20 " + flags, "whole");
@@ -352,6 +354,28 @@ TEST_F(GptFsdpTest, ResumeUnderTheSameParallelismIsBitIdentical) {
       EXPECT_EQ(rest[i], whole[10 + i]) << "step " << 10 + i;
     }
   }
+}
+
+// One rank's load fails (a flipped byte in its file): every rank stops with an error, the
+// failing one naming the checksum, instead of the others waiting for it in the next
+// collective (thread ranks: the job hung, its error never printed).
+TEST_F(GptFsdpTest, ALoadThatFailsOnOneRankStopsEveryRank) {
+  const std::string dir = Path("bad_load");
+  const std::string common = "--text " + Corpus() +
+                             " --n-layer 1 --n-head 2 --n-embd 16 --seq 8 --batch 4 --sample-tokens 0 --device cpu"
+                             " --ranks 2 --ckpt-dir " +
+                             dir + " ";
+  ASSERT_EQ(Train("", common + "--steps 2 --ckpt-every 2").code, 0);
+  const std::string file = dir + "/step-00000002/rank-00001.bin";
+  std::string bytes = testing::ReadBytes(file);
+  ASSERT_GT(bytes.size(), 8u);
+  bytes[5] ^= 0x10;
+  testing::WriteBytes(file, bytes);
+  const auto t0 = std::chrono::steady_clock::now();
+  const ProcessRun run = Train("", common + "--steps 4 --resume");
+  EXPECT_NE(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("checksum mismatch in rank-00001.bin"), std::string::npos) << run.out;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60)) << run.out;
 }
 
 TEST_F(GptFsdpTest, ResumeUnderAnotherParallelismFollowsOneRank) {
