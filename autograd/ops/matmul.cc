@@ -68,7 +68,10 @@ absl::StatusOr<std::vector<TensorMeta>> LinearMeta(absl::Span<const TensorMeta> 
   if (x.empty() || w.size() != 2 || x.back() != w[1] || in[0].dtype != in[1].dtype) {
     return op_util::Invalid(
         "Linear", absl::StrCat("x ", ShapeString(x), " ", DTypeName(in[0].dtype), " and w ", ShapeString(w), " ",
-                               DTypeName(in[1].dtype), " do not fit (w must be [out, in], in = x's last dim)"));
+                               DTypeName(in[1].dtype), " do not fit (",
+                               in[0].dtype != in[1].dtype ? "the dtypes differ: cast x to w's"
+                                                          : "w must be [out, in], in = x's last dim",
+                               ")"));
   }
   Shape out = x;
   out.back() = w[0];

@@ -38,6 +38,9 @@ struct MixedPrecisionPolicy {
   std::optional<DType> param_dtype = std::nullopt;   // gather and compute in it (default: the parameter's dtype)
   std::optional<DType> reduce_dtype = std::nullopt;  // reduce gradients in it (default: the parameter's dtype)
   std::optional<DType> output_dtype = std::nullopt;  // cast the module's floating output to it
+  // Cast the module's floating input to param_dtype before its forward (PyTorch's default), so
+  // a float32 input meets bfloat16 parameters as their dtype.
+  bool cast_forward_inputs = true;
 };
 
 struct FsdpOptions {

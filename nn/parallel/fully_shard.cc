@@ -83,6 +83,16 @@ struct FsdpHooks {
     return absl::OkStatus();
   }
 
+  static absl::Status CastInput(FsdpGroup& g, Variable& in) {
+    const MixedPrecisionPolicy& mp = g.options_.mp_policy;
+    if (!mp.cast_forward_inputs || !mp.param_dtype.has_value() || !in.defined() ||
+        !IsComputeFloat(in.value().dtype()) || in.value().dtype() == *mp.param_dtype) {
+      return absl::OkStatus();
+    }
+    DT_ASSIGN_OR_RETURN(in, Cast(in, *mp.param_dtype));
+    return absl::OkStatus();
+  }
+
   static absl::Status CastOutput(FsdpGroup& g, Variable& out) {
     const auto& dtype = g.options_.mp_policy.output_dtype;
     if (!dtype.has_value() || !out.defined() || !IsComputeFloat(out.value().dtype())) return absl::OkStatus();
@@ -191,6 +201,7 @@ absl::StatusOr<FsdpGroup*> FullyShard(Module& module, const DeviceMesh& mesh, co
   module.SetAttachment(kAttachment, std::move(group));
   module.RegisterForwardPreHook([g](Module&) { return FsdpHooks::PreForward(*g); });
   module.RegisterForwardHook([g](Module&) { return FsdpHooks::PostForward(*g); });
+  module.RegisterForwardInputHook([g](Module&, Variable& in) { return FsdpHooks::CastInput(*g, in); });
   module.RegisterForwardOutputHook([g](Module&, Variable& out) { return FsdpHooks::CastOutput(*g, out); });
   module.RegisterBackwardPreHook([g](Module&) { return FsdpHooks::PreBackward(*g); });
   return g;

@@ -45,7 +45,10 @@
 // Mixed precision: parameters are gathered and computed in param_dtype (e.g. bfloat16);
 // gradients are reduced in reduce_dtype (default: the parameter's own dtype, float32); the
 // sharded master parameters, gradients and optimizer state keep the parameter's dtype;
-// output_dtype casts the module's floating output.
+// cast_forward_inputs (default on) casts the module's floating input to param_dtype, and
+// output_dtype its floating output. (PyTorch reduces in param_dtype when reduce_dtype is unset;
+// here reductions stay in float32 unless asked.) A module may run more than once in one
+// forward: its gradients are reduced once, after the backward of every use.
 //
 // Errors (InvalidArgument naming the values): a module already sharded; a parameter on
 // another device than the mesh's; a 0-d parameter; a DTensor parameter whose mesh does not

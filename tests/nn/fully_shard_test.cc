@@ -466,6 +466,34 @@ TEST(FullyShardTest, ModuleUsedTwiceAndAHeldEarlierLossReduceEveryGradient) {
   for (auto& t : threads) t.join();
 }
 
+// cast_forward_inputs (PyTorch's default): a float32 input meets bfloat16 parameters cast to
+// bfloat16, and the output is bfloat16 (its values: the float32 Linear within bfloat16's
+// rounding); off, the dtypes do not meet and the Linear says so.
+TEST(FullyShardTest, ForwardInputsAreCastToTheParamDtype) {
+  auto comms = Unwrap(MakeThreadGroup(1));
+  DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[0], {1}));
+  const Tensor x = testing::Random({2, 4}, DType::kFloat32, 7, -1.0, 1.0);
+  for (bool cast : {true, false}) {
+    nn::Linear lin(4, 3);
+    const std::vector<double> want = testing::Values(
+        Unwrap(dtensor::Linear(Variable::Constant(Value(x)), *lin.weight(), *lin.bias())).value().local());
+    nn::FsdpOptions o;
+    o.mp_policy.param_dtype = DType::kBFloat16;
+    o.mp_policy.cast_forward_inputs = cast;
+    ASSERT_TRUE(nn::FullyShard(lin, mesh, o).ok());
+    const Value xd = Unwrap(DTensor::Distribute(x, mesh, {Replicate()}, {.src_rank = std::nullopt}));
+    absl::StatusOr<Variable> y = lin.Forward(Variable::Constant(xd));
+    if (!cast) {
+      EXPECT_FALSE(y.ok());
+      EXPECT_NE(y.status().message().find("the dtypes differ"), std::string::npos) << y.status();
+      continue;
+    }
+    ASSERT_TRUE(y.ok()) << y.status();
+    EXPECT_EQ(y->value().dtype(), DType::kBFloat16);
+    testing::ExpectNear(testing::Values(y->value().dtensor().ToLocal()), want, {2e-2, 2e-2}, "bf16 Linear");
+  }
+}
+
 TEST(FullyShardTest, BadUseIsAnError) {
   auto comms = Unwrap(MakeThreadGroup(1));
   DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[0], {1}, {"dp"}));
