@@ -101,7 +101,8 @@ void ReduceFloat(CommReduceOp op, absl::Span<const char* const> srcs, int64_t be
   }
 }
 
-// Integers: sums and products wrap (computed in uint64, then truncated), avg truncates.
+// Integers: sums and products wrap (computed in uint64, then truncated to T), avg divides the
+// wrapped sum and truncates (as the ucx backend and NCCL, which sum in T).
 template <typename T>
 void ReduceInt(CommReduceOp op, absl::Span<const char* const> srcs, int64_t begin, int64_t n, char* dst) {
   auto load_u = [](T v) { return static_cast<uint64_t>(static_cast<int64_t>(v)); };
@@ -117,7 +118,7 @@ void ReduceInt(CommReduceOp op, absl::Span<const char* const> srcs, int64_t begi
       const int64_t size = static_cast<int64_t>(srcs.size());
       ReduceChunks<T, uint64_t>(
           srcs, begin, n, dst, load_u, [](uint64_t a, uint64_t b) { return a + b; },
-          [&](uint64_t v) { return static_cast<T>(static_cast<int64_t>(v) / size); });
+          [&](uint64_t v) { return static_cast<T>(static_cast<int64_t>(static_cast<T>(v)) / size); });
       return;
     }
     case CommReduceOp::kMax:

@@ -735,6 +735,15 @@ TEST(ThreadsTest, IntegerAvgTruncatesTowardZero) {
     EXPECT_EQ(t.data<int32_t>()[1], -1);
     return absl::OkStatus();
   }));
+  // The sum wraps in the element type before the division, as on ucx and NCCL: 2 x 2e9 wraps
+  // to -294967296 in int32, whose half is -147483648 (not 2e9).
+  ExpectAllOk(RunRanks(2, [](int, CommPtr& comm) -> absl::Status {
+    DT_ASSIGN_OR_RETURN(Tensor t, Tensor::FromVector<int32_t>({2000000000, 7}, {2}));
+    DT_RETURN_IF_ERROR(comm->AllReduce(t, t, CommReduceOp::kAvg));
+    EXPECT_EQ(t.data<int32_t>()[0], -147483648);
+    EXPECT_EQ(t.data<int32_t>()[1], 7);
+    return absl::OkStatus();
+  }));
 }
 
 // In place and overlapping, small (one barrier) and large (two: the overlaps are staged), on 2
