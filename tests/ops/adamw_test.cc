@@ -121,6 +121,29 @@ TEST(CpuAdamWTest, FirstStepIsSignedLearningRate) {
   testing::ExpectNear(Values(p), {0.95 - 0.1, 0.95 + 0.1, -3.0 * 0.95}, {1e-6, 1e-6}, "first step");
 }
 
+// Gradients so large that v / (1 - beta2^t) overflows float32 (|g| > ~1.9e19 at step 1, v
+// itself finite at 3e19) leave the parameter finite: the update goes to 0 (torch, which divides
+// sqrt(v) by sqrt(1 - beta2^t), keeps it finite too); it was NaN. With eps = 0 a subnormal v
+// (g = 1e-20) gives the signed learning rate within 1% (v itself is a 2-digit float32 subnormal;
+// it was 68% off).
+TEST(CpuAdamWTest, HugeAndSubnormalSecondMomentsStayExact) {
+  const Tensor p = testing::FromDoubles({1.0, 1.0, 1.0}, {3}, DType::kFloat32);
+  const Tensor g = testing::FromDoubles({3e19, 1e21, -1e-20}, {3}, DType::kFloat32);
+  const Tensor m = Unwrap(Zeros({3}, DType::kFloat32));
+  const Tensor v = Unwrap(Zeros({3}, DType::kFloat32));
+  AdamWParams hp;
+  hp.lr = 1e-3f;
+  hp.eps = 0.0f;
+  hp.step = 1;
+  ASSERT_TRUE(AdamWStep_(p, g, m, v, hp).ok());
+  const std::vector<double> got = Values(p);
+  for (double x : got) EXPECT_TRUE(std::isfinite(x)) << x;
+  EXPECT_GE(got[0], 0.999 - 1e-6);
+  EXPECT_LE(got[0], 1.0);
+  EXPECT_EQ(got[1], 1.0);
+  EXPECT_NEAR(got[2], 1.0 + 1e-3, 1e-5);  // v = 1e-43 holds 2 digits in float32
+}
+
 TEST(CpuAdamWTest, KernelRejectsStepZero) {
   const Tensor p = Unwrap(Zeros({2}, DType::kFloat32));
   AdamWParams hp;

@@ -9,6 +9,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "dtensor/kernels/cpu/cpu_backend.h"
@@ -21,15 +22,19 @@ namespace {
 // sqrt(x) for x >= 0 within 1 ulp, branch-free so that the step loop vectorises whatever the
 // math flags (std::sqrt may set errno where -fno-math-errno is not passed): an estimate of
 // 1/sqrt(x) from the exponent bits, three Newton steps, then sqrt(x) = x * (1/sqrt(x)) with one
-// correction step.
-// sqrt(0) = 0; subnormal x give a tiny finite value (eps dominates it).
+// correction step. sqrt(0) = 0 and sqrt(inf) = inf (the steps would make inf - inf = NaN: a
+// gradient of 2e19 at step 1 overflows v / (1 - beta2)); a subnormal x is scaled by 2^24 first
+// (the estimate is far off there, and eps = 0 is allowed).
 inline float SqrtF(float x) {
-  float r = std::bit_cast<float>(0x5f375a86 - (std::bit_cast<int32_t>(x) >> 1));
-  r = r * (1.5f - 0.5f * x * r * r);
-  r = r * (1.5f - 0.5f * x * r * r);
-  r = r * (1.5f - 0.5f * x * r * r);
-  const float y = x * r;
-  return y + 0.5f * r * (x - y * y);
+  const float tiny = x < std::numeric_limits<float>::min() ? 16777216.0f : 1.0f;
+  const float xs = x * tiny;
+  float r = std::bit_cast<float>(0x5f375a86 - (std::bit_cast<int32_t>(xs) >> 1));
+  r = r * (1.5f - 0.5f * xs * r * r);
+  r = r * (1.5f - 0.5f * xs * r * r);
+  r = r * (1.5f - 0.5f * xs * r * r);
+  const float y = xs * r;
+  const float s = (y + 0.5f * r * (xs - y * y)) * (tiny == 1.0f ? 1.0f : 1.0f / 4096.0f);
+  return std::fmax(s, x - std::numeric_limits<float>::max());  // inf where x is
 }
 
 // The step's constants.
