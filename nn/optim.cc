@@ -232,7 +232,8 @@ absl::StatusOr<Tensor> ClipFactorOnDevice(const Tensor& norm, double max_norm) {
 absl::StatusOr<double> ClipGradNorm(const std::vector<Variable*>& params, double max_norm) {
   DT_ASSIGN_OR_RETURN(std::vector<Tensor> sums, GradSquareSums(params));
   DT_ASSIGN_OR_RETURN(const double norm, NormOnHost(sums));
-  if (max_norm > 0 && norm > max_norm) {
+  // A NaN norm scales too (every gradient becomes NaN, as in torch's clip_grad_norm_).
+  if (max_norm > 0 && !(norm <= max_norm)) {
     const double scale = max_norm / (norm + 1e-6);
     for (Variable* p : params) {
       if (p->grad().defined()) DT_RETURN_IF_ERROR(Scale_(p->grad().local(), scale));
@@ -305,8 +306,8 @@ absl::StatusOr<double> AdamW::StepWithClip(double max_norm) {
   if (!(max_norm > 0)) return StepWithGradNorm();
   DT_ASSIGN_OR_RETURN(std::vector<Tensor> sums, GradSquareSums(params_));
   DT_ASSIGN_OR_RETURN(const double norm, NormOnHost(sums));
-  DeviceFactors factors;  // ClipGradNorm's, on each gradient's device
-  if (norm > max_norm) {
+  DeviceFactors factors;      // ClipGradNorm's, on each gradient's device
+  if (!(norm <= max_norm)) {  // NaN too, as ClipGradNorm
     const double factor = max_norm / (norm + 1e-6);
     for (Variable* p : params_) {
       if (!p->grad().defined()) continue;

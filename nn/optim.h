@@ -32,6 +32,7 @@ absl::Status ReduceGradients(const std::vector<Variable*>& params, int64_t bucke
 // Scales gradients so that their global L2 norm is at most max_norm; returns the norm before
 // clipping. Correct for any placements: Shard pieces are summed over their mesh dims,
 // Replicate ones counted once, Partial gradients reduced first. max_norm <= 0: no clipping.
+// A NaN norm makes every gradient NaN (torch's clip_grad_norm_ scales by its NaN factor).
 // One all_reduce of a float32 [k] per group of ranks that shard gradients (k: its parameters),
 // recorded in the mesh's CommCounter.
 absl::StatusOr<double> ClipGradNorm(const std::vector<Variable*>& params, double max_norm);
@@ -68,7 +69,7 @@ class AdamW {
   absl::StatusOr<Tensor> StepWithGradNormAsync();
   // ClipGradNorm(params, max_norm) then Step, with one pass over the gradients less: the norm
   // first (the same sums and all_reduces), then the update reads every gradient times
-  // ClipGradNorm's factor, max_norm / (norm + 1e-6) where norm > max_norm (llm.c's AdamW takes
+  // ClipGradNorm's factor, max_norm / (norm + 1e-6) where norm > max_norm or NaN (llm.c's AdamW takes
   // its grad_scale so). The gradients themselves are left unscaled. Returns the norm before
   // clipping; max_norm <= 0: StepWithGradNorm.
   absl::StatusOr<double> StepWithClip(double max_norm);

@@ -61,9 +61,10 @@ struct FsdpHooks {
       if (FsdpGroup* next = t.Next(g, +1)) DT_RETURN_IF_ERROR(next->StartUnshard());
     }
     DT_RETURN_IF_ERROR(g.Unshard());
-    // A module used twice in one forward keeps its first use's start: its post-backward then
-    // waits for the backward of both uses (and of what ran between them).
-    if (!g.forwarded_ || !GradEnabled()) g.forward_seq_ = NextSequenceNr();
+    // A module used twice in one forward keeps its first recorded use's start: its
+    // post-backward then waits for the backward of every use (and of what ran between them).
+    // A later use without grad records nothing and moves nothing.
+    if (!g.forwarded_) g.forward_seq_ = NextSequenceNr();
     g.forwarded_ = g.forwarded_ || GradEnabled();
     g.backward_queued_ = false;
     return absl::OkStatus();

@@ -387,21 +387,42 @@ TEST(FullyShardTest, SecondBackwardThroughTheSameGraphAccumulates) {
   for (auto& t : threads) t.join();
 }
 
-// Two Linears, the first used twice in one forward: x -> l1 -> l1 -> l2.
+// A block of two Linears and a GELU (several nodes per use), used twice in one forward and
+// once more without grad, then a Linear: x -> blk -> blk (-> blk, no grad) -> l2.
+class TwoLinears : public nn::Module {
+ public:
+  TwoLinears() {
+    a = RegisterModule("a", std::make_unique<nn::Linear>(5, 5));
+    b = RegisterModule("b", std::make_unique<nn::Linear>(5, 5));
+  }
+  absl::StatusOr<Variable> Forward(const Variable& x) {
+    return WithHooks(x, [&](const Variable& in) -> absl::StatusOr<Variable> {
+      DT_ASSIGN_OR_RETURN(Variable h, a->Forward(in));
+      DT_ASSIGN_OR_RETURN(h, Gelu(h));
+      return b->Forward(h);
+    });
+  }
+  nn::Linear* a;
+  nn::Linear* b;
+};
 class TwiceUsed : public nn::Module {
  public:
   TwiceUsed() {
-    l1 = RegisterModule("l1", std::make_unique<nn::Linear>(5, 5));
+    blk = RegisterModule("blk", std::make_unique<TwoLinears>());
     l2 = RegisterModule("l2", std::make_unique<nn::Linear>(5, 3));
   }
   absl::StatusOr<Variable> Forward(const Variable& x) {
     return WithHooks(x, [&](const Variable& in) -> absl::StatusOr<Variable> {
-      DT_ASSIGN_OR_RETURN(Variable h, l1->Forward(in));
-      DT_ASSIGN_OR_RETURN(h, l1->Forward(h));
+      DT_ASSIGN_OR_RETURN(Variable h, blk->Forward(in));
+      DT_ASSIGN_OR_RETURN(h, blk->Forward(h));
+      {
+        NoGradGuard no_grad;  // a look without grad: records nothing, must move nothing
+        DT_RETURN_IF_ERROR(blk->Forward(h).status());
+      }
       return l2->Forward(h);
     });
   }
-  nn::Linear* l1;
+  TwoLinears* blk;
   nn::Linear* l2;
 };
 
@@ -411,8 +432,8 @@ class TwiceUsed : public nn::Module {
 // rows as plain tensors (PyTorch's way: the reduction averages them), so a gradient left
 // unreduced is wrong, not merely late: it must equal the gradient of the mean over ranks of
 // each rank's summed output, computed on one rank. (Before the accumulators outranked other
-// nodes and a second use kept the first's start, l1's gradients were each rank's own, up to
-// 0.83 off.)
+// nodes and a second use kept the first's start, the twice-used module's gradients were each
+// rank's own, up to 0.83 off; a later use without grad moved its start again.)
 TEST(FullyShardTest, ModuleUsedTwiceAndAHeldEarlierLossReduceEveryGradient) {
   constexpr int kWorld = 2, kRows = 4, kSteps = 2;
   auto input = [](int64_t rows) {
@@ -447,7 +468,7 @@ TEST(FullyShardTest, ModuleUsedTwiceAndAHeldEarlierLossReduceEveryGradient) {
       DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {kWorld}));
       TwiceUsed m;
       init(m);
-      for (nn::Module* g : std::vector<nn::Module*>{m.l1, m.l2, &m}) ASSERT_TRUE(nn::FullyShard(*g, mesh).ok());
+      for (nn::Module* g : std::vector<nn::Module*>{m.blk, m.l2, &m}) ASSERT_TRUE(nn::FullyShard(*g, mesh).ok());
       const Tensor mine = Unwrap(Clone(Unwrap(input(kWorld * kRows).Narrow(0, r * kRows, kRows))));
       std::vector<Variable> held;  // every step's loss, kept (to log them later, say)
       for (int step = 0; step < kSteps; ++step) {

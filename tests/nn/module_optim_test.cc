@@ -2,6 +2,7 @@
 // naive references (single-rank values, hand-written update rules).
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <set>
@@ -412,6 +413,28 @@ TEST(OptimTest, StepWithGradNormIsClipGradNormThenStep) {
 // same collectives, with the gradients themselves left unscaled; steps that clip (max_norm half
 // the norm) and one that does not, on one rank with plain tensors and on 2 thread ranks with
 // the parameters Replicate and Shard(0).
+// A NaN in one gradient makes the norm NaN, and clipping makes every gradient NaN, as torch's
+// clip_grad_norm_ does (it scales by its NaN factor); an infinite norm zeroes the finite ones.
+TEST(OptimTest, ClipGradNormWithANaNOrInfNormIsTorchs) {
+  for (double bad : {std::nan(""), std::numeric_limits<double>::infinity()}) {
+    Variable a = Variable::Leaf(Value(Unwrap(Zeros({3}, DType::kFloat32))), true, "a");
+    Variable b = Variable::Leaf(Value(Unwrap(Zeros({1}, DType::kFloat32))), true, "b");
+    a.set_grad(Value(testing::FromDoubles({1.0, bad, 2.0}, {3}, DType::kFloat32)));
+    b.set_grad(Value(testing::FromDoubles({3.0}, {1}, DType::kFloat32)));
+    const double norm = Unwrap(nn::ClipGradNorm({&a, &b}, 1.0));
+    const std::vector<double> ga = testing::Values(a.grad().local()), gb = testing::Values(b.grad().local());
+    if (std::isnan(bad)) {
+      EXPECT_TRUE(std::isnan(norm));
+      for (double g : {ga[0], ga[1], ga[2], gb[0]}) EXPECT_TRUE(std::isnan(g)) << g;
+    } else {
+      EXPECT_TRUE(std::isinf(norm));
+      EXPECT_EQ(ga[0], 0.0);
+      EXPECT_TRUE(std::isnan(ga[1]));  // inf * 0
+      EXPECT_EQ(gb[0], 0.0);
+    }
+  }
+}
+
 TEST(OptimTest, StepWithClipIsClipGradNormThenStep) {
   Tensor ids = Unwrap(Tensor::FromVector<int32_t>({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5}, {3, 6}));
   Tensor tg = Unwrap(Tensor::FromVector<int32_t>({2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 1, 2, 3, 4, 5, 6}, {3, 6}));
