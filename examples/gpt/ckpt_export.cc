@@ -21,6 +21,7 @@
 #include "dtensor/tensor/status.h"
 #include "examples/gpt/hf_gpt2.h"
 #include "examples/gpt/llmc.h"
+#include "examples/gpt/tokenizer.h"
 #include "nlohmann/json.hpp"
 
 namespace dtensor::gpt {
@@ -231,10 +232,14 @@ absl::Status ExportCheckpointToHf(const std::string& dir, const nn::GPTConfig& c
 
 absl::Status ExportCheckpointToLlmc(const std::string& dir, const nn::GPTConfig& config, const std::string& out_path) {
   DT_ASSIGN_OR_RETURN(auto index, ReadModelIndex(dir));
-  const LlmcConfig c = LlmcOf(config);
+  const LlmcConfig c = LlmcOf(config);  // c.vocab_size: the checkpoint's rows
   std::map<std::string, Shape> shapes;
   for (const auto& [name, shape] : LlmcParamShapes(c)) shapes[name] = shape;
-  const std::vector<int32_t> header = LlmcFp32Header(c);
+  // llm.c's vocab_size is the real vocabulary (what it samples from and checks tokens
+  // against): a GPT-2 vocabulary padded by gpt_train (50304 rows) is GPT-2's 50257.
+  LlmcConfig in_header = c;
+  if (config.vocab_size >= Gpt2Tokenizer::kGpt2VocabSize) in_header.vocab_size = Gpt2Tokenizer::kGpt2VocabSize;
+  const std::vector<int32_t> header = LlmcFp32Header(in_header);
   DT_ASSIGN_OR_RETURN(auto file, AtomicFile::Create(out_path));
   DT_RETURN_IF_ERROR(file->Append(header.data(), header.size() * sizeof(int32_t)));
   auto put = [&](const std::string& name) -> absl::Status {

@@ -143,6 +143,9 @@ absl::Status TokenLoader::set_position(int64_t pos) {
 
 Batch TokenLoader::Next() {
   const int64_t n = B_ * T_;
+  // A position set too close to the end for this batch (a checkpoint saved with a smaller
+  // batch or a longer corpus) starts the next epoch, as the end of a batch does below.
+  if (pos_ + n + 1 > num_tokens()) pos_ = 0;
   Batch batch;
   batch.inputs.resize(static_cast<size_t>(n));
   batch.targets.resize(static_cast<size_t>(n));

@@ -69,7 +69,8 @@ class TokenLoader {
   // Back to the start of the stream.
   void Reset() { pos_ = 0; }
   // Where the next batch starts (a resumed run continues from a checkpoint's position);
-  // InvalidArgument outside [0, num_tokens()).
+  // InvalidArgument outside [0, num_tokens()). A position too close to the end for one batch
+  // (saved with a smaller batch) starts the next epoch at Next().
   absl::Status set_position(int64_t pos);
   // Index of the first token of the next batch.
   int64_t position() const { return pos_; }

@@ -33,10 +33,11 @@ absl::StatusOr<GenerateResult> Generate(nn::GPT& model, absl::Span<const int64_t
     return absl::InvalidArgumentError(
         absl::StrCat("[Generate] max_new_tokens must be >= 0, got ", options.max_new_tokens));
   }
-  if (n + std::max<int64_t>(options.max_new_tokens, 1) - 1 > block) {
-    return absl::OutOfRangeError(absl::StrCat("[Generate] a prompt of ", n, " tokens and ", options.max_new_tokens,
-                                              " new tokens need ", n + options.max_new_tokens - 1,
-                                              " positions; block_size is ", block));
+  // (Compared without adding to max_new_tokens, which may be near INT64_MAX.)
+  if (n > block || std::max<int64_t>(options.max_new_tokens, 1) > block - n + 1) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "[Generate] a prompt of ", n, " tokens and ", options.max_new_tokens, " new tokens need more than the ", block,
+        " positions of block_size (at most ", std::max<int64_t>(block - n + 1, 0), " new tokens fit)"));
   }
   GenerateResult out;
   if (options.max_new_tokens == 0) return out;

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <system_error>
 
@@ -15,6 +16,7 @@
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 #include "examples/gpt/llmc.h"
+#include "examples/gpt/tokenizer.h"
 #include "nlohmann/json.hpp"
 
 namespace dtensor::gpt {
@@ -104,9 +106,10 @@ absl::Status CheckMask(const char* op, const std::string& file, const std::strin
 absl::StatusOr<int64_t> PositiveInt(const nlohmann::json& j, const char* key, const std::string& source) {
   auto it = j.find(key);
   if (it == j.end()) return InvalidArg("GptConfigFromHfJson", "'", source, "': missing \"", key, "\"");
-  if (!it->is_number_integer() || it->get<int64_t>() <= 0) {
-    return InvalidArg("GptConfigFromHfJson", "'", source, "': \"", key, "\" must be a positive integer, got ",
-                      it->dump());
+  // (At most INT32_MAX: llm.c's header and the shapes derived from these hold int.)
+  if (!it->is_number_integer() || it->get<int64_t>() <= 0 || it->get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+    return InvalidArg("GptConfigFromHfJson", "'", source, "': \"", key,
+                      "\" must be a positive integer of at most 2^31 - 1, got ", it->dump());
   }
   return it->get<int64_t>();
 }
@@ -179,13 +182,17 @@ absl::StatusOr<nn::GPTConfig> GptConfigFromHfJson(const std::string& json_text, 
 }
 
 std::string HfJsonFromGptConfig(const nn::GPTConfig& c) {
+  // GPT-2's <|endoftext|> where the vocabulary is GPT-2's (50257, or padded as gpt_train pads
+  // it: the rows past 50257 are never produced); else the last id.
+  const int64_t eos =
+      c.vocab_size >= Gpt2Tokenizer::kGpt2VocabSize ? Gpt2Tokenizer::kGpt2VocabSize - 1 : c.vocab_size - 1;
   nlohmann::json j = {
       {"activation_function", "gelu_new"},
       {"architectures", {"GPT2LMHeadModel"}},
       {"attn_pdrop", 0.1},
-      {"bos_token_id", c.vocab_size - 1},
+      {"bos_token_id", eos},
       {"embd_pdrop", 0.1},
-      {"eos_token_id", c.vocab_size - 1},
+      {"eos_token_id", eos},
       {"initializer_range", 0.02},
       {"layer_norm_epsilon", kLayerNormEps},
       {"model_type", "gpt2"},

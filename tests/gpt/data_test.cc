@@ -164,6 +164,15 @@ TEST(TokenLoaderTest, ResetAndErrors) {
   loader->Reset();
   EXPECT_EQ(loader->position(), 0);
   EXPECT_EQ(loader->Next().inputs[0], 0);
+  // A position too close to the end for one batch (a checkpoint saved with a smaller batch)
+  // starts the next epoch instead of reading past the tokens: 28 + 6 + 1 > 30.
+  ASSERT_TRUE(loader->set_position(28).ok());
+  const Batch wrapped = loader->Next();
+  EXPECT_EQ(wrapped.inputs[0], 0);
+  EXPECT_EQ(wrapped.targets[5], 6);
+  EXPECT_EQ(loader->position(), 6);
+  ASSERT_TRUE(loader->set_position(23).ok());  // 23 + 6 + 1 = 30 tokens: fits exactly
+  EXPECT_EQ(loader->Next().targets[5], 29);
 
   auto too_few = TokenLoader::Create(std::vector<uint16_t>(12), 3, 4);
   EXPECT_EQ(too_few.status().code(), absl::StatusCode::kInvalidArgument);

@@ -18,6 +18,7 @@
 #include "dtensor/ops/ops.h"
 #include "examples/gpt/llmc.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/testing/test_util.h"
 
 #ifndef DTENSOR_GOLDEN_DIR
@@ -289,6 +290,8 @@ TEST_F(HfGpt2ErrorTest, BadConfigJson) {
   ExpectInvalid(with("\"n_head\": 4", "\"n_heads\": 4"), {"missing \"n_head\""});
   ExpectInvalid(with("\"n_inner\": null", "\"n_inner\": 100"), {"n_inner", "100"});
   ExpectInvalid(with("\"vocab_size\": 97", "\"vocab_size\": -97"), {"vocab_size", "-97"});
+  // 2^32 + 32 would pass as 32 once cut to int (the weights are 32 wide).
+  ExpectInvalid(with("\"n_embd\": 32", "\"n_embd\": 4294967328"), {"n_embd", "4294967328", "2^31 - 1"});
   ExpectInvalid(with("\"tie_word_embeddings\": true", "\"tie_word_embeddings\": false"), {"tie_word_embeddings"});
   ExpectInvalid(with("{", "["), {"config.json"});
   // A config that disagrees with the weights: the weights are refused, naming the tensor.
@@ -402,6 +405,17 @@ TEST(GptPresetTest, KnownAndUnknownNames) {
     EXPECT_EQ(again.n_layer, c.n_layer);
     EXPECT_EQ(again.n_head, c.n_head);
     EXPECT_EQ(again.n_embd, c.n_embd);
+  }
+  // <|endoftext|> (50256) is bos and eos for GPT-2's vocabulary, also padded as gpt_train pads
+  // it (50304; the last row, 50303, is padding); a smaller vocabulary's last id otherwise.
+  for (const auto& [vocab, eos] :
+       std::vector<std::pair<int64_t, int64_t>>{{50257, 50256}, {50304, 50256}, {256, 255}}) {
+    nn::GPTConfig c = Unwrap(GptPreset("tiny"));
+    c.vocab_size = vocab;
+    const nlohmann::json j = nlohmann::json::parse(HfJsonFromGptConfig(c));
+    EXPECT_EQ(j.at("eos_token_id").get<int64_t>(), eos) << vocab;
+    EXPECT_EQ(j.at("bos_token_id").get<int64_t>(), eos) << vocab;
+    EXPECT_EQ(j.at("vocab_size").get<int64_t>(), vocab);
   }
   EXPECT_TRUE(GptPreset("tiny").ok());
   absl::StatusOr<nn::GPTConfig> bad = GptPreset("gpt3");
