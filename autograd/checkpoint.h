@@ -25,8 +25,12 @@
 //     (nn::Dropout's call counter, which picks its mask) is saved at the forward and put back
 //     for the recomputation by CheckpointOptions::capture_state (preserve_rng_state), then
 //     returned to what it was before the recomputation.
-//   - Gradients reach the inputs and leaves only: a Variable with history that `fn` captures
-//     instead of taking as an input is treated as a constant.
+//   - Pass Variables with history as inputs: one that `fn` captures instead is reached by the
+//     inner pass through its own graph (its gradient does arrive), but that pass releases the
+//     captured graph's saved values, so an outer use of the same graph later fails ("ran a
+//     second time after its saved values were released") after part of its gradient landed.
+//   - A checkpoint inside a selective one (save_ops) fails at the recomputation: the inner one
+//     hides the ops it runs from the outer's record.
 //   - Outputs must keep their shapes and dtypes on recomputation (FailedPrecondition naming
 //     the output otherwise, as torch's "Recomputed values ... have different metadata").
 //   - With grad mode off, `fn` simply runs (nothing to recompute later). With it on, the
