@@ -42,6 +42,9 @@ function(dtensor_add_library name)
     $<BUILD_INTERFACE:${DTENSOR_INCLUDE_TREE}>
     $<INSTALL_INTERFACE:include>)
   target_link_libraries(${name} PUBLIC ${ARG_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  # The headers are C++20 (defaulted operator==, designated initializers): a consumer that
+  # links a target compiles as C++20 at least, whatever its own CMAKE_CXX_STANDARD.
+  target_compile_features(${name} PUBLIC cxx_std_20)
   dtensor_set_warnings(${name})
   set_property(GLOBAL APPEND PROPERTY DTENSOR_LIBRARIES ${name})
   foreach(h ${ARG_HEADERS})

@@ -7,6 +7,7 @@ set -euo pipefail
 
 packages=(
   build-essential g++ clang cmake ninja-build ccache pkg-config git
+  libclang-rt-14-dev
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev
   libopenblas-openmp-dev libomp-dev
   libucx-dev ucx-utils nlohmann-json3-dev zlib1g-dev libssl-dev

@@ -1,10 +1,13 @@
 // Uses the installed dtensor (everything, dtensor::dtensor): a matmul checked against a naive
-// loop, and what a CUDA request says on a machine without a GPU (or without the CUDA
-// libraries); exits non-zero on error.
+// loop, what a CUDA request says on a machine without a GPU (or without the CUDA libraries),
+// and a tensor-parallel style parsed and compared (a C++20 header: defaulted operator==, which
+// this project, setting no C++ standard, compiles because the dtensor targets ask for C++20);
+// exits non-zero on error.
 #include <cmath>
 #include <cstdio>
 #include <vector>
 
+#include "dtensor/nn/parallel/parallel_style.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/device.h"
 
@@ -37,6 +40,8 @@ int main() {
   // No GPU here (or no driver): a CUDA tensor is refused with a reason, never a crash.
   auto gpu = Tensor::Empty({2}, DType::kFloat32, Device::Cuda(0));
   if (CudaDeviceCount() == 0 && gpu.ok()) return 1;
+  auto style = nn::ParseStyle("ColwiseParallel(output=R)");
+  if (!style.ok() || !(*style == nn::ParallelStyle(nn::ColwiseParallel{.output_layout = Replicate()}))) return 1;
   std::printf("consumer OK: %s, bad input says: %s; CUDA built: %d, devices: %d, cuda:0 says: %s\n",
               c->ToString().c_str(), bad.status().ToString().c_str(), CudaBuilt() ? 1 : 0, CudaDeviceCount(),
               gpu.ok() ? "OK" : gpu.status().ToString().c_str());
