@@ -28,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 #include <random>
@@ -151,6 +152,8 @@ struct Flags {
   std::string tokenizer = "byte", bpe_dir, model, ac = "none", progress = "auto", read_loss = "auto";
   int64_t ckpt_every = 0, ckpt_keep = 0;
   bool resume = false, ckpt_async = false;
+  bool ranks_given = false;        // --ranks on the command line (refused under a launcher)
+  std::vector<std::string> notes;  // flags given without effect, said at the start
   int64_t n_layer = 4, n_head = 4, n_embd = 128, vocab = 256, seq = 64, batch = 8, steps = 50;
   int64_t block_size = 64;  // positions of the model: --seq, or the --model preset's
   double lr = 1e-3, weight_decay = 0.0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, grad_clip = 0.0, dropout = 0.0;
@@ -237,9 +240,45 @@ absl::StatusOr<Flags> ReadFlags(const std::set<std::string>& given_flags) {
     }
     return false;
   };
-  if (!f.fortunes.empty() && f.text.empty()) f.text = f.fortunes;
+  if (!f.fortunes.empty() && !f.text.empty()) {
+    return absl::InvalidArgumentError("give one of --fortunes (which builds its corpus) and --text");
+  }
+  if (!f.fortunes.empty()) f.text = f.fortunes;
   // A --model preset sets the architecture; flags given on the command line override it.
   auto given = [&](const std::string& name) { return given_flags.count(name) > 0; };
+  f.ranks_given = given("ranks");
+  // Flags that only mean something beside another are refused alone, not ignored.
+  auto needs = [&](std::initializer_list<const char*> flags, bool present, const char* what) -> absl::Status {
+    for (const char* flag : flags) {
+      if (given(flag) && !present) {
+        std::string name(flag);
+        std::replace(name.begin(), name.end(), '_', '-');
+        return absl::InvalidArgumentError(absl::StrCat("--", name, " applies ", what));
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status s = needs({"val_bin", "val_fraction", "val_batches"}, absl::GetFlag(FLAGS_val_every) > 0,
+                             "with --val-every N > 0 (validation is off without it)");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = needs({"warmup", "min_lr"}, absl::GetFlag(FLAGS_lr_schedule) == "cosine",
+                             "to --lr-schedule cosine (the constant schedule has neither)");
+      !s.ok()) {
+    return s;
+  }
+  // (Checkpoint flags kept on a command line rerun without saving are said, not refused.)
+  for (const absl::Status& s :
+       {needs({"ckpt_dir"}, f.ckpt_every > 0 || f.resume, "with --ckpt-every N > 0 or --resume: nothing is saved"),
+        needs({"ckpt_keep", "ckpt_async"}, f.ckpt_every > 0, "with --ckpt-every N > 0: nothing is saved")}) {
+    if (!s.ok()) f.notes.push_back(std::string(s.message()));
+  }
+  if (absl::Status s = needs({"tp", "dp_shard", "dp_replicate", "sequence_parallel"}, f.plan.empty(),
+                             "without --plan (a plan file sets the mesh degrees and the tensor-parallel rules)");
+      !s.ok()) {
+    return s;
+  }
   f.block_size = f.seq;
   if (!f.model.empty()) {
     absl::StatusOr<nn::GPTConfig> preset = gpt::GptPreset(f.model);
@@ -267,6 +306,9 @@ absl::StatusOr<Flags> ReadFlags(const std::set<std::string>& given_flags) {
   if (!(f.grad_clip >= 0)) return bad("grad-clip", f.grad_clip, "must be >= 0 (0: no clipping)");
   if (!(f.lr >= 0)) return bad("lr", f.lr, "must be >= 0");
   if (!(f.min_lr >= 0)) return bad("min-lr", f.min_lr, "must be >= 0");
+  if (f.min_lr > f.lr) return bad("min-lr", f.min_lr, absl::StrCat("must be <= --lr ", f.lr, " (cosine decays to it)"));
+  if (!(f.dropout >= 0 && f.dropout < 1)) return bad("dropout", f.dropout, "must be in [0, 1)");
+  if (f.sample_tokens < 0) return bad("sample-tokens", f.sample_tokens, "must be >= 0 (0: no sample)");
   if (!(f.weight_decay >= 0)) return bad("weight-decay", f.weight_decay, "must be >= 0");
   if (!one_of(f.lr_schedule, {"constant", "cosine"})) return bad("lr-schedule", f.lr_schedule, "constant|cosine");
   if (!one_of(f.device, {"auto", "cpu", "cuda"})) return bad("device", f.device, "auto|cpu|cuda");
@@ -286,7 +328,14 @@ absl::StatusOr<Flags> ReadFlags(const std::set<std::string>& given_flags) {
     return absl::InvalidArgumentError(
         absl::StrCat("--batch ", f.batch, " must be a multiple of --grad-accum ", f.grad_accum));
   }
-  if (f.peak_flops < 0) return bad("peak-flops", f.peak_flops, "must be >= 0");
+  if (!(f.peak_flops >= 0)) return bad("peak-flops", f.peak_flops, "must be >= 0");
+  if (!f.save_final.empty()) {  // checked now, not after the whole run
+    std::error_code ec;
+    const std::filesystem::path dir = std::filesystem::path(f.save_final).parent_path();
+    if (!dir.empty() && !std::filesystem::is_directory(dir, ec)) {
+      return bad("save-final", f.save_final, absl::StrCat("its folder ", dir.string(), " does not exist"));
+    }
+  }
   if (f.val_every < 0) return bad("val-every", f.val_every, "must be >= 0");
   if (f.val_batches < 1) return bad("val-batches", f.val_batches, "must be >= 1");
   if (!(f.val_fraction > 0 && f.val_fraction < 1)) return bad("val-fraction", f.val_fraction, "must be in (0, 1)");
@@ -366,8 +415,14 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   std::vector<uint16_t> tokens;
   std::optional<gpt::Gpt2Tokenizer> tokenizer;
   if (f.tokenizer == "gpt2") {
-    DT_ASSIGN_OR_RETURN(tokenizer,
-                        gpt::Gpt2Tokenizer::Load(f.bpe_dir.empty() ? gpt::Gpt2Tokenizer::DefaultDir() : f.bpe_dir));
+    absl::StatusOr<gpt::Gpt2Tokenizer> loaded =
+        gpt::Gpt2Tokenizer::Load(f.bpe_dir.empty() ? gpt::Gpt2Tokenizer::DefaultDir() : f.bpe_dir);
+    if (absl::IsNotFound(loaded.status())) {
+      return absl::NotFoundError(absl::StrCat(loaded.status().message(),
+                                              " (GPT-2's BPE files: scripts/setup.sh fetches them; --bpe-dir DIR or "
+                                              "DTENSOR_GPT2_BPE_DIR names another folder)"));
+    }
+    DT_ASSIGN_OR_RETURN(tokenizer, std::move(loaded));
     DT_ASSIGN_OR_RETURN(std::string text, ReadFileBytes("[gpt_train] --text", f.text));
     const std::vector<int32_t> ids = tokenizer->Encode(text);
     tokens.assign(ids.begin(), ids.end());
@@ -502,11 +557,14 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     DT_ASSIGN_OR_RETURN(peak_flops, gpt::PeakFlops(device, f.param_dtype == "bf16", omp_get_max_threads()));
   }
   const double device_memory = static_cast<double>(gpt::DeviceMemoryBytes(device));
-  say("peak %.3g TFLOP/s per rank (%s), %.3g GFLOP per token; logged: loss, grad norm, lr, peak memory, tokens/s "
+  // Thread ranks share the process's allocator: its memory figures are the process's.
+  const bool shared_allocator = f.ranks > 1;
+  say("peak %.3g TFLOP/s per rank (%s), %.3g GFLOP per token; logged: loss, grad norm, lr, peak memory%s, tokens/s "
       "per rank, TFLOP/s and MFU per rank\n",
       peak_flops / 1e12,
       f.peak_flops > 0 ? "--peak-flops" : (device.is_cuda() ? "the GPU's data sheet" : "measured: float32 GEMM"),
-      flops_per_token / 1e9);
+      flops_per_token / 1e9,
+      shared_allocator ? " (of the process: its thread ranks share one allocator; param/grad bytes are per rank)" : "");
   const bool progress_bar = lead && (f.progress == "true" || (f.progress == "auto" && isatty(STDOUT_FILENO)));
 
   std::vector<Variable*> params = model->Parameters();
@@ -575,16 +633,29 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     for (int64_t i = 0; i < n_dropouts; ++i) {
       dropouts[static_cast<size_t>(i)]->set_calls(static_cast<uint64_t>(dropout_calls.data<int64_t>()[i]));
     }
+    // The head count, which no parameter's shape tells: a checkpoint of 2 heads would train on
+    // as another model under --n-head 4. (Checkpoints without it are taken as they are.)
+    DT_ASSIGN_OR_RETURN(Tensor heads, Zeros({1}, DType::kInt64));
+    const absl::Status heads_read = LoadCheckpoint(dir, {{gpt::kHeadsTensor, heads}});
+    if (heads_read.ok() && heads.data<int64_t>()[0] != cfg.n_head) {
+      return absl::InvalidArgumentError(absl::StrCat("[gpt_train] ", dir, " was saved with ", heads.data<int64_t>()[0],
+                                                     " heads; this run has --n-head ", cfg.n_head));
+    }
     const int64_t* pr = progress.data<int64_t>();
     first_step = pr[0];
     DT_RETURN_IF_ERROR(loader.set_position(pr[1]));
     DT_RETURN_IF_ERROR(opt.set_steps(pr[2], std::vector<int64_t>(pr + 3, pr + 3 + n_params)));
     say("resumed from %s: step %lld\n", dir.c_str(), static_cast<long long>(first_step));
+    if (first_step >= f.steps) {
+      say("nothing to train: the checkpoint is at step %lld and --steps is %lld\n", static_cast<long long>(first_step),
+          static_cast<long long>(f.steps));
+    }
   }
   std::ofstream metrics;
   bool metrics_ok = true;
   if (lead && !f.metrics.empty()) {
-    metrics.open(f.metrics, std::ios::trunc);
+    // A resumed run adds its steps to the file (the earlier steps' lines stay).
+    metrics.open(f.metrics, f.resume ? std::ios::app : std::ios::trunc);
     metrics_ok = static_cast<bool>(metrics);
   }
   // Every rank stops when rank 0 cannot write (else they wait for it).
@@ -608,7 +679,10 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     model->Eval();
     val_loader->Reset();
     double sum = 0;
-    for (int64_t k = 0; k < f.val_batches; ++k) {
+    // --val-batches batches of --batch rows, read as K micro-batches each (the memory of one):
+    // the same rows, and so the same mean, whatever --grad-accum is.
+    const int64_t micro_batches = f.val_batches * f.grad_accum;
+    for (int64_t k = 0; k < micro_batches; ++k) {
       gpt::Batch batch = val_loader->Next();
       const int64_t rows = val_loader->batch_size();
       DT_ASSIGN_OR_RETURN(Tensor xi, Tensor::FromVector<int32_t>(batch.inputs, {rows, f.seq}));
@@ -632,7 +706,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       sum += lv[0];
     }
     model->Train();
-    return sum / static_cast<double>(f.val_batches);
+    return sum / static_cast<double>(micro_batches);
   };
   // What one step leaves for its log line: everything but the loss and grad norm is known when
   // its update is queued; those two are read from the device by ReadLoss, at once (--read-loss
@@ -726,6 +800,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
                           {"peak_bytes", r.mem.peak_bytes_in_use},
                           {"reserved_bytes", r.mem.bytes_in_use + r.mem.bytes_cached},
                           {"system_allocs", r.mem.num_system_allocs},
+                          {"memory_of", shared_allocator ? "process" : "rank"},  // bytes_in_use .. system_allocs
                           {"peak_unsharded_bytes", r.peak_unsharded},
                           {"comm", nn::CommToJson(r.comm)},
                           {"loss_read", read_next ? "next" : "now"},
@@ -755,7 +830,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     StepRecord rec;
     rec.step = step;
     rec.t0 = Clock::now();
-    allocator.ResetPeakStats();
+    if (lead || !shared_allocator) allocator.ResetPeakStats();  // once per step for the process
     for (CommCounter& c : comm) c.Reset();
     if (root_group != nullptr) root_group->ResetPeakUnshardedBytes();
     gpt::Batch batch = loader.Next();  // the global batch [B, T], the same on every rank
@@ -884,7 +959,8 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   // ---- The trained parameters, gathered whole (collective), written by rank 0 ----
   if (!f.save_final.empty()) {
     DT_ASSIGN_OR_RETURN(auto state, model->StateDict());
-    if (lead) DT_RETURN_IF_ERROR(WriteSafetensors(f.save_final, state));
+    DT_RETURN_IF_ERROR(agree(lead ? WriteSafetensors(f.save_final, state) : absl::OkStatus(),
+                             "to write --save-final " + f.save_final));
   }
 
   // ---- Sampling: every rank runs the same seeded draws (on gathered parameters) ----
@@ -956,6 +1032,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const Flags& f = *flags;
+  for (const std::string& note : f.notes) std::fprintf(stderr, "gpt_train: note: %s\n", note.c_str());
   if (!f.fortunes.empty()) {  // every process may do this: the file is replaced atomically
     auto corpus = gpt::PrepareFortunesCorpus(f.fortunes);
     if (!corpus.ok()) {
@@ -971,6 +1048,13 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "gpt_train: --device cuda but no CUDA device is visible (CUDA built: %s)\n",
                  CudaBuilt() ? "yes" : "no");
     return 1;
+  }
+  if (LaunchedAsProcess() && f.ranks_given && f.ranks > 1) {
+    std::fprintf(stderr,
+                 "gpt_train: --ranks %lld runs thread ranks in one process, but a launcher started this one as a "
+                 "rank of its own (WORLD_SIZE / OMPI_COMM_WORLD_SIZE / SLURM_NTASKS is set): drop --ranks\n",
+                 static_cast<long long>(f.ranks));
+    return 2;
   }
   if (LaunchedAsProcess()) {
     // One process per rank (dtrun, mpirun, srun): NCCL on GPUs, else UCX.

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "dtensor/autograd/ops.h"
@@ -340,12 +341,14 @@ TEST_F(GptFsdpTest, ResumeUnderTheSameParallelismIsBitIdentical) {
        {"--ranks 1", "--ranks 2 --dp-shard 1 --dp-replicate 2", "--ranks 4", "--ranks 2 --tp 2", "--ranks 4 --tp 2",
         "--ranks 4 --ckpt-async true", "--ranks 2 --dropout 0.1"}) {
     SCOPED_TRACE(flags);
-    const std::string dir = Path("ckpt" + std::to_string(std::hash<std::string>()(flags)));
-    const std::vector<double> whole = RunLosses("", common + "--steps 20 " + flags, "whole");
+    const std::string id = std::to_string(std::hash<std::string>()(flags));
+    const std::string dir = Path("ckpt" + id);
+    const std::vector<double> whole = RunLosses("", common + "--steps 20 " + flags, "whole" + id);
     const std::vector<double> first =
-        RunLosses("", common + "--steps 10 --ckpt-every 10 --ckpt-dir " + dir + " " + flags, "first");
+        RunLosses("", common + "--steps 10 --ckpt-every 10 --ckpt-dir " + dir + " " + flags, "first" + id);
+    // (Its own --metrics file: a resumed run appends to the one it is given.)
     const std::vector<double> rest =
-        RunLosses("", common + "--steps 20 --resume --ckpt-dir " + dir + " " + flags, "rest");
+        RunLosses("", common + "--steps 20 --resume --ckpt-dir " + dir + " " + flags, "rest" + id);
     ASSERT_EQ(whole.size(), 20u);
     ASSERT_EQ(first.size(), 10u);
     ASSERT_EQ(rest.size(), 10u);
@@ -796,6 +799,76 @@ TEST_F(GptTrainTest, BadFlagsFailCleanly) {
   EXPECT_NE(metrics.code, 0);
   EXPECT_LT(metrics.took, absl::Seconds(30));
   EXPECT_NE(metrics.out.find("cannot open --metrics /nonexistent/dir/m.jsonl"), std::string::npos) << metrics.out;
+  // Flags that mean something only beside another are refused alone (they were ignored), and
+  // values that would train silently wrong are refused.
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"--val-bin v.bin", "--val-bin applies with --val-every N > 0"},
+      {"--warmup 5", "--warmup applies to --lr-schedule cosine"},
+      {"--lr-schedule cosine --lr 0.001 --min-lr 0.01", "--min-lr 0.01: must be <= --lr 0.001"},
+      {"--plan p.json --tp 2", "--tp applies without --plan"},
+      {"--fortunes f.txt", "give one of --fortunes"},
+      {"--dropout nan", "--dropout nan: must be in [0, 1)"},
+      {"--peak-flops nan", "--peak-flops nan: must be >= 0"},
+      {"--sample-tokens -5", "--sample-tokens -5: must be >= 0"},
+      {"--save-final /nonexistent/dir/x.safetensors", "its folder /nonexistent/dir does not exist"},
+  };
+  for (const auto& [flags, needle] : refused) {
+    const ProcessRun r = Train("", "--text x " + flags);
+    EXPECT_EQ(r.code, 2) << flags << ": " << r.out;
+    EXPECT_NE(r.out.find(needle), std::string::npos) << flags << ": " << r.out;
+  }
+  // A checkpoint flag without saving (a command line rerun without --ckpt-every) is said.
+  const ProcessRun note = Train("", "--text " + Corpus() +
+                                        " --n-layer 1 --n-head 2 --n-embd 16 --seq 8 --steps 1 --sample-tokens 0"
+                                        " --ckpt-async true --ckpt-dir " +
+                                        Path("unused"));
+  EXPECT_EQ(note.code, 0) << note.out;
+  EXPECT_NE(note.out.find("note: --ckpt-dir applies with --ckpt-every N > 0 or --resume: nothing is saved"),
+            std::string::npos)
+      << note.out;
+  EXPECT_NE(note.out.find("note: --ckpt-async applies with --ckpt-every N > 0"), std::string::npos) << note.out;
+  // --ranks under a launcher (each process is a rank of its own) is refused, not dropped.
+  const ProcessRun launched =
+      Train("", "--text x --ranks 4", {.env = {"WORLD_SIZE=1", "RANK=0", "LOCAL_RANK=0", "LOCAL_WORLD_SIZE=1"}});
+  EXPECT_EQ(launched.code, 2) << launched.out;
+  EXPECT_NE(launched.out.find("drop --ranks"), std::string::npos) << launched.out;
+}
+
+// --save-final that rank 0 cannot write once training is done (here a folder stands at the
+// path) stops every rank at once; the others went on into sampling and waited for rank 0 until
+// the timeout. A resumed run appends to its --metrics file, resuming past --steps says so, and
+// a checkpoint of another head count is refused.
+TEST_F(GptTrainTest, EndOfRunAndResumeAgreeAndSayWhatTheyDo) {
+  const std::string common =
+      "--text " + Corpus() + " --n-layer 1 --n-head 2 --n-embd 16 --seq 8 --batch 4 --device cpu --sample-tokens 0 ";
+  const std::string taken = Path("a_folder");
+  std::filesystem::create_directories(taken);
+  const ProcessRun save = Train("", common + "--ranks 2 --steps 1 --sample-tokens 5 --save-final " + taken,
+                                {.env = {"DTENSOR_TIMEOUT_S=60"}});
+  EXPECT_NE(save.code, 0) << save.out;
+  EXPECT_LT(save.took, absl::Seconds(30)) << save.out;
+  EXPECT_NE(save.out.find("another rank failed to write --save-final"), std::string::npos) << save.out;
+
+  auto lines = [](const std::string& path) {
+    std::ifstream in(path);
+    int n = 0;
+    for (std::string line; std::getline(in, line);) ++n;
+    return n;
+  };
+  const std::string ck = "--ckpt-dir " + Path("ck") + " --metrics " + Path("m.jsonl") + " ";
+  ASSERT_EQ(Train("", common + ck + "--steps 4 --ckpt-every 2").code, 0);
+  EXPECT_EQ(lines(Path("m.jsonl")), 4);
+  const ProcessRun more = Train("", common + ck + "--steps 6 --resume");
+  ASSERT_EQ(more.code, 0) << more.out;
+  EXPECT_EQ(lines(Path("m.jsonl")), 6);  // steps 0-3, then 4-5
+  const ProcessRun none = Train("", common + ck + "--steps 2 --resume");
+  EXPECT_EQ(none.code, 0) << none.out;
+  EXPECT_NE(none.out.find("nothing to train: the checkpoint is at step 4 and --steps is 2"), std::string::npos)
+      << none.out;
+  const ProcessRun heads =
+      Train("", absl::StrReplaceAll(common, {{"--n-head 2", "--n-head 4"}}) + ck + "--steps 8 --resume");
+  EXPECT_NE(heads.code, 0) << heads.out;
+  EXPECT_NE(heads.out.find("was saved with 2 heads; this run has --n-head 4"), std::string::npos) << heads.out;
 }
 
 // The trainer runs OpenBLAS's fastest kernel set for this CPU even where OpenBLAS, loading,
