@@ -263,7 +263,9 @@ TEST(TensorParallelTest, StylesPrintAndParseBack) {
 // hooks of a second call once replaced the mesh the first call's hooks used: a use after
 // free that ASan reports.)
 TEST(TensorParallelTest, ARefusedPlanChangesNothingAndASecondApplyIsRefused) {
-  auto [inputs, targets] = Batch(0);
+  const std::pair<Tensor, Tensor> batch = Batch(0);
+  const Tensor& inputs = batch.first;
+  const Tensor& targets = batch.second;  // (not a structured binding: clang 14 cannot capture one)
   double want = 0;
   {
     auto model = Unwrap(nn::GPT::Create(Config()));
