@@ -247,38 +247,6 @@ absl::StatusOr<Flags> ReadFlags(const std::set<std::string>& given_flags) {
   // A --model preset sets the architecture; flags given on the command line override it.
   auto given = [&](const std::string& name) { return given_flags.count(name) > 0; };
   f.ranks_given = given("ranks");
-  // Flags that only mean something beside another are refused alone, not ignored.
-  auto needs = [&](std::initializer_list<const char*> flags, bool present, const char* what) -> absl::Status {
-    for (const char* flag : flags) {
-      if (given(flag) && !present) {
-        std::string name(flag);
-        std::replace(name.begin(), name.end(), '_', '-');
-        return absl::InvalidArgumentError(absl::StrCat("--", name, " applies ", what));
-      }
-    }
-    return absl::OkStatus();
-  };
-  if (absl::Status s = needs({"val_bin", "val_fraction", "val_batches"}, absl::GetFlag(FLAGS_val_every) > 0,
-                             "with --val-every N > 0 (validation is off without it)");
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = needs({"warmup", "min_lr"}, absl::GetFlag(FLAGS_lr_schedule) == "cosine",
-                             "to --lr-schedule cosine (the constant schedule has neither)");
-      !s.ok()) {
-    return s;
-  }
-  // (Checkpoint flags kept on a command line rerun without saving are said, not refused.)
-  for (const absl::Status& s :
-       {needs({"ckpt_dir"}, f.ckpt_every > 0 || f.resume, "with --ckpt-every N > 0 or --resume: nothing is saved"),
-        needs({"ckpt_keep", "ckpt_async"}, f.ckpt_every > 0, "with --ckpt-every N > 0: nothing is saved")}) {
-    if (!s.ok()) f.notes.push_back(std::string(s.message()));
-  }
-  if (absl::Status s = needs({"tp", "dp_shard", "dp_replicate", "sequence_parallel"}, f.plan.empty(),
-                             "without --plan (a plan file sets the mesh degrees and the tensor-parallel rules)");
-      !s.ok()) {
-    return s;
-  }
   f.block_size = f.seq;
   if (!f.model.empty()) {
     absl::StatusOr<nn::GPTConfig> preset = gpt::GptPreset(f.model);
@@ -341,6 +309,39 @@ absl::StatusOr<Flags> ReadFlags(const std::set<std::string>& given_flags) {
   if (!(f.val_fraction > 0 && f.val_fraction < 1)) return bad("val-fraction", f.val_fraction, "must be in (0, 1)");
   if (f.tokenizer == "gpt2" && !f.train_bin.empty()) {
     return absl::InvalidArgumentError("--tokenizer gpt2 tokenizes --text; --train-bin is already GPT-2 tokens");
+  }
+  // (After the checks of the values themselves, which name a bad value first.)
+  // Flags that only mean something beside another are refused alone, not ignored.
+  auto needs = [&](std::initializer_list<const char*> flags, bool present, const char* what) -> absl::Status {
+    for (const char* flag : flags) {
+      if (given(flag) && !present) {
+        std::string name(flag);
+        std::replace(name.begin(), name.end(), '_', '-');
+        return absl::InvalidArgumentError(absl::StrCat("--", name, " applies ", what));
+      }
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status s = needs({"val_bin", "val_fraction", "val_batches"}, absl::GetFlag(FLAGS_val_every) > 0,
+                             "with --val-every N > 0 (validation is off without it)");
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = needs({"warmup", "min_lr"}, absl::GetFlag(FLAGS_lr_schedule) == "cosine",
+                             "to --lr-schedule cosine (the constant schedule has neither)");
+      !s.ok()) {
+    return s;
+  }
+  // (Checkpoint flags kept on a command line rerun without saving are said, not refused.)
+  for (const absl::Status& s :
+       {needs({"ckpt_dir"}, f.ckpt_every > 0 || f.resume, "with --ckpt-every N > 0 or --resume: nothing is saved"),
+        needs({"ckpt_keep", "ckpt_async"}, f.ckpt_every > 0, "with --ckpt-every N > 0: nothing is saved")}) {
+    if (!s.ok()) f.notes.push_back(std::string(s.message()));
+  }
+  if (absl::Status s = needs({"tp", "dp_shard", "dp_replicate", "sequence_parallel"}, f.plan.empty(),
+                             "without --plan (a plan file sets the mesh degrees and the tensor-parallel rules)");
+      !s.ok()) {
+    return s;
   }
   return f;
 }

@@ -259,7 +259,7 @@ std::vector<Row> TrainerRows(const std::string& corpus) {
       {"--grad-clip -1", kInvalid, "--grad-clip -1: must be >= 0"},
       {"--n-layer 0", kInvalid, "--n-layer 0: must be >= 1"},
       {"--beta1 2", kInvalid, "got 2 and 0.999"},
-      {"--dropout 2", kInvalid, "dropout must be in [0, 1), got 2"},
+      {"--dropout 2", kInvalid, "--dropout 2: must be in [0, 1)"},
       {"--batch 0", kInvalid, "--batch 0"},
       {"--metrics /proc/x.jsonl", kInvalid, "cannot open --metrics /proc/x.jsonl"},
       {"--save-final /proc/x.safetensors", StatusCode::kNotFound, "/proc/x.safetensors"},
