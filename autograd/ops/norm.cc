@@ -3,7 +3,12 @@
 //
 // Sharding rule: rows are independent, so any dim but the normalised one may be sharded
 // (the statistics mean/rstd [x.shape[:-1]] are sharded alike); the weight and bias are
-// replicated and their gradients come out Partial(sum) over the row shards.
+// replicated and their gradients come out Partial(sum) over the row shards. The backwards are
+// linear in dy (x, the weight and the statistics fixed), so a Partial(sum) dy gives Partial
+// dx, dw and db with everything else Replicate: tensor parallelism without sequence
+// parallelism keeps the residual stream's gradient partial through the norms, and it is
+// all-reduced once where a row-parallel output's P -> R goes back (Megatron's one all_reduce
+// per sublayer), not reduce-scattered here and all-gathered again.
 #include "dtensor/autograd/functional.h"
 #include "dtensor/autograd/ops.h"
 #include "dtensor/autograd/ops/op_util.h"
@@ -56,6 +61,7 @@ void LnBwdRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vec
   for (int64_t d = 0; d + 1 < static_cast<int64_t>(in[0].shape.size()); ++d) {
     s->push_back({{Shard(d), Shard(d), Replicate(), Shard(d), Shard(d)}, {Shard(d), kP, kP}});
   }
+  s->push_back({{kP, Replicate(), Replicate(), Replicate(), Replicate()}, {kP, kP, kP}});
 }
 absl::StatusOr<std::vector<Tensor>> LnBwdLocal(const LocalCall& c) {
   NormOutput saved;
@@ -113,6 +119,7 @@ void AddLnBwdRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::
   for (int64_t d = 0; d + 1 < static_cast<int64_t>(in[0].shape.size()); ++d) {
     s->push_back({{Shard(d), Shard(d), Replicate(), Shard(d), Shard(d), Shard(d)}, {Shard(d), kP, kP}});
   }
+  s->push_back({{kP, Replicate(), Replicate(), Replicate(), Replicate(), kP}, {kP, kP, kP}});
 }
 absl::StatusOr<std::vector<Tensor>> AddLnBwdLocal(const LocalCall& c) {
   NormOutput saved;
@@ -152,6 +159,7 @@ void RmsBwdRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::ve
   for (int64_t d = 0; d + 1 < static_cast<int64_t>(in[0].shape.size()); ++d) {
     s->push_back({{Shard(d), Shard(d), Replicate(), Shard(d)}, {Shard(d), kP}});
   }
+  s->push_back({{kP, Replicate(), Replicate(), Replicate()}, {kP, kP}});
 }
 absl::StatusOr<std::vector<Tensor>> RmsBwdLocal(const LocalCall& c) {
   NormOutput saved;

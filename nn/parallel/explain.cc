@@ -230,23 +230,35 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
   if (w.tp >= 0) {
     DT_RETURN_IF_ERROR(CheckStyles(model, o.plan));
     Placement a = kR;  // the residual stream on tp
+    // Backward gradients that go back to Replicate from what flows below them: P where a
+    // colwise consumer sits above (later in forward), else already R. Known after the walk.
+    struct ToReplicate {
+      std::string label;
+      int after;  // the number of colwise consumers before it in forward order
+    };
+    std::vector<ToReplicate> to_replicate;
+    int colwise_seen = 0;
     if (const auto* r = Find<RowwiseParallel>(o.plan, "transformer.wte")) {
       const Placement out = r->output_layout;
       DT_RETURN_IF_ERROR(w.Move(F, "transformer.wte output", btc, w.Act(kP), w.Act(out), act, k));
-      DT_RETURN_IF_ERROR(w.Move(B, "transformer.wte output gradient", btc, w.Act(out), w.Act(kR), act, k));
+      if (out == kR) {
+        to_replicate.push_back({"transformer.wte output gradient", colwise_seen});
+      } else {
+        DT_RETURN_IF_ERROR(w.Move(B, "transformer.wte output gradient", btc, w.Act(out), w.Act(kR), act, k));
+      }
       a = out;
     }
     if (a.is_shard()) seq_params.insert("transformer.wpe.weight");
     // A colwise input's gradient is P on tp. It goes back to `a` where a style changed the
-    // layout; where nothing did (a = R), it meets the residual's gradient, and the add
-    // reduce-scatters it (cheaper than an all_reduce) and the sum is all-gathered again for the
-    // norm's backward. Either way the gradient of the residual stream, and so of the norms
-    // and wpe below it, is partial or sharded on tp: their weights' gradients are P there.
+    // layout (sequence parallel: reduce_scatter). Where nothing did (a = R) it stays P: the
+    // norms' backwards are linear in it, the residual's gradients add as P, and it is
+    // all-reduced where a rowwise output's P -> R goes back (Megatron's one all_reduce per
+    // sublayer). Either way the gradient of the residual stream, and so of the norms and wpe
+    // below it, is partial or sharded on tp: their weights' gradients are P there.
     auto colwise_gradient = [&](const std::string& label) -> absl::Status {
+      ++colwise_seen;
       if (a != kR) return w.Move(B, label + " input gradient", btc, w.Act(kP), w.Act(a), act, k);
-      DT_RETURN_IF_ERROR(
-          w.Move(B, label + " input gradient (meets the residual's)", btc, w.Act(kP), w.Act(Shard(2)), act, k));
-      return w.Move(B, label + " input gradient, summed", btc, w.Act(Shard(2)), w.Act(kR), act, k);
+      return absl::OkStatus();
     };
     bool partial_below = false;  // a colwise consumer has made the residual's gradient P / S
     // A colwise module's input: `a` -> R (through PrepareModuleInput and the style's own
@@ -283,6 +295,10 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
                                                      " differs from the residual stream's ", a.ToString()));
       }
       DT_RETURN_IF_ERROR(w.Move(F, label + " output", btc, w.Act(kP), w.Act(a), act, k));
+      if (a == kR) {
+        to_replicate.push_back({label + " output gradient", colwise_seen});
+        return absl::OkStatus();
+      }
       return w.Move(B, label + " output gradient", btc, w.Act(a), w.Act(kR), act, k);
     };
     auto norm = [&](const std::string& name) -> absl::Status {
@@ -310,6 +326,9 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
       DT_RETURN_IF_ERROR(w.Move(F, "lm_head input", btc, w.Act(a), w.Act(kR), act, k));
       DT_RETURN_IF_ERROR(colwise_gradient("lm_head"));
       loss_parallel = true;
+    }
+    for (const ToReplicate& t : to_replicate) {
+      if (t.after < colwise_seen) DT_RETURN_IF_ERROR(w.Move(B, t.label, btc, w.Act(kP), w.Act(kR), act, k));
     }
     if (partial_below) {  // every norm sits below a colwise consumer's gradient, and wpe too
       for (auto& [name, v] : named) {

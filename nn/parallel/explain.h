@@ -17,12 +17,13 @@
 //                order: a rowwise output P -> its output layout, an input a style or
 //                PrepareModuleInput wants another way, colwise outputs sharded on the last
 //                dim. Each change is planned by PlanRedistribute and counted by PredictComm
-//                (so the planner's choices, e.g. P -> R as reduce_scatter + all_gather, are
-//                the ones shown). Backward is the transpose (PyTorch's rule): a colwise
-//                input's gradient is P and goes back to the input's layout before a style
-//                changed it (without sequence parallel nothing did: the add that meets the
-//                residual's gradient reduce-scatters it, and the sum is all-gathered again);
-//                a rowwise output's gradient goes back to Replicate.
+//                (so the planner's choices are the ones shown). Backward is the transpose
+//                (PyTorch's rule): a colwise input's gradient is P and goes back to the
+//                input's layout before a style changed it (sequence parallel: a
+//                reduce_scatter); without sequence parallel nothing did, and it stays P
+//                through the norms' backwards and the residual's adds; a rowwise output's
+//                gradient goes back to Replicate (P -> R: an all_reduce, Megatron's one per
+//                sublayer, where a colwise consumer above made it P).
 //   loss         vocab-sharded logits: three all_reduces of [rows] (max, sum of exponentials,
 //                target logit) over tp; the count of targets over the data-parallel dims.
 //   gradients    P over the data-parallel dims (the batch is sharded there); on tp, a

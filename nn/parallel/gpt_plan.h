@@ -1,6 +1,6 @@
 // The tensor-parallel plan of nn::GPT, as TorchTitan's parallelize_llama lays out Llama
-// (Megatron's scheme): per block two all_reduces in forward without sequence parallel, two
-// all_gather / reduce_scatter pairs with it.
+// (Megatron's scheme): per block two all_reduces in forward and two in backward without
+// sequence parallel, two all_gather / reduce_scatter pairs each way with it.
 //
 //   DT_RETURN_IF_ERROR(ParallelizeModule(model, mesh, GptTensorParallelPlan(), "tp"));
 //

@@ -2,7 +2,8 @@
 // and 4 with and without sequence parallel, TP 3 (6 heads, a vocabulary of 61), FSDP x TP on
 // 2x2 and DDP x FSDP x TP on 2x2x2 thread ranks train to the same losses, gradients and
 // parameters (full_tensor, in GPT-2's shapes); each block issues exactly Megatron's
-// collectives; styles print and parse back; bad plans are refused with the rule's text.
+// collectives in forward and backward; styles print and parse back; bad plans are refused
+// with the rule's text.
 #include <cmath>
 #include <functional>
 #include <string>
@@ -189,50 +190,62 @@ TEST(TensorParallelTest, DdpTimesFsdpTimesTpMatchesOneRank) {
                      ref, "DDP x FSDP x TP 2x2x2");
 }
 
-// Forward collectives per block: the difference between 2 blocks and 1 (the embedding, the
-// head and the loss are the same in both). Megatron: without sequence parallel two
-// all_reduces of [B, T, C]; with it two all_gathers and two reduce_scatters of [B, T, C].
+// Collectives per block: the difference between 2 blocks and 1 (the embedding, the head and
+// the loss are the same in both). Megatron: without sequence parallel two all_reduces of
+// [B, T, C] in forward and two in backward; with it two all_gathers and two reduce_scatters
+// of [B, T, C] in each.
 TEST(TensorParallelTest, EachBlockIssuesMegatronsCollectives) {
   for (bool sp : {false, true}) {
-    std::vector<CommCounter> counts;
+    std::vector<CommCounter> forward, backward;
     for (int64_t layers : {1, 2}) {
       const int tp = 2;
       auto comms = Unwrap(MakeThreadGroup(tp, absl::Seconds(30)));
-      std::vector<CommCounter> per_rank(tp);
+      std::vector<CommCounter> fwd(tp), bwd(tp);
       std::vector<std::thread> threads;
       for (int r = 0; r < tp; ++r) {
         threads.emplace_back([&, r] {
-          DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {tp}, {"tp"}));
+          const size_t i = static_cast<size_t>(r);
+          DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[i], {tp}, {"tp"}));
           auto model = Unwrap(nn::GPT::Create(Config(8, layers)));
           ASSERT_TRUE(model->InitWeights(1).ok());
           ASSERT_TRUE(nn::ParallelizeModule(*model, mesh, nn::GptTensorParallelPlan(sp), "tp").ok());
           auto [inputs, targets] = Batch(0);
           Value x = Unwrap(DTensor::Distribute(inputs, mesh, {Replicate()}, {.src_rank = std::nullopt}));
-          SetCommCounter(mesh, &per_rank[static_cast<size_t>(r)]);
-          ASSERT_TRUE(model->Forward(Variable::Constant(x)).ok());
+          Value y = Unwrap(DTensor::Distribute(targets, mesh, {Replicate()}, {.src_rank = std::nullopt}));
+          SetCommCounter(mesh, &fwd[i]);
+          nn::GPT::Output o = Unwrap(model->Forward(Variable::Constant(x), Variable::Constant(y)));
+          SetCommCounter(mesh, &bwd[i]);
+          absl::Status b = Backward(o.loss);
           SetCommCounter(mesh, nullptr);
+          ASSERT_TRUE(b.ok()) << b;
         });
       }
       for (auto& t : threads) t.join();
-      counts.push_back(per_rank[0]);
+      forward.push_back(fwd[0]);
+      backward.push_back(bwd[0]);
     }
     const int64_t act = 4 * kBatch * kSeq * 32;  // one [B, T, C] float32 activation
-    auto delta = [&](CommKind k) { return counts[1].calls(k) - counts[0].calls(k); };
-    auto delta_bytes = [&](CommKind k) { return counts[1].bytes(k) - counts[0].bytes(k); };
-    const std::string what = absl::StrCat(sp ? "with" : "without", " sequence parallel: ", counts[1].ToString());
-    if (!sp) {
-      EXPECT_EQ(delta(CommKind::kAllReduce), 2) << what;
-      EXPECT_EQ(delta_bytes(CommKind::kAllReduce), 2 * act) << what;
-      EXPECT_EQ(delta(CommKind::kAllGather), 0) << what;
-      EXPECT_EQ(delta(CommKind::kReduceScatter), 0) << what;
-    } else {
-      EXPECT_EQ(delta(CommKind::kAllGather), 2) << what;
-      EXPECT_EQ(delta_bytes(CommKind::kAllGather), 2 * act) << what;
-      EXPECT_EQ(delta(CommKind::kReduceScatter), 2) << what;
-      EXPECT_EQ(delta_bytes(CommKind::kReduceScatter), 2 * act) << what;
-      EXPECT_EQ(delta(CommKind::kAllReduce), 0) << what;
+    for (const auto* counts : {&forward, &backward}) {
+      const std::vector<CommCounter>& c = *counts;
+      auto delta = [&](CommKind k) { return c[1].calls(k) - c[0].calls(k); };
+      auto delta_bytes = [&](CommKind k) { return c[1].bytes(k) - c[0].bytes(k); };
+      const std::string what =
+          absl::StrCat(counts == &forward ? "forward" : "backward", sp ? " with" : " without",
+                       " sequence parallel: 1 block ", c[0].ToString(), "; 2 blocks ", c[1].ToString());
+      if (!sp) {
+        EXPECT_EQ(delta(CommKind::kAllReduce), 2) << what;
+        EXPECT_EQ(delta_bytes(CommKind::kAllReduce), 2 * act) << what;
+        EXPECT_EQ(delta(CommKind::kAllGather), 0) << what;
+        EXPECT_EQ(delta(CommKind::kReduceScatter), 0) << what;
+      } else {
+        EXPECT_EQ(delta(CommKind::kAllGather), 2) << what;
+        EXPECT_EQ(delta_bytes(CommKind::kAllGather), 2 * act) << what;
+        EXPECT_EQ(delta(CommKind::kReduceScatter), 2) << what;
+        EXPECT_EQ(delta_bytes(CommKind::kReduceScatter), 2 * act) << what;
+        EXPECT_EQ(delta(CommKind::kAllReduce), 0) << what;
+      }
+      EXPECT_EQ(delta(CommKind::kAllToAll), 0) << what;
     }
-    EXPECT_EQ(delta(CommKind::kAllToAll), 0) << what;
   }
 }
 
