@@ -34,7 +34,7 @@ inline float SqrtF(float x) {
   r = r * (1.5f - 0.5f * xs * r * r);
   const float y = xs * r;
   const float s = (y + 0.5f * r * (xs - y * y)) * (tiny == 1.0f ? 1.0f : 1.0f / 4096.0f);
-  return std::fmax(s, x - std::numeric_limits<float>::max());  // inf where x is
+  return x > std::numeric_limits<float>::max() ? x : s;  // inf where x is (a select: std::fmax is a libm call)
 }
 
 // The step's constants.
