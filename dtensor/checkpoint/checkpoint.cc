@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "dtensor/collectives/agree.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/json_nesting.h"
 #include "dtensor/tensor/status.h"
@@ -114,61 +115,11 @@ absl::Status FsyncPath(const std::string& path, bool directory) {
   return absl::OkStatus();
 }
 
-// Every rank's text, in rank order.
-absl::StatusOr<std::vector<std::string>> AllGatherText(Communicator& world, const std::string& text) {
-  const int n = world.size();
-  DT_ASSIGN_OR_RETURN(Tensor len, Tensor::FromVector<int64_t>({static_cast<int64_t>(text.size())}, {1}));
-  DT_ASSIGN_OR_RETURN(len, To(len, world.device()));
-  DT_ASSIGN_OR_RETURN(Tensor lens, Tensor::Empty({n}, DType::kInt64, world.device()));
-  DT_RETURN_IF_ERROR(world.AllGather(len, lens));
-  DT_ASSIGN_OR_RETURN(lens, To(lens, Device::Cpu()));
-  std::vector<int64_t> words(static_cast<size_t>(n));
-  int64_t total = 0;
-  for (int r = 0; r < n; ++r) {
-    words[static_cast<size_t>(r)] = (lens.data<int64_t>()[r] + 3) / 4;
-    total += words[static_cast<size_t>(r)];
-  }
-  std::vector<int32_t> packed(static_cast<size_t>(words[static_cast<size_t>(world.rank())]), 0);
-  if (!text.empty()) std::memcpy(packed.data(), text.data(), text.size());
-  DT_ASSIGN_OR_RETURN(Tensor in, Tensor::FromVector<int32_t>(packed, {static_cast<int64_t>(packed.size())}));
-  DT_ASSIGN_OR_RETURN(in, To(in, world.device()));
-  DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty({total}, DType::kInt32, world.device()));
-  DT_RETURN_IF_ERROR(world.AllGatherV(in, out, words));
-  DT_ASSIGN_OR_RETURN(out, To(out, Device::Cpu()));
-  std::vector<std::string> texts;
-  const char* p = static_cast<const char*>(out.raw_data());
-  for (int r = 0; r < n; ++r) {
-    texts.emplace_back(p, static_cast<size_t>(lens.data<int64_t>()[r]));
-    p += 4 * words[static_cast<size_t>(r)];
-  }
-  return texts;
-}
-
-// Every rank's ok flag, so that all ranks stop together when any failed: OK, or an error
-// naming the ranks that failed (this rank's own error first when it is one of them).
+// All ranks stop together when any failed (AgreeOnStatus); a peer's failure is named as such.
 absl::Status Agree(Communicator& world, const absl::Status& mine, const char* what) {
-  DT_ASSIGN_OR_RETURN(Tensor flag, Tensor::FromVector<int32_t>({mine.ok() ? 1 : 0}, {1}));
-  DT_ASSIGN_OR_RETURN(flag, To(flag, world.device()));
-  DT_ASSIGN_OR_RETURN(Tensor all, Tensor::Empty({world.size()}, DType::kInt32, world.device()));
-  DT_RETURN_IF_ERROR(world.AllGather(flag, all));
-  DT_ASSIGN_OR_RETURN(all, To(all, Device::Cpu()));
-  std::vector<int> failed;
-  for (int r = 0; r < world.size(); ++r) {
-    if (all.data<int32_t>()[r] == 0) failed.push_back(r);
-  }
-  if (failed.empty()) return absl::OkStatus();
-  // Every rank learns the first failed rank's error (its code and message).
-  DT_ASSIGN_OR_RETURN(
-      std::vector<std::string> texts,
-      AllGatherText(world, mine.ok() ? "" : absl::StrCat(static_cast<int>(mine.code()), " ", mine.message())));
-  if (!mine.ok()) return mine;
-  const std::string& first = texts[static_cast<size_t>(failed[0])];
-  const size_t space = first.find(' ');
-  const int code = std::atoi(first.substr(0, space).c_str());
-  return absl::Status(static_cast<absl::StatusCode>(code),
-                      absl::StrCat("[SaveCheckpoint] ", what, " failed on rank(s) ", absl::StrJoin(failed, ", "),
-                                   ", nothing was committed; rank ", failed[0], ": ",
-                                   space == std::string::npos ? "" : first.substr(space + 1)));
+  absl::Status all = AgreeOnStatus(world, mine, absl::StrCat("[SaveCheckpoint] ", what));
+  if (all.ok() || !mine.ok()) return all;
+  return absl::Status(all.code(), absl::StrCat(all.message(), " (nothing was committed)"));
 }
 
 // One piece this rank writes: a box of a tensor, its bytes on the CPU.

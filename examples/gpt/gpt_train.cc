@@ -45,6 +45,7 @@
 #include "absl/strings/str_join.h"
 #include "dtensor/autograd/ops.h"
 #include "dtensor/checkpoint/checkpoint.h"
+#include "dtensor/collectives/agree.h"
 #include "dtensor/collectives/nccl/local_gpu.h"
 #include "dtensor/collectives/nccl/nccl_communicator.h"
 #include "dtensor/collectives/store/cpus.h"
@@ -589,16 +590,10 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   }
   const int64_t n_dropouts = static_cast<int64_t>(dropouts.size());
   // Every rank's verdict on a step each did alone (loading, opening a file): all fail when one
-  // does, the others naming it, instead of waiting for it in the next collective.
+  // does, the others naming it and its error, instead of waiting for it in the next collective.
   auto agree = [&](const absl::Status& mine, const std::string& what) -> absl::Status {
     if (world.size() == 1) return mine;
-    DT_ASSIGN_OR_RETURN(Tensor flag, Tensor::FromVector<float>({mine.ok() ? 1.0f : 0.0f}, {1}));
-    DT_ASSIGN_OR_RETURN(flag, To(flag, world.device()));
-    DT_RETURN_IF_ERROR(world.AllReduce(flag, flag, CommReduceOp::kMin));
-    DT_ASSIGN_OR_RETURN(flag, To(flag, Device::Cpu()));
-    if (!mine.ok() || flag.data<float>()[0] > 0.5f) return mine;
-    return absl::AbortedError(
-        absl::StrCat("[gpt_train] rank ", world.rank(), ": another rank failed ", what, " (its error says why)"));
+    return AgreeOnStatus(world, mine, absl::StrCat("[gpt_train] rank ", world.rank(), ": ", what));
   };
   auto checkpoint_state = [&](const Tensor& progress, const Tensor& dropout_calls) -> absl::StatusOr<CheckpointState> {
     DT_RETURN_IF_ERROR(opt.InitState());
@@ -630,7 +625,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     DT_ASSIGN_OR_RETURN(Tensor progress, Zeros({3 + n_params}, DType::kInt64));
     DT_ASSIGN_OR_RETURN(Tensor dropout_calls, Zeros({std::max<int64_t>(n_dropouts, 1)}, DType::kInt64));
     DT_ASSIGN_OR_RETURN(CheckpointState state, checkpoint_state(progress, dropout_calls));
-    DT_RETURN_IF_ERROR(agree(LoadCheckpoint(dir, state), "to load " + dir));
+    DT_RETURN_IF_ERROR(agree(LoadCheckpoint(dir, state), "loading " + dir));
     for (int64_t i = 0; i < n_dropouts; ++i) {
       dropouts[static_cast<size_t>(i)]->set_calls(static_cast<uint64_t>(dropout_calls.data<int64_t>()[i]));
     }
@@ -663,7 +658,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   DT_RETURN_IF_ERROR(agree(metrics_ok ? absl::OkStatus()
                                       : absl::InvalidArgumentError(absl::StrCat("[gpt_train] rank ", world.rank(),
                                                                                 ": cannot open --metrics ", f.metrics)),
-                           "to open --metrics " + f.metrics));
+                           "opening --metrics " + f.metrics));
 
   // ---- Training ----
   // What each phase sent, per collective kind (the mesh's CommCounter, switched per phase), and
@@ -960,8 +955,8 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   // ---- The trained parameters, gathered whole (collective), written by rank 0 ----
   if (!f.save_final.empty()) {
     DT_ASSIGN_OR_RETURN(auto state, model->StateDict());
-    DT_RETURN_IF_ERROR(agree(lead ? WriteSafetensors(f.save_final, state) : absl::OkStatus(),
-                             "to write --save-final " + f.save_final));
+    DT_RETURN_IF_ERROR(
+        agree(lead ? WriteSafetensors(f.save_final, state) : absl::OkStatus(), "writing --save-final " + f.save_final));
   }
 
   // ---- Sampling: every rank runs the same seeded draws (on gathered parameters) ----
