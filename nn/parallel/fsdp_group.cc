@@ -46,6 +46,10 @@ struct FsdpGroup::Bucket {
   Tensor unsharded;             // released while sharded
   Tensor gather_in, gather_out;
   std::unique_ptr<Work> gather_work;
+  // HSDP without all_reduce (set_requires_all_reduce(false)): the reduce-scattered sums of the
+  // backward passes since the last all_reduce, and the parameters with a gradient in them.
+  Tensor partial_reduce;
+  std::vector<int> partial_params;
 };
 
 // A reduce-scatter in flight.
@@ -54,6 +58,7 @@ struct FsdpGroup::Pending {
   Tensor input, output;
   std::vector<std::unique_ptr<Work>> works;
   std::vector<int> params;  // those with a gradient in it
+  bool partial = false;     // reduce-scattered only: kept in the bucket's partial_reduce
 };
 
 namespace {
@@ -489,9 +494,17 @@ absl::Status FsdpGroup::StartReduce() {
         any = true;
       }
     }
-    if (!sync_ || !any) continue;
+    const bool hsdp = replicate_dim_ >= 0 && mesh_.size(replicate_dim_) > 1;
+    // Earlier passes' reduce-scattered sums, all-reduced now (with this pass's, zeros if none).
+    const bool flush = hsdp && all_reduce_ && b.partial_reduce.defined();
+    if (!sync_ || (!any && !flush)) continue;
     Pending pending;
     pending.bucket = static_cast<int>(bi);
+    auto add_partial_params = [&b](std::vector<int>& to) {
+      for (int i : b.partial_params) {
+        if (std::find(to.begin(), to.end(), i) == to.end()) to.push_back(i);
+      }
+    };
     DT_ASSIGN_OR_RETURN(pending.input, Tensor::Empty({shard_size_ * b.block}, b.reduce, device_));
     DT_ASSIGN_OR_RETURN(Tensor in2, pending.input.View({shard_size_, b.block}));
     for (size_t k = 0; k < b.params.size(); ++k) {
@@ -544,8 +557,16 @@ absl::Status FsdpGroup::StartReduce() {
       Record(mesh_, CommKind::kReduceScatter, pending.input);
       pending.works.push_back(std::move(rs));
     }
-    if (replicate_dim_ >= 0 && mesh_.size(replicate_dim_) > 1) {  // HSDP: then over the replicas
+    if (hsdp && !all_reduce_) {
+      pending.partial = true;  // FinishReduce adds it to the bucket's partial_reduce
+    } else if (hsdp) {         // then over the replicas
       if (!pending.works.empty()) DT_RETURN_IF_ERROR(pending.works.back()->WaitStream());
+      if (flush) {
+        DT_RETURN_IF_ERROR(Add_(pending.output, b.partial_reduce));
+        add_partial_params(pending.params);
+        b.partial_reduce = Tensor();
+        b.partial_params.clear();
+      }
       DT_ASSIGN_OR_RETURN(
           auto ar, mesh_.comm(replicate_dim_).AllReduceAsync(pending.output, pending.output, CommReduceOp::kSum));
       Record(mesh_, CommKind::kAllReduce, pending.output);
@@ -568,6 +589,20 @@ absl::Status FsdpGroup::FinishReduce(bool host_wait) {
   stats_.reduce_wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   DT_RETURN_IF_ERROR(status);
   for (Pending& pending : all) {
+    if (pending.partial) {  // kept for the all_reduce of a later pass
+      Bucket& b = buckets_[static_cast<size_t>(pending.bucket)];
+      if (b.partial_reduce.defined()) {
+        DT_RETURN_IF_ERROR(Add_(b.partial_reduce, pending.output));
+      } else {
+        b.partial_reduce = pending.output;
+      }
+      for (int i : pending.params) {
+        if (std::find(b.partial_params.begin(), b.partial_params.end(), i) == b.partial_params.end()) {
+          b.partial_params.push_back(i);
+        }
+      }
+      continue;
+    }
     for (int i : pending.params) {
       Param& p = params_[static_cast<size_t>(i)];
       DT_ASSIGN_OR_RETURN(Tensor out1, pending.output.View({1, pending.output.numel()}));

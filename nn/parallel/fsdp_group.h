@@ -90,6 +90,20 @@ class FsdpGroup {
   bool reduce_pending() const { return !pending_reduce_.empty(); }
 
   void set_requires_gradient_sync(bool sync) { sync_ = sync; }
+  // HSDP (PyTorch's set_requires_all_reduce): false keeps each backward's reduce-scattered
+  // gradients in a sum on this group instead of all-reducing them over the replicate dim; the
+  // next synchronised backward with true adds that sum and all-reduces once (gradient
+  // accumulation: a reduce_scatter per micro-batch, one all_reduce per step). No effect
+  // without a replicate dim of size > 1.
+  void set_requires_all_reduce(bool all_reduce) { all_reduce_ = all_reduce; }
+  // PyTorch's set_reshard_after_backward: false keeps the gathered parameters after backward,
+  // so that the next micro-batch's forward and backward gather nothing (with
+  // reshard_after_forward false, one all_gather per group for all micro-batches). Their
+  // reduced gradients wait beside them; both come back to the parameters when the group
+  // reshards: set it to true before the last micro-batch's backward (or call Reshard()) before
+  // the optimizer steps.
+  void set_reshard_after_backward(bool reshard) { reshard_after_backward_ = reshard; }
+  void set_reshard_after_forward(bool reshard) { options_.reshard_after_forward = reshard; }
   void set_prefetch(bool prefetch) { options_.prefetch = prefetch; }
 
   // Time this rank spent waiting for the group's collectives (the communication that compute
@@ -147,6 +161,8 @@ class FsdpGroup {
   std::vector<Bucket> buckets_;
   State state_ = State::kSharded;
   bool sync_ = true;
+  bool all_reduce_ = true;
+  bool reshard_after_backward_ = true;
   std::vector<Pending> pending_reduce_;
   Stats stats_;
   struct Held {
@@ -160,8 +176,9 @@ class FsdpGroup {
   uint64_t forward_seq_ = 0;  // NextSequenceNr() when the forward began
   bool forwarded_ = false;    // ran forward in this step, post-backward not yet
   bool backward_queued_ = false;
-  int order_index_ = -1;  // in the tree's forward order
-  std::string label_;     // for messages: the first parameter's name
+  bool kept_gathered_ = false;  // gathered still by choice (reshard_after_backward false)
+  int order_index_ = -1;        // in the tree's forward order
+  std::string label_;           // for messages: the first parameter's name
 };
 
 }  // namespace dtensor::nn

@@ -43,7 +43,8 @@ struct FsdpHooks {
       // without backward).
       for (FsdpGroup* x : t.groups) {
         if (x->reduce_pending()) DT_RETURN_IF_ERROR(x->FinishReduce());
-        if (x != &g) DT_RETURN_IF_ERROR(x->Reshard());
+        if (x != &g && !x->kept_gathered_) DT_RETURN_IF_ERROR(x->Reshard());
+        x->kept_gathered_ = false;
         x->forwarded_ = false;
         x->backward_queued_ = false;
       }
@@ -129,7 +130,11 @@ struct FsdpHooks {
     g.backward_queued_ = false;
     FsdpTree& t = *g.tree_;
     if (g.unsharded()) DT_RETURN_IF_ERROR(g.StartReduce());
-    DT_RETURN_IF_ERROR(g.Reshard());
+    if (g.reshard_after_backward_) {
+      DT_RETURN_IF_ERROR(g.Reshard());
+    } else {
+      g.kept_gathered_ = g.unsharded();
+    }
     // At most one reduce-scatter in flight: the one before this group's is awaited now (on a
     // GPU by the compute stream; the end of the pass waits on the host, so a failed peer is
     // an error within the timeout).
@@ -208,10 +213,26 @@ absl::StatusOr<FsdpGroup*> FullyShard(Module& module, const DeviceMesh& mesh, co
   return g;
 }
 
-void SetRequiresGradientSync(Module& module, bool sync) {
+namespace {
+template <typename Fn>
+void ForEachGroup(Module& module, Fn fn) {
   for (auto& [name, m] : module.NamedModules()) {
-    if (FsdpGroup* g = FsdpGroupOf(*m)) g->set_requires_gradient_sync(sync);
+    if (FsdpGroup* g = FsdpGroupOf(*m)) fn(*g);
   }
+}
+}  // namespace
+
+void SetRequiresGradientSync(Module& module, bool sync) {
+  ForEachGroup(module, [sync](FsdpGroup& g) { g.set_requires_gradient_sync(sync); });
+}
+void SetRequiresAllReduce(Module& module, bool all_reduce) {
+  ForEachGroup(module, [all_reduce](FsdpGroup& g) { g.set_requires_all_reduce(all_reduce); });
+}
+void SetReshardAfterBackward(Module& module, bool reshard) {
+  ForEachGroup(module, [reshard](FsdpGroup& g) { g.set_reshard_after_backward(reshard); });
+}
+void SetReshardAfterForward(Module& module, bool reshard) {
+  ForEachGroup(module, [reshard](FsdpGroup& g) { g.set_reshard_after_forward(reshard); });
 }
 
 }  // namespace dtensor::nn

@@ -79,6 +79,12 @@ FsdpGroup* FsdpGroupOf(const Module& module);
 // nothing, until a backward with true reduces the sum (gradient accumulation with one
 // reduce-scatter per group on the last micro-batch, at the memory of unsharded gradients).
 void SetRequiresGradientSync(Module& module, bool sync);
+// Likewise for FsdpGroup::set_requires_all_reduce (HSDP: all-reduce over the replicas only on
+// the backward with true), set_reshard_after_backward (keep the gathered parameters for the
+// next micro-batch; true again before the optimizer steps) and set_reshard_after_forward.
+void SetRequiresAllReduce(Module& module, bool all_reduce);
+void SetReshardAfterBackward(Module& module, bool reshard);
+void SetReshardAfterForward(Module& module, bool reshard);
 
 }  // namespace dtensor::nn
 

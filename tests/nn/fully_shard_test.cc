@@ -57,8 +57,10 @@ struct Spec {
   std::vector<int64_t> mesh_shape = {};  // empty: plain tensors, no FSDP
   nn::FsdpOptions options = {};
   int grad_accum = 1;
-  bool sync_last_only = false;  // with grad_accum: reduce on the last micro-batch only
-  bool sgd_clip = false;        // SGD with momentum after ClipGradNorm(0.5), instead of AdamW
+  bool sync_last_only = false;        // with grad_accum: reduce on the last micro-batch only
+  bool all_reduce_last_only = false;  // HSDP with grad_accum: all-reduce on the last micro-batch only
+  bool gather_once = false;           // with grad_accum: keep the gathered parameters until the last backward
+  bool sgd_clip = false;              // SGD with momentum after ClipGradNorm(0.5), instead of AdamW
   int steps = 4;
   // Per rank and step, after the step (mesh, model, optimizer, counter of that step).
   std::function<void(int rank, int step, const DeviceMesh&, nn::GPT&, const nn::AdamW&, const CommCounter&)> check =
@@ -101,6 +103,11 @@ TrainRun Train(const Spec& s) {
             x = Unwrap(DTensor::Distribute(x.local(), mesh, batch_layout, {.src_rank = std::nullopt}));
             y = Unwrap(DTensor::Distribute(y.local(), mesh, batch_layout, {.src_rank = std::nullopt}));
             if (s.sync_last_only) nn::SetRequiresGradientSync(*model, k + 1 == s.grad_accum);
+            if (s.all_reduce_last_only) nn::SetRequiresAllReduce(*model, k + 1 == s.grad_accum);
+            if (s.gather_once) {
+              nn::SetReshardAfterForward(*model, false);
+              nn::SetReshardAfterBackward(*model, k + 1 == s.grad_accum);
+            }
           }
           nn::GPT::Output o = Unwrap(model->Forward(Variable::Constant(x), Variable::Constant(y)));
           Variable loss = s.grad_accum == 1 ? o.loss : Unwrap(Scale(o.loss, 1.0 / s.grad_accum));
@@ -284,6 +291,34 @@ TEST(FullyShardTest, HsdpReducesOverTheReplicasOncePerGroup) {
     EXPECT_EQ(counter.calls(CommKind::kAllGather), groups + Config().n_layer) << counter.ToString();
   };
   Train(s);
+}
+
+// Gradient accumulation over 2 micro-batches with PyTorch's FSDP2 switches: HSDP all-reduces
+// over the replicas once per step (set_requires_all_reduce false on the first micro-batch:
+// its reduce-scattered sums wait on the group), and with reshard_after_backward false on the
+// first micro-batch (reshard_after_forward false) each group gathers once per step; both train
+// as one rank does.
+TEST(FullyShardTest, AccumulationAllReducesAndGathersOncePerStep) {
+  const int64_t groups = Config().n_layer + 1;
+  Spec hsdp{.world = 4, .mesh_shape = {2, 2}, .grad_accum = 2, .all_reduce_last_only = true};
+  hsdp.check = [&](int rank, int step, const DeviceMesh&, nn::GPT&, const nn::AdamW&, const CommCounter& counter) {
+    const std::string where = absl::StrCat("HSDP rank ", rank, ", step ", step, ": ", counter.ToString());
+    EXPECT_EQ(counter.calls(CommKind::kReduceScatter), 2 * groups) << where;
+    EXPECT_EQ(counter.calls(CommKind::kAllReduce), groups + 2) << where;  // + each micro-batch's count of targets
+  };
+  ExpectSameTraining(Train(hsdp), Reference(), 1e-5, "HSDP 2x2, 2 micro-batches, all_reduce on the last");
+  for (int n : {2, 3}) {
+    Spec once{.world = n, .mesh_shape = {n}, .grad_accum = 2, .gather_once = true};
+    once.check = [&](int rank, int step, const DeviceMesh&, nn::GPT& model, const nn::AdamW&,
+                     const CommCounter& counter) {
+      const std::string where = absl::StrCat(n, " ranks, rank ", rank, ", step ", step, ": ", counter.ToString());
+      EXPECT_EQ(counter.calls(CommKind::kAllGather), groups) << where;
+      EXPECT_EQ(counter.calls(CommKind::kReduceScatter), 2 * groups) << where;
+      EXPECT_FALSE(nn::FsdpGroupOf(*model.block(0))->unsharded()) << where;  // resharded by the last backward
+    };
+    ExpectSameTraining(Train(once), Reference(), 1e-5,
+                       absl::StrCat("FSDP ", n, " ranks, 2 micro-batches, parameters gathered once"));
+  }
 }
 
 // Parameters, gradients and AdamW's two moments at rest: each rank holds its torch.chunk rows
