@@ -260,7 +260,9 @@ std::vector<Variable> Record(const char* name, absl::Span<const Variable> inputs
   return result;
 }
 
-uint64_t NextSequenceNr() { return g_next_sequence_nr.load(); }
+// A number of its own (no node takes it): two marks with no node recorded between them still
+// differ, on every thread alike, whatever other threads record (the counter is shared).
+uint64_t NextSequenceNr() { return g_next_sequence_nr.fetch_add(1); }
 
 absl::Status QueueBackwardCallback(uint64_t sequence_nr, std::function<absl::Status()> fn) {
   if (t_pass == nullptr) {

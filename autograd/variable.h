@@ -196,8 +196,8 @@ std::vector<Variable> Record(const char* name, absl::Span<const Variable> inputs
 absl::Status Backward(const Variable& root, bool retain_graph = false);
 absl::Status Backward(absl::Span<const Variable> roots, absl::Span<const Value> grad_roots, bool retain_graph = false);
 
-// The sequence number the next recorded node will get: every node recorded from now on has a
-// sequence number >= it (FSDP notes where a module's forward starts).
+// A fresh mark in node order: every node recorded from now on has a greater sequence number,
+// every earlier one a smaller (FSDP notes where a module's forward starts).
 uint64_t NextSequenceNr();
 
 // Only within a backward pass, from one of its hooks or nodes (on the pass's thread): runs

@@ -577,6 +577,26 @@ absl::Status FsdpGroup::StartReduce() {
   return absl::OkStatus();
 }
 
+absl::Status FsdpGroup::StartKeptAllReduce() {
+  if (!sync_ || !all_reduce_ || replicate_dim_ < 0 || mesh_.size(replicate_dim_) <= 1) return absl::OkStatus();
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    Bucket& b = buckets_[bi];
+    if (!b.partial_reduce.defined()) continue;
+    Pending pending;
+    pending.bucket = static_cast<int>(bi);
+    pending.output = b.partial_reduce;
+    pending.params = b.partial_params;
+    b.partial_reduce = Tensor();
+    b.partial_params.clear();
+    DT_ASSIGN_OR_RETURN(auto ar,
+                        mesh_.comm(replicate_dim_).AllReduceAsync(pending.output, pending.output, CommReduceOp::kSum));
+    Record(mesh_, CommKind::kAllReduce, pending.output);
+    pending.works.push_back(std::move(ar));
+    pending_reduce_.push_back(std::move(pending));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status FsdpGroup::FinishReduce(bool host_wait) {
   std::vector<Pending> all = std::move(pending_reduce_);
   pending_reduce_.clear();
@@ -611,9 +631,10 @@ absl::Status FsdpGroup::FinishReduce(bool host_wait) {
       DT_ASSIGN_OR_RETURN(piece, Contiguous(piece));  // a view when pre == 1 or the chunk is full
       DT_ASSIGN_OR_RETURN(piece, piece.View(p.shard_shape));
       DT_ASSIGN_OR_RETURN(piece, Cast(piece, p.dtype));
-      // The sharded gradient is in .grad while the group is sharded, else stashed.
+      // The sharded gradient is in .grad while the parameters are their shards (sharded, or
+      // prefetched and not yet gathered: a group this pass did not use), else stashed.
       Value& stash = p.stashed_grad;
-      const bool in_var = state_ == State::kSharded;
+      const bool in_var = state_ != State::kUnsharded;
       const Value cur = in_var ? p.var->grad() : stash;
       Value next;
       if (cur.defined()) {

@@ -87,6 +87,10 @@ class FsdpGroup {
   // the device's later work after it (NCCL: no host sync; CPU transports wait either way).
   absl::Status StartReduce();
   absl::Status FinishReduce(bool host_wait = true);
+  // HSDP after backward passes without all_reduce: starts the all_reduce of the sums they kept
+  // where this pass's StartReduce did not (the group took no part in it); FinishReduce adds
+  // them to the sharded gradients. A no-op without such sums, gradient sync or all_reduce.
+  absl::Status StartKeptAllReduce();
   bool reduce_pending() const { return !pending_reduce_.empty(); }
 
   void set_requires_gradient_sync(bool sync) { sync_ = sync; }
@@ -96,13 +100,6 @@ class FsdpGroup {
   // accumulation: a reduce_scatter per micro-batch, one all_reduce per step). No effect
   // without a replicate dim of size > 1.
   void set_requires_all_reduce(bool all_reduce) { all_reduce_ = all_reduce; }
-  // PyTorch's set_reshard_after_backward: false keeps the gathered parameters after backward,
-  // so that the next micro-batch's forward and backward gather nothing (with
-  // reshard_after_forward false, one all_gather per group for all micro-batches). Their
-  // reduced gradients wait beside them; both come back to the parameters when the group
-  // reshards: set it to true before the last micro-batch's backward (or call Reshard()) before
-  // the optimizer steps.
-  void set_reshard_after_backward(bool reshard) { reshard_after_backward_ = reshard; }
   void set_reshard_after_forward(bool reshard) { options_.reshard_after_forward = reshard; }
   void set_prefetch(bool prefetch) { options_.prefetch = prefetch; }
 
@@ -162,7 +159,6 @@ class FsdpGroup {
   State state_ = State::kSharded;
   bool sync_ = true;
   bool all_reduce_ = true;
-  bool reshard_after_backward_ = true;
   std::vector<Pending> pending_reduce_;
   Stats stats_;
   struct Held {
@@ -176,9 +172,8 @@ class FsdpGroup {
   uint64_t forward_seq_ = 0;  // NextSequenceNr() when the forward began
   bool forwarded_ = false;    // ran forward in this step, post-backward not yet
   bool backward_queued_ = false;
-  bool kept_gathered_ = false;  // gathered still by choice (reshard_after_backward false)
-  int order_index_ = -1;        // in the tree's forward order
-  std::string label_;           // for messages: the first parameter's name
+  int order_index_ = -1;  // in the tree's forward order
+  std::string label_;     // for messages: the first parameter's name
 };
 
 }  // namespace dtensor::nn

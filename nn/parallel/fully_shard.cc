@@ -43,8 +43,7 @@ struct FsdpHooks {
       // without backward).
       for (FsdpGroup* x : t.groups) {
         if (x->reduce_pending()) DT_RETURN_IF_ERROR(x->FinishReduce());
-        if (x != &g && !x->kept_gathered_) DT_RETURN_IF_ERROR(x->Reshard());
-        x->kept_gathered_ = false;
+        if (x != &g) DT_RETURN_IF_ERROR(x->Reshard());
         x->forwarded_ = false;
         x->backward_queued_ = false;
       }
@@ -130,11 +129,7 @@ struct FsdpHooks {
     g.backward_queued_ = false;
     FsdpTree& t = *g.tree_;
     if (g.unsharded()) DT_RETURN_IF_ERROR(g.StartReduce());
-    if (g.reshard_after_backward_) {
-      DT_RETURN_IF_ERROR(g.Reshard());
-    } else {
-      g.kept_gathered_ = g.unsharded();
-    }
+    DT_RETURN_IF_ERROR(g.Reshard());
     // At most one reduce-scatter in flight: the one before this group's is awaited now (on a
     // GPU by the compute stream; the end of the pass waits on the host, so a failed peer is
     // an error within the timeout).
@@ -145,10 +140,12 @@ struct FsdpHooks {
   }
 
   // The end of the backward pass: groups whose post-backward did not run (their output had
-  // no gradient), then the last reduce-scatter.
+  // no gradient), kept HSDP sums still to all-reduce, then the last reduce-scatter.
   static absl::Status EndBackward(FsdpTree& t) {
     t.end_queued = false;
     for (auto it = t.groups.rbegin(); it != t.groups.rend(); ++it) DT_RETURN_IF_ERROR(PostBackward(**it));
+    // HSDP: sums that earlier passes kept for this all_reduce, of groups this pass did not use.
+    for (FsdpGroup* g : t.groups) DT_RETURN_IF_ERROR(g->StartKeptAllReduce());
     for (FsdpGroup* g : t.groups) {
       if (g->reduce_pending()) DT_RETURN_IF_ERROR(g->FinishReduce());
     }
@@ -227,9 +224,6 @@ void SetRequiresGradientSync(Module& module, bool sync) {
 }
 void SetRequiresAllReduce(Module& module, bool all_reduce) {
   ForEachGroup(module, [all_reduce](FsdpGroup& g) { g.set_requires_all_reduce(all_reduce); });
-}
-void SetReshardAfterBackward(Module& module, bool reshard) {
-  ForEachGroup(module, [reshard](FsdpGroup& g) { g.set_reshard_after_backward(reshard); });
 }
 void SetReshardAfterForward(Module& module, bool reshard) {
   ForEachGroup(module, [reshard](FsdpGroup& g) { g.set_reshard_after_forward(reshard); });

@@ -80,10 +80,10 @@ FsdpGroup* FsdpGroupOf(const Module& module);
 // reduce-scatter per group on the last micro-batch, at the memory of unsharded gradients).
 void SetRequiresGradientSync(Module& module, bool sync);
 // Likewise for FsdpGroup::set_requires_all_reduce (HSDP: all-reduce over the replicas only on
-// the backward with true), set_reshard_after_backward (keep the gathered parameters for the
-// next micro-batch; true again before the optimizer steps) and set_reshard_after_forward.
+// the backward with true) and set_reshard_after_forward. (PyTorch's set_reshard_after_backward
+// is not offered: a Variable holds one value, so an optimizer step while the parameters were
+// kept gathered would see the gathered views without gradients and change nothing.)
 void SetRequiresAllReduce(Module& module, bool all_reduce);
-void SetReshardAfterBackward(Module& module, bool reshard);
 void SetReshardAfterForward(Module& module, bool reshard);
 
 }  // namespace dtensor::nn

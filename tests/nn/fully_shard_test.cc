@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -18,6 +19,7 @@
 #include "dtensor/autograd/ops.h"
 #include "dtensor/collectives/threads/threads_communicator.h"
 #include "dtensor/nn/gpt.h"
+#include "dtensor/nn/layers.h"
 #include "dtensor/nn/optim.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
@@ -104,10 +106,6 @@ TrainRun Train(const Spec& s) {
             y = Unwrap(DTensor::Distribute(y.local(), mesh, batch_layout, {.src_rank = std::nullopt}));
             if (s.sync_last_only) nn::SetRequiresGradientSync(*model, k + 1 == s.grad_accum);
             if (s.all_reduce_last_only) nn::SetRequiresAllReduce(*model, k + 1 == s.grad_accum);
-            if (s.gather_once) {
-              nn::SetReshardAfterForward(*model, false);
-              nn::SetReshardAfterBackward(*model, k + 1 == s.grad_accum);
-            }
           }
           nn::GPT::Output o = Unwrap(model->Forward(Variable::Constant(x), Variable::Constant(y)));
           Variable loss = s.grad_accum == 1 ? o.loss : Unwrap(Scale(o.loss, 1.0 / s.grad_accum));
@@ -293,12 +291,11 @@ TEST(FullyShardTest, HsdpReducesOverTheReplicasOncePerGroup) {
   Train(s);
 }
 
-// Gradient accumulation over 2 micro-batches with PyTorch's FSDP2 switches: HSDP all-reduces
-// over the replicas once per step (set_requires_all_reduce false on the first micro-batch:
-// its reduce-scattered sums wait on the group), and with reshard_after_backward false on the
-// first micro-batch (reshard_after_forward false) each group gathers once per step; both train
+// HSDP gradient accumulation over 2 micro-batches with set_requires_all_reduce false on the
+// first (PyTorch's FSDP2 switch): a reduce_scatter per micro-batch, one all_reduce over the
+// replicas per step (the first micro-batch's reduce-scattered sums wait on the group), training
 // as one rank does.
-TEST(FullyShardTest, AccumulationAllReducesAndGathersOncePerStep) {
+TEST(FullyShardTest, HsdpAccumulationAllReducesOncePerStep) {
   const int64_t groups = Config().n_layer + 1;
   Spec hsdp{.world = 4, .mesh_shape = {2, 2}, .grad_accum = 2, .all_reduce_last_only = true};
   hsdp.check = [&](int rank, int step, const DeviceMesh&, nn::GPT&, const nn::AdamW&, const CommCounter& counter) {
@@ -307,17 +304,117 @@ TEST(FullyShardTest, AccumulationAllReducesAndGathersOncePerStep) {
     EXPECT_EQ(counter.calls(CommKind::kAllReduce), groups + 2) << where;  // + each micro-batch's count of targets
   };
   ExpectSameTraining(Train(hsdp), Reference(), 1e-5, "HSDP 2x2, 2 micro-batches, all_reduce on the last");
-  for (int n : {2, 3}) {
-    Spec once{.world = n, .mesh_shape = {n}, .grad_accum = 2, .gather_once = true};
-    once.check = [&](int rank, int step, const DeviceMesh&, nn::GPT& model, const nn::AdamW&,
-                     const CommCounter& counter) {
-      const std::string where = absl::StrCat(n, " ranks, rank ", rank, ", step ", step, ": ", counter.ToString());
-      EXPECT_EQ(counter.calls(CommKind::kAllGather), groups) << where;
-      EXPECT_EQ(counter.calls(CommKind::kReduceScatter), 2 * groups) << where;
-      EXPECT_FALSE(nn::FsdpGroupOf(*model.block(0))->unsharded()) << where;  // resharded by the last backward
-    };
-    ExpectSameTraining(Train(once), Reference(), 1e-5,
-                       absl::StrCat("FSDP ", n, " ranks, 2 micro-batches, parameters gathered once"));
+}
+
+// a -> (b, when asked) -> c: a and b are FSDP groups, the root holds c.
+class Branchy : public nn::Module {
+ public:
+  Branchy() {
+    a = RegisterModule("a", std::make_unique<nn::Linear>(5, 5));
+    b = RegisterModule("b", std::make_unique<nn::Linear>(5, 5));
+    c = RegisterModule("c", std::make_unique<nn::Linear>(5, 3));
+    int k = 1;
+    for (Variable* p : Parameters()) {
+      std::vector<float> v;
+      for (int64_t i = 0; i < p->value().numel(); ++i) v.push_back(static_cast<float>(0.5 * std::cos(1.3 * i + k)));
+      ++k;
+      EXPECT_TRUE(Copy_(p->value().local(), Unwrap(Tensor::FromVector<float>(v, p->value().shape()))).ok());
+    }
+  }
+  absl::StatusOr<Variable> Forward(const Variable& x, bool use_b) {
+    return WithHooks(x, [&, use_b](const Variable& in) -> absl::StatusOr<Variable> {
+      DT_ASSIGN_OR_RETURN(Variable h, a->Forward(in));
+      if (use_b) {
+        DT_ASSIGN_OR_RETURN(h, b->Forward(h));
+      }
+      return c->Forward(h);
+    });
+  }
+  absl::Status Shard(const DeviceMesh& mesh) {
+    DT_RETURN_IF_ERROR(nn::FullyShard(*a, mesh).status());
+    DT_RETURN_IF_ERROR(nn::FullyShard(*b, mesh).status());
+    return nn::FullyShard(*this, mesh).status();
+  }
+  // Sum(Forward(x, use_b)) with x the same [4, 5] on every rank: plain gradients are averaged
+  // over the ranks, so each equals one rank's.
+  absl::Status Pass(bool use_b) {
+    std::vector<float> v;
+    for (int i = 0; i < 4 * 5; ++i) v.push_back(static_cast<float>(std::sin(0.7 * i + 0.3)));
+    DT_ASSIGN_OR_RETURN(Tensor x, Tensor::FromVector<float>(v, {4, 5}));
+    DT_ASSIGN_OR_RETURN(Variable y, Forward(Variable::Constant(x), use_b));
+    DT_ASSIGN_OR_RETURN(Variable loss, Sum(y));
+    return Backward(loss);
+  }
+  std::vector<double> Grad(const std::string& name) {
+    const Value& g = FindParameter(name)->grad();
+    if (!g.defined()) return {};
+    return testing::Values(g.is_dtensor() ? Unwrap(g.dtensor().FullTensor()) : g.local());
+  }
+  nn::Linear *a, *b, *c;
+};
+
+// One rank's gradients of the passes `uses` (b used or not), summed.
+std::map<std::string, std::vector<double>> BranchyGrads(const std::vector<bool>& uses) {
+  Branchy m;
+  for (bool u : uses) EXPECT_TRUE(m.Pass(u).ok());
+  std::map<std::string, std::vector<double>> out;
+  for (auto& [name, p] : m.NamedParameters()) out[name] = m.Grad(name);
+  return out;
+}
+
+// A group that took part in a micro-batch without all_reduce but not in the one with it still
+// gets its kept sum all-reduced at that backward's end (it was left for the next step's).
+TEST(FullyShardTest, HsdpKeptSumsReachAGroupUnusedInTheLastMicroBatch) {
+  const auto want = BranchyGrads({true, false});
+  const auto once = BranchyGrads({true});
+  auto comms = Unwrap(MakeThreadGroup(4, absl::Seconds(30)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2, 2}));
+      Branchy m;
+      ASSERT_TRUE(m.Shard(mesh).ok());
+      nn::SetRequiresAllReduce(m, false);
+      ASSERT_TRUE(m.Pass(true).ok());
+      nn::SetRequiresAllReduce(m, true);
+      ASSERT_TRUE(m.Pass(false).ok());
+      for (const auto& [name, g] : want) {
+        testing::ExpectNear(m.Grad(name), g, {1e-5, 1e-6}, absl::StrCat("rank ", r, " ", name));
+      }
+      for (Variable* p : m.Parameters()) p->reset_grad();
+      ASSERT_TRUE(m.Pass(true).ok());  // the next step: nothing kept leaks into it
+      for (const auto& [name, g] : once) {
+        testing::ExpectNear(m.Grad(name), g, {1e-5, 1e-6}, absl::StrCat("rank ", r, ", next step, ", name));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// Every rank runs the groups' post-backwards, and so their reduce_scatters, in one order,
+// whatever nodes other threads record meanwhile. A group's forward start was the sequence
+// number the next node would get, from a counter every thread shares: a's start tied the
+// root's on a rank where no node was recorded between them anywhere, and was later on a rank
+// where another thread's was, so the ranks ran the root's and a's reduce_scatters in
+// different orders (a collective mismatch on most of these rounds before the fix).
+TEST(FullyShardTest, PostBackwardRunsInTheSameOrderOnEveryRank) {
+  const auto want = BranchyGrads({true});
+  for (int round = 0; round < 10; ++round) {
+    auto comms = Unwrap(MakeThreadGroup(4, absl::Seconds(30)));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < 4; ++r) {
+      threads.emplace_back([&, r] {
+        DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2, 2}));
+        Branchy m;
+        ASSERT_TRUE(m.Shard(mesh).ok());
+        const absl::Status pass = m.Pass(true);
+        ASSERT_TRUE(pass.ok()) << "round " << round << ", rank " << r << ": " << pass;
+        for (const auto& [name, g] : want) {
+          testing::ExpectNear(m.Grad(name), g, {1e-5, 1e-6}, absl::StrCat("rank ", r, " ", name));
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
   }
 }
 
