@@ -44,11 +44,17 @@ absl::StatusOr<std::vector<TensorMeta>> AttnBwdMeta(absl::Span<const TensorMeta>
   DT_RETURN_IF_ERROR(CheckQkv("CausalAttentionBackward", in.subspan(0, 5)));
   return std::vector<TensorMeta>{in[1], in[2], in[3]};
 }
+// Besides batch and heads: with q, k, v and the saved out and lse fixed, the backward is
+// linear in dout (dv = P^T dout; ds = P * (dout v^T - rowsum(dout * out))), so a Partial(sum)
+// dout gives Partial dq, dk, dv (a replicated attention below a colwise consumer keeps the
+// gradient partial, as the norms do).
 void AttnBwdRule(absl::Span<const TensorMeta>, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
   for (int64_t d = 0; d < 2; ++d) {
     absl::InlinedVector<Placement, 5> ins(6, Shard(d));
     s->push_back({ins, {Shard(d), Shard(d), Shard(d)}});
   }
+  const Placement p = Partial(PartialOp::kSum);
+  s->push_back({{p, Replicate(), Replicate(), Replicate(), Replicate(), Replicate()}, {p, p, p}});
 }
 absl::StatusOr<std::vector<Tensor>> AttnBwdLocal(const LocalCall& c) {
   const auto& in = c.inputs;  // as in AttnLocal: dtensor::CausalAttentionBackward copies what it must
