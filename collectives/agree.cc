@@ -48,7 +48,12 @@ absl::Status AgreeOnStatus(Communicator& world, const absl::Status& mine, absl::
   DT_ASSIGN_OR_RETURN(Tensor flag, Tensor::FromVector<int32_t>({mine.ok() ? 1 : 0}, {1}));
   DT_ASSIGN_OR_RETURN(flag, To(flag, world.device()));
   DT_ASSIGN_OR_RETURN(Tensor all, Tensor::Empty({world.size()}, DType::kInt32, world.device()));
-  DT_RETURN_IF_ERROR(world.AllGather(flag, all));
+  if (absl::Status gathered = world.AllGather(flag, all); !gathered.ok()) {
+    // A failed rank keeps its own error (its communicator may have failed with it).
+    if (mine.ok()) return gathered;
+    return absl::Status(
+        mine.code(), absl::StrCat(mine.message(), " (then agreeing with the other ranks: ", gathered.ToString(), ")"));
+  }
   DT_ASSIGN_OR_RETURN(all, To(all, Device::Cpu()));
   std::vector<int> failed;
   for (int r = 0; r < world.size(); ++r) {
@@ -56,11 +61,11 @@ absl::Status AgreeOnStatus(Communicator& world, const absl::Status& mine, absl::
   }
   if (failed.empty()) return absl::OkStatus();
   // Every rank learns the first failed rank's error: its code, a space, its message.
-  DT_ASSIGN_OR_RETURN(
-      std::vector<std::string> texts,
-      AllGatherText(world, mine.ok() ? "" : absl::StrCat(static_cast<int>(mine.code()), " ", mine.message())));
+  absl::StatusOr<std::vector<std::string>> texts =
+      AllGatherText(world, mine.ok() ? "" : absl::StrCat(static_cast<int>(mine.code()), " ", mine.message()));
   if (!mine.ok()) return mine;
-  const std::string& first = texts[static_cast<size_t>(failed[0])];
+  if (!texts.ok()) return texts.status();
+  const std::string& first = (*texts)[static_cast<size_t>(failed[0])];
   const size_t space = first.find(' ');
   int code = std::atoi(first.substr(0, space).c_str());
   if (code <= 0 || code > static_cast<int>(absl::StatusCode::kUnauthenticated)) {

@@ -11,8 +11,9 @@
 // OK; this rank's own error where it failed; else the first failed rank's code with a message
 // naming every failed rank, `what` and that rank's message:
 //   "opening the shards failed on rank(s) 1, 3; rank 1: NOT_FOUND: [Open] no file /x/1.bin"
-// Every rank must call it (it is a collective); the communicator's own errors (a dead peer,
-// the timeout) are returned as they are.
+// Every rank must call it (it is a collective). The communicator's own errors (a dead peer,
+// the timeout, an abort) are returned as they are, except to a rank whose `mine` failed: it
+// keeps its own code and message, the communicator's error appended.
 //
 // AllGatherText: every rank's string, in rank order (e.g. a JSON document of what each rank
 // wrote); lengths may differ and be 0.

@@ -8,6 +8,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "dtensor/collectives/threads/threads_communicator.h"
 #include "gtest/gtest.h"
@@ -55,6 +56,20 @@ TEST(AgreeTest, FailedRanksKeepTheirErrorsAndTheOthersNameThem) {
   // One rank alone: its own status, whatever it is.
   auto one = OnRanks(1, [&](int, Communicator& c) { return AgreeOnStatus(c, mine(1), "opening"); });
   EXPECT_EQ(one[0], mine(1));
+}
+
+// A rank that failed and aborted its communicator (as a rank does that cannot take part)
+// keeps its own error; the others get the abort.
+TEST(AgreeTest, AFailedRankWhoseCommunicatorIsGoneKeepsItsError) {
+  const absl::Status failure = absl::NotFoundError("[Open] no file /x/1.bin");
+  auto out = OnRanks(2, [&](int r, Communicator& c) {
+    if (r == 1) c.Abort(failure);
+    return AgreeOnStatus(c, r == 1 ? failure : absl::OkStatus(), "opening the shards");
+  });
+  EXPECT_TRUE(absl::IsAborted(out[0])) << out[0];
+  EXPECT_NE(out[0].message().find("no file /x/1.bin"), std::string::npos) << out[0];
+  EXPECT_EQ(out[1].code(), absl::StatusCode::kNotFound) << out[1];
+  EXPECT_TRUE(absl::StartsWith(out[1].message(), failure.message())) << out[1];
 }
 
 TEST(AgreeTest, TextsOfAnyLengthComeBackInRankOrder) {

@@ -362,11 +362,8 @@ std::map<std::string, std::vector<double>> BranchyGrads(const std::vector<bool>&
   return out;
 }
 
-// A group that took part in a micro-batch without all_reduce but not in the one with it still
-// gets its kept sum all-reduced at that backward's end (it was left for the next step's).
-TEST(FullyShardTest, HsdpKeptSumsReachAGroupUnusedInTheLastMicroBatch) {
-  const auto want = BranchyGrads({true, false});
-  const auto once = BranchyGrads({true});
+// Runs fn(rank, model) on 4 thread ranks, each with a Branchy sharded over a 2x2 mesh (HSDP).
+void OnBranchyHsdp(const std::function<void(int, Branchy&)>& fn) {
   auto comms = Unwrap(MakeThreadGroup(4, absl::Seconds(30)));
   std::vector<std::thread> threads;
   for (int r = 0; r < 4; ++r) {
@@ -374,21 +371,31 @@ TEST(FullyShardTest, HsdpKeptSumsReachAGroupUnusedInTheLastMicroBatch) {
       DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2, 2}));
       Branchy m;
       ASSERT_TRUE(m.Shard(mesh).ok());
-      nn::SetRequiresAllReduce(m, false);
-      ASSERT_TRUE(m.Pass(true).ok());
-      nn::SetRequiresAllReduce(m, true);
-      ASSERT_TRUE(m.Pass(false).ok());
-      for (const auto& [name, g] : want) {
-        testing::ExpectNear(m.Grad(name), g, {1e-5, 1e-6}, absl::StrCat("rank ", r, " ", name));
-      }
-      for (Variable* p : m.Parameters()) p->reset_grad();
-      ASSERT_TRUE(m.Pass(true).ok());  // the next step: nothing kept leaks into it
-      for (const auto& [name, g] : once) {
-        testing::ExpectNear(m.Grad(name), g, {1e-5, 1e-6}, absl::StrCat("rank ", r, ", next step, ", name));
-      }
+      fn(r, m);
     });
   }
   for (auto& t : threads) t.join();
+}
+
+void ExpectGrads(Branchy& m, const std::map<std::string, std::vector<double>>& want, const std::string& where) {
+  for (const auto& [name, g] : want) testing::ExpectNear(m.Grad(name), g, {1e-5, 1e-6}, where + " " + name);
+}
+
+// A group that took part in a micro-batch without all_reduce but not in the one with it still
+// gets its kept sum all-reduced at that backward's end (it was left for the next step's).
+TEST(FullyShardTest, HsdpKeptSumsReachAGroupUnusedInTheLastMicroBatch) {
+  const auto want = BranchyGrads({true, false});
+  const auto once = BranchyGrads({true});
+  OnBranchyHsdp([&](int r, Branchy& m) {
+    nn::SetRequiresAllReduce(m, false);
+    ASSERT_TRUE(m.Pass(true).ok());
+    nn::SetRequiresAllReduce(m, true);
+    ASSERT_TRUE(m.Pass(false).ok());
+    ExpectGrads(m, want, absl::StrCat("rank ", r));
+    for (Variable* p : m.Parameters()) p->reset_grad();
+    ASSERT_TRUE(m.Pass(true).ok());  // the next step: nothing kept leaks into it
+    ExpectGrads(m, once, absl::StrCat("rank ", r, ", next step,"));
+  });
 }
 
 // Every rank runs the groups' post-backwards, and so their reduce_scatters, in one order,
@@ -400,21 +407,11 @@ TEST(FullyShardTest, HsdpKeptSumsReachAGroupUnusedInTheLastMicroBatch) {
 TEST(FullyShardTest, PostBackwardRunsInTheSameOrderOnEveryRank) {
   const auto want = BranchyGrads({true});
   for (int round = 0; round < 10; ++round) {
-    auto comms = Unwrap(MakeThreadGroup(4, absl::Seconds(30)));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 4; ++r) {
-      threads.emplace_back([&, r] {
-        DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2, 2}));
-        Branchy m;
-        ASSERT_TRUE(m.Shard(mesh).ok());
-        const absl::Status pass = m.Pass(true);
-        ASSERT_TRUE(pass.ok()) << "round " << round << ", rank " << r << ": " << pass;
-        for (const auto& [name, g] : want) {
-          testing::ExpectNear(m.Grad(name), g, {1e-5, 1e-6}, absl::StrCat("rank ", r, " ", name));
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
+    OnBranchyHsdp([&](int r, Branchy& m) {
+      const absl::Status pass = m.Pass(true);
+      ASSERT_TRUE(pass.ok()) << "round " << round << ", rank " << r << ": " << pass;
+      ExpectGrads(m, want, absl::StrCat("round ", round, ", rank ", r));
+    });
   }
 }
 
