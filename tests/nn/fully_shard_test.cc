@@ -59,10 +59,10 @@ struct Spec {
   std::vector<int64_t> mesh_shape = {};  // empty: plain tensors, no FSDP
   nn::FsdpOptions options = {};
   int grad_accum = 1;
-  bool sync_last_only = false;        // with grad_accum: reduce on the last micro-batch only
-  bool all_reduce_last_only = false;  // HSDP with grad_accum: all-reduce on the last micro-batch only
-  bool gather_once = false;           // with grad_accum: keep the gathered parameters until the last backward
-  bool sgd_clip = false;              // SGD with momentum after ClipGradNorm(0.5), instead of AdamW
+  bool sync_last_only = false;                          // with grad_accum: reduce on the last micro-batch only
+  bool all_reduce_last_only = false;                    // HSDP with grad_accum: all-reduce on the last micro-batch only
+  std::function<void(nn::GPT&)> after_shard = nullptr;  // e.g. FSDP2's setters, once sharded
+  bool sgd_clip = false;                                // SGD with momentum after ClipGradNorm(0.5), instead of AdamW
   int steps = 4;
   // Per rank and step, after the step (mesh, model, optimizer, counter of that step).
   std::function<void(int rank, int step, const DeviceMesh&, nn::GPT&, const nn::AdamW&, const CommCounter&)> check =
@@ -85,6 +85,7 @@ TrainRun Train(const Spec& s) {
           ASSERT_TRUE(nn::FullyShard(*model->block(i), mesh, s.options).ok());
         }
         ASSERT_TRUE(nn::FullyShard(*model, mesh, s.options).ok());
+        if (s.after_shard) s.after_shard(*model);
       }
       // eps 1e-5, not 1e-8: AdamW divides each element's gradient by its own magnitude, so an
       // element whose gradient is ~0 — the key bias's is exactly 0 (softmax ignores a shift
@@ -259,7 +260,11 @@ TEST(FullyShardTest, EachStepIssuesExactlyTheAnalyticalCollectives) {
       const int64_t gather_bytes = 4 * n * ((reshard ? 2 : 1) * c.n_layer * block + root);
       const int64_t scatter_bytes = 4 * n * (c.n_layer * block + root);
       Spec s{.world = n, .mesh_shape = {n}, .steps = 2};
-      s.options.reshard_after_forward = reshard;
+      if (n == 3) {  // FSDP2's setter, after sharding, means the same as the option
+        s.after_shard = [reshard](nn::GPT& model) { nn::SetReshardAfterForward(model, reshard); };
+      } else {
+        s.options.reshard_after_forward = reshard;
+      }
       s.check = [&](int rank, int step, const DeviceMesh&, nn::GPT& model, const nn::AdamW&,
                     const CommCounter& counter) {
         const std::string where = absl::StrCat(n, " ranks, reshard ", reshard, ", rank ", rank, ", step ", step);
