@@ -139,6 +139,30 @@ const S* Find(const ParallelizePlan& plan, const std::string& name) {
   return found;
 }
 
+// The walk models plans that split every block's attn and mlp, wte and lm_head alike (or none
+// of them): a replicated sublayer or an embedding split without its tied head keeps the
+// gradient Partial through modules whose weight gradients then need reductions it does not
+// count.
+absl::Status CheckSplitAlike(const GPTConfig& cfg, const ParallelizePlan& plan) {
+  std::vector<std::pair<std::string, bool>> parts = {
+      {"transformer.wte", Find<RowwiseParallel>(plan, "transformer.wte") != nullptr},
+      {"lm_head", Find<ColwiseParallel>(plan, "lm_head") != nullptr}};
+  for (int64_t i = 0; i < cfg.n_layer; ++i) {
+    const std::string h = absl::StrCat("transformer.h.", i);
+    parts.emplace_back(h + ".attn.c_attn", Find<ColwiseParallel>(plan, h + ".attn.c_attn") != nullptr);
+    parts.emplace_back(h + ".mlp.c_fc", Find<ColwiseParallel>(plan, h + ".mlp.c_fc") != nullptr);
+  }
+  for (const auto& [name, split] : parts) {
+    if (split == parts[0].second) continue;
+    const std::string& yes = split ? name : parts[0].first;
+    const std::string& no = split ? parts[0].first : name;
+    return absl::UnimplementedError(
+        absl::StrCat("[", kOp, "] the plan splits ", yes, " but not ", no,
+                     ": --explain models plans that split wte, lm_head and every block's attn and mlp alike"));
+  }
+  return absl::OkStatus();
+}
+
 // "transformer.h.3.ln_1.weight" -> "transformer.h.*.ln_1.weight": one line for every block.
 std::string AnyBlock(const std::string& name) {
   const std::string h = "transformer.h.";
@@ -229,6 +253,7 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
   bool loss_parallel = false;
   if (w.tp >= 0) {
     DT_RETURN_IF_ERROR(CheckStyles(model, o.plan));
+    DT_RETURN_IF_ERROR(CheckSplitAlike(cfg, o.plan));
     Placement a = kR;  // the residual stream on tp
     // Backward gradients that go back to Replicate from what flows below them: P where a
     // colwise consumer sits above (later in forward), else already R. Known after the walk.

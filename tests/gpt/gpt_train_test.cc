@@ -328,6 +328,19 @@ TEST_F(GptTrainTest, ExplainMatchesOneRealStep) {
                                        odd);
   EXPECT_NE(bad.code, 0);
   EXPECT_NE(bad.out.find("PrepareModuleOutput"), std::string::npos) << bad.out;
+  // So is a plan that leaves sublayers replicated beside split ones (their weight gradients
+  // come out Partial on tp: reductions the explanation does not count).
+  const std::string attn_only = Path("attn_only.json");
+  testing::WriteBytes(attn_only, R"j({"mesh": {"dp_replicate": 1, "dp_shard": 1, "tp": 2}, "every_parameter": false,
+    "rules": [{"module": "transformer.h.*.attn.c_attn", "style": "ColwiseParallel(fused=3)"},
+              {"module": "transformer.h.*.attn.c_proj", "style": "RowwiseParallel"}]})j");
+  const ProcessRun partial = Train("", "--text " + Corpus() +
+                                           " --ranks 2 --n-layer 1 --n-head 2 --n-embd 16 --seq 8 "
+                                           "--explain --plan " +
+                                           attn_only);
+  EXPECT_NE(partial.code, 0);
+  EXPECT_NE(partial.out.find("the plan splits transformer.h.0.attn.c_attn but not transformer.wte"), std::string::npos)
+      << partial.out;
 }
 
 // Checkpoints in the trainer: a run stopped at step 10 and resumed (--resume) under the same
