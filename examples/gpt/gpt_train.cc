@@ -323,12 +323,12 @@ absl::StatusOr<Flags> ReadFlags(const std::set<std::string>& given_flags) {
     }
     return absl::OkStatus();
   };
-  if (absl::Status s = needs({"val_bin", "val_fraction", "val_batches"}, absl::GetFlag(FLAGS_val_every) > 0,
+  if (absl::Status s = needs({"val_bin", "val_fraction", "val_batches"}, f.val_every > 0,
                              "with --val-every N > 0 (validation is off without it)");
       !s.ok()) {
     return s;
   }
-  if (absl::Status s = needs({"warmup", "min_lr"}, absl::GetFlag(FLAGS_lr_schedule) == "cosine",
+  if (absl::Status s = needs({"warmup", "min_lr"}, f.lr_schedule == "cosine",
                              "to --lr-schedule cosine (the constant schedule has neither)");
       !s.ok()) {
     return s;
@@ -592,7 +592,6 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   // Every rank's verdict on a step each did alone (loading, opening a file): all fail when one
   // does, the others naming it and its error, instead of waiting for it in the next collective.
   auto agree = [&](const absl::Status& mine, const std::string& what) -> absl::Status {
-    if (world.size() == 1) return mine;
     return AgreeOnStatus(world, mine, absl::StrCat("[gpt_train] rank ", world.rank(), ": ", what));
   };
   auto checkpoint_state = [&](const Tensor& progress, const Tensor& dropout_calls) -> absl::StatusOr<CheckpointState> {

@@ -255,22 +255,13 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
     DT_RETURN_IF_ERROR(CheckStyles(model, o.plan));
     DT_RETURN_IF_ERROR(CheckSplitAlike(cfg, o.plan));
     Placement a = kR;  // the residual stream on tp
-    // Backward gradients that go back to Replicate from what flows below them: P where a
-    // colwise consumer sits above (later in forward), else already R. Known after the walk.
-    struct ToReplicate {
-      std::string label;
-      int after;  // the number of colwise consumers before it in forward order
-    };
-    std::vector<ToReplicate> to_replicate;
-    int colwise_seen = 0;
     if (const auto* r = Find<RowwiseParallel>(o.plan, "transformer.wte")) {
       const Placement out = r->output_layout;
       DT_RETURN_IF_ERROR(w.Move(F, "transformer.wte output", btc, w.Act(kP), w.Act(out), act, k));
-      if (out == kR) {
-        to_replicate.push_back({"transformer.wte output gradient", colwise_seen});
-      } else {
-        DT_RETURN_IF_ERROR(w.Move(B, "transformer.wte output gradient", btc, w.Act(out), w.Act(kR), act, k));
-      }
+      // (A colwise consumer sits above every rowwise output, CheckSplitAlike: the gradient that
+      // comes back is P where the output is R, see colwise_gradient.)
+      DT_RETURN_IF_ERROR(
+          w.Move(B, "transformer.wte output gradient", btc, w.Act(out == kR ? kP : out), w.Act(kR), act, k));
       a = out;
     }
     if (a.is_shard()) seq_params.insert("transformer.wpe.weight");
@@ -281,7 +272,6 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
     // sublayer). Either way the gradient of the residual stream, and so of the norms and wpe
     // below it, is partial or sharded on tp: their weights' gradients are P there.
     auto colwise_gradient = [&](const std::string& label) -> absl::Status {
-      ++colwise_seen;
       if (a != kR) return w.Move(B, label + " input gradient", btc, w.Act(kP), w.Act(a), act, k);
       return absl::OkStatus();
     };
@@ -320,11 +310,7 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
                                                      " differs from the residual stream's ", a.ToString()));
       }
       DT_RETURN_IF_ERROR(w.Move(F, label + " output", btc, w.Act(kP), w.Act(a), act, k));
-      if (a == kR) {
-        to_replicate.push_back({label + " output gradient", colwise_seen});
-        return absl::OkStatus();
-      }
-      return w.Move(B, label + " output gradient", btc, w.Act(a), w.Act(kR), act, k);
+      return w.Move(B, label + " output gradient", btc, w.Act(a == kR ? kP : a), w.Act(kR), act, k);
     };
     auto norm = [&](const std::string& name) -> absl::Status {
       if (Find<SequenceParallel>(o.plan, name) != nullptr && a != kSeq) {
@@ -351,9 +337,6 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
       DT_RETURN_IF_ERROR(w.Move(F, "lm_head input", btc, w.Act(a), w.Act(kR), act, k));
       DT_RETURN_IF_ERROR(colwise_gradient("lm_head"));
       loss_parallel = true;
-    }
-    for (const ToReplicate& t : to_replicate) {
-      if (t.after < colwise_seen) DT_RETURN_IF_ERROR(w.Move(B, t.label, btc, w.Act(kP), w.Act(kR), act, k));
     }
     if (partial_below) {  // every norm sits below a colwise consumer's gradient, and wpe too
       for (auto& [name, v] : named) {

@@ -63,6 +63,13 @@ struct FsdpGroup::Pending {
 
 namespace {
 
+// Appends the indices of `from` that `to` lacks (a bucket's few parameters).
+void AddMissing(std::vector<int>& to, const std::vector<int>& from) {
+  for (int i : from) {
+    if (std::find(to.begin(), to.end(), i) == to.end()) to.push_back(i);
+  }
+}
+
 // The views of one parameter inside a [N, block] flat buffer: its rows [0, q * chunk) as
 // [q, chunk * rest] (ranks 0..q-1 hold full chunks), the remainder rows of rank q as
 // [r * rest], and the padding after them.
@@ -500,11 +507,6 @@ absl::Status FsdpGroup::StartReduce() {
     if (!sync_ || (!any && !flush)) continue;
     Pending pending;
     pending.bucket = static_cast<int>(bi);
-    auto add_partial_params = [&b](std::vector<int>& to) {
-      for (int i : b.partial_params) {
-        if (std::find(to.begin(), to.end(), i) == to.end()) to.push_back(i);
-      }
-    };
     DT_ASSIGN_OR_RETURN(pending.input, Tensor::Empty({shard_size_ * b.block}, b.reduce, device_));
     DT_ASSIGN_OR_RETURN(Tensor in2, pending.input.View({shard_size_, b.block}));
     for (size_t k = 0; k < b.params.size(); ++k) {
@@ -563,7 +565,7 @@ absl::Status FsdpGroup::StartReduce() {
       if (!pending.works.empty()) DT_RETURN_IF_ERROR(pending.works.back()->WaitStream());
       if (flush) {
         DT_RETURN_IF_ERROR(Add_(pending.output, b.partial_reduce));
-        add_partial_params(pending.params);
+        AddMissing(pending.params, b.partial_params);
         b.partial_reduce = Tensor();
         b.partial_params.clear();
       }
@@ -616,11 +618,7 @@ absl::Status FsdpGroup::FinishReduce(bool host_wait) {
       } else {
         b.partial_reduce = pending.output;
       }
-      for (int i : pending.params) {
-        if (std::find(b.partial_params.begin(), b.partial_params.end(), i) == b.partial_params.end()) {
-          b.partial_params.push_back(i);
-        }
-      }
+      AddMissing(b.partial_params, pending.params);
       continue;
     }
     for (int i : pending.params) {
