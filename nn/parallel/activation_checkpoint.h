@@ -30,7 +30,9 @@
 //     resharding frees them); the pre-backward all_gather, which runs before the
 //     recomputation, provides them again, the recomputation's gradients land in the unsharded
 //     .grad and are reduce-scattered once at the block's post-backward. The collectives are
-//     exactly those of the run without checkpointing.
+//     exactly those of the run without checkpointing. A group inside a checkpointed block
+//     (fully_shard on its attn or mlp) is gathered once more, for the recomputation, as in
+//     FSDP2; the recomputation prefetches no group.
 //   - Tensor parallelism (parallelize.h): the hooks of the modules inside a block (input and
 //     output layouts) run again in the recomputation, with their collectives; selective:op
 //     reuses the matmuls' sharded outputs.

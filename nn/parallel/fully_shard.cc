@@ -57,7 +57,9 @@ struct FsdpHooks {
       t.order.push_back(&g);
     }
     DT_RETURN_IF_ERROR(g.StartUnshard());
-    if (g.options_.prefetch) {
+    // Not in a recomputation (a group inside a checkpointed body runs its forward again in
+    // backward): the next group in forward order has finished its backward by then.
+    if (g.options_.prefetch && !InBackward()) {
       if (FsdpGroup* next = t.Next(g, +1)) DT_RETURN_IF_ERROR(next->StartUnshard());
     }
     DT_RETURN_IF_ERROR(g.Unshard());
