@@ -169,9 +169,13 @@ class FsdpGroup {
   // Hook state (fully_shard.cc).
   std::shared_ptr<FsdpTree> tree_;
   bool is_root_ = true;
-  uint64_t forward_seq_ = 0;  // NextSequenceNr() when the forward began
-  bool forwarded_ = false;    // ran forward in this step, post-backward not yet
-  bool backward_queued_ = false;
+  // NextSequenceNr() when this step's forward of the group began (a second use in the same
+  // forward keeps the first's); each use's output carries it to its pre-backward.
+  uint64_t forward_seq_ = 0;
+  bool forwarded_ = false;  // ran forward in this step, post-backward not yet
+  // The forward starts whose post-backward is queued in this backward pass: one per forward
+  // whose output's gradient arrived (two forwards before their backward give two).
+  std::vector<uint64_t> queued_starts_;
   int order_index_ = -1;  // in the tree's forward order
   std::string label_;     // for messages: the first parameter's name
 };

@@ -1,5 +1,6 @@
 #include "dtensor/nn/parallel/fully_shard.h"
 
+#include <algorithm>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -45,7 +46,7 @@ struct FsdpHooks {
         if (x->reduce_pending()) DT_RETURN_IF_ERROR(x->FinishReduce());
         if (x != &g) DT_RETURN_IF_ERROR(x->Reshard());
         x->forwarded_ = false;
-        x->backward_queued_ = false;
+        x->queued_starts_.clear();
       }
       t.reducing = nullptr;
       t.end_queued = false;
@@ -68,7 +69,6 @@ struct FsdpHooks {
     // A later use without grad records nothing and moves nothing.
     if (!g.forwarded_) g.forward_seq_ = NextSequenceNr();
     g.forwarded_ = g.forwarded_ || GradEnabled();
-    g.backward_queued_ = false;
     return absl::OkStatus();
   }
 
@@ -103,7 +103,24 @@ struct FsdpHooks {
     return absl::OkStatus();
   }
 
-  static absl::Status PreBackward(FsdpGroup& g) {
+  // The output's gradient runs PreBackward with the start of the forward that made it.
+  static void AttachPreBackward(const std::weak_ptr<FsdpGroup>& weak, Variable& out) {
+    if (!out.defined() || !out.requires_grad()) return;
+    const uint64_t start = weak.lock()->forward_seq_;
+    out.RegisterHook([weak, start](Value&) -> absl::Status {
+      const std::shared_ptr<FsdpGroup> g = weak.lock();
+      if (g == nullptr) {
+        return absl::FailedPreconditionError(
+            "[FullyShard] backward reached a sharded module's output after the module was destroyed");
+      }
+      return PreBackward(*g, start);
+    });
+  }
+
+  // `start`: the forward_seq_ of the forward whose output's gradient arrived. Its post-backward
+  // runs once the pass is past that forward's nodes; a group that two graphs use (two forwards
+  // before their backward) is gathered and reduced for each.
+  static absl::Status PreBackward(FsdpGroup& g, uint64_t start) {
     FsdpTree& t = *g.tree_;
     // A backward through a graph whose post-backward already ran (retain_graph, a second
     // pass) gathers the parameters again and reduces again: the graph keeps views of them.
@@ -118,17 +135,25 @@ struct FsdpHooks {
       if (prev != nullptr && prev->forwarded_ && !prev->is_root_) DT_RETURN_IF_ERROR(prev->StartUnshard());
     }
     DT_RETURN_IF_ERROR(g.Unshard());
-    if (!g.backward_queued_) {
-      g.backward_queued_ = true;
-      DT_RETURN_IF_ERROR(QueueBackwardCallback(g.forward_seq_, [&g] { return PostBackward(g); }));
+    if (std::find(g.queued_starts_.begin(), g.queued_starts_.end(), start) == g.queued_starts_.end()) {
+      g.queued_starts_.push_back(start);
+      DT_RETURN_IF_ERROR(QueueBackwardCallback(start, [&g, start] { return PostBackward(g, start); }));
     }
     return absl::OkStatus();
+  }
+
+  // The post-backward queued for `start`; the group reduces and reshards when no other is
+  // queued (another graph's backward of it has begun and still reads the gathered parameters).
+  static absl::Status PostBackward(FsdpGroup& g, uint64_t start) {
+    auto& q = g.queued_starts_;
+    q.erase(std::remove(q.begin(), q.end(), start), q.end());
+    return q.empty() ? PostBackward(g) : absl::OkStatus();
   }
 
   static absl::Status PostBackward(FsdpGroup& g) {
     if (!g.forwarded_) return absl::OkStatus();
     g.forwarded_ = false;
-    g.backward_queued_ = false;
+    g.queued_starts_.clear();
     FsdpTree& t = *g.tree_;
     if (g.unsharded()) DT_RETURN_IF_ERROR(g.StartReduce());
     DT_RETURN_IF_ERROR(g.Reshard());
@@ -203,12 +228,16 @@ absl::StatusOr<FsdpGroup*> FullyShard(Module& module, const DeviceMesh& mesh, co
   DT_ASSIGN_OR_RETURN(std::shared_ptr<FsdpGroup> group, FsdpGroup::Create(std::move(mine), mesh, options));
   FsdpGroup* g = group.get();
   FsdpHooks::Adopt(*g, below);
+  const std::weak_ptr<FsdpGroup> weak = group;
   module.SetAttachment(kAttachment, std::move(group));
   module.RegisterForwardPreHook([g](Module&) { return FsdpHooks::PreForward(*g); });
   module.RegisterForwardHook([g](Module&) { return FsdpHooks::PostForward(*g); });
   module.RegisterForwardInputHook([g](Module&, Variable& in) { return FsdpHooks::CastInput(*g, in); });
-  module.RegisterForwardOutputHook([g](Module&, Variable& out) { return FsdpHooks::CastOutput(*g, out); });
-  module.RegisterBackwardPreHook([g](Module&) { return FsdpHooks::PreBackward(*g); });
+  module.RegisterForwardOutputHook([g, weak](Module&, Variable& out) {
+    DT_RETURN_IF_ERROR(FsdpHooks::CastOutput(*g, out));
+    FsdpHooks::AttachPreBackward(weak, out);
+    return absl::OkStatus();
+  });
   return g;
 }
 

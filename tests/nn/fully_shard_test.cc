@@ -559,6 +559,94 @@ TEST(FullyShardTest, SecondBackwardThroughTheSameGraphAccumulates) {
   for (auto& t : threads) t.join();
 }
 
+// Two forwards before any backward (two micro-batches' losses, then one backward of their sum,
+// or a backward of each in turn, either order): every gradient is reduced and equals one
+// rank's. Each forward's output carries its own start to the group's post-backward: before,
+// a group kept the last forward's only, so the first graph's backward ran on parameters its
+// post-backward had already resharded (all three orders crashed in LayerNormBackward).
+TEST(FullyShardTest, TwoForwardsThenTheirBackwardsMatchOneRank) {
+  for (int mode = 0; mode < 3; ++mode) {  // 0: Backward(a + b); 1: Backward(a), Backward(b); 2: b then a
+    auto run = [&](int world) {
+      std::vector<std::vector<double>> grads;
+      CommCounter counter0;
+      auto comms = Unwrap(MakeThreadGroup(world, absl::Seconds(30)));
+      std::vector<std::thread> threads;
+      for (int r = 0; r < world; ++r) {
+        threads.emplace_back([&, r] {
+          DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {world}));
+          auto model = Unwrap(nn::GPT::Create(Config()));
+          ASSERT_TRUE(model->InitWeights(5).ok());
+          if (world > 1) {
+            for (int64_t i = 0; i < Config().n_layer; ++i) ASSERT_TRUE(nn::FullyShard(*model->block(i), mesh).ok());
+            ASSERT_TRUE(nn::FullyShard(*model, mesh).ok());
+          }
+          CommCounter counter;
+          if (world > 1) SetCommCounter(mesh, &counter);
+          std::vector<Variable> losses;
+          for (int k = 0; k < 2; ++k) {
+            auto [inputs, targets] = Batch(k);
+            Value x = inputs, y = targets;
+            if (world > 1) {
+              x = Unwrap(DTensor::Distribute(inputs, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+              y = Unwrap(DTensor::Distribute(targets, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+            }
+            losses.push_back(Unwrap(model->Forward(Variable::Constant(x), Variable::Constant(y))).loss);
+          }
+          if (mode == 0) {
+            ASSERT_TRUE(Backward(Unwrap(Add(losses[0], losses[1]))).ok());
+          } else {
+            const int first = mode == 1 ? 0 : 1;
+            ASSERT_TRUE(Backward(losses[static_cast<size_t>(first)]).ok());
+            ASSERT_TRUE(Backward(losses[static_cast<size_t>(1 - first)]).ok());
+          }
+          if (world > 1) SetCommCounter(mesh, nullptr);
+          std::vector<std::vector<double>> mine;
+          for (Variable* p : model->Parameters()) {
+            ASSERT_TRUE(p->grad().defined()) << p->name();
+            const Value& g = p->grad();
+            mine.push_back(testing::Values(g.is_dtensor() ? Unwrap(g.dtensor().FullTensor()) : g.local()));
+          }
+          if (r == 0) {
+            grads = mine;
+            counter0 = counter;
+          }
+        });
+      }
+      for (auto& t : threads) t.join();
+      return std::make_pair(grads, counter0);
+    };
+    const auto [want, unused] = run(1);
+    const auto [got, counter] = run(2);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      testing::ExpectNormNear(got[i], want[i], 1e-5, absl::StrCat("mode ", mode, ", parameter ", i));
+    }
+    // Gathers: forward 3 + 2 (the root stays gathered); backward 5: each graph gathers its
+    // blocks, and the root again for the graph the other's post-backward left (as FSDP2).
+    // Reduce-scatters: one backward pass reduces each group once (a parameter's accumulator
+    // waits for both graphs' gradients, so the first graph's post-backward finds none yet);
+    // two passes reduce twice.
+    EXPECT_EQ(counter.calls(CommKind::kAllGather), 10) << "mode " << mode << ": " << counter.ToString();
+    EXPECT_EQ(counter.calls(CommKind::kReduceScatter), mode == 0 ? 3 : 6) << "mode " << mode;
+  }
+}
+
+// A backward pass that outlives its sharded module gets an error where the module's
+// pre-backward would gather (the group went with the module).
+TEST(FullyShardTest, BackwardAfterTheModuleIsGoneIsAnError) {
+  auto comms = Unwrap(MakeThreadGroup(1, absl::Seconds(30)));
+  DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[0], {1}));
+  auto lin = std::make_unique<nn::Linear>(3, 2);
+  ASSERT_TRUE(nn::FullyShard(*lin, mesh).ok());
+  Value x = Unwrap(
+      DTensor::Distribute(testing::Random({4, 3}, DType::kFloat32, 1), mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+  Variable loss = Unwrap(Sum(Unwrap(lin->Forward(Variable::Leaf(x, true)))));
+  lin.reset();
+  const absl::Status s = Backward(loss);
+  EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
+  EXPECT_NE(s.message().find("[FullyShard]"), std::string::npos) << s;
+}
+
 // A block of two Linears and a GELU (several nodes per use), used twice in one forward and
 // once more without grad, then a Linear: x -> blk -> blk (-> blk, no grad) -> l2.
 class TwoLinears : public nn::Module {
