@@ -40,6 +40,7 @@ struct PassCallbacks {
   };
   std::vector<Entry> pending;
   uint64_t queued = 0;
+  std::vector<std::function<void()>> on_failure;  // QueueBackwardFailureCallback
 
   // Runs (and removes) the due callbacks — those whose point is newer than `node_nr` (the
   // node about to run), or all at the end of the pass — newest point first, then in queued
@@ -272,6 +273,14 @@ absl::Status QueueBackwardCallback(uint64_t sequence_nr, std::function<absl::Sta
   return absl::OkStatus();
 }
 
+absl::Status QueueBackwardFailureCallback(std::function<void()> fn) {
+  if (t_pass == nullptr) {
+    return absl::FailedPreconditionError("[QueueBackwardFailureCallback] called outside a backward pass");
+  }
+  t_pass->on_failure.push_back(std::move(fn));
+  return absl::OkStatus();
+}
+
 bool InBackward() { return t_pass != nullptr; }
 
 absl::StatusOr<Value> AddGrads(const Value& a, const Value& b) {
@@ -306,6 +315,15 @@ absl::Status RunBackward(absl::Span<const Variable> roots, absl::Span<const Valu
     explicit Install(PassCallbacks* p) : prev(t_pass) { t_pass = p; }
     ~Install() { t_pass = prev; }
   } install(&pass);
+  // On any error return: the failure callbacks, newest first (t_pass is still this pass).
+  struct OnFailure {
+    PassCallbacks& pass;
+    bool ok = false;
+    ~OnFailure() {
+      if (ok) return;
+      for (auto it = pass.on_failure.rbegin(); it != pass.on_failure.rend(); ++it) (*it)();
+    }
+  } on_failure{pass};
   // Dependencies: how many edges lead into each reachable node.
   absl::flat_hash_map<Node*, int> deps;
   std::vector<Node*> stack;
@@ -422,7 +440,9 @@ absl::Status RunBackward(absl::Span<const Variable> roots, absl::Span<const Valu
       }
     }
   }
-  return pass.RunDue(0, /*at_end=*/true);
+  DT_RETURN_IF_ERROR(pass.RunDue(0, /*at_end=*/true));
+  on_failure.ok = true;
+  return absl::OkStatus();
 }
 
 absl::Status Backward(const Variable& root, bool retain_graph) {

@@ -208,6 +208,11 @@ uint64_t NextSequenceNr();
 // module). Due callbacks run newest point first, then in the order queued; a callback may
 // queue more; an error stops the pass. FailedPrecondition outside a backward pass.
 absl::Status QueueBackwardCallback(uint64_t sequence_nr, std::function<absl::Status()> fn);
+// Only within a backward pass: runs `fn` if this pass ends with an error (a node, hook or
+// callback failed), after it stopped and before Backward returns; such callbacks run newest
+// first. For state that the pass's queued callbacks would have settled (FSDP's gathered
+// parameters and reductions in flight). FailedPrecondition outside a backward pass.
+absl::Status QueueBackwardFailureCallback(std::function<void()> fn);
 // Whether this thread is inside a backward pass.
 bool InBackward();
 

@@ -427,8 +427,22 @@ absl::Status FsdpGroup::RestoreGrads() {
   return absl::OkStatus();
 }
 
-absl::Status FsdpGroup::StartReduce() {
-  if (state_ != State::kUnsharded) {
+absl::Status FsdpGroup::StartKeptReduce() {
+  if (!sync_ || std::none_of(params_.begin(), params_.end(), [](const Param& p) { return p.unsynced.defined(); })) {
+    return absl::OkStatus();
+  }
+  return StartReduce(/*kept_only=*/true);
+}
+
+void FsdpGroup::DiscardReduce() {
+  for (Pending& pending : pending_reduce_) {
+    for (auto& w : pending.works) w->Wait().IgnoreError();  // the pass failed already
+  }
+  pending_reduce_.clear();
+}
+
+absl::Status FsdpGroup::StartReduce(bool kept_only) {
+  if (!kept_only && state_ != State::kUnsharded) {
     return absl::FailedPreconditionError(
         absl::StrCat("[FullyShard] group of ", label_, ": gradients reduced while its parameters are not gathered"));
   }
@@ -440,8 +454,11 @@ absl::Status FsdpGroup::StartReduce() {
     bool any = false;
     for (size_t k = 0; k < b.params.size(); ++k) {
       Param& p = params_[static_cast<size_t>(b.params[k])];
-      Value g = p.var->grad();
-      p.var->reset_grad();
+      Value g;  // kept_only: the parameters are their shards, and so is .grad
+      if (!kept_only) {
+        g = p.var->grad();
+        p.var->reset_grad();
+      }
       Tensor local;
       if (g.defined()) {
         double scale = 1.0;

@@ -85,12 +85,19 @@ class FsdpGroup {
   // (or, without gradient sync, adds them to the unsynced sums). FinishReduce waits for it and
   // adds the results to the sharded gradients: on the host, or (host_wait false) by ordering
   // the device's later work after it (NCCL: no host sync; CPU transports wait either way).
-  absl::Status StartReduce();
+  absl::Status StartReduce() { return StartReduce(/*kept_only=*/false); }
   absl::Status FinishReduce(bool host_wait = true);
   // HSDP after backward passes without all_reduce: starts the all_reduce of the sums they kept
   // where this pass's StartReduce did not (the group took no part in it); FinishReduce adds
   // them to the sharded gradients. A no-op without such sums, gradient sync or all_reduce.
   absl::Status StartKeptAllReduce();
+  // After backward passes without gradient sync: starts the reduce_scatter of the sums they
+  // kept where this synchronised pass's StartReduce did not (the group took no part in it);
+  // FinishReduce adds the results to the sharded gradients. A no-op without such sums or sync.
+  absl::Status StartKeptReduce();
+  // Waits for the collectives StartReduce started and drops their results (a failed backward
+  // pass: its gradients are not to be added).
+  void DiscardReduce();
   bool reduce_pending() const { return !pending_reduce_.empty(); }
 
   void set_requires_gradient_sync(bool sync) { sync_ = sync; }
@@ -146,6 +153,8 @@ class FsdpGroup {
   FsdpGroup();
   absl::Status StashGrads();
   absl::Status RestoreGrads();
+  // kept_only: reduces the sums kept without gradient sync alone (the group is sharded).
+  absl::Status StartReduce(bool kept_only);
 
   DeviceMesh mesh_;
   FsdpOptions options_;

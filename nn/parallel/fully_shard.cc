@@ -128,6 +128,7 @@ struct FsdpHooks {
     if (!t.end_queued) {
       t.end_queued = true;
       DT_RETURN_IF_ERROR(QueueBackwardCallback(0, [&t] { return EndBackward(t); }));
+      DT_RETURN_IF_ERROR(QueueBackwardFailureCallback([&t] { AbortBackward(t); }));
     }
     DT_RETURN_IF_ERROR(g.StartUnshard());
     if (g.options_.prefetch) {
@@ -171,13 +172,30 @@ struct FsdpHooks {
   static absl::Status EndBackward(FsdpTree& t) {
     t.end_queued = false;
     for (auto it = t.groups.rbegin(); it != t.groups.rend(); ++it) DT_RETURN_IF_ERROR(PostBackward(**it));
-    // HSDP: sums that earlier passes kept for this all_reduce, of groups this pass did not use.
+    // Sums that earlier passes kept without gradient sync (reduce_scatter), or HSDP's kept for
+    // this all_reduce, of groups this pass did not use.
+    for (FsdpGroup* g : t.groups) DT_RETURN_IF_ERROR(g->StartKeptReduce());
     for (FsdpGroup* g : t.groups) DT_RETURN_IF_ERROR(g->StartKeptAllReduce());
     for (FsdpGroup* g : t.groups) {
       if (g->reduce_pending()) DT_RETURN_IF_ERROR(g->FinishReduce());
     }
     t.reducing = nullptr;
     return absl::OkStatus();
+  }
+
+  // A backward pass that failed: its queued post-backwards and end will not run. Back to the
+  // state between steps: nothing in flight (a reduction started is waited for and dropped, not
+  // added after the user's zero_grad), every group sharded (the partial unsharded gradients
+  // dropped), so that the next forward, or a backward of another graph, starts clean.
+  static void AbortBackward(FsdpTree& t) {
+    t.end_queued = false;
+    t.reducing = nullptr;
+    for (FsdpGroup* g : t.groups) {
+      g->DiscardReduce();
+      g->queued_starts_.clear();
+      g->forwarded_ = false;
+      g->Reshard().IgnoreError();  // the pass failed already; a later gather reports a dead peer
+    }
   }
 
   static void Adopt(FsdpGroup& root, std::vector<FsdpGroup*> below) {

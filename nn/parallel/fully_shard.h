@@ -48,7 +48,14 @@
 // cast_forward_inputs (default on) casts the module's floating input to param_dtype, and
 // output_dtype its floating output. (PyTorch reduces in param_dtype when reduce_dtype is unset;
 // here reductions stay in float32 unless asked.) A module may run more than once in one
-// forward: its gradients are reduced once, after the backward of every use.
+// forward: its gradients are reduced once, after the backward of every use. Two forwards
+// before their backward (two losses) work too: each graph gathers what it uses again and
+// reduces after its own nodes (as FSDP2).
+//
+// A backward pass that fails (an error from a node, a hook or a peer) leaves every group
+// sharded with nothing in flight: reductions it started are waited for and dropped, the
+// unsharded gradients it made are dropped; the sharded .grad keeps what earlier passes
+// reduced (zero it, as after any failed step, before trying again).
 //
 // Errors (InvalidArgument naming the values): a module already sharded; a parameter on
 // another device than the mesh's; a 0-d parameter; a DTensor parameter whose mesh does not

@@ -424,6 +424,32 @@ void ExpectGrads(Branchy& m, const std::map<std::string, std::vector<double>>& w
   for (const auto& [name, g] : want) testing::ExpectNear(m.Grad(name), g, {1e-5, 1e-6}, where + " " + name);
 }
 
+// The same without HSDP: a group used in a micro-batch without gradient sync but not in the
+// synchronised one still gets its kept sum reduce-scattered at that backward's end (before,
+// b had no gradient after the step and twice its sum after the next).
+TEST(FullyShardTest, KeptSumsReachAGroupUnusedInTheSyncedMicroBatch) {
+  const auto want = BranchyGrads({true, false});
+  const auto next = BranchyGrads({true});
+  auto comms = Unwrap(MakeThreadGroup(2, absl::Seconds(30)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2}));
+      Branchy m;
+      ASSERT_TRUE(m.Shard(mesh).ok());
+      nn::SetRequiresGradientSync(m, false);
+      ASSERT_TRUE(m.Pass(true).ok());
+      nn::SetRequiresGradientSync(m, true);
+      ASSERT_TRUE(m.Pass(false).ok());
+      ExpectGrads(m, want, absl::StrCat("rank ", r));
+      for (Variable* p : m.Parameters()) p->reset_grad();
+      ASSERT_TRUE(m.Pass(true).ok());
+      ExpectGrads(m, next, absl::StrCat("rank ", r, ", next step"));
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
 // A group that took part in a micro-batch without all_reduce but not in the one with it still
 // gets its kept sum all-reduced at that backward's end (it was left for the next step's).
 TEST(FullyShardTest, HsdpKeptSumsReachAGroupUnusedInTheLastMicroBatch) {
@@ -645,6 +671,77 @@ TEST(FullyShardTest, BackwardAfterTheModuleIsGoneIsAnError) {
   const absl::Status s = Backward(loss);
   EXPECT_TRUE(absl::IsFailedPrecondition(s)) << s;
   EXPECT_NE(s.message().find("[FullyShard]"), std::string::npos) << s;
+}
+
+// A backward pass that fails part-way (a hook's error, on every rank) leaves nothing behind:
+// no reduce-scatter in flight to land after the user's zero_grad, no group gathered, no
+// post-backward still queued. The next step (a new forward, or the backward of a graph made
+// before the failure) gets one rank's gradients. Before, the failed pass's last
+// reduce-scatter was added at the next forward (block 1's gradients 2x), and a backward of the
+// other graph reduced nothing for block 1 and left the root gathered.
+TEST(FullyShardTest, AFailedBackwardLeavesNothingForTheNextStep) {
+  auto loss = [](nn::GPT& m, int step, const DeviceMesh& mesh) {
+    auto [inputs, targets] = Batch(step);
+    Value x = inputs, y = targets;
+    if (mesh.defined()) {
+      x = Unwrap(DTensor::Distribute(inputs, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+      y = Unwrap(DTensor::Distribute(targets, mesh, {Shard(0)}, {.src_rank = std::nullopt}));
+    }
+    return Unwrap(m.Forward(Variable::Constant(x), Variable::Constant(y))).loss;
+  };
+  // mode 0: fail, zero_grad, a new forward and backward; 1: two forwards, the first's backward
+  // fails, zero_grad, the second's backward. Rank 0's full gradients.
+  auto run = [&](int world, int mode) {
+    std::vector<std::vector<double>> grads;
+    auto comms = Unwrap(MakeThreadGroup(world, absl::Seconds(30)));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        DeviceMesh mesh;
+        auto model = Unwrap(nn::GPT::Create(Config()));
+        ASSERT_TRUE(model->InitWeights(5).ok());
+        if (world > 1) {
+          mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {world}));
+          for (int64_t i = 0; i < Config().n_layer; ++i) ASSERT_TRUE(nn::FullyShard(*model->block(i), mesh).ok());
+          ASSERT_TRUE(nn::FullyShard(*model, mesh).ok());
+        }
+        auto fail = std::make_shared<bool>(true);
+        model->block(0)->RegisterBackwardPreHook(
+            [fail](nn::Module&) -> absl::Status { return *fail ? absl::InternalError("injected") : absl::OkStatus(); });
+        Variable first = loss(*model, 0, mesh);
+        Variable second = mode == 1 ? loss(*model, 1, mesh) : Variable();
+        const absl::Status s = Backward(first);
+        EXPECT_EQ(s.message(), "injected");
+        *fail = false;
+        for (Variable* p : model->Parameters()) p->reset_grad();  // the user drops the failed step
+        if (mode == 0) second = loss(*model, 0, mesh);
+        ASSERT_TRUE(Backward(second).ok());
+        if (world > 1) {
+          EXPECT_EQ(nn::FsdpGroupOf(*model)->tree_unsharded_bytes(), 0) << "rank " << r;
+        }
+        std::vector<std::vector<double>> mine;
+        for (Variable* p : model->Parameters()) {
+          const Value& g = p->grad();
+          mine.push_back(!g.defined()     ? std::vector<double>()
+                         : g.is_dtensor() ? testing::Values(Unwrap(g.dtensor().FullTensor()))
+                                          : testing::Values(g.local()));
+        }
+        if (r == 0) grads = mine;
+      });
+    }
+    for (auto& t : threads) t.join();
+    return grads;
+  };
+  for (int mode : {0, 1}) {
+    const auto want = run(1, mode);
+    const auto got = run(2, mode);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      ASSERT_FALSE(want[i].empty());
+      ASSERT_EQ(got[i].size(), want[i].size()) << "mode " << mode << ", parameter " << i << " has no gradient";
+      testing::ExpectNormNear(got[i], want[i], 1e-5, absl::StrCat("mode ", mode, ", parameter ", i));
+    }
+  }
 }
 
 // A block of two Linears and a GELU (several nodes per use), used twice in one forward and
