@@ -441,6 +441,15 @@ void FsdpGroup::DiscardReduce() {
   pending_reduce_.clear();
 }
 
+void FsdpGroup::DiscardKept() {
+  const Tensor none;  // (assigned, not a temporary per element: GCC 12 warns of those here)
+  for (Param& p : params_) p.unsynced = none;
+  for (Bucket& b : buckets_) {
+    b.partial_reduce = none;
+    b.partial_params.clear();
+  }
+}
+
 absl::Status FsdpGroup::StartReduce(bool kept_only) {
   if (!kept_only && state_ != State::kUnsharded) {
     return absl::FailedPreconditionError(

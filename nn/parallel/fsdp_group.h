@@ -98,6 +98,9 @@ class FsdpGroup {
   // Waits for the collectives StartReduce started and drops their results (a failed backward
   // pass: its gradients are not to be added).
   void DiscardReduce();
+  // Drops the sums kept without gradient sync and HSDP's kept for a later all_reduce (a failed
+  // backward pass: the step is dropped, its earlier micro-batches included).
+  void DiscardKept();
   bool reduce_pending() const { return !pending_reduce_.empty(); }
 
   void set_requires_gradient_sync(bool sync) { sync_ = sync; }

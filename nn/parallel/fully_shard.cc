@@ -185,13 +185,16 @@ struct FsdpHooks {
 
   // A backward pass that failed: its queued post-backwards and end will not run. Back to the
   // state between steps: nothing in flight (a reduction started is waited for and dropped, not
-  // added after the user's zero_grad), every group sharded (the partial unsharded gradients
-  // dropped), so that the next forward, or a backward of another graph, starts clean.
+  // added after the user's zero_grad), no sums kept from earlier micro-batches (some groups
+  // would have moved theirs into the dropped reductions already), every group sharded (the
+  // partial unsharded gradients dropped), so that the next forward, or a backward of another
+  // graph, starts clean.
   static void AbortBackward(FsdpTree& t) {
     t.end_queued = false;
     t.reducing = nullptr;
     for (FsdpGroup* g : t.groups) {
       g->DiscardReduce();
+      g->DiscardKept();
       g->queued_starts_.clear();
       g->forwarded_ = false;
       g->Reshard().IgnoreError();  // the pass failed already; a later gather reports a dead peer

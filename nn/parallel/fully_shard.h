@@ -52,10 +52,12 @@
 // before their backward (two losses) work too: each graph gathers what it uses again and
 // reduces after its own nodes (as FSDP2).
 //
-// A backward pass that fails (an error from a node, a hook or a peer) leaves every group
-// sharded with nothing in flight: reductions it started are waited for and dropped, the
-// unsharded gradients it made are dropped; the sharded .grad keeps what earlier passes
-// reduced (zero it, as after any failed step, before trying again).
+// A backward pass that fails (an error from a node, a hook or a peer) drops the step: the
+// reductions it started are waited for and dropped, and so are the unsharded gradients it made
+// and the sums kept from earlier micro-batches (without gradient sync or all_reduce); the
+// groups of every tree it reached are sharded again (others at the next forward). The sharded
+// .grad keeps what earlier synchronised passes reduced: zero it, as after any failed step,
+// and run the step's micro-batches again.
 //
 // Errors (InvalidArgument naming the values): a module already sharded; a parameter on
 // another device than the mesh's; a 0-d parameter; a DTensor parameter whose mesh does not
