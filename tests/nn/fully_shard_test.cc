@@ -405,13 +405,16 @@ std::map<std::string, std::vector<double>> BranchyGrads(const std::vector<bool>&
   return out;
 }
 
-// Runs fn(rank, model) on 4 thread ranks, each with a Branchy sharded over a 2x2 mesh (HSDP).
-void OnBranchyHsdp(const std::function<void(int, Branchy&)>& fn) {
-  auto comms = Unwrap(MakeThreadGroup(4, absl::Seconds(30)));
+// Runs fn(rank, model) on thread ranks, each with a Branchy sharded over `mesh_shape` (2x2:
+// HSDP).
+void OnBranchy(const std::vector<int64_t>& mesh_shape, const std::function<void(int, Branchy&)>& fn) {
+  int world = 1;
+  for (int64_t n : mesh_shape) world *= static_cast<int>(n);
+  auto comms = Unwrap(MakeThreadGroup(world, absl::Seconds(30)));
   std::vector<std::thread> threads;
-  for (int r = 0; r < 4; ++r) {
+  for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2, 2}));
+      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], mesh_shape));
       Branchy m;
       ASSERT_TRUE(m.Shard(mesh).ok());
       fn(r, m);
@@ -419,6 +422,7 @@ void OnBranchyHsdp(const std::function<void(int, Branchy&)>& fn) {
   }
   for (auto& t : threads) t.join();
 }
+void OnBranchyHsdp(const std::function<void(int, Branchy&)>& fn) { OnBranchy({2, 2}, fn); }
 
 void ExpectGrads(Branchy& m, const std::map<std::string, std::vector<double>>& want, const std::string& where) {
   for (const auto& [name, g] : want) testing::ExpectNear(m.Grad(name), g, {1e-5, 1e-6}, where + " " + name);
@@ -430,24 +434,16 @@ void ExpectGrads(Branchy& m, const std::map<std::string, std::vector<double>>& w
 TEST(FullyShardTest, KeptSumsReachAGroupUnusedInTheSyncedMicroBatch) {
   const auto want = BranchyGrads({true, false});
   const auto next = BranchyGrads({true});
-  auto comms = Unwrap(MakeThreadGroup(2, absl::Seconds(30)));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2}));
-      Branchy m;
-      ASSERT_TRUE(m.Shard(mesh).ok());
-      nn::SetRequiresGradientSync(m, false);
-      ASSERT_TRUE(m.Pass(true).ok());
-      nn::SetRequiresGradientSync(m, true);
-      ASSERT_TRUE(m.Pass(false).ok());
-      ExpectGrads(m, want, absl::StrCat("rank ", r));
-      for (Variable* p : m.Parameters()) p->reset_grad();
-      ASSERT_TRUE(m.Pass(true).ok());
-      ExpectGrads(m, next, absl::StrCat("rank ", r, ", next step"));
-    });
-  }
-  for (auto& t : threads) t.join();
+  OnBranchy({2}, [&](int r, Branchy& m) {
+    nn::SetRequiresGradientSync(m, false);
+    ASSERT_TRUE(m.Pass(true).ok());
+    nn::SetRequiresGradientSync(m, true);
+    ASSERT_TRUE(m.Pass(false).ok());
+    ExpectGrads(m, want, absl::StrCat("rank ", r));
+    for (Variable* p : m.Parameters()) p->reset_grad();
+    ASSERT_TRUE(m.Pass(true).ok());
+    ExpectGrads(m, next, absl::StrCat("rank ", r, ", next step"));
+  });
 }
 
 // A group that took part in a micro-batch without all_reduce but not in the one with it still
@@ -765,19 +761,7 @@ TEST(FullyShardTest, AFailedBackwardDropsTheSumsKeptForItsStep) {
     ASSERT_TRUE(m.Pass(true).ok());
     ExpectGrads(m, want, absl::StrCat("rank ", r));
   };
-  {
-    auto comms = Unwrap(MakeThreadGroup(2, absl::Seconds(30)));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < 2; ++r) {
-      threads.emplace_back([&, r] {
-        DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2}));
-        Branchy m;
-        ASSERT_TRUE(m.Shard(mesh).ok());
-        retry(r, m, [&m](bool sync) { nn::SetRequiresGradientSync(m, sync); });
-      });
-    }
-    for (auto& t : threads) t.join();
-  }
+  OnBranchy({2}, [&](int r, Branchy& m) { retry(r, m, [&m](bool sync) { nn::SetRequiresGradientSync(m, sync); }); });
   OnBranchyHsdp([&](int r, Branchy& m) { retry(r, m, [&m](bool all) { nn::SetRequiresAllReduce(m, all); }); });
 }
 
