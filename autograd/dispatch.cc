@@ -170,6 +170,9 @@ absl::StatusOr<std::vector<OpStrategy>> Enumerate(const OpDef& op, absl::Span<co
     };
     build(in.size(), true, &s.inputs, in);
     build(num_outputs, false, &s.outputs, {});
+    for (int m = 0; m < k && ok; ++m) {  // strategies limited to some mesh dims
+      ok = m >= 64 || ((dims[pick[static_cast<size_t>(m)]].mesh_dims >> m) & 1) != 0;
+    }
     for (size_t j = 0; j < dims.size() && ok; ++j) {  // sizes that must divide by the shard count
       if (dims[j].divisible.empty()) continue;
       int64_t shards = 1;

@@ -59,6 +59,11 @@ struct DimStrategy {
   // of the sizes of the mesh dims that take it (reshape's merged or split dims, whose pieces
   // must stay whole rows). Combinations where one does not are dropped.
   std::vector<int64_t> divisible = {};
+  // The mesh dims this strategy may take, as a bit mask (bit m: mesh dim m); a rule sets it
+  // from its args where a strategy is only right on some dims (embedding_backward splits the
+  // table's gradient by rows from replicated inputs only where the table is Shard(0): on a dim
+  // where it is Replicate, plain per-rank data is "Replicate" too and must not be split).
+  uint64_t mesh_dims = ~uint64_t{0};
 };
 
 // What an op's local function receives.

@@ -116,8 +116,11 @@ absl::StatusOr<Value> SoftmaxBackward(const Value& dy, const Value& y, int64_t d
 // weight [V, C], ids int32/int64 [...] -> [..., C]. A vocab-sharded weight (Shard(0)) gives a
 // Partial(sum) result (each rank looks up its rows, zeros elsewhere), as TP's rowwise embedding.
 absl::StatusOr<Value> Embedding(const Value& weight, const Value& ids);
-// d weight [V, C] from dout [..., C].
-absl::StatusOr<Value> EmbeddingBackward(const Value& dout, const Value& ids, int64_t vocab);
+// d weight [V, C] from dout [..., C]. row_split_dims: the mesh dims (a bit mask) on which the
+// gradient may come out split by rows from replicated dout and ids; Embedding's backward
+// passes those where the table is Shard(0) (see embedding.cc).
+absl::StatusOr<Value> EmbeddingBackward(const Value& dout, const Value& ids, int64_t vocab,
+                                        uint64_t row_split_dims = ~uint64_t{0});
 
 // ---- Loss ----
 struct CrossEntropyResult {

@@ -6,8 +6,13 @@
 //                              gives zeros for the others (TP's rowwise embedding)
 //     S(1), R -> S(-1)         channel-sharded table
 //   embedding_backward (dout [..., C], ids [...]) -> dw [V, C]
-//     S(d), S(d) -> P(sum)     R, R -> S(0) (each rank scatters into its own rows)
-//     S(-1), R -> S(1)         P(sum), R -> P(sum)
+//     S(d), S(d) -> P(sum)     R, R -> S(0) (each rank scatters into its own rows; only on
+//     S(-1), R -> S(1)         P(sum), R -> P(sum)    the mesh dims where the table is S(0))
+// The row split is limited to the table's vocab-sharded mesh dims (args.ints[1], a mask: TP's
+// rowwise embedding) because on a dim where the table is Replicate "replicated" dout and ids
+// may be plain per-rank data (FSDP's unsharded table, each rank its own batch, PyTorch's FSDP
+// way): split by rows, each rank's rows would hold its own batch's gradient alone, and FSDP's
+// average would never see the others'.
 #include "dtensor/autograd/functional.h"
 #include "dtensor/autograd/ops.h"
 #include "dtensor/autograd/ops/op_util.h"
@@ -86,7 +91,7 @@ absl::StatusOr<std::vector<Tensor>> EmbLocal(const LocalCall& c) {
 }
 const OpDef kEmbedding = {"embedding", EmbRule, EmbMeta, EmbLocal};
 
-// args.ints = {V}
+// args.ints = {V} or {V, mask of the mesh dims where the table is Shard(0)}
 absl::StatusOr<std::vector<TensorMeta>> EmbBwdMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
   const Shape& dout = in[0].shape;
   const Shape& ids = in[1].shape;
@@ -96,10 +101,12 @@ absl::StatusOr<std::vector<TensorMeta>> EmbBwdMeta(absl::Span<const TensorMeta> 
   }
   return std::vector<TensorMeta>{{Shape{args.ints[0], dout.back()}, in[0].dtype}};
 }
-void EmbBwdRule(absl::Span<const TensorMeta> in, const OpArgs&, IntSpan, std::vector<DimStrategy>* s) {
+void EmbBwdRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan, std::vector<DimStrategy>* s) {
   const int64_t nd = static_cast<int64_t>(in[1].shape.size());
   for (int64_t d = 0; d < nd; ++d) s->push_back({{Shard(d), Shard(d)}, {kP}});
-  s->push_back({{Replicate(), Replicate()}, {Shard(0)}});
+  DimStrategy rows{{Replicate(), Replicate()}, {Shard(0)}};
+  if (args.ints.size() > 1) rows.mesh_dims = static_cast<uint64_t>(args.ints[1]);
+  s->push_back(std::move(rows));
   s->push_back({{Shard(nd), Replicate()}, {Shard(1)}});
   s->push_back({{kP, Replicate()}, {kP}});
 }
@@ -127,9 +134,10 @@ namespace fn {
 absl::StatusOr<Value> Embedding(const Value& weight, const Value& ids) {
   return op_util::First(Dispatch(kEmbedding, {weight, ids}));
 }
-absl::StatusOr<Value> EmbeddingBackward(const Value& dout, const Value& ids, int64_t vocab) {
+absl::StatusOr<Value> EmbeddingBackward(const Value& dout, const Value& ids, int64_t vocab, uint64_t row_split_dims) {
   OpArgs args;
   args.ints.push_back(vocab);
+  if (row_split_dims != ~uint64_t{0}) args.ints.push_back(static_cast<int64_t>(row_split_dims));
   return op_util::First(Dispatch(kEmbeddingBackward, {dout, ids}, args));
 }
 }  // namespace fn
@@ -138,8 +146,15 @@ absl::StatusOr<Variable> Embedding(const Variable& weight, const Variable& ids) 
   DT_ASSIGN_OR_RETURN(Value y, fn::Embedding(weight.value(), ids.value()));
   if (!AnyRequiresGrad({weight, ids})) return Variable::Leaf(std::move(y));  // no tape: skip the captures
   const int64_t vocab = weight.value().shape()[0];
-  auto dense = [idv = ids.value(), vocab](const Value& g) -> absl::StatusOr<std::vector<Value>> {
-    DT_ASSIGN_OR_RETURN(Value dw, fn::EmbeddingBackward(g, idv, vocab));
+  uint64_t row_split_dims = 0;  // the mesh dims where the table is vocab-sharded
+  if (weight.value().is_dtensor()) {
+    const Layout& l = weight.value().dtensor().layout();
+    for (int m = 0; m < l.ndim() && m < 64; ++m) {
+      if (l[m].is_shard() && l[m].shard_dim() == 0) row_split_dims |= uint64_t{1} << m;
+    }
+  }
+  auto dense = [idv = ids.value(), vocab, row_split_dims](const Value& g) -> absl::StatusOr<std::vector<Value>> {
+    DT_ASSIGN_OR_RETURN(Value dw, fn::EmbeddingBackward(g, idv, vocab, row_split_dims));
     return std::vector<Value>{dw, Value()};
   };
   Variable out = op_util::Result1("Embedding", {weight, ids}, std::move(y), dense);

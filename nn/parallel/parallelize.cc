@@ -54,6 +54,11 @@ absl::Status Prepare(Variable& x, const DeviceMesh& mesh, int tp, const Placemen
     DT_ASSIGN_OR_RETURN(x, FromLocal(x, mesh, l.WithPlacement(tp, p)));
   }
   DT_ASSIGN_OR_RETURN(Placement want, ForTensor(desired, nd, what));
+  if (!x.value().dtensor().mesh().SameAs(mesh)) {  // e.g. a batch on the data-parallel sub-mesh only
+    return InvalidArg(kOp, what, " is a DTensor on mesh ", x.value().dtensor().mesh().ToString(),
+                      ", not on the module's mesh ", mesh.ToString(),
+                      " (lay it out on that mesh, e.g. Replicate on its tensor-parallel dim)");
+  }
   const Layout& have = x.value().dtensor().layout();
   if (have[tp] == want) return absl::OkStatus();
   DT_ASSIGN_OR_RETURN(x, Redistribute(x, have.WithPlacement(tp, want)));

@@ -3,7 +3,9 @@
 // 2x2 and DDP x FSDP x TP on 2x2x2 thread ranks train to the same losses, gradients and
 // parameters (full_tensor, in GPT-2's shapes); each block issues exactly Megatron's
 // collectives in forward and backward; styles print and parse back; bad plans are refused
-// with the rule's text.
+// with the rule's text; FSDP (x TP) with each rank's own rows as plain tensors matches one rank;
+// an input on another mesh than the module's is an error.
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <string>
@@ -55,6 +57,9 @@ struct Parallel {
   std::string ddp_dim = "";   // HSDP's replicate dim (with fsdp_dim)
   int steps = 3;
   nn::GPTConfig config = Config();
+  // Each rank passes its data-parallel rows of the batch as plain tensors (PyTorch's FSDP way:
+  // the loss is each rank's own mean, FSDP averages the gradients) instead of DTensors.
+  bool plain_batch = false;
 };
 
 struct TrainRun {
@@ -75,24 +80,29 @@ TrainRun Train(const Parallel& s) {
       ASSERT_TRUE(model->InitWeights(5).ok());
       Layout batch_layout;
       if (mesh.defined()) {
-        absl::Status tp = nn::ParallelizeModule(*model, mesh, nn::GptTensorParallelPlan(s.sequence_parallel), "tp");
-        ASSERT_TRUE(tp.ok()) << tp;
-        // c_attn: stacked [3, C, C], each rank holding its C / tp rows of q, k and v.
-        const int t = Unwrap(mesh.DimIndex("tp"));
-        const DTensor& w = model->FindParameter("transformer.h.0.attn.c_attn.weight")->value().dtensor();
-        ASSERT_EQ(w.shape(), IntSpan({3, s.config.n_embd, s.config.n_embd}));
-        ASSERT_EQ(w.layout()[t], Placement(Shard(1)));
-        ASSERT_EQ(w.ToLocal().shape()[1], s.config.n_embd / mesh.size(t));
-        ASSERT_EQ(model->FindParameter("transformer.wte.weight")->value().dtensor().layout()[t], Placement(Shard(0)));
+        const bool has_tp = std::find(s.names.begin(), s.names.end(), "tp") != s.names.end();
+        if (has_tp) {
+          absl::Status tp = nn::ParallelizeModule(*model, mesh, nn::GptTensorParallelPlan(s.sequence_parallel), "tp");
+          ASSERT_TRUE(tp.ok()) << tp;
+          // c_attn: stacked [3, C, C], each rank holding its C / tp rows of q, k and v.
+          const int t = Unwrap(mesh.DimIndex("tp"));
+          const DTensor& w = model->FindParameter("transformer.h.0.attn.c_attn.weight")->value().dtensor();
+          ASSERT_EQ(w.shape(), IntSpan({3, s.config.n_embd, s.config.n_embd}));
+          ASSERT_EQ(w.layout()[t], Placement(Shard(1)));
+          ASSERT_EQ(w.ToLocal().shape()[1], s.config.n_embd / mesh.size(t));
+          ASSERT_EQ(model->FindParameter("transformer.wte.weight")->value().dtensor().layout()[t], Placement(Shard(0)));
+        }
         if (!s.fsdp_dim.empty()) {
           nn::FsdpOptions o{.shard_dim = s.fsdp_dim, .shard_dim_fn = nn::GptFsdpShardDim};
           if (!s.ddp_dim.empty()) o.replicate_dim = s.ddp_dim;
           for (int64_t i = 0; i < s.config.n_layer; ++i) ASSERT_TRUE(nn::FullyShard(*model->block(i), mesh, o).ok());
           ASSERT_TRUE(nn::FullyShard(*model, mesh, o).ok());
-          // c_attn [3, C, C]: tp shards dim 1, FSDP that piece's dim 1 again (innermost): even.
-          const DTensor& wa = model->FindParameter("transformer.h.0.attn.c_attn.weight")->value().dtensor();
-          const int64_t ranks_on_dim1 = mesh.size(t) * mesh.size(Unwrap(mesh.DimIndex(s.fsdp_dim)));
-          EXPECT_EQ(wa.ToLocal().shape(), IntSpan({3, s.config.n_embd / ranks_on_dim1, s.config.n_embd}));
+          if (has_tp) {  // c_attn [3, C, C]: tp shards dim 1, FSDP that piece's dim 1 again (innermost): even.
+            const DTensor& wa = model->FindParameter("transformer.h.0.attn.c_attn.weight")->value().dtensor();
+            const int64_t ranks_on_dim1 =
+                mesh.size(Unwrap(mesh.DimIndex("tp"))) * mesh.size(Unwrap(mesh.DimIndex(s.fsdp_dim)));
+            EXPECT_EQ(wa.ToLocal().shape(), IntSpan({3, s.config.n_embd / ranks_on_dim1, s.config.n_embd}));
+          }
         }
         Placements p;
         for (const std::string& n : s.names) p.push_back(n == "tp" ? Placement(Replicate()) : Placement(Shard(0)));
@@ -102,7 +112,12 @@ TrainRun Train(const Parallel& s) {
       for (int step = 0; step < s.steps; ++step) {
         auto [inputs, targets] = Batch(step);
         Value x = inputs, y = targets;
-        if (mesh.defined()) {
+        if (mesh.defined() && s.plain_batch) {
+          const int d = Unwrap(mesh.DimIndex(s.fsdp_dim));
+          const int64_t rows = kBatch / mesh.size(d), first = mesh.coordinate(d) * rows;
+          x = Unwrap(Contiguous(Unwrap(inputs.Narrow(0, first, rows))));
+          y = Unwrap(Contiguous(Unwrap(targets.Narrow(0, first, rows))));
+        } else if (mesh.defined()) {
           x = Unwrap(DTensor::Distribute(inputs, mesh, batch_layout, {.src_rank = std::nullopt}));
           y = Unwrap(DTensor::Distribute(targets, mesh, batch_layout, {.src_rank = std::nullopt}));
         }
@@ -188,6 +203,33 @@ TEST(TensorParallelTest, DdpTimesFsdpTimesTpMatchesOneRank) {
                             .fsdp_dim = "dp_shard",
                             .ddp_dim = "dp_replicate"}),
                      ref, "DDP x FSDP x TP 2x2x2");
+}
+
+// Each rank's own rows as plain tensors, FSDP (2 ranks) and FSDP x TP (2x2): every gradient
+// is the one-rank gradient of the whole batch. The embedding's backward once split the table's
+// gradient by rows on the FSDP dim (its "replicated" inputs were each rank's own data), so
+// wte's and wpe's rows held one rank's half of the batch each, off by ~100%.
+TEST(TensorParallelTest, PlainPerRankBatchesUnderFsdpMatchOneRank) {
+  const TrainRun ref = Train({.steps = 2});
+  for (bool tp : {false, true}) {
+    Parallel p{.world = 2, .mesh_shape = {2}, .names = {"dp_shard"}, .fsdp_dim = "dp_shard", .steps = 2};
+    if (tp) {
+      p.world = 4;
+      p.mesh_shape = {2, 2};
+      p.names = {"dp_shard", "tp"};
+    }
+    p.plain_batch = true;
+    const TrainRun got = Train(p);
+    const std::string what = tp ? "FSDP x TP 2x2, plain batches" : "FSDP 2, plain batches";
+    ASSERT_EQ(got.grads.size(), ref.grads.size()) << what;
+    for (size_t i = 0; i < ref.grads.size(); ++i) {
+      testing::ExpectNormNear(got.grads[i].second, ref.grads[i].second, 1e-5, what + " grad " + ref.grads[i].first);
+    }
+    ASSERT_EQ(got.params.size(), ref.params.size()) << what;
+    for (size_t i = 0; i < ref.params.size(); ++i) {
+      testing::ExpectNormNear(got.params[i].second, ref.params[i].second, 1e-4, what + " " + ref.params[i].first);
+    }
+  }
 }
 
 // Collectives per block: the difference between 2 blocks and 1 (the embedding, the head and
@@ -308,6 +350,36 @@ TEST(TensorParallelTest, ARefusedPlanChangesNothingAndASecondApplyIsRefused) {
       Value l = o.loss.value();
       if (l.is_dtensor()) l = Unwrap(l.dtensor().Redistribute(Layout({Replicate()})));
       EXPECT_NEAR(testing::Values(l.local())[0], want, 1e-5) << "rank " << r;
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// An input that is a DTensor on another mesh than the module's (here the batch on the
+// data-parallel sub-mesh of a (dp_shard, tp) mesh, or on the tp sub-mesh) is refused with both
+// meshes named; the hook once indexed the input's 1-d layout by the module mesh's tp dim (1)
+// and crashed.
+TEST(TensorParallelTest, AnInputOnAnotherMeshIsAnErrorNamingBothMeshes) {
+  const std::pair<Tensor, Tensor> batch = Batch(0);
+  const Tensor& inputs = batch.first;
+  const Tensor& targets = batch.second;
+  auto comms = Unwrap(MakeThreadGroup(4, absl::Seconds(30)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {2, 2}, {"dp_shard", "tp"}));
+      auto model = Unwrap(nn::GPT::Create(Config()));
+      ASSERT_TRUE(model->InitWeights(5).ok());
+      ASSERT_TRUE(nn::ParallelizeModule(*model, mesh, nn::GptTensorParallelPlan(true), "tp").ok());
+      for (const char* sub : {"dp_shard", "tp"}) {
+        DeviceMesh part = Unwrap(mesh.Sub(sub));
+        Value x = Unwrap(DTensor::Distribute(inputs, part, {Shard(0)}, {.src_rank = std::nullopt}));
+        Value y = Unwrap(DTensor::Distribute(targets, part, {Shard(0)}, {.src_rank = std::nullopt}));
+        const absl::Status s = model->Forward(Variable::Constant(x), Variable::Constant(y)).status();
+        EXPECT_TRUE(absl::IsInvalidArgument(s)) << sub << ": " << s;
+        EXPECT_NE(s.message().find("not on the module's mesh DeviceMesh(dp_shard=2, tp=2)"), std::string::npos)
+            << sub << ": " << s;
+      }
     });
   }
   for (auto& t : threads) t.join();
