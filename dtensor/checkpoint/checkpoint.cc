@@ -122,6 +122,71 @@ absl::Status Agree(Communicator& world, const absl::Status& mine, const char* wh
   return absl::Status(all.code(), absl::StrCat(all.message(), " (nothing was committed)"));
 }
 
+// Whether two boxes (offset, shape) of one tensor share an element.
+bool BoxesOverlap(const Shape& a_offset, const Shape& a_box, const Shape& b_offset, const Shape& b_box) {
+  if (a_box.size() != b_box.size()) return false;
+  for (size_t d = 0; d < a_box.size(); ++d) {
+    if (a_box[d] == 0 || b_box[d] == 0) return false;
+    if (a_offset[d] >= b_offset[d] + b_box[d] || b_offset[d] >= a_offset[d] + a_box[d]) return false;
+  }
+  return true;
+}
+
+// The elements two boxes share.
+int64_t OverlapElements(const Shape& a_offset, const Shape& a_box, const Shape& b_offset, const Shape& b_box) {
+  if (a_box.size() != b_box.size()) return 0;
+  int64_t n = 1;
+  for (size_t d = 0; d < a_box.size(); ++d) {
+    const int64_t lo = std::max(a_offset[d], b_offset[d]);
+    const int64_t hi = std::min(a_offset[d] + a_box[d], b_offset[d] + b_box[d]);
+    if (hi <= lo) return 0;
+    n *= hi - lo;
+  }
+  return n;
+}
+
+// Names in the order their numbers count: runs of digits compare as numbers (step-100000000
+// after step-99999999), the rest as text.
+bool NaturalLess(const std::string& a, const std::string& b) {
+  size_t i = 0, j = 0;
+  auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  while (i < a.size() && j < b.size()) {
+    if (digit(a[i]) && digit(b[j])) {
+      size_t ie = i, je = j;
+      while (ie < a.size() && digit(a[ie])) ++ie;
+      while (je < b.size() && digit(b[je])) ++je;
+      size_t is = i, js = j;  // leading zeros aside
+      while (is + 1 < ie && a[is] == '0') ++is;
+      while (js + 1 < je && b[js] == '0') ++js;
+      if (ie - is != je - js) return ie - is < je - js;
+      const int c = a.compare(is, ie - is, b, js, je - js);
+      if (c != 0) return c < 0;
+      if (ie - i != je - j) return ie - i < je - j;  // equal numbers: fewer zeros first
+      i = ie;
+      j = je;
+      continue;
+    }
+    if (a[i] != b[j]) return a[i] < b[j];
+    ++i;
+    ++j;
+  }
+  return a.size() - i < b.size() - j;
+}
+
+// A name with each run of digits as '#': checkpoints of one series share it (step-00000010).
+std::string NameForm(const std::string& name) {
+  auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  std::string out;
+  for (size_t i = 0; i < name.size(); ++i) {
+    if (!digit(name[i])) {
+      out.push_back(name[i]);
+    } else if (i == 0 || !digit(name[i - 1])) {
+      out.push_back('#');
+    }
+  }
+  return out;
+}
+
 // One piece this rank writes: a box of a tensor, its bytes on the CPU.
 struct Piece {
   std::string tensor = "";
@@ -232,7 +297,13 @@ absl::StatusOr<Json> WritePieces(int rank, const std::string& dir, const std::ve
 // metadata), with no pieces yet.
 absl::StatusOr<Json> Skeleton(const CheckpointState& state) {
   Json tensors = Json::object();
-  for (const StateEntry& e : state) {
+  std::map<std::string, size_t> index;  // name -> its entry
+  for (size_t i = 0; i < state.size(); ++i) {
+    const StateEntry& e = state[i];
+    if (auto [it, fresh] = index.emplace(e.name, i); !fresh) {
+      return absl::InvalidArgumentError(absl::StrCat("[SaveCheckpoint] tensor name \"", absl::CHexEscape(e.name),
+                                                     "\" is given twice (entries ", it->second, " and ", i, ")"));
+    }
     // Names go into JSON, which holds UTF-8 only (printing another name throws).
     try {
       (void)Json(e.name).dump();
@@ -271,8 +342,41 @@ absl::StatusOr<Json> BuildMetadata(Json tensors, const std::vector<std::string>&
       p.erase("tensor");
       p.erase("shape");
       p.erase("dtype");
+      p["rank"] = r;  // for the check below (dropped after it)
       t["pieces"].push_back(p);
     }
+  }
+  // Every tensor's pieces must cover it exactly: disjoint boxes whose elements add up to its
+  // own (ranks that disagree on a DTensor's layout, or a rank that leaves a sharded tensor
+  // out, would otherwise commit a checkpoint that cannot load, and `keep` would prune the
+  // good one before it).
+  for (auto& [name, t] : tensors.items()) {
+    auto shape_of = [](const Json& j) {
+      Shape out;
+      for (const Json& e : j) out.push_back(e.get<int64_t>());
+      return out;
+    };
+    const Shape shape = shape_of(t["shape"]);
+    int64_t covered = 0;
+    std::vector<std::pair<Shape, Shape>> boxes;  // (offset, box)
+    for (const Json& p : t["pieces"]) boxes.emplace_back(shape_of(p["offset"]), shape_of(p["box"]));
+    for (size_t a = 0; a < boxes.size(); ++a) {
+      covered += NumElements(boxes[a].second);
+      for (size_t b = a + 1; b < boxes.size(); ++b) {
+        if (!BoxesOverlap(boxes[a].first, boxes[a].second, boxes[b].first, boxes[b].second)) continue;
+        return absl::InvalidArgumentError(absl::StrCat(
+            "[SaveCheckpoint] tensor ", name, ": rank ", t["pieces"][a]["rank"].get<int64_t>(), "'s piece (offset ",
+            ShapeString(boxes[a].first), ", box ", ShapeString(boxes[a].second), ") and rank ",
+            t["pieces"][b]["rank"].get<int64_t>(), "'s (offset ", ShapeString(boxes[b].first), ", box ",
+            ShapeString(boxes[b].second), ") overlap: do the ranks give it the same layout?"));
+      }
+    }
+    if (covered != NumElements(shape)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("[SaveCheckpoint] tensor ", name, " ", ShapeString(shape), ": the ranks' pieces hold ", covered,
+                       " of its ", NumElements(shape), " elements: does every rank save it, with the same layout?"));
+    }
+    for (Json& p : t["pieces"]) p.erase("rank");
   }
   return Json{{"format", kFormat}, {"version", 1}, {"block_bytes", block_bytes}, {"tensors", tensors}};
 }
@@ -305,7 +409,7 @@ std::vector<std::string> Complete(const std::string& root) {
     if (n.empty() || n[0] == '.' || !e.is_directory(ec)) continue;
     if (fs::is_regular_file(e.path() / kMetadata, ec)) names.push_back(n);
   }
-  std::sort(names.begin(), names.end());
+  std::sort(names.begin(), names.end(), NaturalLess);
   return names;
 }
 
@@ -390,14 +494,7 @@ struct PieceInfo {
   std::vector<uint32_t> crcs;  // one per block_bytes
 };
 
-// Whether two pieces share an element.
-bool BoxesOverlap(const PieceInfo& a, const PieceInfo& b) {
-  for (size_t d = 0; d < a.box.size(); ++d) {
-    if (a.box[d] == 0 || b.box[d] == 0) return false;
-    if (a.offset[d] >= b.offset[d] + b.box[d] || b.offset[d] >= a.offset[d] + a.box[d]) return false;
-  }
-  return true;
-}
+bool BoxesOverlap(const PieceInfo& a, const PieceInfo& b) { return BoxesOverlap(a.offset, a.box, b.offset, b.box); }
 
 absl::StatusOr<PieceInfo> ParsePiece(const Json& j, const Shape& stored, int64_t elem, int64_t block_bytes,
                                      const std::string& tensor, const std::string& dir) {
@@ -474,22 +571,26 @@ absl::StatusOr<int64_t> CopyOverlap(Files& files, const PieceInfo& piece, const 
   const std::string& file = piece.file;
   const int64_t file_offset = piece.file_offset, bytes = piece.bytes;
   const std::vector<uint32_t>& crcs = piece.crcs;
-  std::map<int64_t, std::vector<char>> blocks;  // verified blocks of this piece
+  // The last verified block of this piece: the copy below reads the piece front to back, so
+  // a block once left is not needed again (memory: one block, not the piece).
+  int64_t cached = -1;
+  std::vector<char> data;
   auto block = [&](int64_t b) -> absl::StatusOr<const std::vector<char>*> {
-    auto it = blocks.find(b);
-    if (it != blocks.end()) return &it->second;
+    if (b == cached) return &data;
     const int64_t begin = b * block_bytes, n = std::min(block_bytes, bytes - begin);
     if (b < 0 || n <= 0 || static_cast<size_t>(b) >= crcs.size()) {
       return absl::DataLossError(
           absl::StrCat("[LoadCheckpoint] tensor ", tensor, ": block ", b, " of ", file, " is outside the piece"));
     }
-    std::vector<char> data(static_cast<size_t>(n));
+    cached = -1;
+    data.resize(static_cast<size_t>(n));
     DT_RETURN_IF_ERROR(files.Read(file, file_offset + begin, n, data.data(), tensor));
     if (Crc(data.data(), n) != crcs[static_cast<size_t>(b)]) {
       return absl::DataLossError(absl::StrCat("[LoadCheckpoint] tensor ", tensor, ": checksum mismatch in ", file,
                                               " bytes [", file_offset + begin, ", ", file_offset + begin + n, ")"));
     }
-    return &blocks.emplace(b, std::move(data)).first->second;
+    cached = b;
+    return &data;
   };
   // Every index of the dims before `inner`, row-major.
   Shape idx(inner, 0);
@@ -505,14 +606,14 @@ absl::StatusOr<int64_t> CopyOverlap(Files& files, const PieceInfo& piece, const 
     char* o = out + dst * elem;
     while (n > 0) {  // across blocks
       const int64_t b = s / block_bytes, in = s - b * block_bytes;
-      DT_ASSIGN_OR_RETURN(const std::vector<char>* data, block(b));
-      const int64_t take = std::min<int64_t>(n, static_cast<int64_t>(data->size()) - in);
+      DT_ASSIGN_OR_RETURN(const std::vector<char>* bytes_of_b, block(b));
+      const int64_t take = std::min<int64_t>(n, static_cast<int64_t>(bytes_of_b->size()) - in);
       if (take <= 0) {
         return absl::DataLossError(absl::StrCat("[LoadCheckpoint] tensor ", tensor, ": ", file,
                                                 " holds fewer bytes "
                                                 "than its piece"));
       }
-      std::memcpy(o, data->data() + in, static_cast<size_t>(take));
+      std::memcpy(o, bytes_of_b->data() + in, static_cast<size_t>(take));
       o += take;
       s += take;
       n -= take;
@@ -588,8 +689,9 @@ absl::Status Begin(SaveJob& job, const CheckpointState& state, bool copy) {
 // missing files; such leftovers are removed by the next prune.
 absl::Status Prune(const std::string& root, const std::string& name, int64_t keep) {
   std::vector<std::string> older;
+  const std::string form = NameForm(name);
   for (const std::string& n : Complete(root)) {
-    if (n < name) older.push_back(n);
+    if (NaturalLess(n, name) && NameForm(n) == form) older.push_back(n);
   }
   std::error_code ec;
   std::vector<std::string> doomed;
@@ -675,35 +777,79 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& root) {
   return root + "/" + all.back();
 }
 
-absl::Status LoadCheckpoint(const std::string& dir, const CheckpointState& state, LoadStats* stats) {
+namespace {
+
+// The metadata of checkpoint `dir` (checked: a dtensor checkpoint's, with a tensors object).
+absl::StatusOr<Json> ReadMetadata(const std::string& dir, const char* op) {
   const std::string path = dir + "/" + kMetadata;
   std::ifstream in(path);
   if (!in) {
-    return absl::NotFoundError(absl::StrCat("[LoadCheckpoint] no ", path, ": not a complete checkpoint"));
+    return absl::NotFoundError(absl::StrCat("[", op, "] no ", path, ": not a complete checkpoint"));
   }
   std::stringstream text;
   text << in.rdbuf();
   // Metadata nests 6 deep; far deeper would make parsing and printing it overflow the stack.
   constexpr int64_t kMaxNesting = 64;
   if (JsonNesting(text.str()) > kMaxNesting) {
-    return absl::DataLossError(absl::StrCat("[LoadCheckpoint] ", path, " nests deeper than ", kMaxNesting,
-                                            " levels: not a checkpoint's metadata"));
+    return absl::DataLossError(
+        absl::StrCat("[", op, "] ", path, " nests deeper than ", kMaxNesting, " levels: not a checkpoint's metadata"));
   }
-  const Json meta = Json::parse(text.str(), nullptr, false);
+  Json meta = Json::parse(text.str(), nullptr, false);
   if (meta.is_discarded() || !meta.is_object() || !meta.contains("format") || meta["format"] != kFormat ||
       !meta.contains("tensors") || !meta["tensors"].is_object()) {
-    return absl::DataLossError(absl::StrCat("[LoadCheckpoint] ", path, " is not a dtensor checkpoint's metadata"));
+    return absl::DataLossError(absl::StrCat("[", op, "] ", path, " is not a dtensor checkpoint's metadata"));
   }
+  return meta;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<CheckpointTensor>> CheckpointTensors(const std::string& dir) {
+  DT_ASSIGN_OR_RETURN(const Json meta, ReadMetadata(dir, "CheckpointTensors"));
+  std::vector<CheckpointTensor> out;
+  for (const auto& [name, t] : meta["tensors"].items()) {
+    std::optional<Shape> shape = t.is_object() && t.contains("shape") ? AsShape(t["shape"]) : std::nullopt;
+    absl::StatusOr<DType> dtype = t.is_object() && t.contains("dtype") && t["dtype"].is_string()
+                                      ? ParseDType(t["dtype"].get<std::string>())
+                                      : absl::DataLossError("no dtype");
+    if (!shape.has_value() || !dtype.ok()) {
+      return absl::DataLossError(
+          absl::StrCat("[CheckpointTensors] tensor ", name, " in ", dir, "/", kMetadata, ": no valid shape and dtype"));
+    }
+    out.push_back({.name = name, .shape = *std::move(shape), .dtype = *dtype});
+  }
+  return out;
+}
+
+absl::Status LoadCheckpoint(const std::string& dir, const CheckpointState& state, LoadStats* stats) {
+  const std::string path = dir + "/" + kMetadata;
+  DT_ASSIGN_OR_RETURN(const Json meta, ReadMetadata(dir, "LoadCheckpoint"));
   const Json& tensors = meta["tensors"];
   const int64_t block_bytes = IntMemberOr(meta, "block_bytes", 0);
   if (block_bytes < 1) return absl::DataLossError(absl::StrCat("[LoadCheckpoint] ", path, ": bad block_bytes"));
-  Files files(dir, stats);
+  // First every target is checked against the metadata (names, shapes, dtypes, layouts, the
+  // pieces' coverage of this rank's box), so that such an error changes no target; then the
+  // bytes are read.
+  struct Planned {
+    const StateEntry* entry = nullptr;
+    Shape shape = {}, stored = {};
+    LocalBox box = {};
+    bool zeros = false;  // Partial(sum) off coordinate 0: this rank's part is zero
+    std::vector<PieceInfo> pieces = {};
+  };
+  std::vector<Planned> plan;
   for (const StateEntry& e : state) {
     const std::string& name = e.name;
     const StateTensor& t = e.tensor;
     if (!tensors.contains(name)) {
       std::vector<std::string> have;
-      for (const auto& [k, v] : tensors.items()) have.push_back(k);
+      for (const auto& [k, v] : tensors.items()) {
+        if (have.size() == 8) {
+          have.push_back(absl::StrCat("... (", tensors.size(), " in all)"));
+          break;
+        }
+        have.push_back(k);
+      }
       return absl::NotFoundError(absl::StrCat("[LoadCheckpoint] tensor ", name, " is not in ", dir, " (it holds ",
                                               absl::StrJoin(have, ", "), ")"));
     }
@@ -717,43 +863,37 @@ absl::Status LoadCheckpoint(const std::string& dir, const CheckpointState& state
     const DTensor* d = std::get_if<DTensor>(&t);
     const Tensor& local = d != nullptr ? d->ToLocal() : std::get<Tensor>(t);
     DT_ASSIGN_OR_RETURN(auto shapes, Shapes(e));
-    const Shape& shape = shapes.first;
+    Planned p{.entry = &e, .shape = shapes.first, .stored = shapes.second};
     absl::StatusOr<DType> stored = ParseDType(tm["dtype"].get<std::string>());
-    if (!stored.ok() || AsShape(tm["shape"]) != shapes.second || *stored != local.dtype()) {
+    if (!stored.ok() || AsShape(tm["shape"]) != p.stored || *stored != local.dtype()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "[LoadCheckpoint] tensor ", name, " is ", tm["shape"].dump(-1, ' ', false, Json::error_handler_t::replace),
-          " ", absl::CHexEscape(tm["dtype"].get<std::string>()), " in ", dir, ", the target ",
-          ShapeString(shapes.second), " ", DTypeName(local.dtype())));
+          " ", absl::CHexEscape(tm["dtype"].get<std::string>()), " in ", dir, ", the target ", ShapeString(p.stored),
+          " ", DTypeName(local.dtype())));
     }
-    LocalBox box{.offset = Shape(shape.size(), 0), .shape = shape};
-    bool zeros = false;  // Partial(sum) off coordinate 0: this rank's part is zero
+    p.box = LocalBox{.offset = Shape(p.shape.size(), 0), .shape = p.shape};
     if (d != nullptr) {
-      box = LocalBoxOf(shape, d->mesh().shape(), d->layout(), d->mesh().coordinate());
+      p.box = LocalBoxOf(p.shape, d->mesh().shape(), d->layout(), d->mesh().coordinate());
       for (int m = 0; m < d->layout().ndim(); ++m) {
-        const Placement& p = d->layout()[m];
-        if (p.is_partial() && p.partial_op() == PartialOp::kSum && d->mesh().coordinate(m) != 0) zeros = true;
+        const Placement& pl = d->layout()[m];
+        if (pl.is_partial() && pl.partial_op() == PartialOp::kSum && d->mesh().coordinate(m) != 0) p.zeros = true;
       }
     }
-    if (local.shape() != IntSpan(box.shape)) {
+    if (local.shape() != IntSpan(p.box.shape)) {
       return absl::InvalidArgumentError(absl::StrCat("[LoadCheckpoint] tensor ", name,
                                                      ": the target's local tensor is ", ShapeString(local.shape()),
-                                                     ", its layout's box ", ShapeString(box.shape)));
+                                                     ", its layout's box ", ShapeString(p.box.shape)));
     }
-    if (box.numel() == 0) continue;
-    DT_ASSIGN_OR_RETURN(Tensor buffer, Tensor::Empty(box.shape, local.dtype(), Device::Cpu()));
-    if (zeros) {
-      DT_RETURN_IF_ERROR(Fill_(buffer, 0.0));
-    } else {
-      int64_t filled = 0;
+    if (p.box.numel() == 0) continue;
+    if (!p.zeros) {
       const int64_t elem = static_cast<int64_t>(ElementSize(local.dtype()));
-      char* out = static_cast<char*>(buffer.raw_data());
-      std::vector<PieceInfo> pieces;
       for (const Json& j : tm["pieces"]) {
-        DT_ASSIGN_OR_RETURN(PieceInfo piece, ParsePiece(j, shapes.second, elem, block_bytes, name, dir));
-        pieces.push_back(std::move(piece));
+        DT_ASSIGN_OR_RETURN(PieceInfo piece, ParsePiece(j, p.stored, elem, block_bytes, name, dir));
+        p.pieces.push_back(std::move(piece));
       }
       // Saved pieces are disjoint; two that overlap would count their common elements twice
       // below and so hide elements no piece holds.
+      const std::vector<PieceInfo>& pieces = p.pieces;
       for (size_t a = 0; a < pieces.size(); ++a) {
         for (size_t b = a + 1; b < pieces.size(); ++b) {
           if (!BoxesOverlap(pieces[a], pieces[b])) continue;
@@ -763,16 +903,39 @@ absl::Status LoadCheckpoint(const std::string& dir, const CheckpointState& state
               ShapeString(pieces[b].box), ") overlap"));
         }
       }
-      for (const LocalBox& sb : StoredBoxes(box, shapes.first, shapes.second)) {  // in order, back to back
-        for (const PieceInfo& piece : pieces) {
+      int64_t covered = 0;
+      for (const LocalBox& sb : StoredBoxes(p.box, p.shape, p.stored)) {
+        for (const PieceInfo& piece : pieces) covered += OverlapElements(piece.offset, piece.box, sb.offset, sb.shape);
+      }
+      if (covered != p.box.numel()) {
+        return absl::DataLossError(absl::StrCat("[LoadCheckpoint] tensor ", name, ": the pieces in ", dir, " cover ",
+                                                covered, " of the ", p.box.numel(), " elements this rank needs"));
+      }
+    }
+    plan.push_back(std::move(p));
+  }
+  Files files(dir, stats);
+  for (const Planned& p : plan) {
+    const std::string& name = p.entry->name;
+    const DTensor* d = std::get_if<DTensor>(&p.entry->tensor);
+    const Tensor& local = d != nullptr ? d->ToLocal() : std::get<Tensor>(p.entry->tensor);
+    DT_ASSIGN_OR_RETURN(Tensor buffer, Tensor::Empty(p.box.shape, local.dtype(), Device::Cpu()));
+    if (p.zeros) {
+      DT_RETURN_IF_ERROR(Fill_(buffer, 0.0));
+    } else {
+      int64_t filled = 0;
+      const int64_t elem = static_cast<int64_t>(ElementSize(local.dtype()));
+      char* out = static_cast<char*>(buffer.raw_data());
+      for (const LocalBox& sb : StoredBoxes(p.box, p.shape, p.stored)) {  // in order, back to back
+        for (const PieceInfo& piece : p.pieces) {
           DT_ASSIGN_OR_RETURN(int64_t n, CopyOverlap(files, piece, sb, elem, block_bytes, name, out));
           filled += n;
         }
         out += sb.numel() * elem;
       }
-      if (filled != box.numel()) {
+      if (filled != p.box.numel()) {  // checked above; kept against a reader's slip
         return absl::DataLossError(absl::StrCat("[LoadCheckpoint] tensor ", name, ": the pieces in ", dir, " cover ",
-                                                filled, " of the ", box.numel(), " elements this rank needs"));
+                                                filled, " of the ", p.box.numel(), " elements this rank needs"));
       }
     }
     DT_ASSIGN_OR_RETURN(buffer, To(buffer, local.device()));

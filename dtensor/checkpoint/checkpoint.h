@@ -33,8 +33,12 @@
 // Errors, each naming the tensor and the file: a tensor missing from the checkpoint, a global
 // shape or dtype that differs from the target's, a missing or truncated file, a checksum
 // mismatch, pieces that do not cover the target (DataLoss); never a crash or silently wrong
-// values. A rank's failure during a save becomes every rank's error (the ranks agree before
-// the metadata is written).
+// values. A load checks every target against the metadata before it reads a byte, so those
+// errors change no target; an error found in reading (a checksum, a cut file) may leave the
+// targets before it loaded. A save refuses (InvalidArgument, nothing committed) a name given
+// twice and a tensor the ranks' pieces do not cover exactly (a rank that leaves a sharded
+// tensor out, ranks that give it different layouts). A rank's failure during a save becomes
+// every rank's error (the ranks agree before the metadata is written).
 #ifndef DTENSOR_CHECKPOINT_CHECKPOINT_H_
 #define DTENSOR_CHECKPOINT_CHECKPOINT_H_
 
@@ -68,8 +72,10 @@ struct StateEntry {
 using CheckpointState = std::vector<StateEntry>;
 
 struct SaveOptions {
-  // Then keep `keep` complete checkpoints (0: all): this one and the newest before it by name;
-  // those named after it (another run's) are left alone.
+  // Then keep `keep` complete checkpoints of this name's series (0: all): this one and the
+  // newest before it of the same form, digits aside (step-00000010: step-<digits>), ordered as
+  // LatestCheckpoint orders them; those after it (another run's) and other names ("best") are
+  // left alone.
   int64_t keep = 0;
   int64_t block_bytes = 1 << 20;  // checksum granularity (and the reader's unit)
 };
@@ -79,8 +85,8 @@ struct SaveOptions {
 absl::Status SaveCheckpoint(Communicator& world, const std::string& root, const std::string& name,
                             const CheckpointState& state, const SaveOptions& options = {});
 
-// The newest complete checkpoint under `root` (by name: zero-padded step numbers sort), as a
-// path; NotFound when there is none.
+// The newest complete checkpoint under `root` (by name, runs of digits compared as numbers:
+// step-100000000 after step-99999999), as a path; NotFound when there is none.
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
 
 // A save whose files are written by a background thread while training goes on (the trainer's
@@ -114,6 +120,16 @@ struct LoadStats {
   int64_t bytes_read = 0;  // by this rank
   int64_t files_opened = 0;
 };
+
+// What a checkpoint holds: each tensor's name, global shape (as stored) and dtype, in the
+// metadata's order (for a caller that checks its state against it first, e.g. a model of
+// another size). NotFound / DataLoss as LoadCheckpoint.
+struct CheckpointTensor {
+  std::string name = "";
+  Shape shape = {};
+  DType dtype = DType::kFloat32;
+};
+absl::StatusOr<std::vector<CheckpointTensor>> CheckpointTensors(const std::string& dir);
 
 // Fills every tensor of `state` (DTensors: this rank's local tensor; Tensors: whole) from the
 // checkpoint directory `dir`, resharding to the targets' meshes and layouts. Not collective.

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <optional>
 #include <random>
 #include <set>
@@ -40,6 +41,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -617,6 +619,32 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     if (n_dropouts > 0) state.push_back({"train.dropout_calls", dropout_calls});
     return state;
   };
+  // The model's tensors in a checkpoint against this run's, before a load: a model of another
+  // size (--n-layer, --n-embd, --vocab, ...) is named as such, not as the first mismatch.
+  auto check_model = [&](const std::string& dir, const CheckpointState& state) -> absl::Status {
+    DT_ASSIGN_OR_RETURN(std::vector<CheckpointTensor> saved, CheckpointTensors(dir));
+    std::set<std::string> theirs, ours;
+    for (const CheckpointTensor& t : saved) {
+      if (absl::StartsWith(t.name, "model.")) theirs.insert(t.name);
+    }
+    for (const StateEntry& e : state) {
+      if (absl::StartsWith(e.name, "model.")) ours.insert(e.name);
+    }
+    auto some = [](const std::vector<std::string>& names) {
+      std::vector<std::string> head(names.begin(), names.begin() + std::min<size_t>(names.size(), 3));
+      return absl::StrCat(absl::StrJoin(head, ", "), names.size() > 3 ? ", ..." : "", " (", names.size(), ")");
+    };
+    std::vector<std::string> extra, missing;
+    std::set_difference(theirs.begin(), theirs.end(), ours.begin(), ours.end(), std::back_inserter(extra));
+    std::set_difference(ours.begin(), ours.end(), theirs.begin(), theirs.end(), std::back_inserter(missing));
+    if (extra.empty() && missing.empty()) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrCat("[gpt_train] ", dir, " holds another model than this run's (", cfg.n_layer,
+                     " layers): ", extra.empty() ? "" : absl::StrCat("parameters this run lacks: ", some(extra)),
+                     !extra.empty() && !missing.empty() ? "; " : "",
+                     missing.empty() ? "" : absl::StrCat("this run's parameters it lacks: ", some(missing)),
+                     ". Resume with the flags it was trained with (--n-layer, --n-embd, --vocab, ...)"));
+  };
   int64_t first_step = 0;
   std::unique_ptr<AsyncCheckpointSave> pending_save;  // --ckpt-async: written in the background
   if (f.resume) {
@@ -624,7 +652,15 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     DT_ASSIGN_OR_RETURN(Tensor progress, Zeros({3 + n_params}, DType::kInt64));
     DT_ASSIGN_OR_RETURN(Tensor dropout_calls, Zeros({std::max<int64_t>(n_dropouts, 1)}, DType::kInt64));
     DT_ASSIGN_OR_RETURN(CheckpointState state, checkpoint_state(progress, dropout_calls));
+    DT_RETURN_IF_ERROR(agree(check_model(dir, state), "checking " + dir));
+    // The dropout masks drawn so far: absent from a checkpoint saved without dropout, whose
+    // run drew none (a resume with --dropout p starts the masks there).
+    std::erase_if(state, [](const StateEntry& e) { return e.name == "train.dropout_calls"; });
     DT_RETURN_IF_ERROR(agree(LoadCheckpoint(dir, state), "loading " + dir));
+    if (n_dropouts > 0) {
+      const absl::Status calls = LoadCheckpoint(dir, {{"train.dropout_calls", dropout_calls}});
+      DT_RETURN_IF_ERROR(agree(absl::IsNotFound(calls) ? absl::OkStatus() : calls, "loading " + dir));
+    }
     for (int64_t i = 0; i < n_dropouts; ++i) {
       dropouts[static_cast<size_t>(i)]->set_calls(static_cast<uint64_t>(dropout_calls.data<int64_t>()[i]));
     }
@@ -645,6 +681,33 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       say("nothing to train: the checkpoint is at step %lld and --steps is %lld\n", static_cast<long long>(first_step),
           static_cast<long long>(f.steps));
     }
+  }
+  // A name this run will save under that --ckpt-dir already holds (an earlier run's, started
+  // again without --resume) is refused now, not at the first save after minutes of training.
+  if (f.ckpt_every > 0) {
+    int64_t first_clash = 0;  // the earliest such step
+    std::string clash_name;
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(f.ckpt_dir, ec)) {
+      const std::string n = entry.path().filename().string();
+      if (!lead || n.size() <= 5 || n.rfind("step-", 0) != 0 || n.size() > 5 + 18 ||
+          n.find_first_not_of("0123456789", 5) != std::string::npos) {
+        continue;
+      }
+      const int64_t at = std::stoll(n.substr(5));
+      if (at > first_step && at <= f.steps && at % f.ckpt_every == 0 && (first_clash == 0 || at < first_clash)) {
+        first_clash = at;
+        clash_name = n;
+      }
+    }
+    absl::Status clash;
+    if (first_clash > 0) {
+      clash = absl::AlreadyExistsError(absl::StrCat("[gpt_train] --ckpt-dir ", f.ckpt_dir, " already holds ",
+                                                    clash_name, ", which this run would save at step ", first_clash,
+                                                    f.resume ? "" : " (an earlier run's? continue it with --resume)",
+                                                    ", or use another --ckpt-dir"));
+    }
+    DT_RETURN_IF_ERROR(agree(clash, "checking --ckpt-dir"));
   }
   std::ofstream metrics;
   bool metrics_ok = true;

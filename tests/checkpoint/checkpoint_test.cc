@@ -315,5 +315,75 @@ TEST_F(CheckpointTest, BadFilesAndTargetsAreErrorsNamingThem) {
   EXPECT_THAT(s.message(), HasSubstr("not a complete checkpoint"));
 }
 
+// A load that fails on a target's name, shape or dtype, or on pieces that do not cover it,
+// changes no target: every target is checked before any byte is read (the first used to be
+// filled before the second's error).
+TEST_F(CheckpointTest, AFailedLoadChangesNoTarget) {
+  const std::string dir = Save(Root(), "step-1");
+  RunRanks(1, [&](int, Communicator&) {
+    const Tensor a = Unwrap(Zeros({8, 6}, DType::kFloat32));
+    for (const auto& [what, second] : std::vector<std::pair<std::string, StateEntry>>{
+             {"a missing tensor", {"z", Unwrap(Zeros({2}, DType::kFloat32))}},
+             {"a shape", {"b", Unwrap(Zeros({7, 6}, DType::kFloat32))}},
+             {"a dtype", {"e", Unwrap(Zeros({5}, DType::kFloat32))}}}) {
+      const absl::Status s = LoadCheckpoint(dir, {{"a", a}, second});
+      EXPECT_FALSE(s.ok()) << what;
+      EXPECT_EQ(testing::Values(a), std::vector<double>(48, 0.0)) << what << ": " << s;
+    }
+    // The missing-tensor message names a few of the checkpoint's tensors and their count.
+    const absl::Status s = LoadCheckpoint(dir, {{"z", Unwrap(Zeros({2}, DType::kFloat32))}});
+    EXPECT_THAT(s.message(), HasSubstr("(it holds a, b, c, d, e, step)"));
+  });
+}
+
+// A save whose ranks' pieces do not cover a tensor exactly (a rank that leaves a sharded
+// tensor out, ranks that give it different layouts) is refused on every rank before anything
+// is committed, so `keep` prunes nothing: it used to commit a checkpoint that could not load
+// and delete the good one before it. Two entries of one name are refused too (the second's
+// data was dropped).
+TEST_F(CheckpointTest, ASaveThatDoesNotCoverATensorOrNamesOneTwiceIsRefused) {
+  const Tensor g = Global({4, 2}, DType::kFloat32, 3);
+  RunRanks(2, [&](int rank, Communicator& comm) {
+    DeviceMesh mesh = Unwrap(DeviceMesh::Create(comm, {2}));
+    const DTensor a = Unwrap(DTensor::Distribute(g, mesh, Layout({Shard(0)}), {.src_rank = std::nullopt}));
+    const DTensor r = Unwrap(DTensor::Distribute(g, mesh, Layout({Replicate()}), {.src_rank = std::nullopt}));
+    ASSERT_TRUE(SaveCheckpoint(comm, Root(), "step-00000001", {{"a", a}}).ok());
+    absl::Status s = SaveCheckpoint(comm, Root(), "step-00000002", {{"a", rank == 0 ? a : r}}, {.keep = 1});
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    if (rank == 0) {
+      EXPECT_THAT(s.message(), HasSubstr("tensor a [4, 2]: the ranks' pieces hold 4 of its 8 elements"));
+    }
+    s = SaveCheckpoint(comm, Root(), "step-00000003", rank == 0 ? CheckpointState{{"a", a}} : CheckpointState{},
+                       {.keep = 1});  // rank 1 leaves it out
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    // Shard(0) on rank 0 (rows 0-1), Shard(1) on rank 1 (column 1): 4 + 4 elements, but two shared.
+    const DTensor c = Unwrap(DTensor::Distribute(g, mesh, Layout({Shard(1)}), {.src_rank = std::nullopt}));
+    s = SaveCheckpoint(comm, Root(), "step-00000003", {{"a", rank == 0 ? a : c}}, {.keep = 1});
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    if (rank == 0) {
+      EXPECT_THAT(s.message(), HasSubstr("rank 0's piece (offset [0, 0], box [2, 2]) and rank 1's (offset [0, 1], box "
+                                         "[4, 1]) overlap"));
+    }
+    s = SaveCheckpoint(comm, Root(), "step-00000004", {{"w", a}, {"w", a}});
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    EXPECT_THAT(s.message(), HasSubstr("tensor name \"w\" is given twice (entries 0 and 1)"));
+  });
+  EXPECT_EQ(Unwrap(LatestCheckpoint(Root())), Root() + "/step-00000001");
+  for (const char* name : {"step-00000002", "step-00000003", "step-00000004"}) {
+    EXPECT_FALSE(std::filesystem::exists(Root() + "/" + name)) << name;
+  }
+}
+
+// Checkpoint names order by their numbers (step-100000000 after step-99999999), and `keep`
+// prunes only the names of the saved one's form (digits aside): a "best" stays.
+TEST_F(CheckpointTest, NamesOrderByTheirNumbersAndKeepPrunesItsOwnSeries) {
+  Save(Root(), "best");
+  Save(Root(), "step-99999999");
+  Save(Root(), "step-100000000", {.keep = 1});
+  EXPECT_EQ(Unwrap(LatestCheckpoint(Root())), Root() + "/step-100000000");
+  EXPECT_FALSE(std::filesystem::exists(Root() + "/step-99999999"));
+  EXPECT_TRUE(std::filesystem::exists(Root() + "/best/metadata.json"));
+}
+
 }  // namespace
 }  // namespace dtensor

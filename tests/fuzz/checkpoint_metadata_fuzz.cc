@@ -3,12 +3,13 @@
 // NUL byte: the text before it is <dir>/metadata.json, the bytes after it <dir>/rank-00000.bin.
 // The load targets fixed plain tensors (F32 [4, 3]; I64 [5]; F32 [2, 3, 2] stored as [6, 2]) and
 // must succeed or return a clean error: never crash, throw, read outside the directory or
-// write outside its targets.
+// write outside its targets; so must listing the checkpoint's tensors (CheckpointTensors).
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "dtensor/checkpoint/checkpoint.h"
 #include "tests/fuzz/fuzz_util.h"
@@ -36,5 +37,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!s.ok()) FUZZ_CHECK(fuzz::IsCleanError(s));
   // Only the one data file of the directory can be opened.
   FUZZ_CHECK(stats.files_opened <= 1);
+  const absl::StatusOr<std::vector<CheckpointTensor>> listed = CheckpointTensors(dir);
+  if (!listed.ok()) FUZZ_CHECK(fuzz::IsCleanError(listed.status()));
   return 0;
 }

@@ -394,6 +394,39 @@ TEST_F(GptFsdpTest, ALoadThatFailsOnOneRankStopsEveryRank) {
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60)) << run.out;
 }
 
+// A checkpoint's run and a resume that differ: a resume with --dropout of a checkpoint saved
+// without it starts the masks there (it used to fail: train.dropout_calls not in the
+// checkpoint); a model of another size is named as such (it used to fail on
+// train.progress's shape); a run without --resume into a --ckpt-dir holding a name it would
+// save is refused before training (it used to train, then fail at that save).
+TEST_F(GptFsdpTest, ResumesAcrossDropoutAndRefusesAnotherModelOrAnEarlierRunsFolder) {
+  const std::string dir = Path("mixed");
+  const std::string common = "--text " + Corpus() +
+                             " --n-head 2 --n-embd 16 --seq 8 --batch 4 --sample-tokens 0 --device cpu"
+                             " --ranks 2 --ckpt-every 2 --ckpt-dir " +
+                             dir + " ";
+  ProcessRun run = Train("", common + "--n-layer 2 --steps 2");
+  ASSERT_EQ(run.code, 0) << run.out;
+  run = Train("", common + "--n-layer 2 --steps 4 --resume --dropout 0.1");
+  EXPECT_EQ(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("resumed from " + dir + "/step-00000002: step 2"), std::string::npos) << run.out;
+  run = Train("", common + "--n-layer 1 --steps 6 --resume");
+  EXPECT_NE(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("holds another model than this run's (1 layers): parameters this run lacks: "
+                         "model.transformer.h.1."),
+            std::string::npos)
+      << run.out;
+  const auto t0 = std::chrono::steady_clock::now();
+  run = Train("", common + "--n-layer 2 --steps 6");
+  EXPECT_NE(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("already holds step-00000002, which this run would save at step 2 (an earlier run's? "
+                         "continue it with --resume)"),
+            std::string::npos)
+      << run.out;
+  EXPECT_EQ(run.out.find("loss:"), std::string::npos) << "trained before refusing:\n" << run.out;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60));
+}
+
 TEST_F(GptFsdpTest, ResumeUnderAnotherParallelismFollowsOneRank) {
   const std::string common = "--batch 12 --eps 1e-5 --device cpu --ckpt-every 4 --ckpt-dir " + Path("chain") + " ";
   const std::vector<double> one = RunLosses("", "--batch 12 --eps 1e-5 --device cpu --steps 20 --ranks 1", "one");
