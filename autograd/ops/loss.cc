@@ -189,13 +189,16 @@ absl::StatusOr<std::vector<Tensor>> CeLocal(const LocalCall& c) {
     }
   }
   if (!dims.empty()) {
-    // loss_local = mean_local * count_local / count_global (0 for a piece with no targets).
+    // loss_local = mean_local * count_local / count_global (0 for a piece with no targets;
+    // NaN on every rank when no rank has one, the mean of nothing, as on one rank).
     DT_ASSIGN_OR_RETURN(Tensor total, Clone(count));
     DT_RETURN_IF_ERROR(AllReduce(c, dims, total, CommReduceOp::kSum));
     DT_ASSIGN_OR_RETURN(std::vector<double> lv, ToDoubleVector(o.loss));
     DT_ASSIGN_OR_RETURN(std::vector<double> cv, ToDoubleVector(count));
     DT_ASSIGN_OR_RETURN(std::vector<double> tv, ToDoubleVector(total));
-    const double local = cv[0] == 0 ? 0.0 : lv[0] * cv[0] / tv[0];
+    const double local = tv[0] == 0   ? std::numeric_limits<double>::quiet_NaN()
+                         : cv[0] == 0 ? 0.0
+                                      : lv[0] * cv[0] / tv[0];
     DT_ASSIGN_OR_RETURN(loss, Full({}, local, DType::kFloat32, count.device()));
     count = total;
   }

@@ -3,6 +3,8 @@
 // Sharding rule: every output dim may be sharded when each input either has that dim at full
 // size (sharded alike) or broadcasts it (replicated). Linear ops pass Partial through:
 // P + P -> P for add/sub, P * R -> P for mul (and P / R for div), -P, s * P.
+#include <cmath>
+
 #include "dtensor/autograd/functional.h"
 #include "dtensor/autograd/ops.h"
 #include "dtensor/autograd/ops/op_util.h"
@@ -56,7 +58,9 @@ void BinaryRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan, st
   } else if (op == BinaryOp::kMul) {
     s->push_back({{kPSum, Replicate()}, {kPSum}});
     s->push_back({{Replicate(), kPSum}, {kPSum}});
-  } else if (op == BinaryOp::kDiv) {
+  } else if (op == BinaryOp::kDiv && IsComputeFloat(in[0].dtype)) {
+    // (Integers: each part's quotient would be truncated apart, and their sum is not the
+    // sum's quotient.)
     s->push_back({{kPSum, Replicate()}, {kPSum}});
   }
 }
@@ -73,7 +77,12 @@ void ScalarRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan, st
   BroadcastShards(in.subspan(0, 1), in[0].shape, 1, s);
   const auto op = static_cast<BinaryOp>(args.ints[0]);
   const bool scalar_first = args.ints[1] != 0;
-  if (op == BinaryOp::kMul || (op == BinaryOp::kDiv && !scalar_first)) {
+  // Linear in the partial values, so each part can be scaled apart: for integers only a
+  // multiply by a whole number (each part's product by 2.5, or quotient by 4, is truncated
+  // apart: 3 * 2.5 + 9 * 2.5 -> 7 + 22, not 30).
+  const double k = args.floats[0];
+  const bool exact = IsComputeFloat(in[0].dtype) || (op == BinaryOp::kMul && std::floor(k) == k);
+  if (exact && (op == BinaryOp::kMul || (op == BinaryOp::kDiv && !scalar_first))) {
     s->push_back({{kPSum}, {kPSum}});
     s->push_back({{Partial(PartialOp::kAvg)}, {Partial(PartialOp::kAvg)}});
   }

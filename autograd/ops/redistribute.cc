@@ -66,8 +66,16 @@ absl::StatusOr<Variable> ToLocal(const Variable& x) {
   if (!AnyRequiresGrad({x})) return Variable::Leaf(Value(v.local()));  // no tape: skip the captures
   return op_util::Result1(
       "ToLocal", {x}, Value(v.local()), [d = v.dtensor()](const Value& g) -> absl::StatusOr<std::vector<Value>> {
-        return std::vector<Value>{
-            Value(DTensor::WrapTrusted(g.local(), d.mesh(), d.layout(), op_util::ToShape(d.shape())))};
+        Tensor local = g.local();
+        if (g.is_dtensor()) {
+          // The local tensor took part beside DTensors as Replicate (their mesh: maybe another
+          // one): its gradient is the whole one, reduced from their pieces (as a plain leaf's).
+          const DTensor& gd = g.dtensor();
+          DT_ASSIGN_OR_RETURN(
+              DTensor r, gd.Redistribute(Layout(Placements(static_cast<size_t>(gd.mesh().ndim()), Replicate()))));
+          local = r.ToLocal();
+        }
+        return std::vector<Value>{Value(DTensor::WrapTrusted(local, d.mesh(), d.layout(), op_util::ToShape(d.shape())))};
       });
 }
 

@@ -531,6 +531,17 @@ TEST(Engine, FromLocalAndToLocal) {
       ASSERT_TRUE(x.grad().is_dtensor());
       EXPECT_EQ(x.grad().dtensor().layout(), Layout({S0}));
       ExpectValues(x.grad(), wv, "ToLocal gradient");
+      // ToLocal of a Replicate DTensor whose local tensor then meets a DTensor (as Replicate):
+      // its gradient arrives as that op's DTensor (here S(1)) and is the whole one, reduced;
+      // it used to be wrapped as it came, a Replicate [5, 6] holding a [5, 6 / n] piece.
+      Variable xr = Variable::Leaf(Unwrap(DTensor::Distribute(xv, mesh, {R}, {.src_rank = std::nullopt})), true, "xr");
+      const Variable w = Variable::Constant(Unwrap(DTensor::Distribute(wv, mesh, {S1}, {.src_rank = std::nullopt})));
+      Variable lr = Unwrap(Sum(Unwrap(Mul(Unwrap(ToLocal(xr)), w))));
+      ASSERT_TRUE(Backward(lr).ok());
+      ASSERT_TRUE(xr.grad().is_dtensor());
+      EXPECT_EQ(xr.grad().dtensor().layout(), Layout({R}));
+      EXPECT_EQ(xr.grad().local().shape(), IntSpan({5, 6}));
+      ExpectValues(xr.grad(), wv, "ToLocal gradient arriving as a DTensor");
     });
   }
 }

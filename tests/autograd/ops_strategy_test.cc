@@ -11,6 +11,9 @@
 // Besides: the strategy the dispatcher picks for well-known layouts (output layout, and no
 // communication when the inputs already match), a plain Tensor mixed with DTensors, DTensors on
 // different meshes, and the strategy cache.
+#include <cmath>
+#include <functional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -394,6 +397,11 @@ TEST(OpsStrategy, CrossEntropy) {
   CheckCase({"cross_entropy [5,7]", {l2, t1}, {{R, S0, S1, P}, {R, S0}}, {}, ce});
   const Tensor l3 = Rand({2, 3, 7}, 122, -3, 3), t2 = Ids({1, 6, 2, 0, -100, 5}, {2, 3});
   CheckCase({"cross_entropy [2,3,7]", {l3, t2}, {{R, S0, S1, S2, P}, {R, S0, S1}}, {}, ce});
+  // Every target ignored: NaN (the mean of nothing) under every strategy, as on one rank; a
+  // batch-sharded one used to give 0.
+  const Tensor none = Ids({-100, -100, -100, -100, -100}, {5});
+  ASSERT_TRUE(std::isnan(testing::Values(Unwrap(fn::CrossEntropy(l2, none)).loss.local())[0]));
+  CheckCase({"cross_entropy [5,7], every target ignored", {l2, none}, {{R, S0, S1, P}, {R, S0}}, {}, ce});
   const fn::CrossEntropyResult saved = Unwrap(fn::CrossEntropy(l2, t1));
   const Tensor dloss = Unwrap(Full({}, 0.7, DType::kFloat32));
   CheckCase({"cross_entropy_backward [5,7]",
@@ -740,6 +748,33 @@ TEST(OpsStrategy, ShardGradientAddsToPartialOne) {
     const absl::Status second = Backward(Unwrap(Sum(Unwrap(Mul(wv, Variable::Constant(on(c, S0)))))));
     ASSERT_TRUE(second.ok()) << second;
     agtest::ExpectClose(wv.grad(), want, "w's gradient after two passes");
+  });
+}
+
+// Integer Partial(sum) values keep Partial only through exact steps: a multiply by a whole
+// number; a scale by 2.5, a division by 4.0 or by an int64 tensor reduces first (each part's
+// result truncated apart summed to 29, 2, 5 where one rank gives 30, 3, 6). The mean of an
+// integer tensor is refused, plain or not (as dtensor::Mean), not truncated per piece.
+TEST(OpsStrategy, IntegerPartialSumsStayExact) {
+  const Tensor x = agtest::Ids({1, 1, 1, 1, 3, 5}, {6});
+  const Tensor two = agtest::Ids({2}, {});
+  const Tensor s = Unwrap(fn::Sum(x)).local();
+  const std::vector<std::pair<std::string, std::function<absl::StatusOr<Value>(const Value&)>>> steps = {
+      {"* 3", [](const Value& v) { return fn::Scale(v, 3.0); }},
+      {"* 2.5", [](const Value& v) { return fn::Scale(v, 2.5); }},
+      {"/ 4.0", [](const Value& v) { return fn::BinaryScalar(BinaryOp::kDiv, v, 4.0); }},
+      {"/ [2]", [&](const Value& v) { return fn::Div(v, Value(two)); }}};
+  EXPECT_TRUE(absl::IsInvalidArgument(fn::Mean(Value(x)).status()));
+  agtest::RunMesh({2}, [&](const DeviceMesh& mesh) {
+    const DTensor xs = Unwrap(DTensor::Distribute(x, mesh, Layout({S0}), {.src_rank = std::nullopt}));
+    const Value sum = Unwrap(fn::Sum(Value(xs)));
+    ASSERT_EQ(sum.dtensor().layout(), Layout({P}));  // parts 3 and 9
+    for (const auto& [what, f] : steps) {
+      const Value got = Unwrap(f(sum));
+      EXPECT_EQ(testing::Values(agtest::Full(got)), testing::Values(Unwrap(f(Value(s))).local())) << "sum " << what;
+    }
+    const absl::Status mean = fn::Mean(Value(xs)).status();
+    EXPECT_TRUE(absl::IsInvalidArgument(mean)) << mean;
   });
 }
 
