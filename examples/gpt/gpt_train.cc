@@ -544,7 +544,8 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
                                                                    .seq = f.seq,
                                                                    .grad_accum = f.grad_accum,
                                                                    .grad_sync_every = !(fsdp && f.grad_sync == "last"),
-                                                                   .plan = tp_plan}));
+                                                                   .plan = tp_plan,
+                                                                   .ac = ac}));
     say("%s", e.ToString().c_str());
     if (lead && !f.metrics.empty()) {  // the explanation as one JSON object
       std::ofstream out(f.metrics, std::ios::trunc);

@@ -34,8 +34,10 @@
 //     (fully_shard on its attn or mlp) is gathered once more, for the recomputation, as in
 //     FSDP2; the recomputation prefetches no group.
 //   - Tensor parallelism (parallelize.h): the hooks of the modules inside a block (input and
-//     output layouts) run again in the recomputation, with their collectives; selective:op
-//     reuses the matmuls' sharded outputs.
+//     output layouts) run again in the recomputation, with their collectives, in every mode
+//     (selective:op reuses the matmuls' sharded outputs, but the hooks' all_gathers and
+//     reduce_scatters, or all_reduces, run again: one forward's worth per block; TorchTitan's
+//     op-level policy saves reduce_scatter outputs, a saving not made here).
 //   - Gradient accumulation: each micro-batch's backward recomputes its own forward.
 // Calling it twice on a model, or on one whose blocks another transform wraps, is
 // FailedPrecondition.

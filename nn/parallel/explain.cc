@@ -38,6 +38,9 @@ struct Walk {
   Shape coord;
   int64_t times = 1;  // micro-batches
   StepExplanation* out = nullptr;
+  // Set while walking a block that activation checkpointing recomputes: its forward's
+  // collectives run again in backward (its modules' hooks run in the recomputation).
+  bool recomputed = false;
 
   // An activation's layout: Shard(0) over every data-parallel dim, `on_tp` on tp.
   Layout Act(const Placement& on_tp) const {
@@ -65,7 +68,12 @@ struct Walk {
     DT_ASSIGN_OR_RETURN(RedistributePlan plan,
                         PlanRedistribute(shape, mesh_shape, src, dst, static_cast<int64_t>(ElementSize(dtype))));
     const std::string label = absl::StrCat(what, " ", src.ToString(), " -> ", dst.ToString());
-    for (const CommRecord& r : plan.PredictComm(coord)) Add(phase, r.kind, n, n * r.bytes, label);
+    for (const CommRecord& r : plan.PredictComm(coord)) {
+      Add(phase, r.kind, n, n * r.bytes, label);
+      if (recomputed && phase == StepPhase::kForward) {
+        Add(StepPhase::kBackward, r.kind, n, n * r.bytes, label + " (recomputed)");
+      }
+    }
     return absl::OkStatus();
   }
 };
@@ -323,8 +331,10 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
       }
       return absl::OkStatus();
     };
+    const std::vector<int64_t> checkpointed = CheckpointedBlocks(cfg.n_layer, o.ac);
     for (int64_t i = 0; i < cfg.n_layer; ++i) {
       const std::string h = absl::StrCat("transformer.h.", i);
+      w.recomputed = std::find(checkpointed.begin(), checkpointed.end(), i) != checkpointed.end();
       DT_RETURN_IF_ERROR(norm(h + ".ln_1"));
       DT_RETURN_IF_ERROR(colwise_input(h + ".attn", h + ".attn.c_attn", "transformer.h.*.attn"));
       DT_RETURN_IF_ERROR(rowwise_output(h + ".attn.c_attn", h + ".attn.c_proj", "transformer.h.*.attn.c_proj"));
@@ -332,6 +342,7 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
       DT_RETURN_IF_ERROR(colwise_input(h + ".mlp", h + ".mlp.c_fc", "transformer.h.*.mlp"));
       DT_RETURN_IF_ERROR(rowwise_output(h + ".mlp.c_fc", h + ".mlp.c_proj", "transformer.h.*.mlp.c_proj"));
     }
+    w.recomputed = false;
     DT_RETURN_IF_ERROR(norm("transformer.ln_f"));
     if (Find<ColwiseParallel>(o.plan, "lm_head") != nullptr) {
       DT_RETURN_IF_ERROR(w.Move(F, "lm_head input", btc, w.Act(a), w.Act(kR), act, k));

@@ -34,6 +34,9 @@
 //                reshards after forward (not the root), one reduce_scatter (HSDP: then one
 //                all_reduce) per synchronised backward, and an all_reduce over tp for each
 //                P-on-tp gradient; DDP / TP alone: ReduceGradients' buckets, replayed.
+//   recompute    a block that activation checkpointing recomputes (options.ac, any mode:
+//                selective:op keeps the matmuls' outputs, not the hooks' redistributions)
+//                issues its forward's tp collectives again in backward; FSDP's are the same.
 //   update       ClipGradNorm's one all_reduce per group of sharding dims, and the loss
 //                read-out (P over the data-parallel dims -> Replicate).
 //   memory       parameters and gradients: the local shards; AdamW: two float32 moments per
@@ -58,6 +61,7 @@
 #include "dtensor/core/comm_counter.h"
 #include "dtensor/mesh/device_mesh.h"
 #include "dtensor/nn/gpt.h"
+#include "dtensor/nn/parallel/activation_checkpoint.h"
 #include "dtensor/nn/parallel/parallelize.h"
 #include "nlohmann/json.hpp"
 
@@ -73,6 +77,7 @@ struct ExplainOptions {
   bool grad_sync_every = true;  // FSDP reduces every micro-batch (false: the last one only)
   ParallelizePlan plan = {};    // the tensor-parallel plan the model was parallelized with
   std::string tp_dim = "tp";
+  AcOptions ac = {};  // the activation checkpointing applied (its blocks' tp collectives run twice)
 };
 
 struct ParamExplanation {

@@ -1,6 +1,7 @@
 #include "dtensor/nn/parallel/plan_file.h"
 
 #include <fstream>
+#include <limits>
 #include <set>
 #include <sstream>
 #include <utility>
@@ -85,6 +86,12 @@ absl::StatusOr<PlanFile> ParsePlanFile(const std::string& json, const std::strin
     for (auto it = m.begin(); it != m.end(); ++it) {
       if (!it.value().is_number_integer()) {
         return InvalidArg(kOp, source, ": mesh dim ", it.key(), " has degree ", it.value().dump(), ", not an integer");
+      }
+      // (An unsigned number past int64's range read as int64 wraps: 2^64 - 1 became -1, "the
+      // ranks left over".)
+      if (it.value().is_number_unsigned() &&
+          it.value().get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return InvalidArg(kOp, source, ": mesh dim ", it.key(), " has degree ", it.value().dump(), ", out of range");
       }
       const int64_t v = it.value().get<int64_t>();
       if (it.key() == "dp_replicate") {

@@ -275,6 +275,10 @@ TEST_F(GptTrainTest, ExplainMatchesOneRealStep) {
       {"", "--ranks 4 --tp 2 --dp-shard 1 --dp-replicate 2 --sequence-parallel false"},  // DDP x TP
       {"", "--ranks 8 --tp 2 --dp-replicate 2"},                                         // DDP x FSDP x TP
       {"", "--ranks 4 --tp 2 --grad-accum 2 --grad-sync last --param-dtype bf16"},
+      // Activation checkpointing: a recomputed block's tp collectives run again in backward.
+      {"", "--ranks 2 --tp 2 --ac full"},
+      {"", "--ranks 4 --tp 2 --sequence-parallel false --ac selective:2"},
+      {"", "--ranks 2 --tp 2 --ac selective:op"},
       {std::string(DTRUN_PATH) + " --nproc-per-node 2", "--tp 2 --device cpu"},  // UCX processes
       {std::string(DTRUN_PATH) + " --nproc-per-node 2", "--device cpu"},
   };

@@ -114,6 +114,10 @@ TEST(PlanFileTest, WrongFilesAreRefusedWithTheRule) {
   parse_error(R"j({"rules": [{"module": "lm_head", "module": "transformer.wte", "style": "RowwiseParallel"}]})j",
               "key \"module\" appears twice");
   parse_error(R"j({"every_parameter": 1, "rules": []})j", "must be true or false");
+  // Degrees past int64 (they wrapped: 2^64 - 1 read as -1, "the ranks left over").
+  parse_error(R"j({"mesh": {"tp": 18446744073709551615}, "rules": []})j",
+              "mesh dim tp has degree 18446744073709551615, out of range");
+  parse_error(R"j({"mesh": {"dp_shard": 9223372036854775808}, "rules": []})j", "out of range");
   parse_error(std::string(100000, '[') + std::string(100000, ']'), "nests deeper than 16 levels");
 
   // Applied: a shard of a dim the parameter lacks, a parameter no rule covers, a
