@@ -53,6 +53,35 @@ inline std::vector<int> ShardingMeshDims(const LocalCall& c, int i, int64_t d) {
   return dims;
 }
 
+// `s`, a check of input `i`'s values (ids, targets) that failed on this rank: where that input
+// is sharded (ranks hold different values, so some may pass and go on into a collective) the
+// ranks fail together (Communicator::Abort: the others return Aborted naming this rank at
+// once, not DeadlineExceeded after the timeout). Where every rank holds the same values they
+// all fail alike, and the mesh stays usable.
+inline absl::Status FailTogetherIfSharded(const LocalCall& c, int i, absl::Status s) {
+  if (s.ok() || c.mesh == nullptr || c.mesh->world().size() <= 1) return s;
+  const Layout& l = c.input_layouts[static_cast<size_t>(i)];
+  for (int m = 0; m < l.ndim(); ++m) {
+    if (l[m].is_shard() && c.mesh->size(m) > 1) {
+      c.mesh->world().Abort(s);
+      break;
+    }
+  }
+  return s;
+}
+template <typename T>
+absl::StatusOr<T> FailTogetherIfSharded(const LocalCall& c, int i, absl::StatusOr<T> r) {
+  if (!r.ok()) return FailTogetherIfSharded(c, i, r.status());
+  return r;
+}
+
+// An OpDef's local function `F` whose errors fail the ranks together where input `kInput`
+// (whose values it checks) is sharded (above).
+template <absl::StatusOr<std::vector<Tensor>> (*F)(const LocalCall&), int kInput>
+absl::StatusOr<std::vector<Tensor>> TogetherIfSharded(const LocalCall& c) {
+  return FailTogetherIfSharded(c, kInput, F(c));
+}
+
 // A single-output Variable op: records `backward` (one grad in, one per input out).
 inline Variable Result1(const char* name, absl::Span<const Variable> inputs, Value out,
                         std::function<absl::StatusOr<std::vector<Value>>(const Value& g)> backward) {

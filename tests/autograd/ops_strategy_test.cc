@@ -11,6 +11,7 @@
 // Besides: the strategy the dispatcher picks for well-known layouts (output layout, and no
 // communication when the inputs already match), a plain Tensor mixed with DTensors, DTensors on
 // different meshes, and the strategy cache.
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <utility>
@@ -749,6 +750,37 @@ TEST(OpsStrategy, ShardGradientAddsToPartialOne) {
     ASSERT_TRUE(second.ok()) << second;
     agtest::ExpectClose(wv.grad(), want, "w's gradient after two passes");
   });
+}
+
+// Ids or targets out of range on one rank's shard only (the others' pass): the ranks fail
+// together, the others with Aborted naming that rank at once, instead of waiting in the
+// loss's all_reduce (or their next collective) until the 20 s timeout.
+TEST(OpsStrategy, OutOfRangeIdsOnOneRanksShardFailEveryRankAtOnce) {
+  const auto t0 = std::chrono::steady_clock::now();
+  agtest::RunMesh(Shape{2}, [](const DeviceMesh& mesh) {
+    const DTensor logits = Unwrap(DTensor::Distribute(Rand({2, 4}, 131), mesh, {S0}, {.src_rank = std::nullopt}));
+    const DTensor targets = Unwrap(DTensor::Distribute(Ids({0, 9}, {2}), mesh, {S0}, {.src_rank = std::nullopt}));
+    const absl::Status s = fn::CrossEntropy(Value(logits), Value(targets)).status();
+    if (mesh.coordinate(0) == 1) {
+      EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    } else {
+      EXPECT_TRUE(absl::IsAborted(s)) << s;
+      EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("rank 1 aborted"));
+    }
+  });
+  agtest::RunMesh(Shape{2}, [](const DeviceMesh& mesh) {
+    const DTensor w = Unwrap(DTensor::Distribute(Rand({4, 3}, 132), mesh, {R}, {.src_rank = std::nullopt}));
+    const DTensor ids = Unwrap(DTensor::Distribute(Ids({1, 9}, {2}), mesh, {S0}, {.src_rank = std::nullopt}));
+    auto e = fn::Embedding(Value(w), Value(ids));
+    if (mesh.coordinate(0) == 1) {
+      EXPECT_TRUE(absl::IsInvalidArgument(e.status())) << e.status();
+    } else {  // its piece passed; its next collective fails
+      ASSERT_TRUE(e.ok()) << e.status();
+      const absl::Status s = e->dtensor().Redistribute(Layout({R})).status();
+      EXPECT_TRUE(absl::IsAborted(s)) << s;
+    }
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
 }
 
 // Integer Partial(sum) values keep Partial only through exact steps: a multiply by a whole
