@@ -129,7 +129,7 @@ absl::StatusOr<std::vector<Tensor>> EmbBwdLocal(const LocalCall& c) {
   return std::vector<Tensor>{dw};
 }
 const OpDef kEmbeddingBackward = {"embedding_backward", EmbBwdRule, EmbBwdMeta,
-                                   op_util::TogetherIfSharded<EmbBwdLocal, 1>};
+                                  op_util::TogetherIfSharded<EmbBwdLocal, 1>};
 
 }  // namespace
 

@@ -256,7 +256,7 @@ absl::StatusOr<std::vector<Tensor>> CeBwdLocal(const LocalCall& c) {
   return op_util::One(dtensor::CrossEntropyBackward(dloss, c.inputs[1], c.inputs[2], saved, c.args.ints[0]));
 }
 const OpDef kCrossEntropyBackward = {"cross_entropy_backward", CeBwdRule, CeBwdMeta,
-                                      op_util::TogetherIfSharded<CeBwdLocal, 2>};
+                                     op_util::TogetherIfSharded<CeBwdLocal, 2>};
 
 // (logits, targets) -> (loss, dlogits, count, dloss_seen); args.ints = {ignore_index},
 // args.floats = {the upstream gradient the dlogits are for}.
@@ -288,7 +288,7 @@ absl::StatusOr<std::vector<Tensor>> CeFusedLocal(const LocalCall& c) {
   return std::vector<Tensor>{o.loss, o.dlogits, o.count, seen};
 }
 const OpDef kCrossEntropyFused = {"cross_entropy_fused", CeFusedRule, CeFusedMeta,
-                                   op_util::TogetherIfSharded<CeFusedLocal, 1>};
+                                  op_util::TogetherIfSharded<CeFusedLocal, 1>};
 
 // This rank's piece of a scalar gradient as the whole value (a Partial one is reduced first).
 absl::StatusOr<Tensor> WholeScalar(const Value& g) {
