@@ -71,11 +71,12 @@ absl::StatusOr<Variable> ToLocal(const Variable& x) {
           // The local tensor took part beside DTensors as Replicate (their mesh: maybe another
           // one): its gradient is the whole one, reduced from their pieces (as a plain leaf's).
           const DTensor& gd = g.dtensor();
-          DT_ASSIGN_OR_RETURN(
-              DTensor r, gd.Redistribute(Layout(Placements(static_cast<size_t>(gd.mesh().ndim()), Replicate()))));
+          DT_ASSIGN_OR_RETURN(DTensor r,
+                              gd.Redistribute(Layout(Placements(static_cast<size_t>(gd.mesh().ndim()), Replicate()))));
           local = r.ToLocal();
         }
-        return std::vector<Value>{Value(DTensor::WrapTrusted(local, d.mesh(), d.layout(), op_util::ToShape(d.shape())))};
+        return std::vector<Value>{
+            Value(DTensor::WrapTrusted(local, d.mesh(), d.layout(), op_util::ToShape(d.shape())))};
       });
 }
 

@@ -89,8 +89,8 @@ absl::StatusOr<std::vector<Tensor>> ReduceLocal(const LocalCall& c) {
     return One(dtensor::Reduce(r.op, x, r.dims, r.keepdim));
   }
   if (r.op == ReduceOp::kMean && !IsComputeFloat(x.dtype())) {  // as dtensor::Mean
-    return op_util::Invalid("Reduce", absl::StrCat("mean of a ", DTypeName(x.dtype()),
-                                                   " tensor (a float type's only: cast it first)"));
+    return op_util::Invalid(
+        "Reduce", absl::StrCat("mean of a ", DTypeName(x.dtype()), " tensor (a float type's only: cast it first)"));
   }
   DT_ASSIGN_OR_RETURN(Tensor sum, dtensor::Sum(x, r.dims, r.keepdim));
   if (r.op == ReduceOp::kSum) return std::vector<Tensor>{sum};
