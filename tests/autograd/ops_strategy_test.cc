@@ -14,8 +14,8 @@
 #include <chrono>
 #include <cmath>
 #include <functional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
