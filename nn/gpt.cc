@@ -39,8 +39,8 @@ GPT::GPT(const GPTConfig& c) : config_(c) {
   wpe_ = t->Add("wpe", std::make_unique<Embedding>(c.block_size, c.n_embd, c.dtype));
   h_ = t->Add("h", std::make_unique<ModuleList>());
   for (int64_t i = 0; i < c.n_layer; ++i) {
-    h_->Append(
-        std::make_unique<Block>(c.n_embd, c.n_head, c.dropout, c.dropout_seed * 1000 + static_cast<uint64_t>(i)));
+    h_->Append(std::make_unique<Block>(c.n_embd, c.n_head, c.dropout, c.dropout_seed * 1000 + static_cast<uint64_t>(i),
+                                       c.dtype));
   }
   ln_f_ = t->Add("ln_f", std::make_unique<LayerNorm>(c.n_embd, 1e-5, c.dtype));
   transformer_ = RegisterModule("transformer", std::move(t));

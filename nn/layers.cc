@@ -166,10 +166,10 @@ absl::StatusOr<Variable> Dropout::Forward(const Variable& x) {
   });
 }
 
-CausalSelfAttention::CausalSelfAttention(int64_t c, int64_t heads, double dropout, uint64_t seed)
+CausalSelfAttention::CausalSelfAttention(int64_t c, int64_t heads, double dropout, uint64_t seed, DType dtype)
     : c_(c), heads_(heads) {
-  c_attn_ = RegisterModule("c_attn", std::make_unique<Linear>(c, 3 * c));
-  c_proj_ = RegisterModule("c_proj", std::make_unique<Linear>(c, c));
+  c_attn_ = RegisterModule("c_attn", std::make_unique<Linear>(c, 3 * c, true, dtype));
+  c_proj_ = RegisterModule("c_proj", std::make_unique<Linear>(c, c, true, dtype));
   resid_dropout_ = RegisterModule("resid_dropout", std::make_unique<Dropout>(dropout, seed));
 }
 
@@ -252,9 +252,9 @@ absl::StatusOr<Variable> CausalSelfAttention::ForwardCached(const Variable& x, K
   });
 }
 
-MLP::MLP(int64_t c, double dropout, uint64_t seed) {
-  c_fc_ = RegisterModule("c_fc", std::make_unique<Linear>(c, 4 * c));
-  c_proj_ = RegisterModule("c_proj", std::make_unique<Linear>(4 * c, c));
+MLP::MLP(int64_t c, double dropout, uint64_t seed, DType dtype) {
+  c_fc_ = RegisterModule("c_fc", std::make_unique<Linear>(c, 4 * c, true, dtype));
+  c_proj_ = RegisterModule("c_proj", std::make_unique<Linear>(4 * c, c, true, dtype));
   dropout_ = RegisterModule("dropout", std::make_unique<Dropout>(dropout, seed));
 }
 
@@ -273,11 +273,11 @@ absl::StatusOr<Variable> MLP::Forward(const Variable& x) {
   });
 }
 
-Block::Block(int64_t c, int64_t heads, double dropout, uint64_t seed) {
-  ln_1_ = RegisterModule("ln_1", std::make_unique<LayerNorm>(c));
-  attn_ = RegisterModule("attn", std::make_unique<CausalSelfAttention>(c, heads, dropout, seed * 2 + 1));
-  ln_2_ = RegisterModule("ln_2", std::make_unique<LayerNorm>(c));
-  mlp_ = RegisterModule("mlp", std::make_unique<MLP>(c, dropout, seed * 2 + 2));
+Block::Block(int64_t c, int64_t heads, double dropout, uint64_t seed, DType dtype) {
+  ln_1_ = RegisterModule("ln_1", std::make_unique<LayerNorm>(c, 1e-5, dtype));
+  attn_ = RegisterModule("attn", std::make_unique<CausalSelfAttention>(c, heads, dropout, seed * 2 + 1, dtype));
+  ln_2_ = RegisterModule("ln_2", std::make_unique<LayerNorm>(c, 1e-5, dtype));
+  mlp_ = RegisterModule("mlp", std::make_unique<MLP>(c, dropout, seed * 2 + 2, dtype));
 }
 
 absl::StatusOr<Variable> Block::ForwardCached(const Variable& x, KvCache::Layer& kv, int64_t past) {

@@ -98,7 +98,7 @@ class Dropout : public Module {
 
 class CausalSelfAttention : public Module {
  public:
-  CausalSelfAttention(int64_t c, int64_t heads, double dropout = 0, uint64_t seed = 0);
+  CausalSelfAttention(int64_t c, int64_t heads, double dropout = 0, uint64_t seed = 0, DType dtype = DType::kFloat32);
   absl::StatusOr<Variable> Forward(const Variable& x);  // [B, T, C] -> [B, T, C]
   // Inference on x [B, T_new, C] at positions [past, past + T_new): writes the new keys and
   // values into `kv` (this rank's heads) at those positions, and attends each new query over
@@ -118,7 +118,7 @@ class CausalSelfAttention : public Module {
 
 class MLP : public Module {
  public:
-  MLP(int64_t c, double dropout = 0, uint64_t seed = 0);
+  MLP(int64_t c, double dropout = 0, uint64_t seed = 0, DType dtype = DType::kFloat32);
   // c_proj(gelu(c_fc(x))), then dropout. As one op (MlpGelu) when neither Linear has hooks
   // (Module::has_hooks) and both have biases; otherwise through the Linears' own Forwards.
   absl::StatusOr<Variable> Forward(const Variable& x);
@@ -132,7 +132,7 @@ class MLP : public Module {
 // Pre-LN transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x)).
 class Block : public Module {
  public:
-  Block(int64_t c, int64_t heads, double dropout = 0, uint64_t seed = 0);
+  Block(int64_t c, int64_t heads, double dropout = 0, uint64_t seed = 0, DType dtype = DType::kFloat32);
   absl::StatusOr<Variable> Forward(const Variable& x);
   // Forward with the attention reading and extending `kv` (CausalSelfAttention::ForwardCached).
   absl::StatusOr<Variable> ForwardCached(const Variable& x, KvCache::Layer& kv, int64_t past);
