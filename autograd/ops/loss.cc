@@ -122,6 +122,11 @@ absl::StatusOr<std::vector<Tensor>> CeVocabParallel(const LocalCall& c, const st
       Tensor x, dtensor::Reshape(logits, {NumElements(logits.shape().subspan(0, static_cast<size_t>(logits.dim() - 1))),
                                           vl}));  // [N, Vl]
   DT_ASSIGN_OR_RETURN(x, dtensor::Contiguous(x));
+  // In float32, as the unsharded kernel computes (bfloat16 logits: the row max, the sums of
+  // exponentials and the loss would otherwise be rounded to bfloat16, ~1e-2 off).
+  if (x.dtype() != DType::kFloat32) {
+    DT_ASSIGN_OR_RETURN(x, Cast(x, DType::kFloat32));
+  }
   const int64_t rows = x.size(0);
   // An empty vocab piece (e.g. 6 over 4 ranks) still joins every all_reduce, with identities.
   Tensor m;
@@ -229,6 +234,9 @@ absl::StatusOr<std::vector<Tensor>> CeBwdVocabParallel(const LocalCall& c) {
   DT_ASSIGN_OR_RETURN(
       Tensor x,
       dtensor::Reshape(logits, {NumElements(logits.shape().subspan(0, static_cast<size_t>(logits.dim() - 1))), vl}));
+  if (x.dtype() != DType::kFloat32) {  // in float32, as the forward (x - lse in bfloat16 is ~3% off)
+    DT_ASSIGN_OR_RETURN(x, Cast(x, DType::kFloat32));
+  }
   DT_ASSIGN_OR_RETURN(Tensor lse, dtensor::Reshape(c.inputs[3], {-1, 1}));
   DT_ASSIGN_OR_RETURN(lse, Cast(lse, x.dtype()));
   DT_ASSIGN_OR_RETURN(TargetIndex ti, IndexTargets(c.inputs[2], vocab_begin, vl, c.input_meta[1].shape.back(),
@@ -243,7 +251,8 @@ absl::StatusOr<std::vector<Tensor>> CeBwdVocabParallel(const LocalCall& c) {
     DT_ASSIGN_OR_RETURN(Tensor flat, p.View({p.numel(), 1}));
     DT_RETURN_IF_ERROR(EmbeddingBackward_(flat, onehot, ti.flat_ids));  // subtract at the targets
   }
-  return op_util::One(p.View(logits.shape()));
+  DT_ASSIGN_OR_RETURN(p, p.View(logits.shape()));
+  return op_util::One(Cast(p, logits.dtype()));
 }
 
 absl::StatusOr<std::vector<Tensor>> CeBwdLocal(const LocalCall& c) {

@@ -356,10 +356,10 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
     }
   }
   // ---- The loss ----
-  if (loss_parallel) {  // max, sum of exponentials, target logit: [rows] each, over tp
+  if (loss_parallel) {  // max, sum of exponentials, target logit: [rows] each, over tp, in float32
     const Shape bt = {o.batch, o.seq};
     const int64_t rows = LocalBoxOf(bt, w.mesh_shape, w.Act(kR), w.coord).numel();
-    w.Add(F, CommKind::kAllReduce, 3 * k, 3 * k * rows * static_cast<int64_t>(ElementSize(act)),
+    w.Add(F, CommKind::kAllReduce, 3 * k, 3 * k * rows * static_cast<int64_t>(sizeof(float)),
           "cross-entropy over vocab shards (loss parallel): max, sum of exponentials, target logit");
   }
   if (!dp_dims.empty()) {

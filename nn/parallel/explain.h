@@ -24,8 +24,9 @@
 //                through the norms' backwards and the residual's adds; a rowwise output's
 //                gradient goes back to Replicate (P -> R: an all_reduce, Megatron's one per
 //                sublayer, where a colwise consumer above made it P).
-//   loss         vocab-sharded logits: three all_reduces of [rows] (max, sum of exponentials,
-//                target logit) over tp; the count of targets over the data-parallel dims.
+//   loss         vocab-sharded logits: three all_reduces of float32 [rows] (max, sum of
+//                exponentials, target logit) over tp; the count of targets over the
+//                data-parallel dims.
 //   gradients    P over the data-parallel dims (the batch is sharded there); on tp, a
 //                parameter's shard; P for the norms and wpe, whose gradients come from the
 //                residual stream's, which colwise consumers make P or sharded on tp; else

@@ -1,6 +1,7 @@
 // Loss parallel: cross-entropy of vocab-sharded logits (Shard(-1)) with replicated targets
 // gives the single-rank loss and gradient without gathering the logits (the chosen strategy
-// moves nothing), alone and combined with batch sharding on a 2x2 mesh.
+// moves nothing), alone and combined with batch sharding on a 2x2 mesh, from float32 and from
+// bfloat16 logits.
 #include <thread>
 
 #include "dtensor/autograd/ops.h"
@@ -18,9 +19,9 @@ struct Case {
   std::vector<double> loss, grad;
 };
 
-Case MakeCase() {
+Case MakeCase(DType dtype) {
   Case c;
-  c.logits = testing::Random({3, 5, 11}, DType::kFloat32, 7, -3, 3);
+  c.logits = testing::Random({3, 5, 11}, dtype, 7, -3, 3);
   std::vector<int64_t> t;
   for (int i = 0; i < 15; ++i) t.push_back(i % 4 == 3 ? -100 : (i * 7) % 11);  // some ignored
   c.targets = Unwrap(Tensor::FromVector<int64_t>(t, {3, 5}));
@@ -32,8 +33,13 @@ Case MakeCase() {
   return c;
 }
 
-void Check(int world, std::vector<int64_t> mesh_shape, Layout logits_layout, Layout targets_layout) {
-  const Case ref = MakeCase();
+// bfloat16 logits: the loss and its reductions in float32 on both paths (the sharded one once
+// rounded them to bfloat16, 4.15625 where one rank gave 4.146594), the gradient rounded once.
+void Check(int world, std::vector<int64_t> mesh_shape, Layout logits_layout, Layout targets_layout,
+           DType dtype = DType::kFloat32) {
+  const Case ref = MakeCase(dtype);
+  const testing::Tolerance grad_tol =
+      dtype == DType::kFloat32 ? testing::Tolerance{1e-5, 1e-6} : testing::Tolerance{1e-2, 1e-3};
   auto comms = Unwrap(MakeThreadGroup(world, absl::Seconds(20)));
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
@@ -56,7 +62,7 @@ void Check(int world, std::vector<int64_t> mesh_shape, Layout logits_layout, Lay
           Layout(absl::InlinedVector<Placement, 4>(mesh_shape.size(), Replicate()))));
       testing::ExpectNear(testing::Values(lr.ToLocal()), ref.loss, {1e-5, 1e-6}, "loss");
       EXPECT_EQ(l.grad().dtensor().layout(), lg.layout()) << "the gradient keeps the logits' layout";
-      testing::ExpectNear(testing::Values(Unwrap(l.grad().dtensor().FullTensor())), ref.grad, {1e-5, 1e-6}, "dlogits");
+      testing::ExpectNear(testing::Values(Unwrap(l.grad().dtensor().FullTensor())), ref.grad, grad_tol, "dlogits");
     });
   }
   for (auto& t : threads) t.join();
@@ -68,6 +74,11 @@ TEST(LossParallelTest, VocabShardedOverTwoAndFourRanks) {
 }
 
 TEST(LossParallelTest, BatchAndVocabShardedOn2x2) { Check(4, {2, 2}, {Shard(0), Shard(2)}, {Shard(0), Replicate()}); }
+
+TEST(LossParallelTest, Bfloat16LogitsGiveTheFloat32LossOfOneRank) {
+  Check(2, {2}, {Shard(2)}, {Replicate()}, DType::kBFloat16);
+  Check(4, {2, 2}, {Shard(0), Shard(2)}, {Shard(0), Replicate()}, DType::kBFloat16);
+}
 
 }  // namespace
 }  // namespace dtensor
