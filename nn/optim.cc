@@ -285,6 +285,12 @@ absl::Status AdamW::set_steps(int64_t step_count, const std::vector<int64_t>& pa
     return absl::InvalidArgumentError(absl::StrCat("[AdamW] set_steps: ", param_steps.size(), " parameter counts for ",
                                                    params_.size(), " parameters, step ", step_count));
   }
+  for (size_t i = 0; i < param_steps.size(); ++i) {  // (a checkpoint's values: checked, not trusted)
+    if (param_steps[i] < 0 || param_steps[i] > step_count) {
+      return absl::InvalidArgumentError(absl::StrCat("[AdamW] set_steps: parameter ", i, "'s step count ",
+                                                     param_steps[i], " is outside [0, ", step_count, "]"));
+    }
+  }
   step_ = step_count;
   steps_ = param_steps;
   return absl::OkStatus();

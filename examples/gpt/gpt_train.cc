@@ -674,6 +674,9 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
                                                      " heads; this run has --n-head ", cfg.n_head));
     }
     const int64_t* pr = progress.data<int64_t>();
+    if (pr[0] < 0) {
+      return absl::DataLossError(absl::StrCat("[gpt_train] ", dir, " holds step ", pr[0], " in train.progress"));
+    }
     first_step = pr[0];
     DT_RETURN_IF_ERROR(loader.set_position(pr[1]));
     DT_RETURN_IF_ERROR(opt.set_steps(pr[2], std::vector<int64_t>(pr + 3, pr + 3 + n_params)));

@@ -535,6 +535,16 @@ TEST(OptimTest, AdamWStepCountIsPerParameter) {
   EXPECT_NEAR(testing::Values(b.value().local())[0], -0.1, 1e-6) << "b's first step";
   EXPECT_NEAR(testing::Values(a.value().local())[0], -0.2, 1e-6) << "a's second step (same gradient)";
   EXPECT_EQ(opt.step_count(), 2);
+  EXPECT_EQ(opt.param_steps(), std::vector<int64_t>({2, 1}));
+  // Counts set back (a resume's): each within [0, the optimizer's count], else refused unchanged.
+  ASSERT_TRUE(opt.set_steps(5, {5, 3}).ok());
+  EXPECT_EQ(opt.param_steps(), std::vector<int64_t>({5, 3}));
+  for (const std::vector<int64_t>& bad : {std::vector<int64_t>{-1, 3}, std::vector<int64_t>{6, 3}}) {
+    const absl::Status s = opt.set_steps(5, bad);
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    EXPECT_NE(s.message().find("is outside [0, 5]"), std::string::npos) << s;
+  }
+  EXPECT_EQ(opt.param_steps(), std::vector<int64_t>({5, 3}));
 }
 
 // Parameters sharded over different sub-meshes of one 2x2 mesh: A = [1, 2, 3, 4] as S(0) on
