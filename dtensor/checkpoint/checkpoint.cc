@@ -713,6 +713,22 @@ absl::Status Prune(const std::string& root, const std::string& name, int64_t kee
   return absl::OkStatus();
 }
 
+// Removes what saves of this series that never committed left (<root>/.tmp-<older name>,
+// where a crash interrupted them): names before `name` only, so a later save in flight (its
+// own .tmp- directory) is left alone.
+void RemoveStaleTemporaries(const std::string& root, const std::string& name) {
+  const std::string form = NameForm(name);
+  std::error_code ec;
+  std::vector<std::string> stale;
+  for (const fs::directory_entry& e : fs::directory_iterator(root, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(".tmp-", 0) != 0) continue;
+    const std::string of = n.substr(5);
+    if (NameForm(of) == form && NaturalLess(of, name)) stale.push_back(n);
+  }
+  for (const std::string& n : stale) fs::remove_all(root + "/" + n, ec);
+}
+
 void Write(SaveJob& job) {
   job.written = WritePieces(job.world->rank(), job.tmp, job.pieces, job.options.block_bytes);
   job.pieces.clear();  // the staging memory
@@ -727,6 +743,7 @@ absl::Status Finish(SaveJob& job) {
     absl::StatusOr<Json> metadata = BuildMetadata(job.skeleton, texts, job.options.block_bytes);
     committed = metadata.ok() ? CommitMetadata(job.tmp, job.final_dir, job.root, *metadata) : metadata.status();
     if (committed.ok() && job.options.keep > 0) committed = Prune(job.root, job.name, job.options.keep);
+    if (committed.ok()) RemoveStaleTemporaries(job.root, job.name);
   }
   return Agree(world, committed, "committing the metadata");
 }

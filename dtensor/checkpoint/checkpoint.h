@@ -21,7 +21,8 @@
 // Atomic and crash-safe: the pieces go to <root>/.tmp-<name>/, are fsynced, rank 0 writes
 // the metadata last (fsynced, renamed into place), then renames the directory to
 // <root>/<name> and fsyncs <root>. A checkpoint directory without metadata.json is never
-// picked, and a save interrupted at any moment leaves the previous checkpoints as they were.
+// picked, and a save interrupted at any moment leaves the previous checkpoints as they were
+// (its .tmp- directory is removed by the next save of the series that commits).
 // Every rank writes to the same directory: one host, or a filesystem all hosts share (as DCP).
 //
 // Load: for each target tensor, this rank's box (LocalBoxOf of its layout) is filled from the

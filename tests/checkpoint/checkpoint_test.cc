@@ -376,13 +376,21 @@ TEST_F(CheckpointTest, ASaveThatDoesNotCoverATensorOrNamesOneTwiceIsRefused) {
 
 // Checkpoint names order by their numbers (step-100000000 after step-99999999), and `keep`
 // prunes only the names of the saved one's form (digits aside): a "best" stays.
+// An interrupted save's .tmp- directory of the series is removed by the next commit after it
+// (one of a later name, maybe a save in flight, stays).
 TEST_F(CheckpointTest, NamesOrderByTheirNumbersAndKeepPrunesItsOwnSeries) {
   Save(Root(), "best");
   Save(Root(), "step-99999999");
+  for (const char* tmp : {".tmp-step-99999998", ".tmp-step-100000001", ".tmp-best"}) {
+    std::filesystem::create_directories(Root() + "/" + tmp);
+  }
   Save(Root(), "step-100000000", {.keep = 1});
   EXPECT_EQ(Unwrap(LatestCheckpoint(Root())), Root() + "/step-100000000");
   EXPECT_FALSE(std::filesystem::exists(Root() + "/step-99999999"));
   EXPECT_TRUE(std::filesystem::exists(Root() + "/best/metadata.json"));
+  EXPECT_FALSE(std::filesystem::exists(Root() + "/.tmp-step-99999998"));
+  EXPECT_TRUE(std::filesystem::exists(Root() + "/.tmp-step-100000001"));
+  EXPECT_TRUE(std::filesystem::exists(Root() + "/.tmp-best"));
 }
 
 }  // namespace
