@@ -169,12 +169,16 @@ absl::StatusOr<nn::GPTConfig> GptConfigOfCheckpoint(const std::string& dir, int6
   c.block_size = wpe->second.shape[0];
   c.n_layer = 0;
   while (index.count(absl::StrCat("transformer.h.", c.n_layer, ".ln_1.weight"))) ++c.n_layer;
-  if (n_head > 0) {
-    c.n_head = n_head;
-  } else if (absl::StatusOr<Tensor> heads = Zeros({1}, DType::kInt64);
-             heads.ok() && LoadCheckpoint(dir, {{std::string(kHeadsTensor), *heads}}).ok()) {
+  if (absl::StatusOr<Tensor> heads = Zeros({1}, DType::kInt64);
+      heads.ok() && LoadCheckpoint(dir, {{std::string(kHeadsTensor), *heads}}).ok()) {
     c.n_head = heads->data<int64_t>()[0];  // gpt_train records it
     if (c.n_head <= 0) return InvalidArg(kOp, "'", dir, "': ", kHeadsTensor, " is ", c.n_head);
+    if (n_head > 0 && n_head != c.n_head) {  // the same weights split into other heads: another model
+      return InvalidArg(kOp, "'", dir, "' was trained with ", c.n_head, " heads, not ", n_head,
+                        " (leave --n-head out to use the recorded count)");
+    }
+  } else if (n_head > 0) {
+    c.n_head = n_head;
   } else {
     c.n_head = 0;
     for (const std::string& name : GptPresetNames()) {

@@ -27,10 +27,12 @@ inline constexpr char kHeadsTensor[] = "train.n_head";
 
 // The GPT-2 config of the parameters in checkpoint directory `dir` (one holding metadata.json):
 // vocab_size and n_embd from model.transformer.wte.weight, block_size from wpe, n_layer from
-// the h.<i> blocks present. The number of heads: `n_head` when positive, else the int64 [1]
-// tensor "train.n_head" that gpt_train saves beside the model, else that of the preset
-// (GptPreset) with the same n_layer and n_embd; InvalidArgument asking for it when none says. NotFound for a directory
-// without metadata.json; InvalidArgument naming the tensor for a model entry missing or misshapen.
+// the h.<i> blocks present. The number of heads: the int64 [1] tensor "train.n_head" that
+// gpt_train saves beside the model (a positive `n_head` that differs from it is InvalidArgument:
+// the same weights split into other heads make another model), else `n_head` when positive,
+// else that of the preset (GptPreset) with the same n_layer and n_embd; InvalidArgument asking
+// for it when none says. NotFound for a directory without metadata.json; InvalidArgument naming
+// the tensor for a model entry missing or misshapen.
 absl::StatusOr<nn::GPTConfig> GptConfigOfCheckpoint(const std::string& dir, int64_t n_head = 0);
 
 // Writes `out_dir`/model.safetensors and config.json as WriteHfGpt2 does, from the "model."

@@ -129,12 +129,15 @@ absl::StatusOr<Setup> Prepare() {
     return absl::InvalidArgumentError("[gpt_generate] give one of --prompt-ids and --prompt");
   s.byte_level = s.config.vocab_size == 256;
   if (!ids.empty()) {
+    // Below the tokenizer's vocabulary where one decodes the text (GPT-2's 50257, not the
+    // model's padded 50304: a padding id would generate, then fail to decode).
+    const int64_t limit =
+        s.tokenizer ? std::min<int64_t>(s.config.vocab_size, s.tokenizer->vocab_size()) : s.config.vocab_size;
     for (absl::string_view w : absl::StrSplit(ids, absl::ByAnyChar(" ,\t\n"), absl::SkipEmpty())) {
       int64_t id = 0;
-      if (!absl::SimpleAtoi(w, &id) || id < 0 || id >= s.config.vocab_size) {
-        return absl::InvalidArgumentError(absl::StrCat("[gpt_generate] --prompt-ids: '", w,
-                                                       "' is not a token id below the vocabulary size ",
-                                                       s.config.vocab_size));
+      if (!absl::SimpleAtoi(w, &id) || id < 0 || id >= limit) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("[gpt_generate] --prompt-ids: '", w, "' is not a token id below the vocabulary size ", limit));
       }
       s.prompt.push_back(id);
     }

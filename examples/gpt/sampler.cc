@@ -6,18 +6,21 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 
 namespace dtensor::gpt {
 
 absl::StatusOr<Sampler> Sampler::Create(const SamplerOptions& o) {
+  // (%.17g: 1.0000001 is not shown as 1.)
   if (!(o.temperature >= 0) || !std::isfinite(o.temperature)) {
-    return absl::InvalidArgumentError(absl::StrCat("[Sampler] temperature must be >= 0, got ", o.temperature));
+    return absl::InvalidArgumentError(
+        absl::StrFormat("[Sampler] temperature must be finite and >= 0, got %.17g", o.temperature));
   }
   if (o.top_k < 0) return absl::InvalidArgumentError(absl::StrCat("[Sampler] top_k must be >= 0, got ", o.top_k));
   if (!(o.top_p > 0 && o.top_p <= 1)) {
-    return absl::InvalidArgumentError(absl::StrCat("[Sampler] top_p must be in (0, 1], got ", o.top_p));
+    return absl::InvalidArgumentError(absl::StrFormat("[Sampler] top_p must be in (0, 1], got %.17g", o.top_p));
   }
   return Sampler(o);
 }

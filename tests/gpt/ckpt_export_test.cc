@@ -100,7 +100,12 @@ TEST_F(CkptExportTest, ToolAndErrors) {
   ASSERT_TRUE(recorded.ok()) << recorded.status();
   EXPECT_EQ(recorded->n_head, 2);
   EXPECT_EQ(recorded->n_layer, 2);
-  EXPECT_EQ(Unwrap(GptConfigOfCheckpoint(ckpt, 4)).n_head, 4);  // what the caller says wins
+  EXPECT_EQ(Unwrap(GptConfigOfCheckpoint(ckpt, 2)).n_head, 2);
+  // Another count than the recorded one splits the same weights into other heads: another
+  // model, refused (it used to win and generate garbage).
+  const absl::Status other = GptConfigOfCheckpoint(ckpt, 4).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(other)) << other;
+  EXPECT_NE(other.message().find("was trained with 2 heads, not 4"), std::string::npos) << other;
   // A checkpoint of the parameters alone does not tell: an error asking for --n-head.
   {
     auto comms = Unwrap(MakeThreadGroup(1));
@@ -112,6 +117,7 @@ TEST_F(CkptExportTest, ToolAndErrors) {
     absl::StatusOr<nn::GPTConfig> no_heads = GptConfigOfCheckpoint(dir_.Path("bare") + "/step-00000001");
     ASSERT_FALSE(no_heads.ok());
     EXPECT_NE(no_heads.status().message().find("--n-head"), std::string::npos) << no_heads.status();
+    EXPECT_EQ(Unwrap(GptConfigOfCheckpoint(dir_.Path("bare") + "/step-00000001", 2)).n_head, 2);  // the caller's
   }
   absl::StatusOr<nn::GPTConfig> missing = GptConfigOfCheckpoint(dir_.Path("nowhere"), 2);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();

@@ -257,6 +257,18 @@ TEST(GenerateTest, BinaryTakesAndPrintsTextThroughGpt2Tokenizer) {
   const std::string decoded = Unwrap(tok->Decode(all));
   EXPECT_EQ(run.out.substr(text_at + 6, decoded.size()), decoded) << run.out;
   EXPECT_EQ(decoded.rfind(prompt, 0), 0u);
+  // A prompt id in the padding (50257 <= id < 50304) is refused before generating, naming the
+  // tokenizer's vocabulary (it generated, then failed to decode); 50256 is a token.
+  run = testing::RunProcess({GPT_GENERATE_PATH, "--ckpt-dir", dir.Path("ckpt"), "--prompt-ids", "50300 11",
+                             "--max-new-tokens", "2", "--temperature", "0"},
+                            {.timeout = absl::Seconds(120), .merge_output = true});
+  EXPECT_NE(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("'50300' is not a token id below the vocabulary size 50257"), std::string::npos) << run.out;
+  EXPECT_EQ(run.out.find("text: "), std::string::npos) << run.out;  // nothing generated
+  run = testing::RunProcess({GPT_GENERATE_PATH, "--ckpt-dir", dir.Path("ckpt"), "--prompt-ids", "50256 11",
+                             "--max-new-tokens", "2", "--temperature", "0"},
+                            {.timeout = absl::Seconds(120), .merge_output = true});
+  EXPECT_EQ(run.code, 0) << run.out;
 }
 #endif
 

@@ -201,8 +201,10 @@ std::vector<Row> Rows() {
              nn::GPT::Create({.vocab_size = 256, .block_size = 8, .n_layer = 1, .n_head = 4, .n_embd = 30}));
        }},
       {"gpt::GptPreset(\"gpt5\")", kInvalid, "gpt5", [](RankEnv&) { return StatusOf(gpt::GptPreset("gpt5")); }},
-      {"gpt::Sampler::Create(temperature -1)", kInvalid, "temperature must be >= 0, got -1",
+      {"gpt::Sampler::Create(temperature -1)", kInvalid, "temperature must be finite and >= 0, got -1",
        [](RankEnv&) { return StatusOf(gpt::Sampler::Create({.temperature = -1})); }},
+      {"gpt::Sampler::Create(top_p 1.0000001)", kInvalid, "top_p must be in (0, 1], got 1.0000001",
+       [](RankEnv&) { return StatusOf(gpt::Sampler::Create({.top_p = 1.0000001})); }},
       // ---- Files ----
       {"ReadSafetensors(missing file)", StatusCode::kNotFound, "/nonexistent/x.safetensors",
        [](RankEnv&) { return StatusOf(ReadSafetensors("/nonexistent/x.safetensors")); }},
