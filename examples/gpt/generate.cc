@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
+#include "dtensor/autograd/functional.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 
@@ -15,8 +16,9 @@ absl::StatusOr<std::vector<float>> LastLogits(const Value& logits) {
         absl::StrCat("[Generate] logits must be [1, T, V], got ", ShapeString(logits.shape())));
   }
   Tensor full = logits.local();
-  if (logits.is_dtensor()) {
-    DT_ASSIGN_OR_RETURN(full, logits.dtensor().FullTensor());
+  if (logits.is_dtensor()) {  // the last position first (its sharding rule), then gathered: [1, 1, V]
+    DT_ASSIGN_OR_RETURN(Value last, fn::Narrow(logits, 1, logits.shape()[1] - 1, 1));
+    DT_ASSIGN_OR_RETURN(full, last.dtensor().FullTensor());
   }
   DT_ASSIGN_OR_RETURN(Tensor row, full.Select(1, full.size(1) - 1));  // [1, V]
   DT_ASSIGN_OR_RETURN(row, To(row, Device::Cpu()));
@@ -38,6 +40,10 @@ absl::StatusOr<GenerateResult> Generate(nn::GPT& model, absl::Span<const int64_t
     return absl::OutOfRangeError(absl::StrCat(
         "[Generate] a prompt of ", n, " tokens and ", options.max_new_tokens, " new tokens need more than the ", block,
         " positions of block_size (at most ", std::max<int64_t>(block - n + 1, 0), " new tokens fit)"));
+  }
+  if (options.vocab_limit < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("[Generate] vocab_limit must be >= 0 (0: every id), got ", options.vocab_limit));
   }
   GenerateResult out;
   if (options.max_new_tokens == 0) return out;

@@ -142,6 +142,9 @@ TEST(GenerateTest, RequestsPastTheBlockAreOutOfRange) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kOutOfRange) << r.status();
   EXPECT_EQ(gpt::Generate(*model, std::vector<int64_t>(41, 1), s, {}).status().code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(gpt::Generate(*model, {}, s, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  // A negative vocab_limit is refused (it meant "no limit" silently).
+  r = gpt::Generate(*model, prompt, s, {.max_new_tokens = 1, .vocab_limit = -1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
 }
 
 #ifdef GPT_GENERATE_PATH
