@@ -275,7 +275,11 @@ absl::StatusOr<std::vector<Value>> RunChoice(const OpDef& op, Choice& c, absl::S
       locals.push_back(d.ToLocal());
     }
   }
-  LocalCall call{locals, args, c.in_meta, c.out_meta, &mesh, c.inputs, c.outputs};
+  uint64_t plain = 0;
+  for (size_t i = 0; i < inputs.size() && i < 64; ++i) {
+    if (!inputs[i].is_dtensor()) plain |= uint64_t{1} << i;
+  }
+  LocalCall call{locals, args, c.in_meta, c.out_meta, &mesh, c.inputs, c.outputs, plain};
   DT_ASSIGN_OR_RETURN(std::vector<Tensor> outs, op.local(call));
   if (outs.size() != c.outputs.size()) {
     return absl::InternalError(

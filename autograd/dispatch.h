@@ -76,6 +76,9 @@ struct LocalCall {
   const DeviceMesh* mesh = nullptr;
   absl::Span<const Layout> input_layouts;
   absl::Span<const Layout> output_layouts;
+  // Bit i: input i came as a plain Tensor (taken as Replicate, though its values may be this
+  // rank's own: each rank's batch).
+  uint64_t plain_inputs = 0;
 
   // The global offset of this rank's piece of input `i` / output `i` (zeros without a mesh).
   Shape InputOffset(int i) const;

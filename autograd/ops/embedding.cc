@@ -8,8 +8,9 @@
 //   embedding_backward (dout [..., C], ids [...]) -> dw [V, C]
 //     S(d), S(d) -> P(sum)     R, R -> S(0) (each rank scatters into its own rows; only on
 //     S(-1), R -> S(1)         P(sum), R -> P(sum)    the mesh dims where the table is S(0))
-// Ids are checked against the vocabulary on each rank; where they are sharded, a rank whose
-// ids fail makes the ranks fail together (op_util::TogetherIfSharded).
+// Ids are checked against the vocabulary on each rank; where they may differ by rank (sharded,
+// or plain per-rank tensors), a rank whose ids fail makes the ranks fail together
+// (op_util::TogetherIfSharded).
 // The row split is limited to the table's vocab-sharded mesh dims (args.ints[1], a mask: TP's
 // rowwise embedding) because on a dim where the table is Replicate "replicated" dout and ids
 // may be plain per-rank data (FSDP's unsharded table, each rank its own batch, PyTorch's FSDP

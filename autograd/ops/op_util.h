@@ -53,20 +53,20 @@ inline std::vector<int> ShardingMeshDims(const LocalCall& c, int i, int64_t d) {
   return dims;
 }
 
-// `s`, a check of input `i`'s values (ids, targets) that failed on this rank: where that input
-// is sharded (ranks hold different values, so some may pass and go on into a collective) the
-// ranks fail together (Communicator::Abort: the others return Aborted naming this rank at
-// once, not DeadlineExceeded after the timeout). Where every rank holds the same values they
-// all fail alike, and the mesh stays usable.
+// `s`, an error of an op's local function on this rank (a check of input `i`'s values: ids,
+// targets; or any other failure here) where input `i` may differ by rank: sharded on a mesh
+// dim of size > 1, or a plain tensor (taken as Replicate, but maybe each rank's own batch). The
+// others may have passed and gone on into a collective, so the ranks fail together
+// (Communicator::Abort of the mesh's world family: threads and ucx peers return Aborted naming
+// this rank at once; NCCL tells no peer, nccl_communicator.h, so they wait for their timeout).
+// Where the input is a replicated DTensor every rank holds the same values and fails alike:
+// nothing is aborted and the mesh stays usable.
 inline absl::Status FailTogetherIfSharded(const LocalCall& c, int i, absl::Status s) {
   if (s.ok() || c.mesh == nullptr || c.mesh->world().size() <= 1) return s;
+  bool differs = i < 64 && ((c.plain_inputs >> i) & 1) != 0;
   const Layout& l = c.input_layouts[static_cast<size_t>(i)];
-  for (int m = 0; m < l.ndim(); ++m) {
-    if (l[m].is_shard() && c.mesh->size(m) > 1) {
-      c.mesh->world().Abort(s);
-      break;
-    }
-  }
+  for (int m = 0; m < l.ndim() && !differs; ++m) differs = l[m].is_shard() && c.mesh->size(m) > 1;
+  if (differs) c.mesh->world().Abort(s);
   return s;
 }
 template <typename T>

@@ -80,11 +80,14 @@ void ScalarRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan, st
   // Linear in the partial values, so each part can be scaled apart: for integers only a
   // multiply by a whole number (each part's product by 2.5, or quotient by 4, is truncated
   // apart: 3 * 2.5 + 9 * 2.5 -> 7 + 22, not 30).
+  // (Partial(avg) of integers: the average itself truncates, (1 + 2) / 2 * 2 = 2 but
+  // (2 + 4) / 2 = 3, so it keeps Partial for floats only.)
   const double k = args.floats[0];
-  const bool exact = IsComputeFloat(in[0].dtype) || (op == BinaryOp::kMul && std::floor(k) == k);
+  const bool is_float = IsComputeFloat(in[0].dtype);
+  const bool exact = is_float || (op == BinaryOp::kMul && std::floor(k) == k);
   if (exact && (op == BinaryOp::kMul || (op == BinaryOp::kDiv && !scalar_first))) {
     s->push_back({{kPSum}, {kPSum}});
-    s->push_back({{Partial(PartialOp::kAvg)}, {Partial(PartialOp::kAvg)}});
+    if (is_float) s->push_back({{Partial(PartialOp::kAvg)}, {Partial(PartialOp::kAvg)}});
   }
 }
 absl::StatusOr<std::vector<Tensor>> ScalarLocal(const LocalCall& c) {

@@ -94,7 +94,9 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
 // --ckpt-async): Start stages this rank's pieces in host memory (a copy: training may change
 // the tensors at once; collective, as Partial values are reduced; pieces on a GPU are copied
 // into pinned memory, Tensor::EmptyPinned, which stays cached for the next save) and returns; Finish waits
-// for the files and commits (collective: every rank calls it, e.g. before the next save).
+// for the files and commits (collective: every rank calls it, before the next save to the same
+// root commits: a commit removes the .tmp- directories of earlier names of its series, which an
+// unfinished save's still is; gpt_train finishes each before the next).
 // Until Finish the checkpoint is incomplete: a crash leaves the previous one. Destroying an
 // unfinished save waits for its thread and commits nothing.
 class AsyncCheckpointSave {

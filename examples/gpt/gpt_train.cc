@@ -31,6 +31,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <optional>
 #include <random>
 #include <set>
@@ -621,29 +622,45 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     return state;
   };
   // The model's tensors in a checkpoint against this run's, before a load: a model of another
-  // size (--n-layer, --n-embd, --vocab, ...) is named as such, not as the first mismatch.
+  // size (--n-layer: other names; --n-embd, --vocab, ...: other shapes) is named as such, not
+  // as the first mismatch the load meets.
   auto check_model = [&](const std::string& dir, const CheckpointState& state) -> absl::Status {
     DT_ASSIGN_OR_RETURN(std::vector<CheckpointTensor> saved, CheckpointTensors(dir));
-    std::set<std::string> theirs, ours;
+    std::map<std::string, Shape> theirs, ours;
     for (const CheckpointTensor& t : saved) {
-      if (absl::StartsWith(t.name, "model.")) theirs.insert(t.name);
+      if (absl::StartsWith(t.name, "model.")) theirs[t.name] = t.shape;
     }
     for (const StateEntry& e : state) {
-      if (absl::StartsWith(e.name, "model.")) ours.insert(e.name);
+      if (!absl::StartsWith(e.name, "model.")) continue;
+      const DTensor* d = std::get_if<DTensor>(&e.tensor);
+      const IntSpan shape = d != nullptr ? d->shape() : std::get<Tensor>(e.tensor).shape();
+      ours[e.name] = e.stored_shape.empty() ? Shape(shape.begin(), shape.end())
+                                            : Shape(e.stored_shape.begin(), e.stored_shape.end());
     }
     auto some = [](const std::vector<std::string>& names) {
       std::vector<std::string> head(names.begin(), names.begin() + std::min<size_t>(names.size(), 3));
       return absl::StrCat(absl::StrJoin(head, ", "), names.size() > 3 ? ", ..." : "", " (", names.size(), ")");
     };
-    std::vector<std::string> extra, missing;
-    std::set_difference(theirs.begin(), theirs.end(), ours.begin(), ours.end(), std::back_inserter(extra));
-    std::set_difference(ours.begin(), ours.end(), theirs.begin(), theirs.end(), std::back_inserter(missing));
-    if (extra.empty() && missing.empty()) return absl::OkStatus();
+    std::vector<std::string> extra, missing, reshaped;
+    for (const auto& [name, shape] : theirs) {
+      auto it = ours.find(name);
+      if (it == ours.end()) {
+        extra.push_back(name);
+      } else if (it->second != shape) {
+        reshaped.push_back(absl::StrCat(name, " ", ShapeString(shape), " there, ", ShapeString(it->second), " here"));
+      }
+    }
+    for (const auto& [name, shape] : ours) {
+      if (!theirs.count(name)) missing.push_back(name);
+    }
+    if (extra.empty() && missing.empty() && reshaped.empty()) return absl::OkStatus();
+    std::vector<std::string> what;
+    if (!extra.empty()) what.push_back(absl::StrCat("parameters this run lacks: ", some(extra)));
+    if (!missing.empty()) what.push_back(absl::StrCat("this run's parameters it lacks: ", some(missing)));
+    if (!reshaped.empty()) what.push_back(absl::StrCat("other shapes: ", some(reshaped)));
     return absl::InvalidArgumentError(
-        absl::StrCat("[gpt_train] ", dir, " holds another model than this run's (", cfg.n_layer,
-                     " layers): ", extra.empty() ? "" : absl::StrCat("parameters this run lacks: ", some(extra)),
-                     !extra.empty() && !missing.empty() ? "; " : "",
-                     missing.empty() ? "" : absl::StrCat("this run's parameters it lacks: ", some(missing)),
+        absl::StrCat("[gpt_train] ", dir, " holds another model than this run's (", cfg.n_layer, " layers, n_embd ",
+                     cfg.n_embd, ", vocab ", cfg.vocab_size, "): ", absl::StrJoin(what, "; "),
                      ". Resume with the flags it was trained with (--n-layer, --n-embd, --vocab, ...)"));
   };
   int64_t first_step = 0;
@@ -699,6 +716,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
         continue;
       }
       const int64_t at = std::stoll(n.substr(5));
+      if (n != absl::StrFormat("step-%08lld", static_cast<long long>(at))) continue;  // not a name it writes
       if (at > first_step && at <= f.steps && at % f.ckpt_every == 0 && (first_clash == 0 || at < first_clash)) {
         first_clash = at;
         clash_name = n;

@@ -752,9 +752,9 @@ TEST(OpsStrategy, ShardGradientAddsToPartialOne) {
   });
 }
 
-// Ids or targets out of range on one rank's shard only (the others' pass): the ranks fail
-// together, the others with Aborted naming that rank at once, instead of waiting in the
-// loss's all_reduce (or their next collective) until the 20 s timeout.
+// Ids or targets out of range on one rank's shard only, or in one rank's plain ids (the others'
+// pass): the ranks fail together, the others with Aborted naming that rank at once, instead of
+// waiting in the loss's all_reduce (or their next collective) until the 20 s timeout.
 TEST(OpsStrategy, OutOfRangeIdsOnOneRanksShardFailEveryRankAtOnce) {
   const auto t0 = std::chrono::steady_clock::now();
   agtest::RunMesh(Shape{2}, [](const DeviceMesh& mesh) {
@@ -777,6 +777,19 @@ TEST(OpsStrategy, OutOfRangeIdsOnOneRanksShardFailEveryRankAtOnce) {
     } else {  // its piece passed; its next collective fails
       ASSERT_TRUE(e.ok()) << e.status();
       const absl::Status s = e->dtensor().Redistribute(Layout({R})).status();
+      EXPECT_TRUE(absl::IsAborted(s)) << s;
+    }
+  });
+  // Plain per-rank ids (each rank's own batch, PyTorch's FSDP way) may differ too.
+  agtest::RunMesh(Shape{2}, [](const DeviceMesh& mesh) {
+    const DTensor w = Unwrap(DTensor::Distribute(Rand({4, 3}, 132), mesh, {R}, {.src_rank = std::nullopt}));
+    const bool bad = mesh.coordinate(0) == 1;
+    auto e = fn::Embedding(Value(w), Value(Ids({1, bad ? 9 : 2}, {2})));
+    if (bad) {
+      EXPECT_TRUE(absl::IsInvalidArgument(e.status())) << e.status();
+    } else {
+      ASSERT_TRUE(e.ok()) << e.status();
+      const absl::Status s = mesh.world().Barrier();
       EXPECT_TRUE(absl::IsAborted(s)) << s;
     }
   });

@@ -14,6 +14,7 @@
 #include "dtensor/ops/ops.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tests/core/suite_util.h"
 #include "tests/testing/test_util.h"
 
@@ -333,6 +334,19 @@ TEST_F(CheckpointTest, AFailedLoadChangesNoTarget) {
     // The missing-tensor message names a few of the checkpoint's tensors and their count.
     const absl::Status s = LoadCheckpoint(dir, {{"z", Unwrap(Zeros({2}, DType::kFloat32))}});
     EXPECT_THAT(s.message(), HasSubstr("(it holds a, b, c, d, e, step)"));
+  });
+  // b's metadata without its first piece: b is not covered, found before a is read.
+  const std::string meta = dir + "/metadata.json";
+  nlohmann::json m = nlohmann::json::parse(testing::ReadBytes(meta));
+  ASSERT_GT(m["tensors"]["b"]["pieces"].size(), 1u);
+  m["tensors"]["b"]["pieces"].erase(0);
+  testing::WriteBytes(meta, m.dump());
+  RunRanks(1, [&](int, Communicator&) {
+    const Tensor a = Unwrap(Zeros({8, 6}, DType::kFloat32));
+    const absl::Status s = LoadCheckpoint(dir, {{"a", a}, {"b", Unwrap(Zeros({7, 5}, DType::kFloat32))}});
+    EXPECT_TRUE(absl::IsDataLoss(s)) << s;
+    EXPECT_THAT(s.message(), HasSubstr("tensor b: the pieces in"));
+    EXPECT_EQ(testing::Values(a), std::vector<double>(48, 0.0)) << s;
   });
 }
 

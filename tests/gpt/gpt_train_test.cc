@@ -416,9 +416,13 @@ TEST_F(GptFsdpTest, ResumesAcrossDropoutAndRefusesAnotherModelOrAnEarlierRunsFol
   EXPECT_NE(run.out.find("resumed from " + dir + "/step-00000002: step 2"), std::string::npos) << run.out;
   run = Train("", common + "--n-layer 1 --steps 6 --resume");
   EXPECT_NE(run.code, 0) << run.out;
-  EXPECT_NE(run.out.find("holds another model than this run's (1 layers): parameters this run lacks: "
-                         "model.transformer.h.1."),
+  EXPECT_NE(run.out.find("holds another model than this run's (1 layers, n_embd 16, vocab 256): parameters this "
+                         "run lacks: model.transformer.h.1."),
             std::string::npos)
+      << run.out;
+  run = Train("", common + "--n-layer 2 --n-embd 32 --steps 6 --resume");
+  EXPECT_NE(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("(2 layers, n_embd 32, vocab 256): other shapes: model.transformer.h.0."), std::string::npos)
       << run.out;
   const auto t0 = std::chrono::steady_clock::now();
   run = Train("", common + "--n-layer 2 --steps 6");
@@ -429,6 +433,15 @@ TEST_F(GptFsdpTest, ResumesAcrossDropoutAndRefusesAnotherModelOrAnEarlierRunsFol
       << run.out;
   EXPECT_EQ(run.out.find("loss:"), std::string::npos) << "trained before refusing:\n" << run.out;
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60));
+  // A folder named like a step but not as the trainer names it (step-2, not step-00000002) is
+  // not in the way.
+  const std::string other = Path("other");
+  std::filesystem::create_directories(other + "/step-2");
+  run = Train("", "--text " + Corpus() +
+                      " --n-layer 1 --n-head 2 --n-embd 16 --seq 8 --batch 4 --sample-tokens 0 --device cpu --steps 2 "
+                      "--ckpt-every 2 --ckpt-dir " +
+                      other);
+  EXPECT_EQ(run.code, 0) << run.out;
 }
 
 TEST_F(GptFsdpTest, ResumeUnderAnotherParallelismFollowsOneRank) {
