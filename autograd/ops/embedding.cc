@@ -10,7 +10,7 @@
 //     S(-1), R -> S(1)         P(sum), R -> P(sum)    the mesh dims where the table is S(0))
 // Ids are checked against the vocabulary on each rank; where they may differ by rank (sharded,
 // or plain per-rank tensors), a rank whose ids fail makes the ranks fail together
-// (op_util::TogetherIfSharded).
+// (op_util::TogetherIfPerRank).
 // The row split is limited to the table's vocab-sharded mesh dims (args.ints[1], a mask: TP's
 // rowwise embedding) because on a dim where the table is Replicate "replicated" dout and ids
 // may be plain per-rank data (FSDP's unsharded table, each rank its own batch, PyTorch's FSDP
@@ -92,7 +92,7 @@ absl::StatusOr<std::vector<Tensor>> EmbLocal(const LocalCall& c) {
   DT_ASSIGN_OR_RETURN(Tensor rows, dtensor::Embedding(w, lm.first));
   return op_util::One(dtensor::Mul(rows, lm.second));
 }
-const OpDef kEmbedding = {"embedding", EmbRule, EmbMeta, op_util::TogetherIfSharded<EmbLocal, 1>};
+const OpDef kEmbedding = {"embedding", EmbRule, EmbMeta, op_util::TogetherIfPerRank<EmbLocal, 1>};
 
 // args.ints = {V} or {V, mask of the mesh dims where the table is Shard(0)}
 absl::StatusOr<std::vector<TensorMeta>> EmbBwdMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
@@ -130,7 +130,7 @@ absl::StatusOr<std::vector<Tensor>> EmbBwdLocal(const LocalCall& c) {
   return std::vector<Tensor>{dw};
 }
 const OpDef kEmbeddingBackward = {"embedding_backward", EmbBwdRule, EmbBwdMeta,
-                                  op_util::TogetherIfSharded<EmbBwdLocal, 1>};
+                                  op_util::TogetherIfPerRank<EmbBwdLocal, 1>};
 
 }  // namespace
 

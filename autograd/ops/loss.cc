@@ -210,7 +210,7 @@ absl::StatusOr<std::vector<Tensor>> CeLocal(const LocalCall& c) {
   DT_ASSIGN_OR_RETURN(Tensor lse, o.lse.View(c.inputs[1].shape()));
   return std::vector<Tensor>{loss, lse, count};
 }
-const OpDef kCrossEntropy = {"cross_entropy", CeRule, CeMeta, op_util::TogetherIfSharded<CeLocal, 1>};
+const OpDef kCrossEntropy = {"cross_entropy", CeRule, CeMeta, op_util::TogetherIfPerRank<CeLocal, 1>};
 
 // (dloss, logits, targets, lse, count) -> dlogits; args.ints = {ignore_index}
 absl::StatusOr<std::vector<TensorMeta>> CeBwdMeta(absl::Span<const TensorMeta> in, const OpArgs&) {
@@ -265,7 +265,7 @@ absl::StatusOr<std::vector<Tensor>> CeBwdLocal(const LocalCall& c) {
   return op_util::One(dtensor::CrossEntropyBackward(dloss, c.inputs[1], c.inputs[2], saved, c.args.ints[0]));
 }
 const OpDef kCrossEntropyBackward = {"cross_entropy_backward", CeBwdRule, CeBwdMeta,
-                                     op_util::TogetherIfSharded<CeBwdLocal, 2>};
+                                     op_util::TogetherIfPerRank<CeBwdLocal, 2>};
 
 // (logits, targets) -> (loss, dlogits, count, dloss_seen); args.ints = {ignore_index},
 // args.floats = {the upstream gradient the dlogits are for}.
@@ -297,7 +297,7 @@ absl::StatusOr<std::vector<Tensor>> CeFusedLocal(const LocalCall& c) {
   return std::vector<Tensor>{o.loss, o.dlogits, o.count, seen};
 }
 const OpDef kCrossEntropyFused = {"cross_entropy_fused", CeFusedRule, CeFusedMeta,
-                                  op_util::TogetherIfSharded<CeFusedLocal, 1>};
+                                  op_util::TogetherIfPerRank<CeFusedLocal, 1>};
 
 // This rank's piece of a scalar gradient as the whole value (a Partial one is reduced first).
 absl::StatusOr<Tensor> WholeScalar(const Value& g) {

@@ -61,7 +61,7 @@ inline std::vector<int> ShardingMeshDims(const LocalCall& c, int i, int64_t d) {
 // this rank at once; NCCL tells no peer, nccl_communicator.h, so they wait for their timeout).
 // Where the input is a replicated DTensor every rank holds the same values and fails alike:
 // nothing is aborted and the mesh stays usable.
-inline absl::Status FailTogetherIfSharded(const LocalCall& c, int i, absl::Status s) {
+inline absl::Status FailTogetherIfPerRank(const LocalCall& c, int i, absl::Status s) {
   if (s.ok() || c.mesh == nullptr || c.mesh->world().size() <= 1) return s;
   bool differs = i < 64 && ((c.plain_inputs >> i) & 1) != 0;
   const Layout& l = c.input_layouts[static_cast<size_t>(i)];
@@ -70,16 +70,16 @@ inline absl::Status FailTogetherIfSharded(const LocalCall& c, int i, absl::Statu
   return s;
 }
 template <typename T>
-absl::StatusOr<T> FailTogetherIfSharded(const LocalCall& c, int i, absl::StatusOr<T> r) {
-  if (!r.ok()) return FailTogetherIfSharded(c, i, r.status());
+absl::StatusOr<T> FailTogetherIfPerRank(const LocalCall& c, int i, absl::StatusOr<T> r) {
+  if (!r.ok()) return FailTogetherIfPerRank(c, i, r.status());
   return r;
 }
 
 // An OpDef's local function `F` whose errors fail the ranks together where input `kInput`
 // (whose values it checks) is sharded (above).
 template <absl::StatusOr<std::vector<Tensor>> (*F)(const LocalCall&), int kInput>
-absl::StatusOr<std::vector<Tensor>> TogetherIfSharded(const LocalCall& c) {
-  return FailTogetherIfSharded(c, kInput, F(c));
+absl::StatusOr<std::vector<Tensor>> TogetherIfPerRank(const LocalCall& c) {
+  return FailTogetherIfPerRank(c, kInput, F(c));
 }
 
 // A single-output Variable op: records `backward` (one grad in, one per input out).

@@ -291,6 +291,35 @@ absl::StatusOr<Json> WritePieces(int rank, const std::string& dir, const std::ve
   return out;
 }
 
+// The metadata is read defensively: it is a file, so any value may have any JSON type (reading
+// one as another would throw), and numbers are checked before they are used as sizes.
+
+// `j` as an int64 when it is an integer that fits, else `fallback`.
+int64_t IntOr(const Json& j, int64_t fallback) {
+  if (j.is_number_unsigned()) {
+    const uint64_t v = j.get<uint64_t>();
+    return v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ? fallback : static_cast<int64_t>(v);
+  }
+  return j.is_number_integer() ? j.get<int64_t>() : fallback;
+}
+
+// The integer member `key` of the object `j` (see IntOr), or `fallback` when it has none.
+int64_t IntMemberOr(const Json& j, const char* key, int64_t fallback) {
+  return j.contains(key) ? IntOr(j[key], fallback) : fallback;
+}
+
+// `j` as a shape or box (an array of non-negative int64s), when it is one.
+std::optional<Shape> AsShape(const Json& j) {
+  if (!j.is_array() || j.size() > 64) return std::nullopt;
+  Shape out;
+  for (const Json& e : j) {
+    const int64_t v = IntOr(e, -1);
+    if (v < 0) return std::nullopt;
+    out.push_back(v);
+  }
+  return out;
+}
+
 // Rank 0: the metadata from every rank's pieces (a piece two ranks wrote, e.g. a DTensor on
 // sub-meshes that replicate it, is kept once), checked for agreement.
 // Every tensor's name, stored shape and dtype, as this rank holds them (rank 0's become the
@@ -351,9 +380,9 @@ absl::StatusOr<Json> BuildMetadata(Json tensors, const std::vector<std::string>&
   // out, would otherwise commit a checkpoint that cannot load, and `keep` would prune the
   // good one before it).
   for (auto& [name, t] : tensors.items()) {
-    auto shape_of = [](const Json& j) {
+    auto shape_of = [](const Json& j) {  // (the ranks' own descriptions: valid)
       Shape out;
-      for (const Json& e : j) out.push_back(e.get<int64_t>());
+      if (std::optional<Shape> s = AsShape(j); s.has_value()) out = *s;
       return out;
     };
     const Shape shape = shape_of(t["shape"]);
@@ -454,35 +483,6 @@ class Files {
   LoadStats* stats_;
   std::map<std::string, int> fds_;
 };
-
-// The metadata is read defensively: it is a file, so any value may have any JSON type (reading
-// one as another would throw), and numbers are checked before they are used as sizes.
-
-// `j` as an int64 when it is an integer that fits, else `fallback`.
-int64_t IntOr(const Json& j, int64_t fallback) {
-  if (j.is_number_unsigned()) {
-    const uint64_t v = j.get<uint64_t>();
-    return v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ? fallback : static_cast<int64_t>(v);
-  }
-  return j.is_number_integer() ? j.get<int64_t>() : fallback;
-}
-
-// The integer member `key` of the object `j` (see IntOr), or `fallback` when it has none.
-int64_t IntMemberOr(const Json& j, const char* key, int64_t fallback) {
-  return j.contains(key) ? IntOr(j[key], fallback) : fallback;
-}
-
-// `j` as a shape or box (an array of non-negative int64s), when it is one.
-std::optional<Shape> AsShape(const Json& j) {
-  if (!j.is_array() || j.size() > 64) return std::nullopt;
-  Shape out;
-  for (const Json& e : j) {
-    const int64_t v = IntOr(e, -1);
-    if (v < 0) return std::nullopt;
-    out.push_back(v);
-  }
-  return out;
-}
 
 // One stored piece, validated against its tensor's stored shape.
 struct PieceInfo {
