@@ -63,7 +63,14 @@ absl::StatusOr<std::vector<double>> Sampler::Probabilities(absl::Span<const floa
     auto before = [&](size_t a, size_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
     if (top_k) {
       kept = static_cast<size_t>(options_.top_k);
-      std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(kept), order.end(), before);
+      const auto kth = order.begin() + static_cast<std::ptrdiff_t>(kept);
+      std::partial_sort(order.begin(), kth, order.end(), before);
+      // Every token tied with the k-th largest logit stays too (Hugging Face's and nanoGPT's
+      // `logits < topk(logits, k)[-1]` cut), after those above it, by index.
+      const float cut = logits[order[kept - 1]];
+      const auto ties = std::partition(kth, order.end(), [&](size_t i) { return logits[i] == cut; });
+      std::sort(kth, ties);
+      kept += static_cast<size_t>(ties - kth);
     } else {
       std::sort(order.begin(), order.end(), before);
     }

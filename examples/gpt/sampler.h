@@ -17,9 +17,11 @@
 //   temperature == 0: greedy, all mass on the largest logit (the lowest index among equals);
 //     top_k and top_p are then irrelevant.
 //   otherwise p = softmax(logits / temperature) over the tokens kept by
-//     top_k > 0: the k largest logits (ties broken by the lower index);
+//     top_k > 0: the k largest logits and every one equal to the k-th (Hugging Face's and
+//       nanoGPT's cut at the k-th value: with bfloat16 logits ties are common);
 //     top_p < 1: then the smallest prefix of those, in descending probability, whose
-//       probability sums to at least top_p (always at least one token: the most likely);
+//       probability sums to at least top_p (always at least one token: the most likely;
+//       among equal logits the lower index comes first);
 //   renormalised over the kept tokens (computed in double).
 #ifndef DTENSOR_EXAMPLES_GPT_SAMPLER_H_
 #define DTENSOR_EXAMPLES_GPT_SAMPLER_H_

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <vector>
@@ -27,7 +28,8 @@ std::vector<float> Row(int64_t v, uint64_t seed) {
 }
 
 // The naive reference: softmax(logits / T) in double over all tokens; keep the k largest
-// (ties: lower index), then the most likely ones in order until their share of the kept mass
+// and every one equal to the k-th (nanoGPT's `logits < v[-1]` cut; in order, ties by the lower
+// index), then the most likely ones in order until their share of the kept mass
 // reaches p; renormalise.
 std::vector<double> Reference(const std::vector<float>& logits, double temperature, int64_t k, double p) {
   const size_t v = logits.size();
@@ -39,7 +41,8 @@ std::vector<double> Reference(const std::vector<float>& logits, double temperatu
     out[idx[0]] = 1;
     return out;
   }
-  const size_t keep_k = k > 0 ? std::min(v, static_cast<size_t>(k)) : v;
+  size_t keep_k = k > 0 ? std::min(v, static_cast<size_t>(k)) : v;
+  while (keep_k < v && logits[idx[keep_k]] == logits[idx[keep_k - 1]]) ++keep_k;
   double m = -1e300;
   for (float x : logits) m = std::max(m, static_cast<double>(x));
   std::vector<double> e(v);
@@ -117,9 +120,33 @@ TEST(SamplerTest, TopKOneAndTemperatureZeroAreGreedy) {
     EXPECT_EQ(Unwrap(k1.Next(logits)), argmax);
     EXPECT_EQ(Unwrap(t0.Next(logits)), argmax);
   }
-  // Ties: the lower index.
+  // Ties: greedy takes the lower index; top_k = 1 keeps both (the cut is at the k-th value).
   EXPECT_EQ(Unwrap(t0.Next(std::vector<float>{1, 3, 3, 2})), 1);
-  EXPECT_EQ(Unwrap(k1.Next(std::vector<float>{1, 3, 3, 2})), 1);
+  testing::ExpectNear(Unwrap(k1.Probabilities(std::vector<float>{1, 3, 3, 2})), {0, 0.5, 0.5, 0}, {0, 1e-15},
+                      "top_k 1 with a tie at the top");
+}
+
+// bfloat16 logits (a GPU model's) tie often: top-k keeps every token equal to the k-th, as
+// Hugging Face and nanoGPT do, whatever the k and the order of the row.
+TEST(SamplerTest, TopKKeepsEveryTokenTiedWithTheKth) {
+  for (uint64_t seed = 1; seed <= 10; ++seed) {
+    std::vector<float> logits = Row(300, seed);
+    for (float& x : logits) x = std::round(x * 4) / 4;  // 33 values: many ties
+    for (int64_t k : {1, 2, 7, 40, 299}) {
+      gpt::Sampler s = Unwrap(gpt::Sampler::Create({.temperature = 0.7, .top_k = k, .top_p = 0.8, .seed = seed}));
+      const std::vector<double> got = Unwrap(s.Probabilities(logits));
+      testing::ExpectNear(got, Reference(logits, 0.7, k, 0.8), {1e-12, 1e-15}, absl::StrCat("seed ", seed, " k ", k));
+      gpt::Sampler no_p = Unwrap(gpt::Sampler::Create({.top_k = k, .seed = seed}));
+      const std::vector<double> all = Unwrap(no_p.Probabilities(logits));
+      std::vector<float> sorted = logits;
+      std::sort(sorted.begin(), sorted.end(), std::greater<float>());
+      const float kth = sorted[static_cast<size_t>(k - 1)];
+      for (size_t i = 0; i < logits.size(); ++i) {
+        EXPECT_EQ(all[i] > 0, logits[i] >= kth)
+            << "seed " << seed << " k " << k << " token " << i << " logit " << logits[i] << " k-th " << kth;
+      }
+    }
+  }
 }
 
 TEST(SamplerTest, TensorRowsOfAnyFloatDtype) {
