@@ -134,6 +134,38 @@ absl::StatusOr<std::vector<int64_t>> GatherInts(const DeviceMesh& mesh, const st
   return std::vector<int64_t>(v, v + all.numel());
 }
 
+// Distribute from a source: every rank's tensor must have the source's shape and dtype, or
+// the ranks would size the broadcast or scatter differently (the source returning OK, the
+// others failing or waiting). One small all-gather of a fixed header (dims, dtype, sizes padded
+// to kMaxDims); every rank reaches the same verdict from the same gathered values.
+absl::Status AgreeWithSource(const char* op, const Tensor& global, const DeviceMesh& mesh, int src) {
+  constexpr int64_t kHead = 2 + kMaxDims;
+  std::vector<int64_t> mine(kHead, -1);
+  mine[0] = global.dim();
+  mine[1] = static_cast<int64_t>(global.dtype());
+  std::copy(global.shape().begin(), global.shape().end(), mine.begin() + 2);
+  DT_ASSIGN_OR_RETURN(const std::vector<int64_t> all, GatherInts(mesh, mine));
+  const auto shape_of = [&](int64_t r) {
+    const int64_t* h = all.data() + kHead * r;
+    return Shape(h + 2, h + 2 + std::clamp<int64_t>(h[0], 0, kMaxDims));
+  };
+  const int64_t* s = all.data() + kHead * src;
+  for (int64_t r = 0; r < mesh.size(); ++r) {
+    const int64_t* h = all.data() + kHead * r;
+    if (h[0] != s[0] || h[1] != s[1]) {
+      return InvalidArg(op, "mesh rank ", r, " passes a ", h[0], "-d ", DTypeName(static_cast<DType>(h[1])),
+                        " tensor but the source, mesh rank ", src, ", a ", s[0], "-d ",
+                        DTypeName(static_cast<DType>(s[1])), " one");
+    }
+    if (shape_of(r) != shape_of(src)) {
+      return InvalidArg(op, "mesh rank ", r, " passes a tensor of shape ", ShapeString(shape_of(r)),
+                        " but the source, mesh rank ", src, ", one of shape ", ShapeString(shape_of(src)),
+                        " (every rank passes the global shape)");
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<DTensor> DTensor::FromLocal(Tensor local, const DeviceMesh& mesh, const Layout& layout,
@@ -236,6 +268,7 @@ absl::StatusOr<DTensor> DTensor::Distribute(const Tensor& global, const DeviceMe
       return InvalidArg(op, "source rank ", src, " is not a rank of ", mesh.ToString(), " (0 to ", mesh.size() - 1,
                         ")");
     }
+    DT_RETURN_IF_ERROR(AgreeWithSource(op, global, mesh, src));
     DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(AllDims(mesh)));
     CommCounter* counter = CoreStateOf(mesh).counter;
     if (base.is_replicated()) {
@@ -290,6 +323,16 @@ struct PendingDTensor::State {
   Tensor local;  // the input of the started step (kept alive), or the result so far
   bool waited = false;
 };
+
+PendingDTensor::PendingDTensor(PendingDTensor&&) noexcept = default;
+
+PendingDTensor& PendingDTensor::operator=(PendingDTensor&& other) noexcept {
+  if (this != &other) {
+    PendingDTensor dropped(std::move(*this));  // its destructor finishes a collective in flight
+    state_ = std::move(other.state_);
+  }
+  return *this;
+}
 
 PendingDTensor::~PendingDTensor() {
   // A collective in flight reads and writes buffers this state owns: finish it first.

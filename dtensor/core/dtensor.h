@@ -91,7 +91,9 @@ class DTensor {
     // already holds the same full tensor and keeps its piece (no communication).
     std::optional<int> src_rank = 0;
   };
-  // Every rank passes a tensor of the global shape (only the source's values are read).
+  // Every rank passes a tensor of the global shape (only the source's values are read); with
+  // a source, the ranks first agree on its shape and dtype (one all-gather of 10 integers per
+  // rank; a rank that differs is InvalidArgument on every rank, naming it and both shapes).
   // Partial placements start from the full value (R -> P(sum) divides floating point values by
   // the mesh dim size, as PyTorch does; integers stay whole at coordinate 0 of that dim and are
   // zero elsewhere, so the sum is exact).
@@ -154,8 +156,9 @@ class DTensor {
 // A redistribution in flight (DTensor::RedistributeAsync).
 class PendingDTensor {
  public:
-  PendingDTensor(PendingDTensor&&) = default;
-  PendingDTensor& operator=(PendingDTensor&&) = default;
+  // Movable (defined where State is complete, so that code outside the library can move one).
+  PendingDTensor(PendingDTensor&&) noexcept;
+  PendingDTensor& operator=(PendingDTensor&&) noexcept;
   ~PendingDTensor();
   // Waits for the collective and runs the rest of the plan. Call once.
   absl::StatusOr<DTensor> Wait();

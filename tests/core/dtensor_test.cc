@@ -103,7 +103,10 @@ TEST(DTensorDistribute, BroadcastsReplicatedFromSourceRank) {
       EXPECT_EQ(suite::CompareBits(x.ToLocal(), suite::MakeTensor(src_vals, shape, dtype)), "") << "rank " << rank;
       EXPECT_EQ(counter.calls(CommKind::kBroadcast), 1);
       EXPECT_EQ(counter.bytes(CommKind::kBroadcast), 15 * static_cast<int64_t>(ElementSize(dtype)));
-      EXPECT_EQ(counter.total_calls(), 1) << counter.ToString();
+      // And the ranks' agreement on shape and dtype: 10 int64s from each of the 3.
+      EXPECT_EQ(counter.calls(CommKind::kAllGather), 1);
+      EXPECT_EQ(counter.bytes(CommKind::kAllGather), 3 * 10 * 8);
+      EXPECT_EQ(counter.total_calls(), 2) << counter.ToString();
     });
   }
 }
@@ -214,6 +217,40 @@ TEST(DTensorDistribute, SourceRankOutOfRangeIsAnError) {
       EXPECT_TRUE(!x.ok() && absl::IsInvalidArgument(x.status()))
           << "rank " << rank << " src " << src << ": " << x.status();
     }
+  });
+}
+
+// A rank whose tensor has another shape or dtype than the source's: every rank gets
+// InvalidArgument naming it (before, the source returned OK from the broadcast while the
+// others failed; a scatter sized the pieces by each rank's own shape), and the mesh stays
+// usable.
+TEST(DTensorDistribute, RanksThatDisagreeWithTheSourceFailEverywhere) {
+  struct Case {
+    Shape shape;
+    DType dtype;
+    Layout layout;
+    std::string want;
+  };
+  const std::vector<Case> cases = {
+      {{4, 6}, DType::kFloat32, Layout({Replicate()}), "mesh rank 2 passes a tensor of shape [4, 6] but the source"},
+      {{4, 6}, DType::kFloat32, Layout({Shard(0)}), "mesh rank 2 passes a tensor of shape [4, 6]"},
+      {{24}, DType::kFloat32, Layout({Shard(0)}), "mesh rank 2 passes a 1-d float32 tensor but the source"},
+      {{4, 6}, DType::kInt64, Layout({Replicate()}), "mesh rank 2 passes a 2-d int64 tensor"},
+  };
+  RunRanks(4, [&](int rank, Communicator& comm) {
+    DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {4}));
+    for (const Case& c : cases) {
+      const bool odd = rank == 2;
+      const Shape shape = odd ? c.shape : Shape{6, 4};
+      const DType dtype = odd ? c.dtype : DType::kFloat32;
+      const Tensor t = suite::MakeTensor(suite::GlobalValues(shape, dtype, false, 1), shape, dtype);
+      auto x = DTensor::Distribute(t, mesh, c.layout, {1});
+      EXPECT_TRUE(absl::IsInvalidArgument(x.status())) << "rank " << rank << ": " << x.status();
+      EXPECT_THAT(std::string(x.status().message()), ::testing::HasSubstr(c.want)) << "rank " << rank;
+    }
+    // Still usable: the ranks agree now.
+    const Tensor t = suite::MakeTensor(suite::GlobalValues({6, 4}, DType::kFloat32, false, 1), {6, 4}, DType::kFloat32);
+    EXPECT_TRUE(DTensor::Distribute(t, mesh, Layout({Shard(1)}), {3}).ok()) << "rank " << rank;
   });
 }
 
@@ -335,6 +372,28 @@ TEST(DTensorPrint, VisualizeShardingBlocks) {
 }
 
 // ---- RedistributeAsync ----
+
+// A PendingDTensor moves in code outside the library (its move operations are defined where
+// its state is complete), and assigning over one in flight finishes that one first.
+TEST(DTensorRedistributeAsync, PendingRedistributionsMove) {
+  const Shape shape = {8, 6};
+  const std::vector<double> v = suite::GlobalValues(shape, DType::kFloat32, true, 22);
+  RunRanks(4, [&](int rank, Communicator& comm) {
+    DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {4}));
+    const DTensor x = Unwrap(
+        DTensor::Distribute(suite::MakeTensor(v, shape, DType::kFloat32), mesh, Layout({Shard(0)}), {std::nullopt}));
+    absl::StatusOr<PendingDTensor> first = x.RedistributeAsync(Layout({Replicate()}));
+    absl::StatusOr<PendingDTensor> second = x.RedistributeAsync(Layout({Shard(1)}));
+    ASSERT_TRUE(first.ok() && second.ok()) << first.status() << second.status();
+    std::vector<PendingDTensor> pending;
+    pending.push_back(std::move(*first));
+    auto moved = std::make_unique<PendingDTensor>(std::move(pending.back()));
+    PendingDTensor other = std::move(*second);
+    other = std::move(*moved);  // the Shard(1) one is finished and dropped
+    const DTensor y = Unwrap(other.Wait());
+    EXPECT_EQ(suite::CompareBits(y.ToLocal(), suite::MakeTensor(v, shape, DType::kFloat32)), "") << "rank " << rank;
+  });
+}
 
 TEST(DTensorRedistributeAsync, MatchesSynchronousRedistribute) {
   const Shape shape = {8, 6};
