@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "dtensor/kernels/cuda/cuda_common.h"
 #include "dtensor/kernels/cuda/cudnn_api.h"
 #include "dtensor/tensor/device.h"
 #include "dtensor/tensor/status.h"
@@ -611,6 +612,13 @@ absl::Status CudnnCausalAttentionBackward(int device, const SdpaProblem& p, cons
   const int64_t engine = Align256(plan->engine_workspace);
   DT_ASSIGN_OR_RETURN(Tensor ws, Workspace(engine + DQAccumBytes(p) + SoftmaxSumBytes(p), device));
   char* base = static_cast<char*>(ws.raw_data());
+  // cuDNN adds dS K into the float32 dQ accumulator, so it must start at zero on every run
+  // (cudnn-frontend memsets it before each execution: its workspace modification of type 1).
+  // The workspace is a reused block, e.g. the previous layer's: left as it was, dQ would carry
+  // that layer's. Ordered before the plan on the handle's stream.
+  DT_RETURN_IF_ERROR(
+      ToStatus(cudaMemsetAsync(base + engine, 0, static_cast<size_t>(DQAccumBytes(p)), cudaStreamPerThread),
+               "cuDNN dQ accumulator", device));
   float neg_inf = MaskedScore(*st->api);
   float one = 1.0f;
   return Execute(*st, *plan, {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kSoftmaxSum, kDQAccum, kScale, kNegInf, kOne},
