@@ -53,8 +53,12 @@ void BinaryRule(absl::Span<const TensorMeta> in, const OpArgs& args, IntSpan, st
   const auto op = static_cast<BinaryOp>(args.ints[0]);
   if (op == BinaryOp::kAdd || op == BinaryOp::kSub) {
     s->push_back({{kPSum, kPSum}, {kPSum}});
-    const Placement avg = Partial(PartialOp::kAvg);
-    s->push_back({{avg, avg}, {avg}});
+    // (Integers: the average truncates, so the parts' averages do not add up: two P(avg)
+    // of parts (1, 0) are 0 each, but the parts' sums (2, 0) average to 1.)
+    if (IsComputeFloat(in[0].dtype)) {
+      const Placement avg = Partial(PartialOp::kAvg);
+      s->push_back({{avg, avg}, {avg}});
+    }
   } else if (op == BinaryOp::kMul) {
     s->push_back({{kPSum, Replicate()}, {kPSum}});
     s->push_back({{Replicate(), kPSum}, {kPSum}});
@@ -166,11 +170,48 @@ absl::StatusOr<Value> Binary(BinaryOp op, const Value& a, const Value& b) {
   return op_util::First(Dispatch(kBinary, {a, b}, args));
 }
 
+namespace {
+// Whether casting each part of a Partial(op) value from `from` to `to` and then reducing gives
+// the cast of the reduced value (up to the rounding of each part, which PyTorch's per-piece
+// cast also has). max / min: any monotone cast (not to bool: bool(-1) > bool(0)). sum: to a
+// float, or between integers (wrapping arithmetic commutes with narrowing). avg: between
+// floats only (an integer average truncates; a float to integer cast truncates each part).
+bool CastKeepsPartial(PartialOp op, DType from, DType to) {
+  const auto is_float = [](DType t) { return IsComputeFloat(t) || IsFloat8(t); };
+  const auto is_int = [](DType t) { return t == DType::kInt32 || t == DType::kInt64; };
+  if (from == DType::kBool || to == DType::kBool) return false;
+  switch (op) {
+    case PartialOp::kMax:
+    case PartialOp::kMin:
+      return true;
+    case PartialOp::kSum:
+      return is_float(to) || (is_int(from) && is_int(to));
+    case PartialOp::kAvg:
+      return is_float(from) && is_float(to);
+  }
+  return false;
+}
+}  // namespace
+
 absl::StatusOr<Value> Cast(const Value& x, DType dtype) {
   if (x.dtype() == dtype) return x;
-  DT_ASSIGN_OR_RETURN(Tensor local, dtensor::Cast(x.local(), dtype));
-  if (!x.is_dtensor()) return Value(std::move(local));
-  const DTensor& d = x.dtensor();
+  if (!x.is_dtensor()) {
+    DT_ASSIGN_OR_RETURN(Tensor local, dtensor::Cast(x.local(), dtype));
+    return Value(std::move(local));
+  }
+  DTensor d = x.dtensor();
+  // A Partial the cast does not commute with is reduced first (float32 P(sum) parts 0.5 and
+  // 0.75 cast to int64 would give 0 + 0 for the 1.25 whose cast is 1).
+  Layout reduced = d.layout();
+  for (int m = 0; m < reduced.ndim(); ++m) {
+    if (reduced[m].is_partial() && !CastKeepsPartial(reduced[m].partial_op(), x.dtype(), dtype)) {
+      reduced = reduced.WithPlacement(m, Replicate());
+    }
+  }
+  if (reduced != d.layout()) {
+    DT_ASSIGN_OR_RETURN(d, d.Redistribute(reduced));
+  }
+  DT_ASSIGN_OR_RETURN(Tensor local, dtensor::Cast(d.ToLocal(), dtype));
   return Value(DTensor::WrapTrusted(std::move(local), d.mesh(), d.layout(), Shape(d.shape().begin(), d.shape().end())));
 }
 

@@ -575,11 +575,12 @@ absl::StatusOr<Tensor> Reduce(ReduceOp rop, const Tensor& x, IntSpan dims, bool 
       out_shape.push_back(x.shape()[i]);
     }
   }
-  DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_shape, x.dtype(), x.device()));
-  if (out.numel() == 0) return out;
+  // Before the empty-output return: PyTorch refuses max over an empty dim whatever the output.
   if (r == 0 && (rop == ReduceOp::kMax || rop == ReduceOp::kMin)) {
     return InvalidArg(op, "reduction over an empty dim of ", ShapeString(x.shape()), " has no identity");
   }
+  DT_ASSIGN_OR_RETURN(Tensor out, Tensor::Empty(out_shape, x.dtype(), x.device()));
+  if (out.numel() == 0) return out;
   // Reduced dims forming one consecutive block reduce in place as [outer, r, inner];
   // otherwise the kept dims are permuted to the front.
   bool block = true;

@@ -823,6 +823,56 @@ TEST(OpsStrategy, IntegerPartialSumsStayExact) {
   });
 }
 
+// A cast keeps a Partial only where it commutes with the reduction; elsewhere it reduces
+// first. Each case: two ranks' parts, the op, the dtypes; the full value after the cast must
+// be the cast of the full value (a review saw float32 P(sum) parts 0.5 + 0.75 cast to int64 as
+// 0, and int64 P(avg) parts 1, 2 cast to float32 as 1.5). Integer P(avg) + P(avg) reduces
+// first too (parts (1, 0) twice: 0 + 0 on one rank, 1 with the parts added).
+TEST(OpsStrategy, CastsAndIntegerAveragesKeepPartialOnlyWhereExact) {
+  struct Case {
+    std::vector<double> part0, part1;
+    PartialOp op;
+    DType from, to;
+    bool keeps;  // Partial after the cast
+  };
+  const std::vector<Case> cases = {
+      {{0.5, 0.75}, {0.5, 0.75}, PartialOp::kSum, DType::kFloat32, DType::kInt64, false},
+      {{1}, {2}, PartialOp::kAvg, DType::kInt64, DType::kFloat32, false},
+      {{0.5, 2.5}, {1.5, -0.25}, PartialOp::kAvg, DType::kFloat32, DType::kInt32, false},
+      {{-1, 0}, {1, 0}, PartialOp::kSum, DType::kFloat32, DType::kBool, false},
+      {{-1, 2}, {0, 0}, PartialOp::kMax, DType::kFloat32, DType::kBool, false},
+      {{3, 4}, {5, -9}, PartialOp::kSum, DType::kInt64, DType::kFloat32, true},
+      {{3, 4}, {5, -9}, PartialOp::kSum, DType::kInt64, DType::kInt32, true},
+      {{-0.5, 2.7}, {0.3, -1.2}, PartialOp::kMax, DType::kFloat32, DType::kInt32, true},
+      {{-0.5, 2.7}, {0.3, -1.2}, PartialOp::kMin, DType::kFloat32, DType::kInt64, true},
+      {{1.5, 2}, {2.5, 3}, PartialOp::kAvg, DType::kFloat32, DType::kBFloat16, true},
+      {{1.5, 2}, {2.5, 3}, PartialOp::kSum, DType::kBFloat16, DType::kFloat32, true},
+  };
+  agtest::RunMesh({2}, [&](const DeviceMesh& mesh) {
+    const bool first = mesh.coordinate()[0] == 0;
+    for (const Case& c : cases) {
+      const std::vector<double>& mine = first ? c.part0 : c.part1;
+      const Shape shape = {static_cast<int64_t>(mine.size())};
+      const std::vector<float> mine32(mine.begin(), mine.end());
+      const Tensor local = Unwrap(Cast(Unwrap(Tensor::FromVector<float>(mine32, shape)), c.from));
+      const DTensor x = Unwrap(DTensor::FromLocal(local, mesh, Layout({Partial(c.op)})));
+      const std::string what =
+          absl::StrCat(Placement(Partial(c.op)).ToString(), " ", DTypeName(c.from), " -> ", DTypeName(c.to));
+      const Value got = Unwrap(fn::Cast(Value(x), c.to));
+      EXPECT_EQ(got.dtensor().layout().has_partial(), c.keeps) << what;
+      const Tensor want = Unwrap(Cast(agtest::Full(Value(x)), c.to));
+      EXPECT_EQ(testing::Values(agtest::Full(got)), testing::Values(want)) << what;
+    }
+    for (BinaryOp op : {BinaryOp::kAdd, BinaryOp::kSub}) {
+      const Tensor part = Ids({first ? 1 : 0, first ? 3 : 0}, {2});
+      const DTensor a = Unwrap(DTensor::FromLocal(part, mesh, Layout({PA})));
+      const Tensor want = Unwrap(dtensor::Binary(op, agtest::Full(Value(a)), agtest::Full(Value(a))));
+      const Value got = Unwrap(fn::Binary(op, Value(a), Value(a)));
+      EXPECT_EQ(testing::Values(agtest::Full(got)), testing::Values(want)) << "int64 P(avg) binary " << int(op);
+    }
+  });
+}
+
 TEST(OpsStrategy, DifferentMeshesAreRefused) {
   const Tensor x = Rand({4, 6}, 191);
   agtest::RunMesh({2, 2}, [&](const DeviceMesh& mesh) {

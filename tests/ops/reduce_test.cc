@@ -223,6 +223,12 @@ TEST(CpuReduceTest, EmptyReductions) {
   for (double v : s) EXPECT_EQ(v, 0.0);
   for (double v : m) EXPECT_TRUE(std::isnan(v));
   EXPECT_FALSE(Max(x, {1}).ok());  // rejected by the ops layer
+  // Also where the output is empty too (PyTorch: "Expected reduction dim 1 to have non-zero
+  // size"), as the DTensor op refuses it.
+  const Tensor none = Unwrap(Tensor::Empty({0, 0, 5}, DType::kFloat32));
+  EXPECT_TRUE(absl::IsInvalidArgument(Max(none, {1}).status())) << Max(none, {1}).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(Min(none, {0, 1}).status()));
+  EXPECT_TRUE(Sum(none, {1}).ok());
   Tensor out = Unwrap(Tensor::Empty({3, 2}, DType::kBFloat16));
   const Tensor xb = Unwrap(Tensor::Empty({3, 0, 2}, DType::kBFloat16));
   ASSERT_TRUE(CpuKernels()->Reduce(ReduceOp::kMax, xb, 3, 0, 2, out).ok());
