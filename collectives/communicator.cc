@@ -1,5 +1,6 @@
 #include "dtensor/collectives/communicator.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <numeric>
 #include <string>
@@ -28,14 +29,19 @@ const char* CommReduceOpName(CommReduceOp op) {
   return "unknown";
 }
 
-absl::Duration DefaultTimeout() {
-  if (const char* env = std::getenv("DTENSOR_TIMEOUT_S")) {
-    char* end = nullptr;
-    const double s = std::strtod(env, &end);
-    if (end != env && *end == '\0' && s > 0) return absl::Seconds(s);
+absl::StatusOr<absl::Duration> TimeoutFromEnv() {
+  const char* env = std::getenv("DTENSOR_TIMEOUT_S");
+  if (env == nullptr) return absl::Seconds(300);
+  char* end = nullptr;
+  const double s = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(s >= 0.001)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("DTENSOR_TIMEOUT_S='", env, "' is not a number of seconds >= 0.001 (or inf for no limit)"));
   }
-  return absl::Seconds(300);
+  return std::isinf(s) ? absl::InfiniteDuration() : absl::Seconds(s);
 }
+
+absl::Duration DefaultTimeout() { return TimeoutFromEnv().value_or(absl::Seconds(300)); }
 
 namespace {
 absl::Status WaitOn(absl::StatusOr<std::unique_ptr<Work>> work) {

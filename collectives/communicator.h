@@ -175,8 +175,12 @@ class Communicator {
                                  absl::Span<const int64_t> recv_counts);
 };
 
-// The timeout a new communicator starts with: DTENSOR_TIMEOUT_S seconds if set and valid,
-// else 300 s.
+// DTENSOR_TIMEOUT_S from the environment: unset, 300 s; set, seconds (a decimal number of at
+// least 0.001, or "inf": no limit). Anything else (e.g. "10s", "abc", "0", "1e-300") is
+// InvalidArgument naming the value.
+absl::StatusOr<absl::Duration> TimeoutFromEnv();
+// The timeout a new communicator starts with: TimeoutFromEnv(), or 300 s where that is an
+// error (MakeUcxCommunicatorFromEnv returns that error instead, as gpt_train reports it).
 absl::Duration DefaultTimeout();
 
 }  // namespace dtensor

@@ -15,9 +15,11 @@
 // split). SIGINT/SIGTERM/SIGHUP are forwarded to the ranks. When a rank
 // fails (non-zero exit or a signal), the others get SIGTERM, then SIGKILL after the grace period.
 // Exit status: 0 if all ranks succeed, else the first failure's code (128 + signal for a
-// signal); 2 for usage errors. A failed rank's peers first get --failure-wait-s (default 1 s)
-// to notice it and exit with their own error, which names the operation and the peer (a dead
-// peer is seen within milliseconds); stopped ranks (SIGSTOP) are sent SIGCONT with the SIGTERM.
+// signal); 2 for usage errors; 1 when the ranks succeeded but dtrun had to drop some of their
+// output (its own stdout or stderr, non-blocking, stayed full for a minute: said on stderr).
+// A failed rank's peers first get --failure-wait-s (default 1 s) to notice it and exit with
+// their own error, which names the operation and the peer (a dead peer is seen within
+// milliseconds); stopped ranks (SIGSTOP) are sent SIGCONT with the SIGTERM.
 // A rank that dies without exiting cleanly (a signal, _exit) leaves its OpenMP runtime's
 // registration file behind (LLVM libomp: /dev/shm/__KMP_REGISTERED_LIB_<pid>_<uid>); dtrun
 // removes the files of its exited ranks while their pids are still reserved (see below).
@@ -165,15 +167,32 @@ void OnSignal(int sig) {
   errno = saved;
 }
 
+// Bytes of the ranks' output dtrun could not write because its own stdout or stderr stayed
+// full (a non-blocking descriptor whose reader fell behind for kMaxStallMs): reported at the
+// end, and the exit status is then 1 where it would have been 0.
+int64_t g_output_dropped = 0;
+constexpr int kMaxStallMs = 60'000;
+
 void WriteAll(int fd, const std::string& s) {
   size_t done = 0;
-  for (int tries = 0; done < s.size() && tries < 1000; ++tries) {
+  int stalled_ms = 0;
+  while (done < s.size()) {
     const ssize_t n = write(fd, s.data() + done, s.size() - done);
     if (n > 0) {
       done += static_cast<size_t>(n);
-    } else if (n < 0 && errno != EINTR && errno != EAGAIN) {
-      return;  // our own output is gone; keep supervising the ranks
+      stalled_ms = 0;
+      continue;
     }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN && stalled_ms < kMaxStallMs) {
+      // A non-blocking descriptor (a parent may hand one over) whose reader is behind: wait for
+      // room as a blocking write would, instead of dropping the line.
+      pollfd p{fd, POLLOUT, 0};
+      if (poll(&p, 1, 100) == 0) stalled_ms += 100;
+      continue;
+    }
+    if (n < 0 && errno == EAGAIN) g_output_dropped += static_cast<int64_t>(s.size() - done);
+    return;  // our own output is gone (or stuck); keep supervising the ranks
   }
 }
 
@@ -531,6 +550,13 @@ int main(int argc, char** argv) {
   for (Rank& r : ranks) {
     if (r.pid > 0) waitpid(r.pid, nullptr, 0);  // now the zombies go
   }
+  if (g_output_dropped > 0) {
+    const std::string msg = absl::StrCat("dtrun: ", g_output_dropped,
+                                         " bytes of the ranks' output were dropped: dtrun's output stayed full for ",
+                                         kMaxStallMs / 1000, " s\n");
+    [[maybe_unused]] const ssize_t n = write(2, msg.data(), msg.size());
+  }
   if (first_failure != 0) return first_failure;
-  return received_signal != 0 ? 128 + received_signal : 0;
+  if (received_signal != 0) return 128 + received_signal;
+  return g_output_dropped > 0 ? 1 : 0;
 }

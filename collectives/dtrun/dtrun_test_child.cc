@@ -111,6 +111,11 @@ int main(int argc, char** argv) {
     Out(1, absl::StrCat("partial from ", rank));
     return 0;
   }
+  if (mode == "lines" && argc == 3) {  // N numbered lines on stdout
+    const int n = std::atoi(argv[2]);
+    for (int i = 0; i < n; ++i) Out(1, absl::StrCat("line ", rank, " ", i, "\n"));
+    return 0;
+  }
   if (mode == "fail" && (argc == 5 || argc == 6)) {
     if (argc == 6 && std::string(argv[5]) == "ignore-term") std::signal(SIGTERM, SIG_IGN);
     WritePid(argv[4], rank);

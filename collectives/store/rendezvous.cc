@@ -108,6 +108,14 @@ absl::StatusOr<LaunchInfo> LaunchInfoFromEnv(const std::map<std::string, std::st
       break;
     }
   }
+  if (names == nullptr) {
+    // torchrun's world size without its rank: a launcher that forgot RANK would leave every
+    // process training alone. (SLURM_NTASKS without SLURM_PROCID is an allocation's shell,
+    // where one process alone is normal.)
+    if (const std::string* world = Find(env, "WORLD_SIZE"); world != nullptr && *world != "1") {
+      return InvalidArg(kOp, "WORLD_SIZE=", *world, " is set but RANK is not");
+    }
+  }
   if (names != nullptr) {
     info.scheme = names->scheme;
     DT_ASSIGN_OR_RETURN(std::optional<int> rank, IntVar(env, names->rank, 0, kMaxWorld - 1));

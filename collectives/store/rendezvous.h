@@ -16,7 +16,8 @@
 //                     SLURM_STEP_NODELIST / SLURM_NODELIST.
 // In every scheme MASTER_ADDR / MASTER_PORT override the master (defaults 127.0.0.1 and 29500;
 // port 0, "any free port", when the world has one rank). LOCAL_* default to a single node
-// (local rank = rank). With none of the rank variables set, the process is a world of one.
+// (local rank = rank). With none of the rank variables set, the process is a world of one
+// (WORLD_SIZE other than 1 without RANK is an error).
 // In every scheme DTENSOR_STORE_SECRET (set by dtrun: a fresh random secret per job; set it to
 // the same value on every node of a multi-node job) makes the store authenticate every rank;
 // without it the store admits any process that can connect, and rank 0 says so on stderr.

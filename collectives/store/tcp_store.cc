@@ -148,10 +148,14 @@ absl::StatusOr<std::vector<std::pair<sockaddr_storage, socklen_t>>> Resolve(cons
   return out;
 }
 
+// poll()'s timeout for `deadline`: -1 (no limit) for an infinite one; long ones are capped at
+// 2^30 ms, so a caller whose poll returns 0 checks the deadline before it gives up.
 int MillisUntil(absl::Time deadline) {
+  if (deadline == absl::InfiniteFuture()) return -1;
   const absl::Duration left = deadline - absl::Now();
   if (left <= absl::ZeroDuration()) return 0;
-  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 1 << 30));
+  if (left >= absl::Milliseconds(1 << 30)) return 1 << 30;
+  return static_cast<int>(absl::ToInt64Milliseconds(left) + 1);
 }
 
 absl::StatusOr<std::string> RandomBytes(size_t n) {
@@ -210,7 +214,7 @@ int SendAll(int fd, std::string_view bytes, absl::Time deadline) {
     if (n < 0 && errno != EAGAIN) return 2;
     pollfd p{fd, POLLOUT, 0};
     const int pr = poll(&p, 1, MillisUntil(deadline));
-    if (pr == 0) return 1;
+    if (pr == 0 && absl::Now() >= deadline) return 1;
     if (pr < 0 && errno != EINTR) return 2;
   }
   return 0;
@@ -229,7 +233,7 @@ int RecvAll(int fd, char* dst, size_t n, absl::Time deadline) {
     if (errno != EAGAIN) return 2;
     pollfd p{fd, POLLIN, 0};
     const int pr = poll(&p, 1, MillisUntil(deadline));
-    if (pr == 0) return 1;
+    if (pr == 0 && absl::Now() >= deadline) return 1;
     if (pr < 0 && errno != EINTR) return 2;
   }
   return 0;

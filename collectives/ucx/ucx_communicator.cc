@@ -1730,6 +1730,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> MakeUcxCommunicator(const LaunchIn
 }
 
 absl::StatusOr<std::unique_ptr<Communicator>> MakeUcxCommunicatorFromEnv(absl::Duration timeout) {
+  DT_RETURN_IF_ERROR(TimeoutFromEnv().status());  // a malformed DTENSOR_TIMEOUT_S is an error, not 300 s
   DT_ASSIGN_OR_RETURN(const LaunchInfo info, LaunchInfoFromEnv());
   DT_ASSIGN_OR_RETURN(std::unique_ptr<StoreClient> store, ConnectStore(info, timeout));
   DT_ASSIGN_OR_RETURN(std::unique_ptr<internal::UcxCommunicator> comm, MakeWorld(info, *store, timeout));

@@ -48,7 +48,10 @@ struct UcxWaitContext {
 
   int64_t DeadlineNs(int64_t now) const {
     if (deadline_ns == 0) {
-      deadline_ns = timeout == absl::InfiniteDuration() ? INT64_MAX : now + absl::ToInt64Nanoseconds(timeout);
+      // A timeout past the clock's range (infinite, or ~292 years: ToInt64Nanoseconds
+      // saturates and the sum would wrap negative) waits without limit.
+      const int64_t ns = absl::ToInt64Nanoseconds(timeout);
+      deadline_ns = timeout == absl::InfiniteDuration() || ns > INT64_MAX - now ? INT64_MAX : now + ns;
     }
     return deadline_ns;
   }

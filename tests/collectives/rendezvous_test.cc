@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "dtensor/collectives/communicator.h"
 #include "gtest/gtest.h"
 
 namespace dtensor {
@@ -115,6 +116,8 @@ TEST(RendezvousTest, TorchrunVariablesWinOverOthersAndNoneIsAWorldOfOne) {
   EXPECT_EQ(info.rank, 1);
   EXPECT_EQ(info.world_size, 2);
 
+  EXPECT_EQ(MustParse({{"WORLD_SIZE", "1"}}).world_size, 1);
+  EXPECT_EQ(MustParse({{"SLURM_NTASKS", "4"}}).world_size, 1);  // an allocation's shell
   const LaunchInfo alone = MustParse({{"PATH", "/bin"}});
   EXPECT_EQ(alone.scheme, "none");
   EXPECT_EQ(alone.rank, 0);
@@ -127,6 +130,7 @@ TEST(RendezvousTest, ErrorsNameTheVariableAndValue) {
   ExpectError({{"RANK", "4"}, {"WORLD_SIZE", "4"}}, {"RANK=4", "WORLD_SIZE=4"});
   ExpectError({{"RANK", "-1"}, {"WORLD_SIZE", "4"}}, {"RANK=-1"});
   ExpectError({{"RANK", "0"}}, {"WORLD_SIZE"});
+  ExpectError({{"WORLD_SIZE", "4"}}, {"WORLD_SIZE=4 is set but RANK is not"});
   ExpectError({{"RANK", "0"}, {"WORLD_SIZE", "0"}}, {"WORLD_SIZE=0"});
   ExpectError({{"RANK", "0"}, {"WORLD_SIZE", "2x"}}, {"WORLD_SIZE", "2x"});
   ExpectError({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}, {"MASTER_PORT=70000"});
@@ -142,6 +146,33 @@ TEST(RendezvousTest, ErrorsNameTheVariableAndValue) {
               {"SLURM_TASKS_PER_NODE", "4(x"});
   ExpectError({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_NODEID", "3"}, {"SLURM_TASKS_PER_NODE", "2(x2)"}},
               {"SLURM_NODEID=3"});
+}
+
+// DTENSOR_TIMEOUT_S: seconds, or inf; a malformed value is an error naming it (it silently
+// became 300 s), and so is one that rounds to nothing.
+TEST(RendezvousTest, TimeoutFromTheEnvironment) {
+  const char* saved = std::getenv("DTENSOR_TIMEOUT_S");
+  const std::string keep = saved != nullptr ? saved : "";
+  ASSERT_EQ(unsetenv("DTENSOR_TIMEOUT_S"), 0);
+  EXPECT_EQ(TimeoutFromEnv().value_or(absl::ZeroDuration()), absl::Seconds(300));
+  for (const auto& [value, want] : std::vector<std::pair<std::string, absl::Duration>>{
+           {"10", absl::Seconds(10)}, {"0.5", absl::Milliseconds(500)}, {"inf", absl::InfiniteDuration()}}) {
+    ASSERT_EQ(setenv("DTENSOR_TIMEOUT_S", value.c_str(), 1), 0);
+    EXPECT_EQ(TimeoutFromEnv().value_or(absl::ZeroDuration()), want) << value;
+    EXPECT_EQ(DefaultTimeout(), want) << value;
+  }
+  for (const std::string value : {"10s", "abc", "0", "-3", "1e-300", "", "nan"}) {
+    ASSERT_EQ(setenv("DTENSOR_TIMEOUT_S", value.c_str(), 1), 0);
+    const absl::StatusOr<absl::Duration> t = TimeoutFromEnv();
+    EXPECT_TRUE(absl::IsInvalidArgument(t.status())) << value << ": " << t.status();
+    EXPECT_NE(t.status().message().find("DTENSOR_TIMEOUT_S='" + value + "'"), std::string::npos) << t.status();
+    EXPECT_EQ(DefaultTimeout(), absl::Seconds(300)) << value;
+  }
+  if (saved != nullptr) {
+    setenv("DTENSOR_TIMEOUT_S", keep.c_str(), 1);
+  } else {
+    unsetenv("DTENSOR_TIMEOUT_S");
+  }
 }
 
 TEST(RendezvousTest, ReadsTheProcessEnvironment) {

@@ -169,6 +169,25 @@ TEST(TcpStoreTest, BlockingGetAndWaitReleasedByLaterSet) {
   EXPECT_TRUE(wait_status.ok()) << wait_status;
 }
 
+// A client with no time limit waits for the key (its poll() got a timeout of 0 from the
+// overflowing infinite deadline: DeadlineExceeded 'timed out after inf' at once).
+TEST(TcpStoreTest, AnInfiniteTimeoutWaits) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  std::thread setter([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    auto c = ConnectTo(*server);
+    ASSERT_TRUE(c->Set("k", "v").ok());
+  });
+  auto c = ConnectTo(*server, absl::InfiniteDuration());
+  ASSERT_NE(c, nullptr);
+  const absl::Time t0 = absl::Now();
+  EXPECT_EQ(c->Get("k").value_or("error"), "v");
+  EXPECT_TRUE(c->Wait({"k"}).ok());
+  EXPECT_GE(absl::Now() - t0, absl::Milliseconds(250));
+  setter.join();
+}
+
 TEST(TcpStoreTest, ConcurrentAddsGiveExactTotalsAndDistinctResults) {
   auto server = StartServer();
   ASSERT_NE(server, nullptr);
