@@ -30,7 +30,27 @@ absl::StatusOr<std::unique_ptr<GPT>> GPT::Create(const GPTConfig& c) {
   if (c.dropout < 0 || c.dropout >= 1) {
     return absl::InvalidArgumentError(absl::StrCat("[GPT] dropout must be in [0, 1), got ", c.dropout));
   }
-  return std::make_unique<GPT>(c);
+  // The parameter count, in double so that it cannot wrap: wte, wpe, ln_f, then per block
+  // 12 C^2 + 13 C. Past 2^50 elements no machine holds the model (and the modules alone of
+  // 10^8 layers would exhaust memory before any check could run).
+  const double cd = static_cast<double>(c.n_embd);
+  const double params = (static_cast<double>(c.vocab_size) + static_cast<double>(c.block_size) + 2) * cd +
+                        static_cast<double>(c.n_layer) * (12 * cd * cd + 13 * cd);
+  if (params > std::ldexp(1.0, 50) || c.n_layer > (1 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat("[GPT] vocab_size ", c.vocab_size, ", block_size ", c.block_size,
+                                                   ", n_layer ", c.n_layer, ", n_embd ", c.n_embd, " make ", params,
+                                                   " parameters: too many to allocate"));
+  }
+  auto model = std::make_unique<GPT>(c);
+  // A layer whose parameter could not be allocated holds an undefined tensor (constructors
+  // return no status): name the first one.
+  for (auto& [name, p] : model->NamedParameters()) {
+    if (!p->value().defined()) {
+      return absl::ResourceExhaustedError(absl::StrCat("[GPT] parameter ", name, " could not be allocated (model of ",
+                                                       params, " parameters in ", DTypeName(c.dtype), ")"));
+    }
+  }
+  return model;
 }
 
 GPT::GPT(const GPTConfig& c) : config_(c) {

@@ -82,6 +82,15 @@ TEST(ModuleTest, LoadStateDictRejectsBadInput) {
   EXPECT_TRUE(absl::IsInvalidArgument(s));
   EXPECT_NE(s.message().find("transformer.wte.weight"), std::string::npos) << s;
   EXPECT_TRUE(absl::IsInvalidArgument(nn::GPT::Create({.vocab_size = 5, .n_head = 3, .n_embd = 8}).status()));
+  // Sizes whose parameter count no machine holds (2^62 x 32 wrapped to a 0-byte wte and
+  // crashed; 10^8 layers exhausted memory building the modules) are refused up front.
+  for (const nn::GPTConfig& huge :
+       {nn::GPTConfig{.vocab_size = int64_t{1} << 62, .n_head = 2, .n_embd = 32},
+        nn::GPTConfig{.vocab_size = 64, .n_layer = 100'000'000, .n_head = 2, .n_embd = 32}}) {
+    const absl::Status s = nn::GPT::Create(huge).status();
+    EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+    EXPECT_NE(s.message().find("too many to allocate"), std::string::npos) << s;
+  }
 }
 
 TEST(ModuleTest, HooksRunAroundForwardAndBeforeBackward) {

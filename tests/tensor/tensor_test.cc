@@ -65,6 +65,11 @@ TEST(TensorTest, BadShapesAreErrors) {
   EXPECT_NE(neg.status().message().find("[2, -1]"), std::string::npos);
   auto too_many = Tensor::Empty({1, 1, 1, 1, 1, 1, 1, 1, 1}, DType::kFloat32);
   EXPECT_TRUE(absl::IsInvalidArgument(too_many.status()));
+  // An element count that would wrap int64 (2^62 x 32 is 0 after wrapping: a 0-byte buffer).
+  auto wraps = Tensor::Empty({int64_t{1} << 62, 32}, DType::kFloat32);
+  EXPECT_TRUE(absl::IsInvalidArgument(wraps.status())) << wraps.status();
+  EXPECT_NE(wraps.status().message().find("2^60 elements"), std::string::npos) << wraps.status();
+  EXPECT_TRUE(Tensor::Empty({int64_t{1} << 62, 0}, DType::kFloat32).ok());  // empty whatever the other sizes
 }
 
 TEST(TensorTest, CudaWithoutDeviceIsFailedPrecondition) {
