@@ -24,6 +24,8 @@ struct VariableImpl {
   std::vector<GradHook> hooks;  // leaves (non-leaf hooks live on grad_fn)
   std::vector<std::function<absl::Status(Variable&)>> post_hooks;
   std::weak_ptr<Node> accumulator;
+  std::function<absl::Status()> settle;  // SetParamHooks
+  std::function<void()> reset;
 };
 
 namespace {
@@ -103,6 +105,15 @@ void Variable::set_grad(Value g) {
   impl_->grad = std::move(g);
   impl_->grad_owned = impl_->grad.defined();
 }
+void Variable::reset_grad() {
+  set_grad(Value());
+  if (impl_->reset) impl_->reset();
+}
+void Variable::SetParamHooks(std::function<absl::Status()> settle, std::function<void()> reset) {
+  impl_->settle = std::move(settle);
+  impl_->reset = std::move(reset);
+}
+absl::Status Variable::Settle() const { return impl_ != nullptr && impl_->settle ? impl_->settle() : absl::OkStatus(); }
 bool Variable::requires_grad() const { return impl_ && impl_->requires_grad; }
 void Variable::set_requires_grad(bool r) { impl_->requires_grad = r; }
 bool Variable::is_leaf() const { return impl_ && impl_->grad_fn == nullptr; }

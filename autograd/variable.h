@@ -53,8 +53,9 @@ class Variable {
   // The accumulated gradient (undefined until a backward pass reaches this leaf).
   const Value& grad() const;
   void set_grad(Value g);
-  // Drops the gradient (PyTorch's zero_grad(set_to_none=True)).
-  void reset_grad() { set_grad(Value()); }
+  // Drops the gradient (PyTorch's zero_grad(set_to_none=True)), and what a transform keeps
+  // aside of it (see SetParamHooks).
+  void reset_grad();
   bool requires_grad() const;
   void set_requires_grad(bool r);  // leaves only
   bool is_leaf() const;
@@ -65,6 +66,15 @@ class Variable {
   void RegisterHook(GradHook hook);
   // Leaves only: runs after each accumulation into grad().
   void RegisterPostAccumulateGradHook(std::function<absl::Status(Variable&)> hook);
+
+  // A transform that holds a parameter in another form for a while gives its readers a way
+  // back (FSDP keeps a group's gathered value from its forward to its backward, the sharded
+  // gradient aside): `settle` makes value() and grad() the parameter's own again, `reset` drops
+  // what the transform keeps aside of the gradient. Settle() runs the first (OK without one):
+  // optimizer steps, gradient clipping and state dicts call it before they read parameters;
+  // reset_grad() runs the second.
+  void SetParamHooks(std::function<absl::Status()> settle, std::function<void()> reset);
+  absl::Status Settle() const;
 
   // Identity of the underlying variable (parameters are compared by it).
   const VariableImpl* id() const { return impl_.get(); }

@@ -98,6 +98,7 @@ absl::Status Module::LoadStateDict(const std::vector<std::pair<std::string, Tens
   for (const auto& [name, t] : tensors) given[name] = &t;
   size_t used = 0;
   for (auto& [name, v] : NamedParameters()) {
+    DT_RETURN_IF_ERROR(v->Settle());  // load into the parameter itself, not a gathered copy
     auto it = given.find(name);
     if (it == given.end()) {
       if (strict) return absl::InvalidArgumentError(absl::StrCat("[LoadStateDict] missing parameter ", name));

@@ -178,7 +178,15 @@ class SquareSumGroups {
 
 namespace {
 
+// Parameters a transform holds in another form (FSDP's gathered groups) become their own
+// again before anything reads them for an update (Variable::Settle).
+absl::Status SettleParams(const std::vector<Variable*>& params) {
+  for (Variable* p : params) DT_RETURN_IF_ERROR(p->Settle());
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<Tensor>> GradSquareSums(const std::vector<Variable*>& params) {
+  DT_RETURN_IF_ERROR(SettleParams(params));
   SquareSumGroups sums;
   for (Variable* p : params) {
     if (!p->grad().defined()) continue;
@@ -345,6 +353,7 @@ absl::StatusOr<std::vector<Tensor>> AdamW::StepWithSquareSums() {
 }
 
 absl::Status AdamW::StepImpl(SquareSumGroups* sums, const DeviceFactors* grad_scales) {
+  DT_RETURN_IF_ERROR(SettleParams(params_));
   DT_RETURN_IF_ERROR(InitState());
   AdamWParams hp;
   hp.lr = static_cast<float>(options_.lr);
@@ -406,6 +415,7 @@ void AdamW::ZeroGrad() {
 SGD::SGD(std::vector<Variable*> params, const SgdOptions& options) : params_(std::move(params)), options_(options) {}
 
 absl::Status SGD::Step() {
+  DT_RETURN_IF_ERROR(SettleParams(params_));
   if (buf_.empty()) buf_.resize(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     Variable* p = params_[i];

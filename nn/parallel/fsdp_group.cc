@@ -414,9 +414,36 @@ absl::Status FsdpGroup::Reshard() {
 absl::Status FsdpGroup::StashGrads() {
   for (Param& p : params_) {
     p.stashed_grad = p.var->grad();
-    p.var->reset_grad();
+    p.var->set_grad(Value());  // (not reset_grad: that would drop the stash just made)
   }
   return absl::OkStatus();
+}
+
+absl::Status FsdpGroup::Settle() {
+  if (state_ == State::kSharded) return absl::OkStatus();
+  if (InBackward()) {
+    return absl::FailedPreconditionError(absl::StrCat("[FullyShard] the parameters of the group of ", label_,
+                                                      " were read for an update during a backward pass"));
+  }
+  return Reshard();
+}
+
+void FsdpGroup::InstallParamHooks(const std::weak_ptr<FsdpGroup>& self) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    params_[i].var->SetParamHooks(
+        [self] {
+          const std::shared_ptr<FsdpGroup> g = self.lock();
+          return g == nullptr ? absl::OkStatus() : g->Settle();
+        },
+        [self, i] {
+          if (const std::shared_ptr<FsdpGroup> g = self.lock()) g->DropKeptGradient(i);
+        });
+  }
+}
+
+void FsdpGroup::DropKeptGradient(size_t param) {
+  if (param < params_.size()) params_[param].stashed_grad = Value(Tensor());
+  DiscardKept();
 }
 
 absl::Status FsdpGroup::RestoreGrads() {
@@ -466,7 +493,7 @@ absl::Status FsdpGroup::StartReduce(bool kept_only) {
       Value g;  // kept_only: the parameters are their shards, and so is .grad
       if (!kept_only) {
         g = p.var->grad();
-        p.var->reset_grad();
+        p.var->set_grad(Value());
       }
       Tensor local;
       if (g.defined()) {

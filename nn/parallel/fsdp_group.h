@@ -156,6 +156,15 @@ class FsdpGroup {
   FsdpGroup();
   absl::Status StashGrads();
   absl::Status RestoreGrads();
+  // The parameters' hooks (Variable::SetParamHooks, installed by FullyShard). Settle: a group
+  // left gathered (by a forward whose backward has not run: the root, reshard_after_forward
+  // false, a forward that failed) is sharded again, its sharded gradients back in .grad
+  // (FailedPrecondition inside a backward pass); a pending backward gathers it again.
+  // DropKeptGradient: reset_grad of parameter `param` while gathered drops its sharded gradient
+  // kept aside, and the group's sums kept from passes without gradient sync or all_reduce.
+  absl::Status Settle();
+  void DropKeptGradient(size_t param);
+  void InstallParamHooks(const std::weak_ptr<FsdpGroup>& self);
   // kept_only: reduces the sums kept without gradient sync alone (the group is sharded).
   absl::Status StartReduce(bool kept_only);
 

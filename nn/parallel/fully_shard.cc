@@ -201,6 +201,10 @@ struct FsdpHooks {
     }
   }
 
+  // Optimizers and state dicts read the sharded parameters whatever the group's state;
+  // zero_grad reaches the gradient kept aside while gathered (fsdp_group.h).
+  static void InstallParamHooks(const std::weak_ptr<FsdpGroup>& weak, FsdpGroup& g) { g.InstallParamHooks(weak); }
+
   static void Adopt(FsdpGroup& root, std::vector<FsdpGroup*> below) {
     auto tree = std::make_shared<FsdpTree>();
     auto held = std::make_shared<FsdpGroup::Held>();
@@ -250,6 +254,7 @@ absl::StatusOr<FsdpGroup*> FullyShard(Module& module, const DeviceMesh& mesh, co
   FsdpGroup* g = group.get();
   FsdpHooks::Adopt(*g, below);
   const std::weak_ptr<FsdpGroup> weak = group;
+  FsdpHooks::InstallParamHooks(weak, *g);
   module.SetAttachment(kAttachment, std::move(group));
   module.RegisterForwardPreHook([g](Module&) { return FsdpHooks::PreForward(*g); });
   module.RegisterForwardHook([g](Module&) { return FsdpHooks::PostForward(*g); });

@@ -59,6 +59,15 @@
 // .grad keeps what earlier synchronised passes reduced: zero it, as after any failed step,
 // and run the step's micro-batches again.
 //
+// Between a group's forward and its backward (the root's always; others' with
+// reshard_after_forward false), and after a forward whose backward never runs (a logged loss,
+// a forward that failed), the parameters hold the gathered values and their sharded
+// gradients are kept aside: .grad() read directly shows none. Optimizer steps, ClipGradNorm
+// and LoadStateDict first shard such groups again (Variable::Settle; a pending backward then
+// gathers them again), so they update the shards; reset_grad (zero_grad) also drops the
+// gradient kept aside and the group's sums kept without gradient sync or all_reduce, so a
+// failed step is retried from zero.
+//
 // Errors (InvalidArgument naming the values): a module already sharded; a parameter on
 // another device than the mesh's; a 0-d parameter; a DTensor parameter whose mesh does not
 // contain the FSDP dims or that is not Replicate on them; a mesh of more than 2 dims without

@@ -65,6 +65,11 @@ struct Spec {
   bool all_reduce_last_only = false;                    // HSDP with grad_accum: all-reduce on the last micro-batch only
   std::function<void(nn::GPT&)> after_shard = nullptr;  // e.g. FSDP2's setters, once sharded
   bool sgd_clip = false;                                // SGD with momentum after ClipGradNorm(0.5), instead of AdamW
+  // Before each step, a forward with grad enabled whose backward never runs (a logged loss).
+  bool extra_forward = false;
+  // In this step, after the first micro-batch, a forward that fails (a hook on block 1); then
+  // zero_grad and the step's micro-batches again.
+  int fail_forward_step = -1;
   int steps = 4;
   // Which modules to shard (default: each block, then the model).
   std::function<void(nn::GPT&, const DeviceMesh&, const nn::FsdpOptions&)> shard = nullptr;
@@ -101,25 +106,41 @@ TrainRun Train(const Spec& s) {
       nn::AdamW opt(model->Parameters(), {.lr = 3e-3, .eps = 1e-5, .weight_decay = 0.1});
       nn::SGD sgd(model->Parameters(), {.lr = 0.05, .momentum = 0.9, .weight_decay = 0.01});
       const Layout batch_layout(Placements(s.mesh_shape.size(), Shard(0)));
+      auto fail = std::make_shared<bool>(false);
+      model->block(1)->RegisterForwardPreHook(
+          [fail](nn::Module&) -> absl::Status { return *fail ? absl::InternalError("injected") : absl::OkStatus(); });
       for (int step = 0; step < s.steps; ++step) {
         CommCounter counter;
         if (mesh.defined()) SetCommCounter(mesh, &counter);
         auto [inputs, targets] = Batch(step);
         const int64_t micro = kBatch / s.grad_accum;
         std::vector<Value> losses;
-        for (int k = 0; k < s.grad_accum; ++k) {
-          Value x = Unwrap(inputs.Narrow(0, k * micro, micro)), y = Unwrap(targets.Narrow(0, k * micro, micro));
-          if (mesh.defined()) {
-            x = Unwrap(DTensor::Distribute(x.local(), mesh, batch_layout, {.src_rank = std::nullopt}));
-            y = Unwrap(DTensor::Distribute(y.local(), mesh, batch_layout, {.src_rank = std::nullopt}));
-            if (s.sync_last_only) nn::SetRequiresGradientSync(*model, k + 1 == s.grad_accum);
-            if (s.all_reduce_last_only) nn::SetRequiresAllReduce(*model, k + 1 == s.grad_accum);
+        for (int attempt = 0; attempt < 2; ++attempt) {
+          losses.clear();
+          bool failed = false;
+          for (int k = 0; k < s.grad_accum; ++k) {
+            Value x = Unwrap(inputs.Narrow(0, k * micro, micro)), y = Unwrap(targets.Narrow(0, k * micro, micro));
+            if (mesh.defined()) {
+              x = Unwrap(DTensor::Distribute(x.local(), mesh, batch_layout, {.src_rank = std::nullopt}));
+              y = Unwrap(DTensor::Distribute(y.local(), mesh, batch_layout, {.src_rank = std::nullopt}));
+              if (s.sync_last_only) nn::SetRequiresGradientSync(*model, k + 1 == s.grad_accum);
+              if (s.all_reduce_last_only) nn::SetRequiresAllReduce(*model, k + 1 == s.grad_accum);
+            }
+            if (step == s.fail_forward_step && attempt == 0 && k == 1) {
+              *fail = true;
+              EXPECT_EQ(model->Forward(Variable::Constant(x), Variable::Constant(y)).status().message(), "injected");
+              *fail = false;
+              failed = true;
+              break;
+            }
+            nn::GPT::Output o = Unwrap(model->Forward(Variable::Constant(x), Variable::Constant(y)));
+            Variable loss = s.grad_accum == 1 ? o.loss : Unwrap(Scale(o.loss, 1.0 / s.grad_accum));
+            absl::Status b = Backward(loss);
+            ASSERT_TRUE(b.ok()) << b;
+            losses.push_back(o.loss.value());
           }
-          nn::GPT::Output o = Unwrap(model->Forward(Variable::Constant(x), Variable::Constant(y)));
-          Variable loss = s.grad_accum == 1 ? o.loss : Unwrap(Scale(o.loss, 1.0 / s.grad_accum));
-          absl::Status b = Backward(loss);
-          ASSERT_TRUE(b.ok()) << b;
-          losses.push_back(o.loss.value());
+          if (!failed) break;
+          opt.ZeroGrad();  // the user drops the failed step and runs it again
         }
         if (mesh.defined()) SetCommCounter(mesh, nullptr);
         if (step == 0) {
@@ -136,6 +157,14 @@ TrainRun Train(const Spec& s) {
             l = Unwrap(l.dtensor().Redistribute(Layout(Placements(s.mesh_shape.size(), Replicate()))));
           }
           loss_sum += testing::Values(l.local())[0];
+        }
+        if (s.extra_forward) {
+          Value x = inputs, y = targets;
+          if (mesh.defined()) {
+            x = Unwrap(DTensor::Distribute(inputs, mesh, batch_layout, {.src_rank = std::nullopt}));
+            y = Unwrap(DTensor::Distribute(targets, mesh, batch_layout, {.src_rank = std::nullopt}));
+          }
+          ASSERT_TRUE(model->Forward(Variable::Constant(x), Variable::Constant(y)).ok());
         }
         if (s.sgd_clip) {
           // Clipped from a norm of about 1.5 (the global norm over every rank's shards).
@@ -236,6 +265,39 @@ TEST(FullyShardTest, PrefetchOffMatchesSingleRank) {
   Spec s{.world = 2, .mesh_shape = {2}};
   s.options.prefetch = false;
   ExpectSameTraining(Train(s), Reference(), 1e-5, "FSDP without prefetch");
+}
+
+// A forward with grad enabled and no backward between the backward and the step (a logged
+// loss) leaves the root, and groups that keep their parameters after forward, gathered with the
+// sharded gradients aside: the step still updates the shards (a review saw the root's wte,
+// wpe and ln_f never move, or with reshard_after_forward false nothing at all, and an AdamW
+// state sized from the gathered parameters when it came before the first step).
+TEST(FullyShardTest, AForwardWithoutBackwardBeforeTheStepChangesNothing) {
+  for (bool reshard : {true, false}) {
+    for (bool sgd : {false, true}) {
+      Spec s{.world = 2, .mesh_shape = {2}, .extra_forward = true};
+      s.options.reshard_after_forward = reshard;
+      s.sgd_clip = sgd;
+      Spec one{.sgd_clip = sgd, .extra_forward = true};
+      ExpectSameTraining(Train(s), sgd ? Train(one) : Reference(), 1e-5,
+                         absl::StrCat("reshard_after_forward ", reshard, sgd ? ", SGD after ClipGradNorm" : ", AdamW"));
+    }
+  }
+}
+
+// A forward that fails in the middle of a step, then zero_grad and the step again: the
+// gradients a gathered group kept aside, and the sums kept without gradient sync, go with
+// zero_grad (a review saw the first micro-batch's gradients counted twice, 0.12-0.21 off).
+TEST(FullyShardTest, AFailedForwardThenZeroGradAndARetryMatchesOneRank) {
+  const TrainRun want = Train({.grad_accum = 2, .fail_forward_step = 1});
+  ExpectSameTraining(Train({.world = 2, .mesh_shape = {2}, .grad_accum = 2, .fail_forward_step = 1}), want, 1e-5,
+                     "FSDP 2");
+  ExpectSameTraining(
+      Train({.world = 2, .mesh_shape = {2}, .grad_accum = 2, .sync_last_only = true, .fail_forward_step = 1}), want,
+      1e-5, "FSDP 2, gradient sync on the last micro-batch only");
+  ExpectSameTraining(
+      Train({.world = 4, .mesh_shape = {2, 2}, .grad_accum = 2, .all_reduce_last_only = true, .fail_forward_step = 1}),
+      want, 1e-5, "HSDP 2x2, all-reduce on the last micro-batch only");
 }
 
 TEST(FullyShardTest, GradientAccumulationMatchesOneBatch) {
