@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -350,15 +351,15 @@ absl::StatusOr<Flags> ReadFlags(const std::set<std::string>& given_flags) {
   return f;
 }
 
-// The sampled ids as text: GPT-2's BPE decoded, bytes for a byte-level model, else "<id>"s.
-std::string Decode(const std::vector<int64_t>& ids, int64_t vocab, const gpt::Gpt2Tokenizer* tokenizer) {
+// The sampled ids as text: GPT-2's BPE decoded, bytes for byte-level data, else "<id>"s.
+std::string Decode(const std::vector<int64_t>& ids, bool bytes, const gpt::Gpt2Tokenizer* tokenizer) {
   if (tokenizer != nullptr) {
     absl::StatusOr<std::string> text = tokenizer->Decode(std::vector<int32_t>(ids.begin(), ids.end()));
     if (text.ok()) return *text;
   }
   std::string s;
   for (int64_t id : ids) {
-    if (vocab <= 256) {
+    if (bytes) {
       s.push_back(static_cast<char>(id));
     } else {
       absl::StrAppend(&s, "<", id, ">");
@@ -706,6 +707,25 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   // A name this run will save under that --ckpt-dir already holds (an earlier run's, started
   // again without --resume) is refused now, not at the first save after minutes of training.
   if (f.ckpt_every > 0) {
+    // And a folder that cannot be made or written (a file's path, no permission) is named now.
+    {
+      std::error_code ec;
+      std::filesystem::create_directories(f.ckpt_dir, ec);
+      absl::Status usable;
+      if (!std::filesystem::is_directory(f.ckpt_dir, ec)) {
+        usable = absl::FailedPreconditionError(
+            absl::StrCat("[gpt_train] --ckpt-dir ", f.ckpt_dir, " is not a folder and cannot be made one"));
+      } else {
+        const std::filesystem::path probe =
+            std::filesystem::path(f.ckpt_dir) / absl::StrFormat(".write-test-%d-%d", getpid(), world.rank());
+        if (!std::ofstream(probe).good()) {
+          usable = absl::FailedPreconditionError(
+              absl::StrCat("[gpt_train] --ckpt-dir ", f.ckpt_dir, " is not writable (", std::strerror(errno), ")"));
+        }
+        std::filesystem::remove(probe, ec);
+      }
+      DT_RETURN_IF_ERROR(agree(usable, "checking --ckpt-dir"));
+    }
     int64_t first_clash = 0;  // the earliest such step
     std::string clash_name;
     std::error_code ec;
@@ -1050,8 +1070,14 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     std::mt19937_64 rng(f.seed);
     // The first token: GPT-2's <|endoftext|> for GPT-2 tokens, a newline for bytes.
     std::vector<int64_t> ids = {f.text.empty() || tokenizer ? 50256 : '\n'};
-    // Only real tokens are drawn (not the rows padding GPT-2's vocabulary).
-    const int64_t real_vocab = tokenizer ? tokenizer->vocab_size() : cfg.vocab_size;
+    // Only ids the data can hold are drawn: bytes of --text, GPT-2's 50257 tokens (--tokenizer
+    // gpt2, --train-bin), not the rows padding the vocabulary beyond them.
+    const bool bytes = !f.text.empty() && !tokenizer;
+    const int64_t real_vocab =
+        std::min<int64_t>(cfg.vocab_size, tokenizer             ? tokenizer->vocab_size()
+                                          : bytes               ? 256
+                                          : f.train_bin.empty() ? cfg.vocab_size
+                                                                : gpt::Gpt2Tokenizer::kGpt2VocabSize);
     if (cfg.vocab_size <= ids[0]) ids[0] = 0;
     for (int64_t i = 0; i < f.sample_tokens; ++i) {
       const int64_t t = std::min<int64_t>(static_cast<int64_t>(ids.size()), cfg.block_size);
@@ -1070,8 +1096,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
       ids.push_back(pick(rng));
     }
     say("---- sample ----\n%s\n----------------\n",
-        Decode(std::vector<int64_t>(ids.begin() + 1, ids.end()), cfg.vocab_size, tokenizer ? &*tokenizer : nullptr)
-            .c_str());
+        Decode(std::vector<int64_t>(ids.begin() + 1, ids.end()), bytes, tokenizer ? &*tokenizer : nullptr).c_str());
   }
   return absl::OkStatus();
 }
@@ -1119,6 +1144,10 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "gpt_train: %s\n", corpus.status().ToString().c_str());
       return 1;
     }
+  }
+  if (absl::Status t = TimeoutFromEnv().status(); !t.ok()) {
+    std::fprintf(stderr, "gpt_train: %s\n", std::string(t.message()).c_str());
+    return 2;
   }
   // The CPUs this process may use (a launcher may have bound it to its share: dtrun does).
   const int online = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));

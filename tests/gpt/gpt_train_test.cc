@@ -442,6 +442,16 @@ TEST_F(GptFsdpTest, ResumesAcrossDropoutAndRefusesAnotherModelOrAnEarlierRunsFol
                       "--ckpt-every 2 --ckpt-dir " +
                       other);
   EXPECT_EQ(run.code, 0) << run.out;
+  // A --ckpt-dir that cannot be a folder (a file's path) is refused before training too (it
+  // failed at the first save, after --ckpt-every steps).
+  run = Train("", "--text " + Corpus() +
+                      " --n-layer 1 --n-head 2 --n-embd 16 --seq 8 --batch 4 --sample-tokens 0 --device cpu --steps 4 "
+                      "--ranks 2 --ckpt-every 3 --ckpt-dir " +
+                      Corpus() + "/sub");
+  EXPECT_NE(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("--ckpt-dir " + Corpus() + "/sub is not a folder and cannot be made one"), std::string::npos)
+      << run.out;
+  EXPECT_EQ(run.out.find("loss:"), std::string::npos) << "trained before refusing:\n" << run.out;
 }
 
 TEST_F(GptFsdpTest, ResumeUnderAnotherParallelismFollowsOneRank) {
@@ -812,6 +822,18 @@ TEST_F(GptTrainTest, TrainsOnGpt2TokensAndPresets) {
   const ProcessRun unknown = Train("", "--text " + corpus + " --model gpt5");
   EXPECT_NE(unknown.code, 0);
   EXPECT_NE(unknown.out.find("--model gpt5"), std::string::npos) << unknown.out;
+}
+
+// A byte-level model with a vocabulary padded past 256 samples bytes only, printed as text (an
+// untrained model drew ids 256-511 about half the time, printed as "<357>").
+TEST_F(GptTrainTest, AByteModelSamplesBytesWhateverItsVocabulary) {
+  const ProcessRun run = Train("", "--text " + Corpus() +
+                                       " --vocab 512 --n-layer 1 --n-head 2 --n-embd 16 --seq 16 --batch 2 --steps 1 "
+                                       "--sample-tokens 200");
+  ASSERT_EQ(run.code, 0) << run.out;
+  const size_t at = run.out.find("---- sample ----");
+  ASSERT_NE(at, std::string::npos) << run.out;
+  EXPECT_FALSE(std::regex_search(run.out.substr(at), std::regex("<[0-9]{3}>"))) << run.out;
 }
 
 // The same binary started by Open MPI's mpirun (OMPI_COMM_WORLD_* rendezvous) is a UCX rank.
