@@ -343,6 +343,13 @@ absl::StatusOr<Flags> ReadFlags(const std::set<std::string>& given_flags) {
         needs({"ckpt_keep", "ckpt_async"}, f.ckpt_every > 0, "with --ckpt-every N > 0: nothing is saved")}) {
     if (!s.ok()) f.notes.push_back(std::string(s.message()));
   }
+  // An llm.c checkpoint brings its own shape: flags that would set another are refused (they
+  // were silently ignored: --n-layer 6 trained the checkpoint's 2 layers).
+  if (absl::Status s = needs({"model", "n_layer", "n_head", "n_embd", "vocab"}, f.init_llmc.empty(),
+                             "to a model from flags; --init-llmc takes its shape from the checkpoint");
+      !s.ok()) {
+    return s;
+  }
   if (absl::Status s = needs({"tp", "dp_shard", "dp_replicate", "sequence_parallel"}, f.plan.empty(),
                              "without --plan (a plan file sets the mesh degrees and the tensor-parallel rules)");
       !s.ok()) {

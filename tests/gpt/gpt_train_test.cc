@@ -606,6 +606,12 @@ TEST_F(GptTrainTest, StartsFromAnLlmcCheckpoint) {
   std::string line;
   ASSERT_TRUE(std::getline(f, line));
   EXPECT_NEAR(nlohmann::json::parse(line).at("loss").get<double>(), expected, 1e-5 * expected);
+  // Shape flags beside the checkpoint are refused, not ignored (--n-layer 6 trained its 2).
+  const ProcessRun shaped = Train("", "--train-bin " + bin + " --init-llmc " + ckpt + " --seq 10 --n-layer 6");
+  EXPECT_EQ(shaped.code, 2) << shaped.out;
+  EXPECT_NE(shaped.out.find("--n-layer applies to a model from flags; --init-llmc takes its shape from the checkpoint"),
+            std::string::npos)
+      << shaped.out;
 }
 
 // The step lines and metrics report like TorchTitan: tokens/s and MFU per rank by the
