@@ -260,7 +260,8 @@ class Kernels {
   // unchanged until the stream has passed the copy.
   virtual absl::Status MemcpyToDevice(void* dst, const void* src, size_t nbytes, bool wait) = 0;
   virtual absl::Status MemcpyToHost(void* dst, const void* src, size_t nbytes) = 0;
-  // Waits for all work this thread issued on the device.
+  // Waits for the kernels and copies this thread issued on the device (its stream). Not for
+  // collectives: they run on their communicator's stream; wait on their Work.
   virtual absl::Status Synchronize() = 0;
 };
 

@@ -20,7 +20,10 @@
 //
 // CUDA note: as in PyTorch, a freed block may be reused at once by the next allocation; this
 // is safe because all work on a device is ordered on the allocating thread's stream
-// (cudaStreamPerThread). Work issued on another stream must synchronise before freeing.
+// (cudaStreamPerThread). Work issued on another stream must synchronise before freeing. The
+// cache is shared by the device's threads, so the contract is one thread per device (a rank
+// per GPU, as gpt_train runs): a block another thread freed while its kernel still runs would
+// otherwise be reused on a stream nothing orders after that kernel.
 // Out of memory, it empties its cache and retries once; the cudaFree calls of that release
 // synchronise the device, so behind an NCCL collective still waiting for a peer they wait
 // with it, in the thread that would otherwise notice the communicator's timeout: a dead peer
