@@ -252,6 +252,7 @@ std::vector<Row> TrainerRows(const std::string& corpus) {
       {"--resume", kInvalid, "--ckpt-dir"},
       {"--plan /nonexistent/plan.json --ranks 2", StatusCode::kNotFound, "/nonexistent/plan.json"},
       {"--init-llmc " + corpus, kInvalid, "magic"},
+      {"--init-llmc " + corpus + " --n-layer 2", kInvalid, "--n-layer applies to a model from flags"},
       {"--train-bin " + corpus, kInvalid, "magic"},
       {"--ranks 2 --plan " + corpus, kInvalid, "not a JSON object"},
       {"--vocab 10", kInvalid, "outside the model's vocabulary of 10"},
@@ -271,8 +272,10 @@ std::vector<Row> TrainerRows(const std::string& corpus) {
   std::vector<Row> rows;
   for (const Flags& f : flags) {
     const std::string text = absl::StrContains(f.flags, "--train-bin") ? "" : "--text " + corpus + " ";
+    // An llm.c checkpoint brings the model's shape: no shape flags beside it.
+    const std::string common = absl::StrContains(f.flags, "--init-llmc") ? "--seq 8 --steps 1 " : base;
     rows.push_back({"gpt_train " + f.flags, f.code, f.fragment,
-                    [flags = base + text + f.flags](RankEnv&) { return Trainer(flags); }});
+                    [flags = common + text + f.flags](RankEnv&) { return Trainer(flags); }});
   }
   rows.push_back({"gpt_train --text /nonexistent/corpus.txt", StatusCode::kNotFound, "/nonexistent/corpus.txt",
                   [](RankEnv&) { return Trainer("--text /nonexistent/corpus.txt --steps 1"); }});
