@@ -94,14 +94,12 @@ absl::Status CheckShape(const char* op, IntSpan shape) {
   }
   // The element count (and its bytes at up to 8 per element) must fit in int64: a product that
   // wrapped would size the buffer far too small (a review saw [2^62, 32] become 0 bytes).
+  for (int64_t s : shape) {
+    if (s == 0) return absl::OkStatus();  // empty, whatever the other sizes
+  }
   int64_t n = 1;
   for (int64_t s : shape) {
-    if (s != 0 && n > (int64_t{1} << 60) / s) {
-      bool empty = false;
-      for (int64_t t : shape) empty = empty || t == 0;
-      if (empty) return absl::OkStatus();
-      return InvalidArg(op, "shape ", ShapeString(shape), " has more than 2^60 elements");
-    }
+    if (n > (int64_t{1} << 60) / s) return InvalidArg(op, "shape ", ShapeString(shape), " has more than 2^60 elements");
     n *= s;
   }
   return absl::OkStatus();
