@@ -23,6 +23,9 @@
 // A rank that dies without exiting cleanly (a signal, _exit) leaves its OpenMP runtime's
 // registration file behind (LLVM libomp: /dev/shm/__KMP_REGISTERED_LIB_<pid>_<uid>); dtrun
 // removes the files of its exited ranks while their pids are still reserved (see below).
+// dtrun raises its soft RLIMIT_NOFILE (which the ranks inherit) toward world + 2 x local ranks
+// + 256 within the hard limit, since rank 0's store holds a connection per rank (a warning says
+// when the hard limit is lower).
 // Each rank runs in its own process group (so the signal reaches its children too, also
 // after the rank itself exited) and dies with dtrun (PR_SET_PDEATHSIG);
 // when every rank has exited, what is left in their groups is killed. Ranks read /dev/null as
@@ -41,6 +44,7 @@
 #include <poll.h>
 #include <sched.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -306,6 +310,21 @@ int main(int argc, char** argv) {
     }
   }
   const int world = opt.nnodes * opt.nproc;
+  // Descriptors: rank 0's store holds one per rank, dtrun two pipes per local rank. Raise the
+  // soft RLIMIT_NOFILE (inherited by the ranks) toward what that needs, within the hard limit.
+  if (rlimit lim{}; getrlimit(RLIMIT_NOFILE, &lim) == 0) {
+    const rlim_t need = static_cast<rlim_t>(world) + 2 * static_cast<rlim_t>(opt.nproc) + 256;
+    if (lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur < need) {
+      rlimit raised = lim;
+      raised.rlim_cur = lim.rlim_max == RLIM_INFINITY ? need : std::min(need, lim.rlim_max);
+      if (setrlimit(RLIMIT_NOFILE, &raised) != 0 || raised.rlim_cur < need) {
+        std::fprintf(stderr,
+                     "dtrun: warning: %d ranks need about %llu open files, above RLIMIT_NOFILE's hard limit %llu: "
+                     "the store may refuse ranks (raise it: `ulimit -Hn`)\n",
+                     world, static_cast<unsigned long long>(need), static_cast<unsigned long long>(lim.rlim_max));
+      }
+    }
+  }
 
   int sig_pipe[2];
   if (pipe2(sig_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {

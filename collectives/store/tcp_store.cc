@@ -9,6 +9,7 @@
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -291,6 +292,9 @@ namespace {
 // answering its requests (a client that pipelines requests without reading the replies would
 // otherwise make the server hold a copy of a 64 MiB value per request).
 constexpr size_t kMaxUnsentBytes = size_t{1} << 20;
+// Connections refused for want of room whose reason is still being delivered; past this many a
+// further one is closed at once.
+constexpr int kMaxRefusing = 64;
 
 struct Conn {
   int fd = -1;
@@ -317,7 +321,9 @@ struct Conn {
   // 2 admitted (where connections to a server without a secret start).
   int auth_stage = 2;
   std::string nonce_c, nonce_s;
-  std::string peer;  // the client's address, for the log
+  std::string peer;            // the client's address, for the log
+  bool over_limit = false;     // refused for want of room: not counted against max_clients
+  bool holds_reserve = false;  // accepted on the server's reserve descriptor (see reserve_fd)
   // A parked GET (one key) or WAIT (its keys), answered once every key exists.
   uint8_t pending_op = 0;
   std::vector<std::string> pending_keys;
@@ -416,6 +422,13 @@ struct StoreServer::State {
   bool stop = false;
   std::string secret;  // empty: no authentication
   std::string where;   // host:port, for messages
+  int max_clients = kStoreMaxClients;
+  int over_limit = 0;  // connections in `conns` refused for want of room, until they close
+  // Held open so that when the process runs out of descriptors (EMFILE) the server can still
+  // accept a client to tell it so; otherwise the listening socket stays readable and the
+  // loop spins while the client waits out its timeout.
+  int reserve_fd = -1;
+  absl::Time accept_paused_until = absl::InfinitePast();  // without a reserve: not to spin on EMFILE
 
   // Answers `c` with an error, closes it once that is sent, and logs the refusal.
   void Refuse(Conn& c, absl::StatusCode code, const std::string& why) {
@@ -425,6 +438,39 @@ struct StoreServer::State {
     c.closing = true;
     c.linger = true;
     c.in.clear();
+  }
+
+  // The process has no descriptor left for the client waiting on `listen_fd`: accepts it on the
+  // reserve's descriptor and tells it why (the reserve is opened again once it has closed).
+  // `err` is accept's errno.
+  void RefuseForWantOfFiles(int listen_fd, int err) {
+    rlimit lim{};
+    getrlimit(RLIMIT_NOFILE, &lim);
+    const std::string why =
+        err == ENFILE ? std::string("the system's open-file table is full (ENFILE)")
+                      : absl::StrCat("its process may open at most ", lim.rlim_cur,
+                                     " files (RLIMIT_NOFILE; it needs one per client: raise `ulimit -n` for rank 0)");
+    if (reserve_fd < 0) {  // in use: the client waits (or times out) until a descriptor frees
+      accept_paused_until = absl::Now() + absl::Milliseconds(100);
+      return;
+    }
+    const int connected = static_cast<int>(conns.size()) - over_limit;
+    close(reserve_fd);
+    reserve_fd = -1;
+    sockaddr_storage peer{};
+    socklen_t peer_len = sizeof(peer);
+    const int fd = accept4(listen_fd, reinterpret_cast<sockaddr*>(&peer), &peer_len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+      return;
+    }
+    Conn& c = conns[fd];
+    c.fd = fd;
+    c.peer = PeerName(peer);
+    c.over_limit = true;
+    c.holds_reserve = true;
+    ++over_limit;
+    Refuse(c, absl::StatusCode::kResourceExhausted, absl::StrCat(why, "; ", connected, " clients connected"));
   }
 
   // Advances `c`'s handshake with what it sent; true once it is admitted.
@@ -551,15 +597,16 @@ struct StoreServer::State {
 };
 
 absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::Start(const std::string& host, int port,
-                                                                absl::Duration message_timeout, std::string secret) {
+                                                                absl::Duration message_timeout, std::string secret,
+                                                                int max_clients) {
   DT_RETURN_IF_ERROR(CheckSecret(secret));
   DT_ASSIGN_OR_RETURN(StoreListener listener, ListenForStore(host, port));
-  return StartOnSocket(listener.fd, host, message_timeout, std::move(secret));
+  return StartOnSocket(listener.fd, host, message_timeout, std::move(secret), max_clients);
 }
 
 absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::StartOnSocket(int listen_fd, const std::string& host,
                                                                         absl::Duration message_timeout,
-                                                                        std::string secret) {
+                                                                        std::string secret, int max_clients) {
   const int actual_port = ListeningPort(listen_fd);
   if (actual_port < 0) {
     if (listen_fd >= 0) close(listen_fd);
@@ -569,6 +616,10 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::StartOnSocket(int list
   if (absl::Status st = CheckSecret(secret); !st.ok()) {
     close(listen_fd);
     return st;
+  }
+  if (max_clients < 1) {
+    close(listen_fd);
+    return absl::InvalidArgumentError(absl::StrCat("[TcpStore] max_clients ", max_clients, " must be at least 1"));
   }
   // An inherited socket may be blocking and inheritable: the loop accepts until EAGAIN.
   fcntl(listen_fd, F_SETFL, fcntl(listen_fd, F_GETFL) | O_NONBLOCK);
@@ -584,6 +635,8 @@ absl::StatusOr<std::unique_ptr<StoreServer>> StoreServer::StartOnSocket(int list
   server->secret_ = secret;
   server->state_->secret = std::move(secret);
   server->state_->where = absl::StrCat(host, ":", actual_port);
+  server->state_->max_clients = max_clients;
+  server->state_->reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
   server->thread_ = std::thread([s = server.get()] { s->Loop(); });
   return server;
 }
@@ -602,6 +655,7 @@ StoreServer::~StoreServer() {
   }
   if (thread_.joinable()) thread_.join();
   for (auto& [fd, c] : state_->conns) close(fd);
+  if (state_->reserve_fd >= 0) close(state_->reserve_fd);
   close(listen_fd_);
   close(wake_read_fd_);
   close(wake_write_fd_);
@@ -614,14 +668,15 @@ void StoreServer::Loop() {
   for (;;) {
     pfds.clear();
     pfds.push_back({wake_read_fd_, POLLIN, 0});
-    pfds.push_back({listen_fd_, POLLIN, 0});
+    const bool accepting = absl::Now() >= st.accept_paused_until;
+    pfds.push_back({listen_fd_, static_cast<short>(accepting ? POLLIN : 0), 0});
     for (auto& [fd, c] : st.conns) {
       short events = (c.closing && !c.draining) || c.backlogged() ? 0 : POLLIN;
       if (c.out_sent < c.out.size()) events |= POLLOUT;
       pfds.push_back({fd, events, 0});
     }
     // Wake for the first half-sent message to expire.
-    absl::Time expiry = absl::InfiniteFuture();
+    absl::Time expiry = accepting ? absl::InfiniteFuture() : st.accept_paused_until;
     for (auto& [fd, c] : st.conns) {
       if (c.mid_message() || c.draining) expiry = std::min(expiry, c.last_progress + message_timeout_);
     }
@@ -639,17 +694,28 @@ void StoreServer::Loop() {
         sockaddr_storage peer{};
         socklen_t peer_len = sizeof(peer);
         const int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer), &peer_len, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) break;
-        if (static_cast<int>(st.conns.size()) >= kStoreMaxClients) {
-          close(fd);
-          continue;
+        if (fd < 0) {
+          if (errno == EMFILE || errno == ENFILE) st.RefuseForWantOfFiles(listen_fd_, errno);
+          break;
         }
         const int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+        const bool full = static_cast<int>(st.conns.size()) - st.over_limit >= st.max_clients;
+        if (full && st.over_limit >= kMaxRefusing) {
+          close(fd);  // refusals still being delivered are bounded too
+          continue;
+        }
         Conn& c = st.conns[fd];
         c.fd = fd;
         c.peer = PeerName(peer);
         if (!st.secret.empty()) c.auth_stage = 0;
+        if (full) {
+          c.over_limit = true;
+          ++st.over_limit;
+          st.Refuse(c, absl::StatusCode::kResourceExhausted,
+                    absl::StrCat("it holds ", st.max_clients,
+                                 " connections, its limit (one per rank: is the world larger than the store admits?)"));
+        }
       }
     }
     std::vector<int> dead;
@@ -736,6 +802,9 @@ void StoreServer::Loop() {
     dead.erase(std::unique(dead.begin(), dead.end()), dead.end());
     for (const int fd : dead) {
       close(fd);
+      auto it = st.conns.find(fd);
+      if (it != st.conns.end() && it->second.over_limit) --st.over_limit;
+      if (it != st.conns.end() && it->second.holds_reserve) st.reserve_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
       st.conns.erase(fd);
     }
   }
@@ -950,7 +1019,8 @@ absl::StatusOr<std::string> StoreClient::Call(uint8_t op, absl::Span<const std::
   if (code != 0) {
     const auto status_code = static_cast<absl::StatusCode>(code);
     // A refused client: the server closes this connection; the next call starts afresh.
-    if (status_code == absl::StatusCode::kUnauthenticated || status_code == absl::StatusCode::kPermissionDenied) {
+    if (status_code == absl::StatusCode::kUnauthenticated || status_code == absl::StatusCode::kPermissionDenied ||
+        status_code == absl::StatusCode::kResourceExhausted) {
       CloseLocked();
     }
     return absl::Status(status_code, absl::StrCat("[TcpStore] ", what, ": ", payload));

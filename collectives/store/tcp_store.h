@@ -46,8 +46,10 @@ namespace dtensor {
 // Bounds enforced by both ends; a server receiving more drops that connection after an error.
 inline constexpr int64_t kStoreMaxKeyBytes = 4096;
 inline constexpr int64_t kStoreMaxValueBytes = int64_t{64} << 20;
-inline constexpr int kStoreMaxWaitKeys = 1024;   // keys per Wait()
-inline constexpr int kStoreMaxClients = 1024;    // connections a server holds at once
+inline constexpr int kStoreMaxWaitKeys = 1024;  // keys per Wait()
+// Connections a server holds at once by default: one per rank, for the largest world a
+// transport takes (ucx: 65535 ranks).
+inline constexpr int kStoreMaxClients = 65536;
 inline constexpr int kStoreMinSecretBytes = 16;  // a shorter non-empty secret is refused
 
 // The environment variable that carries a job's store secret from dtrun to its ranks.
@@ -76,18 +78,24 @@ class StoreServer {
   // host: a numeric address or a name that resolves locally (e.g. "127.0.0.1", "localhost").
   // port 0 picks a free port; port() reports it. A connection that sent part of a message and
   // then nothing for `message_timeout` is closed (half-sent messages would otherwise hold one
-  // of the kStoreMaxClients places for ever); idle connections between messages stay.
+  // of the max_clients places for ever); idle connections between messages stay.
   // A non-empty `secret` (at least kStoreMinSecretBytes bytes) makes the server authenticate
   // every client; a connection that has not completed authentication within `message_timeout`
   // is closed too.
+  // A client beyond `max_clients` connections held at once, or one the process has no file
+  // descriptor left for (RLIMIT_NOFILE; the server holds one per client), is answered
+  // ResourceExhausted naming the limit, on its first call (a client with a secret: on
+  // Connect), and closed; the server logs it. The clients already in are undisturbed.
   static absl::StatusOr<std::unique_ptr<StoreServer>> Start(const std::string& host, int port,
                                                             absl::Duration message_timeout = absl::Seconds(30),
-                                                            std::string secret = {});
+                                                            std::string secret = {},
+                                                            int max_clients = kStoreMaxClients);
   // The same on a socket from ListenForStore() (or inherited from dtrun); takes ownership of
   // listen_fd (also on error). InvalidArgument if it is not a listening socket.
   static absl::StatusOr<std::unique_ptr<StoreServer>> StartOnSocket(int listen_fd, const std::string& host,
                                                                     absl::Duration message_timeout = absl::Seconds(30),
-                                                                    std::string secret = {});
+                                                                    std::string secret = {},
+                                                                    int max_clients = kStoreMaxClients);
   ~StoreServer();
   StoreServer(const StoreServer&) = delete;
   StoreServer& operator=(const StoreServer&) = delete;

@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "dtensor/collectives/store/cpus.h"
 #include "dtensor/collectives/store/tcp_store.h"
@@ -320,6 +321,18 @@ TEST(DtrunTest, RanksReadDevNullAsStdin) {
   EXPECT_EQ(run.code, 0) << run.err;
   EXPECT_NE(run.out.find("[rank 0] /dev/null"), std::string::npos) << run.out;
   EXPECT_NE(run.out.find("[rank 1] /dev/null"), std::string::npos) << run.out;
+}
+
+// Rank 0's store holds a connection per rank: dtrun raises the soft RLIMIT_NOFILE its ranks
+// inherit to world + 2 x local ranks + 256 (here 3 + 6 + 256) when it is lower.
+TEST(DtrunTest, RaisesALowOpenFileLimitForItsRanks) {
+  const std::string inner =
+      absl::StrCat("ulimit -Sn 100 && exec ", DTRUN_PATH, " --nproc-per-node 3 /bin/sh -c 'ulimit -Sn'");
+  RunResult run = dtensor::testing::RunProcess({"/bin/sh", "-c", inner});
+  if (run.code != 0 && run.err.find("ulimit") != std::string::npos)
+    GTEST_SKIP() << "cannot lower the limit: " << run.err;
+  EXPECT_EQ(run.code, 0) << run.err;
+  for (int r = 0; r < 3; ++r) EXPECT_NE(run.out.find(absl::StrCat("[rank ", r, "] 265")), std::string::npos) << run.out;
 }
 
 TEST(DtrunTest, UsageErrorsExitWith2) {

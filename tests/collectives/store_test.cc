@@ -1,16 +1,23 @@
 // TCP store: semantics across clients and threads, timeouts, and robustness against raw
 // malformed traffic (the server must keep serving well-behaved clients).
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <random>
 #include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -792,6 +799,170 @@ TEST(TcpStoreTest, ServerOnAnEarlierBoundSocket) {
   const int plain = socket(AF_INET, SOCK_STREAM, 0);
   auto bad = StoreServer::StartOnSocket(plain, "127.0.0.1");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+}
+
+// ---- Limits: clients beyond what the server admits are told why, the rest keep serving ----
+
+// Until `deadline`, retries `call` while it fails (the server notices a closed client when it
+// next polls).
+template <typename Call>
+absl::Status EventuallyOk(Call call, absl::Duration within = absl::Seconds(5)) {
+  const absl::Time deadline = absl::Now() + within;
+  absl::Status st = call();
+  while (!st.ok() && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(20));
+    st = call();
+  }
+  return st;
+}
+
+TEST(TcpStoreLimitTest, ClientsBeyondMaxClientsGetResourceExhaustedAndTheOthersServe) {
+  for (const bool with_secret : {false, true}) {
+    SCOPED_TRACE(with_secret ? "with a secret" : "open");
+    const std::string secret = with_secret ? Secret() : "";
+    auto server = StoreServer::Start("127.0.0.1", 0, absl::Seconds(30), secret, /*max_clients=*/3);
+    ASSERT_TRUE(server.ok()) << server.status();
+    auto connect = [&] { return StoreClient::Connect("127.0.0.1", (*server)->port(), absl::Seconds(3), secret); };
+    std::vector<std::unique_ptr<StoreClient>> in;
+    for (int i = 0; i < 3; ++i) {
+      auto c = connect();
+      ASSERT_TRUE(c.ok()) << c.status();
+      ASSERT_TRUE((*c)->Set(absl::StrCat("k", i), "v").ok());
+      in.push_back(std::move(*c));
+    }
+    // The fourth: refused with the reason, on Connect (secret) or its first call (open),
+    // promptly rather than after its timeout.
+    const absl::Time t0 = absl::Now();
+    auto fourth = connect();
+    absl::Status refused = fourth.ok() ? (*fourth)->Set("k3", "v") : fourth.status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+    EXPECT_NE(refused.message().find("holds 3 connections, its limit"), std::string::npos) << refused;
+    EXPECT_LT(absl::Now() - t0, absl::Seconds(2)) << refused;
+    for (int i = 0; i < 3; ++i) {
+      auto v = in[i]->Get(absl::StrCat("k", (i + 1) % 3));
+      EXPECT_TRUE(v.ok()) << v.status();
+    }
+    // A client that leaves makes room for another.
+    in[0].reset();
+    absl::Status later = EventuallyOk([&]() -> absl::Status {
+      auto c = connect();
+      return c.ok() ? (*c)->Set("k4", "v") : c.status();
+    });
+    EXPECT_TRUE(later.ok()) << later;
+  }
+}
+
+// The default admits a world of more than 1024 ranks (the old limit closed the 1025th
+// connection without a word). Needs about two descriptors per client in this process.
+TEST(TcpStoreLimitTest, MoreThan1024ClientsAtOnce) {
+  constexpr int kClients = 1100;
+  rlimit lim{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &lim), 0);
+  const rlim_t want = 2 * kClients + 256;
+  if (lim.rlim_cur < want) {
+    if (lim.rlim_max < want) GTEST_SKIP() << "RLIMIT_NOFILE's hard limit " << lim.rlim_max << " < " << want;
+    rlimit raised = lim;
+    raised.rlim_cur = want;
+    ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &raised), 0);
+  }
+  {
+    auto server = StartServer();
+    ASSERT_NE(server, nullptr);
+    std::vector<std::unique_ptr<StoreClient>> clients;
+    for (int i = 0; i < kClients; ++i) {
+      auto c = StoreClient::Connect("127.0.0.1", server->port(), absl::Seconds(10));
+      ASSERT_TRUE(c.ok()) << "client " << i << ": " << c.status();
+      auto n = (*c)->Add("arrived", 1);
+      ASSERT_TRUE(n.ok()) << "client " << i << ": " << n.status();
+      EXPECT_EQ(*n, i + 1);
+      clients.push_back(std::move(*c));
+    }
+    // Every connection is still served.
+    for (int i = 0; i < kClients; i += 99) {
+      EXPECT_EQ(clients[i]->Get("arrived").value_or("error"), absl::StrCat(kClients)) << "client " << i;
+    }
+  }
+  setrlimit(RLIMIT_NOFILE, &lim);
+}
+
+// A process out of descriptors (RLIMIT_NOFILE) cannot accept a client at all; the server then
+// tells the client so (it used to leave it waiting out its timeout while the listening socket,
+// readable and never accepted, kept the server's loop spinning). The server runs in a child
+// with a small limit, every descriptor but two taken.
+TEST(TcpStoreLimitTest, AServerOutOfDescriptorsTellsTheClientWhyWithoutSpinning) {
+  auto listener = ListenForStore("127.0.0.1", 0);
+  ASSERT_TRUE(listener.ok()) << listener.status();
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    close(ready[0]);
+    auto server = StoreServer::StartOnSocket(listener->fd, "127.0.0.1");
+    if (!server.ok()) _exit(2);
+    rlimit lim{};
+    getrlimit(RLIMIT_NOFILE, &lim);
+    lim.rlim_cur = 256;
+    if (setrlimit(RLIMIT_NOFILE, &lim) != 0) _exit(3);
+    std::vector<int> fillers;
+    for (int fd; (fd = open("/dev/null", O_RDONLY)) >= 0;) fillers.push_back(fd);
+    if (fillers.size() < 2) _exit(4);
+    close(fillers.back());
+    fillers.pop_back();
+    close(fillers.back());
+    fillers.pop_back();
+    const char b = 1;
+    if (write(ready[1], &b, 1) != 1) _exit(5);
+    for (;;) pause();  // killed by the parent
+  }
+  close(listener->fd);
+  close(ready[1]);
+  char b = 0;
+  ASSERT_EQ(read(ready[0], &b, 1), 1) << "the child's server did not start";
+  close(ready[0]);
+  const int port = listener->port;
+  auto connect = [&] { return StoreClient::Connect("127.0.0.1", port, absl::Seconds(3)); };
+  std::vector<std::unique_ptr<StoreClient>> in;
+  for (int i = 0; i < 2; ++i) {
+    auto c = connect();
+    ASSERT_TRUE(c.ok()) << c.status();
+    ASSERT_TRUE((*c)->Set(absl::StrCat("k", i), "v").ok());
+    in.push_back(std::move(*c));
+  }
+  auto cpu_ticks = [&] {  // the child's user + system time, in clock ticks
+    std::ifstream stat(absl::StrCat("/proc/", pid, "/stat"));
+    std::string line;
+    std::getline(stat, line);
+    std::istringstream rest(line.substr(line.rfind(')') + 2));
+    std::string field;
+    long ticks = 0;
+    for (int i = 3; i <= 15 && rest >> field; ++i) {
+      if (i >= 14) ticks += std::stol(field);
+    }
+    return ticks;
+  };
+  const absl::Time t0 = absl::Now();
+  auto third = connect();
+  const absl::Status refused = third.ok() ? (*third)->Set("k2", "v") : third.status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("at most 256 files (RLIMIT_NOFILE"), std::string::npos) << refused;
+  EXPECT_LT(absl::Now() - t0, absl::Seconds(2)) << refused;
+  // Idle with a client refused: the server's loop sleeps (a spinning one burns ~100 ticks a second).
+  const long before = cpu_ticks();
+  absl::SleepFor(absl::Seconds(1));
+  EXPECT_LT(cpu_ticks() - before, 20) << "the server's loop spins";
+  EXPECT_TRUE(in[1]->Get("k0").ok());
+  // A client that leaves frees a descriptor for the next.
+  in[0].reset();
+  absl::Status later = EventuallyOk([&]() -> absl::Status {
+    auto c = connect();
+    return c.ok() ? (*c)->Set("k3", "v") : c.status();
+  });
+  EXPECT_TRUE(later.ok()) << later;
+  kill(pid, SIGKILL);
+  int wstatus = 0;
+  waitpid(pid, &wstatus, 0);
+  EXPECT_TRUE(WIFSIGNALED(wstatus)) << "the child exited with " << WEXITSTATUS(wstatus) << " before the test ended";
 }
 
 }  // namespace
