@@ -45,6 +45,14 @@ absl::StatusOr<GenerateResult> Generate(nn::GPT& model, absl::Span<const int64_t
     return absl::InvalidArgumentError(
         absl::StrCat("[Generate] vocab_limit must be >= 0 (0: every id), got ", options.vocab_limit));
   }
+  // A stop token the sampler can never pick would silently never stop.
+  const int64_t pickable =
+      options.vocab_limit > 0 ? std::min(options.vocab_limit, model.config().vocab_size) : model.config().vocab_size;
+  if (options.stop_token != -1 && (options.stop_token < 0 || options.stop_token >= pickable)) {
+    return absl::InvalidArgumentError(absl::StrCat("[Generate] stop_token ", options.stop_token,
+                                                   " is not an id the model can pick (0..", pickable - 1,
+                                                   "; -1: never stop early)"));
+  }
   GenerateResult out;
   if (options.max_new_tokens == 0) return out;
   NoGradGuard no_grad;

@@ -30,7 +30,8 @@ namespace dtensor::gpt {
 struct GenerateOptions {
   int64_t max_new_tokens = 32;    // >= 0
   bool use_cache = true;          // false: recompute the whole context for every token
-  int64_t stop_token = -1;        // stop once this token is picked (kept in the result); -1: never
+  int64_t stop_token = -1;        // stop once this token is picked (kept in the result); -1: never;
+                                  // else an id that can be picked (below vocab_limit), or InvalidArgument
   Device device = Device::Cpu();  // where the ids go (the model's device)
   // > 0: only ids below it are picked (GPT-2's 50257 tokens in a vocabulary padded to 50304:
   // the padding rows are never sampled); 0: every id.

@@ -25,13 +25,21 @@ absl::Status Run(int argc, char** argv) {
   std::string ckpt_dir, format = "hf", out;
   int64_t n_head = 0;
   for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
+    std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
       std::fputs(kUsage, stdout);
       return absl::OkStatus();
     }
-    if (i + 1 >= argc) return absl::InvalidArgumentError("[gpt_export] " + flag + " needs a value\n" + kUsage);
-    const std::string value = argv[++i];
+    // "--flag value" or "--flag=value", as the other tools take.
+    std::string value;
+    if (const size_t eq = flag.find('='); flag.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = flag.substr(eq + 1);
+      flag.resize(eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      return absl::InvalidArgumentError("[gpt_export] " + flag + " needs a value\n" + kUsage);
+    }
     if (flag == "--ckpt-dir") {
       ckpt_dir = value;
     } else if (flag == "--format") {

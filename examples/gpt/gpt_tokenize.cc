@@ -43,6 +43,8 @@ int main(int argc, char** argv) {
       decode = true;
     } else if (arg == "--bpe-dir" && i + 1 < argc) {
       bpe_dir = argv[++i];
+    } else if (arg.rfind("--bpe-dir=", 0) == 0) {  // the spelling the other tools take too
+      bpe_dir = arg.substr(std::strlen("--bpe-dir="));
     } else if (arg == "--help" || arg == "-h") {
       std::cout << kUsage;
       return 0;

@@ -138,7 +138,9 @@ ABSL_FLAG(double, peak_flops, 0.0,
 ABSL_FLAG(int64_t, sample_tokens, 200, "tokens to sample at the end (0: none)");
 ABSL_FLAG(std::string, save_final, "", "write the trained parameters, whole, as safetensors");
 // Validation.
-ABSL_FLAG(int64_t, val_every, 0, "validation loss every N steps and at the end (0: never)");
+ABSL_FLAG(int64_t, val_every, 0,
+          "validation loss every N steps and at the end (0: never); without --val-bin the last --val-fraction "
+          "(5%) of the data is held out from training for it");
 ABSL_FLAG(std::string, val_bin, "", "validation tokens (llm.c token file); default: a held-out tail of the data");
 ABSL_FLAG(double, val_fraction, 0.05, "with --val-every and no --val-bin: the tail of the data held out");
 ABSL_FLAG(int64_t, val_batches, 4, "batches per validation");
@@ -400,6 +402,11 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
   const bool tensor_parallel = dims.tp > 1 || !f.plan.empty();
   const bool mixed = f.param_dtype != "fp32" || f.reduce_dtype != "fp32";
   const bool fsdp = dims.dp_shard > 1 || mixed;
+  if (f.grad_sync == "last" && !fsdp) {  // DDP reduces the accumulated gradients once per step anyway
+    return absl::InvalidArgumentError(
+        "--grad-sync last applies to FSDP (--dp-shard > 1, or --param-dtype / --reduce-dtype bf16); without it "
+        "gradients are reduced once per step, after the last micro-batch, already");
+  }
   std::vector<int64_t> mesh_shape;
   std::vector<std::string> mesh_names;
   if (dims.dp_replicate > 1) {

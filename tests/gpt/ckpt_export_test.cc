@@ -122,14 +122,25 @@ TEST_F(CkptExportTest, ToolAndErrors) {
   absl::StatusOr<nn::GPTConfig> missing = GptConfigOfCheckpoint(dir_.Path("nowhere"), 2);
   EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound) << missing.status();
 
-  // The tool, on the root directory (it takes the newest checkpoint), in both formats.
+  // The tool, on the root directory (it takes the newest checkpoint), in both formats; llmc's
+  // command line spells its flags --flag=value.
   for (const std::string format : {"hf", "llmc"}) {
     const std::string out = dir_.Path("tool-" + format + (format == "llmc" ? ".bin" : ""));
     testing::ProcessOptions options;
     options.merge_output = true;
-    const testing::ProcessRun run = testing::RunProcess(
-        {GPT_EXPORT_PATH, "--ckpt-dir", dir_.Path("tool-ckpt"), "--format", format, "--out", out, "--n-head", "2"},
-        options);
+    const std::vector<std::string> args =
+        format == "hf" ? std::vector<std::string>{GPT_EXPORT_PATH,
+                                                  "--ckpt-dir",
+                                                  dir_.Path("tool-ckpt"),
+                                                  "--format",
+                                                  format,
+                                                  "--out",
+                                                  out,
+                                                  "--n-head",
+                                                  "2"}
+                       : std::vector<std::string>{GPT_EXPORT_PATH, "--ckpt-dir=" + dir_.Path("tool-ckpt"),
+                                                  "--format=" + format, "--out=" + out, "--n-head=2"};
+    const testing::ProcessRun run = testing::RunProcess(args, options);
     EXPECT_EQ(run.code, 0) << run.out;
     EXPECT_TRUE(std::filesystem::exists(format == "hf" ? out + "/model.safetensors" : out)) << run.out;
   }

@@ -147,6 +147,28 @@ TEST(GenerateTest, RequestsPastTheBlockAreOutOfRange) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
 }
 
+// A stop token the sampler cannot pick (outside the vocabulary, or past vocab_limit) is refused:
+// it would silently never stop. -1 (never) and the last pickable id are accepted.
+TEST(GenerateTest, StopTokensOutsideWhatCanBePickedAreRefused) {
+  auto model = Model();
+  const int64_t v = Config().vocab_size;
+  gpt::Sampler s = Unwrap(gpt::Sampler::Create({.temperature = 0}));
+  const std::vector<int64_t> prompt = {1, 2};
+  for (int64_t stop : {int64_t{-1}, v - 1}) {
+    EXPECT_TRUE(gpt::Generate(*model, prompt, s, {.max_new_tokens = 2, .stop_token = stop}).ok()) << stop;
+  }
+  EXPECT_TRUE(gpt::Generate(*model, prompt, s, {.max_new_tokens = 2, .stop_token = 9, .vocab_limit = 10}).ok());
+  for (auto [stop, limit] : {std::pair<int64_t, int64_t>{v, 0}, {-2, 0}, {10, 10}}) {
+    absl::StatusOr<gpt::GenerateResult> r =
+        gpt::Generate(*model, prompt, s, {.max_new_tokens = 2, .stop_token = stop, .vocab_limit = limit});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << stop << " " << limit << ": " << r.status();
+    EXPECT_NE(r.status().message().find(absl::StrCat("stop_token ", stop, " is not an id the model can pick (0..",
+                                                     (limit > 0 ? limit : v) - 1)),
+              std::string::npos)
+        << r.status();
+  }
+}
+
 #ifdef GPT_GENERATE_PATH
 // The binary: an llm.c checkpoint of this model, greedy on 1 and 2 ranks, and the ids printed
 // equal Generate's.

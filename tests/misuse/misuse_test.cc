@@ -255,6 +255,8 @@ std::vector<Row> TrainerRows(const std::string& corpus) {
       {"--init-llmc " + corpus + " --n-layer 2", kInvalid, "--n-layer applies to a model from flags"},
       {"--train-bin " + corpus, kInvalid, "magic"},
       {"--ranks 2 --plan " + corpus, kInvalid, "not a JSON object"},
+      {"--ranks 2 --dp-shard 1 --dp-replicate 2 --grad-accum 2 --batch 4 --grad-sync last", kInvalid,
+       "--grad-sync last applies to FSDP"},
       {"--vocab 10", kInvalid, "outside the model's vocabulary of 10"},
       {"--seq 100000", kInvalid, "B*T+1 = 800001 tokens"},
       {"--lr -1", kInvalid, "lr -1"},
