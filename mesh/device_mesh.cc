@@ -5,6 +5,8 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "dtensor/collectives/agree.h"
+#include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 
 namespace dtensor {
@@ -17,6 +19,43 @@ int64_t LinearIndex(IntSpan shape, IntSpan coord, uint32_t mask) {
     if (mask & (1u << d)) index = index * shape[d] + coord[d];
   }
   return index;
+}
+
+// The ranks must ask for one mesh: ranks that split by different shapes or names would get
+// groups that do not match their meshes (a rank of a [2, 3] mesh in a group of 3 for its
+// first dim) and fail, or compute wrongly, later. One all_gather of a fixed record per rank
+// (ndim, the sizes, a hash of the names); only when they differ, a second one of each rank's
+// mesh in words for the message. Every rank gets the same InvalidArgument.
+absl::Status AgreeOnMesh(Communicator& world, IntSpan shape, const std::vector<std::string>& names) {
+  if (world.size() == 1) return absl::OkStatus();
+  constexpr int kRecord = 2 + kMaxMeshDims;
+  std::vector<int64_t> record(kRecord, 0);
+  record[0] = static_cast<int64_t>(shape.size());
+  for (size_t d = 0; d < shape.size(); ++d) record[1 + d] = shape[d];
+  uint64_t hash = 14695981039346656037ull;  // FNV-1a over the names, each ended by a 0 byte
+  for (const std::string& n : names) {
+    for (const char c : n + '\0') hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  }
+  record[kRecord - 1] = static_cast<int64_t>(hash);
+  DT_ASSIGN_OR_RETURN(Tensor in, Tensor::FromVector<int64_t>(record, {kRecord}));
+  DT_ASSIGN_OR_RETURN(in, To(in, world.device()));
+  DT_ASSIGN_OR_RETURN(Tensor all, Tensor::Empty({world.size() * kRecord}, DType::kInt64, world.device()));
+  if (absl::Status st = world.AllGather(in, all); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("[DeviceMesh] agreeing on the mesh ", ShapeString(shape),
+                                                " with the other ranks: ", st.message()));
+  }
+  DT_ASSIGN_OR_RETURN(all, To(all, Device::Cpu()));
+  const int64_t* rec = all.data<int64_t>();
+  std::vector<int> differ;
+  for (int r = 1; r < world.size(); ++r) {
+    if (!std::equal(rec, rec + kRecord, rec + static_cast<ptrdiff_t>(r) * kRecord)) differ.push_back(r);
+  }
+  if (differ.empty()) return absl::OkStatus();
+  DT_ASSIGN_OR_RETURN(std::vector<std::string> meshes,
+                      AllGatherText(world, absl::StrCat(ShapeString(shape), " (", absl::StrJoin(names, ", "), ")")));
+  return InvalidArg("DeviceMesh", "the ranks ask for different meshes: rank 0 for ", meshes[0], ", rank ", differ[0],
+                    " for ", meshes[static_cast<size_t>(differ[0])], " (rank(s) ", absl::StrJoin(differ, ", "),
+                    " differ from rank 0)");
 }
 
 }  // namespace
@@ -44,6 +83,11 @@ absl::StatusOr<DeviceMesh> DeviceMesh::Create(Communicator& world, IntSpan shape
   }
   for (int64_t s : shape) {
     if (s <= 0) return InvalidArg(op, "mesh shape ", ShapeString(shape), " has a non-positive size");
+    // (Also keeps the product below from overflowing: at most 4 dims of at most 2^31.)
+    if (s > world.size()) {
+      return InvalidArg(op, "mesh shape ", ShapeString(shape), " has a dim of ", s,
+                        " ranks, more than the communicator's ", world.size());
+    }
   }
   if (NumElements(shape) != world.size()) {
     return InvalidArg(op, "mesh shape ", ShapeString(shape), " holds ", NumElements(shape),
@@ -60,6 +104,7 @@ absl::StatusOr<DeviceMesh> DeviceMesh::Create(Communicator& world, IntSpan shape
       return InvalidArg(op, "duplicate dim name \"", n, "\" in [", absl::StrJoin(names, ", "), "]");
     }
   }
+  DT_RETURN_IF_ERROR(AgreeOnMesh(world, shape, names));
   auto root = std::make_shared<internal::MeshRoot>();
   root->world = &world;
   root->shape.assign(shape.begin(), shape.end());

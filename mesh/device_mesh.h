@@ -16,8 +16,11 @@
 // world communicator must outlive the mesh and every view; a mesh belongs to one rank.
 //
 // Errors (InvalidArgument naming the values): a shape whose product differs from the
-// communicator size, 0 or more than 4 dims, non-positive sizes, names that are missing,
-// duplicated or unknown, flattening dims that are not adjacent.
+// communicator size, 0 or more than 4 dims, non-positive sizes or sizes above the
+// communicator's, names that are missing, duplicated or unknown, flattening dims that are not
+// adjacent. Those are found by each rank alone, before any collective. Then the ranks agree
+// (one small all_gather): ranks asking for different shapes or names all get InvalidArgument
+// naming two of the meshes asked for.
 #ifndef DTENSOR_MESH_DEVICE_MESH_H_
 #define DTENSOR_MESH_DEVICE_MESH_H_
 

@@ -435,6 +435,44 @@ TEST(DeviceMeshErrorTest, Create) {
   ExpectCreateError(4, {2, 2}, {"x", "x"}, {"\"x\""});  // duplicate
   ExpectCreateError(8, {2, 2, 2}, {"dp", "tp", "dp"}, {"\"dp\""});
   ExpectCreateError(4, {2, 2}, {"a", ""}, {"empty"});  // empty name
+  // Products that overflow int64 (they wrapped to the world size and were accepted).
+  ExpectCreateError(4, {(int64_t{1} << 62) + 1, 4}, {"a", "b"},
+                    {"4611686018427387905", "more than the communicator's 4"});
+  ExpectCreateError(1, {7, 0x6DB6DB6DB6DB6DB7}, {"a", "b"}, {"more than the communicator's 1"});
+}
+
+// Ranks asking for different meshes (shapes, or names) all get the same error, at once (they
+// got meshes whose groups did not match their shapes).
+TEST(DeviceMeshErrorTest, RanksAskingForDifferentMeshesAllFail) {
+  struct Case {
+    int world;
+    std::function<std::pair<Index, std::vector<std::string>>(int)> mesh_of;
+    std::vector<std::string> needles;
+  };
+  const std::vector<Case> cases = {
+      {6,
+       [](int r) {
+         return std::make_pair(r < 3 ? Index{2, 3} : Index{3, 2}, std::vector<std::string>{"dp", "tp"});
+       },
+       {"rank 0 for [2, 3] (dp, tp), rank 3 for [3, 2] (dp, tp)", "rank(s) 3, 4, 5 differ"}},
+      {4,
+       [](int r) {
+         return std::make_pair(Index{2, 2},
+                               r == 2 ? std::vector<std::string>{"tp", "dp"} : std::vector<std::string>{"dp", "tp"});
+       },
+       {"rank 0 for [2, 2] (dp, tp), rank 2 for [2, 2] (tp, dp)", "rank(s) 2 differ"}},
+  };
+  for (const Case& c : cases) {
+    const absl::Time t0 = absl::Now();
+    RunRanks(c.world, [&](int r, Communicator& comm) {
+      auto [shape, names] = c.mesh_of(r);
+      absl::StatusOr<DeviceMesh> mesh = DeviceMesh::Create(comm, shape, names);
+      ASSERT_FALSE(mesh.ok()) << "rank " << r;
+      EXPECT_EQ(mesh.status().code(), absl::StatusCode::kInvalidArgument) << mesh.status();
+      for (const std::string& n : c.needles) EXPECT_THAT(mesh.status().message(), HasSubstr(n)) << "rank " << r;
+    });
+    EXPECT_LT(absl::Now() - t0, absl::Seconds(5)) << "ranks waited for a timeout";
+  }
 }
 
 TEST(DeviceMeshErrorTest, NamesDimsSubFlatten) {
