@@ -937,8 +937,10 @@ class P2PWork final : public Work {
 // per call (~1 us between this VM's vCPUs at times).
 class alignas(64) ThreadsCommunicator final : public Communicator {
  public:
-  ThreadsCommunicator(std::shared_ptr<ThreadGroup> group, int rank, absl::Duration timeout)
-      : group_(std::move(group)), rank_(rank), timeout_(timeout) {
+  // world_rank: this rank's in the world the group was split from (MakeThreadGroup's), for
+  // messages that reach every group of the family.
+  ThreadsCommunicator(std::shared_ptr<ThreadGroup> group, int rank, int world_rank, absl::Duration timeout)
+      : group_(std::move(group)), rank_(rank), world_rank_(world_rank), timeout_(timeout) {
     if (size() > kLocalRanks) {
       spilled_heads_.resize(static_cast<size_t>(size()));
       spilled_inputs_.resize(static_cast<size_t>(size()));
@@ -958,8 +960,10 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
   absl::Duration timeout() const override { return timeout_; }
 
   void Abort(const absl::Status& why) override {
+    // The abort fails every group of the family, where rank_ may be another rank's number.
     group_->family()->Abort(absl::AbortedError(
-        absl::StrCat("rank ", rank_, " aborted the communicator: ", why.ok() ? "no reason given" : why.ToString())));
+        absl::StrCat("rank ", rank_, world_rank_ == rank_ ? "" : absl::StrCat(" (world rank ", world_rank_, ")"),
+                     " aborted the communicator: ", why.ok() ? "no reason given" : why.ToString())));
   }
 
   // The blocking forms run the collective without a Work (the Async forms wrap the same call in
@@ -1303,8 +1307,8 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     DT_RETURN_IF_ERROR(Sync("Split", /*closing=*/true));  // the slots stay the group's
     if (color < 0) return std::unique_ptr<Communicator>();
     const int new_rank = static_cast<int>(std::find(members.begin(), members.end(), rank_) - members.begin());
-    return std::unique_ptr<Communicator>(
-        std::make_unique<ThreadsCommunicator>(group_->slot(seq_, members.front()).split, new_rank, timeout_));
+    return std::unique_ptr<Communicator>(std::make_unique<ThreadsCommunicator>(
+        group_->slot(seq_, members.front()).split, new_rank, world_rank_, timeout_));
   }
 
  private:
@@ -1658,6 +1662,7 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
 
   std::shared_ptr<ThreadGroup> group_;
   int rank_;
+  int world_rank_;
   absl::Duration timeout_;
   uint64_t epoch_ = 0;                       // barriers passed (all ranks of the group pass the same ones)
   uint64_t seq_ = 0;                         // collectives begun that meet the group (all but RunEagerBroadcast's)
@@ -1692,7 +1697,7 @@ absl::StatusOr<std::vector<std::unique_ptr<Communicator>>> MakeThreadGroup(int w
   std::vector<std::unique_ptr<Communicator>> comms;
   comms.reserve(static_cast<size_t>(world_size));
   for (int r = 0; r < world_size; ++r) {
-    comms.push_back(std::make_unique<internal::ThreadsCommunicator>(group, r, timeout));
+    comms.push_back(std::make_unique<internal::ThreadsCommunicator>(group, r, r, timeout));
   }
   return comms;
 }

@@ -1136,6 +1136,29 @@ TEST(ThreadsTest, LateRanksWakeSleepingPeers) {
   EXPECT_LT(SecondsSince(start), 4.0);
 }
 
+// An abort through a split group reaches every group of the family, where the aborting rank's
+// number in its group means another rank: the message also names its world rank (as ucx's).
+TEST(ThreadsTest, AnAbortThroughASplitNamesTheWorldRank) {
+  const auto statuses = RunRanks(
+      4,
+      [&](int rank, CommPtr& comm) -> absl::Status {
+        DT_ASSIGN_OR_RETURN(CommPtr row, comm->Split(rank / 2, rank));  // world rank 3 is row rank 1
+        DT_ASSIGN_OR_RETURN(CommPtr col, comm->Split(rank % 2, rank));
+        if (rank == 3) {
+          row->Abort(absl::InternalError("test: world rank 3 gives up"));
+          return absl::OkStatus();
+        }
+        return comm->Barrier();  // waits for rank 3, which never comes
+      },
+      absl::Seconds(20));
+  for (int r = 0; r < 3; ++r) {
+    const absl::Status& s = statuses[static_cast<size_t>(r)];
+    EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << "rank " << r << ": " << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr("rank 1 (world rank 3) aborted the communicator: INTERNAL: test"))
+        << "rank " << r;
+  }
+}
+
 TEST(ThreadsTest, AbortReachesRanksWaitingOnSubCommunicators) {
   std::vector<double> waited(4, -1.0);
   const auto statuses = RunRanks(
