@@ -453,6 +453,7 @@ class ThreadGroup {
         eager_bytes_(new Mailbox[kEagerDepth]),
         arrived_(static_cast<size_t>(size)),
         cpus_(static_cast<size_t>(size)),
+        quiet_(static_cast<size_t>(size)),
         gone_(static_cast<size_t>(size)),
         channels_(static_cast<size_t>(size) * static_cast<size_t>(size)) {
     for (uint64_t i = 0; i < kEagerDepth; ++i) eager_[i].data = eager_bytes_[i].data;
@@ -611,6 +612,39 @@ class ThreadGroup {
       if (late_here || waited >= spin_ns) sched_yield();
     }
     return Sleep(rank, target, op, timeout, closing, only);
+  }
+
+  // Collectives in which ranks write into their peers' outputs (AllReduce, the large
+  // Broadcast): between the first barrier (`first`) and the closing one each rank that passed
+  // the first writes its share into every peer's output. A rank whose call fails must not return
+  // while a peer still writes into its buffers (the caller may free them at once). So each rank
+  // marks when it will write no more in the collective whose first barrier is `first` (after
+  // its writes, or on giving up), and a rank returning an error first waits in AwaitWriters.
+  void MarkQuiet(int rank, uint64_t first) {
+    quiet_[static_cast<size_t>(rank)].first.store(first, std::memory_order_release);
+  }
+  // For a rank that announced barrier `first` and is about to return an error: marks itself
+  // quiet, then waits until no peer can write into its buffers. A peer passes the first
+  // barrier only once every rank has announced it; if one has not, nobody has passed (the
+  // group has failed: a rank announcing later sees that after its arrival, the fence and the
+  // process barrier below ordering the two) and nobody will. Else it waits for every peer
+  // that announced to mark itself quiet or leave the group. The writes are copies and
+  // reductions, with no waits, so this ends; it is bounded all the same, by the call's timeout
+  // but at least 30 s (a short timeout must not cut it before large copies end).
+  void AwaitWriters(int rank, uint64_t first, absl::Duration timeout) {
+    MarkQuiet(rank, first);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (light_arrive_) ProcessBarrier();
+    for (const PaddedEpoch& a : arrived_) {
+      if (a.value.load(std::memory_order_acquire) < first) return;
+    }
+    const Deadline deadline(std::max(timeout, absl::Seconds(30)));
+    for (int j = 0; j < size_; ++j) {
+      while (quiet_[static_cast<size_t>(j)].first.load(std::memory_order_acquire) < first &&
+             !gone_[static_cast<size_t>(j)].load(std::memory_order_acquire) && !deadline.Expired()) {
+        sched_yield();
+      }
+    }
   }
 
   // Whether `rank` has arrived at barrier `target` (an acquire of its arrival).
@@ -832,6 +866,9 @@ class ThreadGroup {
   struct alignas(64) PaddedCpu {
     std::atomic<int> cpu{-1};  // where the rank last arrived (sched_getcpu)
   };
+  struct alignas(64) PaddedQuiet {
+    std::atomic<uint64_t> first{0};  // see MarkQuiet
+  };
   struct alignas(64) Slot {  // lines of their own: ranks write their slots at the same time
     Call call;
   };
@@ -841,6 +878,7 @@ class ThreadGroup {
   std::unique_ptr<Mailbox[]> eager_bytes_;  // [kEagerDepth]: eager_[i].data
   std::vector<PaddedEpoch> arrived_;        // barriers each rank has reached
   std::vector<PaddedCpu> cpus_;
+  std::vector<PaddedQuiet> quiet_;
   std::vector<std::atomic<bool>> gone_;
   const bool light_arrive_ = RegisterProcessBarrier();  // see Arrive
   alignas(64) std::atomic<int> sleepers_{0};            // ranks in Sleep
@@ -1404,6 +1442,14 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
   // own() runs while this rank waits at the barrier (see Sync).
   absl::Status Publish(
       const char* op, Call&& call, bool closing, absl::FunctionRef<void()> own = [] {}) {
+    const uint64_t before = epoch_;
+    absl::Status st = PublishAndCheck(op, std::move(call), closing, own);
+    // A rank that announced and fails writes nothing into its peers in this collective: said at
+    // once, so that a peer in a writing collective (a mismatched call) need not wait for it.
+    if (!st.ok() && epoch_ != before) group_->MarkQuiet(rank_, epoch_);
+    return st;
+  }
+  absl::Status PublishAndCheck(const char* op, Call&& call, bool closing, absl::FunctionRef<void()> own) {
     ++seq_;
     const Header header = HeaderOf(call);
     if (PublishesCall(call.kind)) group_->slot(seq_, rank_) = std::move(call);
@@ -1504,7 +1550,8 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     const int64_t n = call.numel;
     const int64_t es = static_cast<int64_t>(ElementSize(dtype));
     char* out = call.out;
-    DT_RETURN_IF_ERROR(Begin(op, std::move(call)));
+    DT_RETURN_IF_ERROR(BeginWriting(op, std::move(call)));
+    const uint64_t first = epoch_;
     const int64_t begin = BlockStart(n, rank_), end = BlockStart(n, rank_ + 1);
     const int64_t chunk = std::max<int64_t>(1, kPushChunkBytes / es);
     const absl::Span<const char* const> in = Inputs();
@@ -1517,16 +1564,35 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
         for (int k = 0; k < size(); ++k) StreamCopy(Head((rank_ + k) % size()).out + at * es, tmp, m * es);
       }
       StreamFence();
-      return Sync(op, /*closing=*/true);
-    }
-    for (int64_t at = begin; at < end; at += chunk) {
-      const int64_t m = std::min(chunk, end - at);
-      ReduceInRankOrder(dtype, rop, in, at, m, out + at * es);
-      for (int k = 1; k < size(); ++k) {
-        Copy(Head((rank_ + k) % size()).out + at * es, out + at * es, m * es);
+    } else {
+      for (int64_t at = begin; at < end; at += chunk) {
+        const int64_t m = std::min(chunk, end - at);
+        ReduceInRankOrder(dtype, rop, in, at, m, out + at * es);
+        for (int k = 1; k < size(); ++k) {
+          Copy(Head((rank_ + k) % size()).out + at * es, out + at * es, m * es);
+        }
       }
     }
-    return Sync(op, /*closing=*/true);  // every block is in every output; nobody reads this rank's buffers any more
+    // Every block is in every output; nobody reads this rank's buffers any more.
+    return EndWriting(op, first);
+  }
+
+  // Begin for a collective whose ranks write into their peers' outputs (see MarkQuiet): a
+  // rank that announced its first barrier and fails there waits for the peers' writes.
+  absl::Status BeginWriting(
+      const char* op, Call&& call, absl::FunctionRef<void()> own = [] {}) {
+    const uint64_t before = epoch_;
+    absl::Status begun = Begin(op, std::move(call), /*closing=*/false, own);
+    if (!begun.ok() && epoch_ != before) group_->AwaitWriters(rank_, epoch_, timeout_);
+    return begun;
+  }
+  // After this rank's writes of the collective whose first barrier is `first`: the closing
+  // barrier, and on its failure the wait for the peers' writes.
+  absl::Status EndWriting(const char* op, uint64_t first) {
+    group_->MarkQuiet(rank_, first);
+    absl::Status done = Sync(op, /*closing=*/true);
+    if (!done.ok()) group_->AwaitWriters(rank_, first, timeout_);
+    return done;
   }
 
   // The moving collectives: every rank copies what it needs of the inputs its peers publish
@@ -1558,6 +1624,8 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
       if (own_early && own_bytes > 0 && own_dst != own_src)
         std::memmove(own_dst, own_src, static_cast<size_t>(own_bytes));
     };
+    // A large Broadcast: every rank writes its block of the bytes into every receiver's output.
+    const bool split_broadcast = kind == CallKind::kBroadcast && !one_barrier && numel * es >= kSplitBroadcastBytes;
     if (one_barrier) {
       DT_ASSIGN_OR_RETURN(char* box, NextMailbox(op));
       if (kind == CallKind::kAllToAll) {  // the peers' blocks only, each at its place
@@ -1572,11 +1640,16 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
     } else {
       call.in = Stage(input, output, in_place);
       own_src = call.in + (own_src - Bytes(input));  // the staged copy where there is one
-      DT_RETURN_IF_ERROR(Begin(op, std::move(call), /*closing=*/false, own));
+      if (split_broadcast) {
+        DT_RETURN_IF_ERROR(BeginWriting(op, std::move(call), own));
+      } else {
+        DT_RETURN_IF_ERROR(Begin(op, std::move(call), /*closing=*/false, own));
+      }
     }
+    const uint64_t first = epoch_;
     switch (kind) {
       case CallKind::kBroadcast:
-        if (!one_barrier && numel * es >= kSplitBroadcastBytes) {
+        if (split_broadcast) {
           // Every rank, the root too, copies its block of the bytes to every receiver: the root's
           // core would idle otherwise (2 ranks: both cores copy, about twice the bandwidth). (Not
           // in one barrier: a receiver would return while the root still writes its output.)
@@ -1613,7 +1686,8 @@ class alignas(64) ThreadsCommunicator final : public Communicator {
         }
       }
     }
-    return one_barrier ? absl::OkStatus() : Sync(op, /*closing=*/true);
+    if (one_barrier) return absl::OkStatus();
+    return split_broadcast ? EndWriting(op, first) : Sync(op, /*closing=*/true);
   }
 
   // ReduceScatter(V): rank r reduces its block of every input into its output.

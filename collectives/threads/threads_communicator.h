@@ -58,11 +58,14 @@
 // marks the group failed, and every later call on the group (and every rank still waiting in
 // it, even one whose peers have all arrived) fails at once with the same code; so a rank that
 // was descheduled past the timeout may report a failure for a call its peers completed. After such a failure, buffers
-// passed to the failed call may still be read by slower peers until they notice: treat the group as dead. Validation
+// passed to the failed call may still be read by slower peers until they notice: treat the group as dead. (They are
+// never written after the call returns: in AllReduce and a large Broadcast, where ranks write into their peers'
+// outputs, a failing rank first waits for the peers that passed the first barrier to finish their writes.) Validation
 // errors (InvalidArgument / Unimplemented, messages "[Op] rank r: ...") are local and leave the group usable; the other
 // ranks of that collective will then time out, unless it calls Abort(why): that fails every
 // group of the family (MakeThreadGroup's and all splits made from it) at once, waking every
-// waiter, which returns Aborted with "rank r aborted the communicator: <why>".
+// waiter, which returns Aborted with "rank r aborted the communicator: <why>" ("rank r (world rank w)" when the
+// aborting group is a split).
 #ifndef DTENSOR_COLLECTIVES_THREADS_THREADS_COMMUNICATOR_H_
 #define DTENSOR_COLLECTIVES_THREADS_THREADS_COMMUNICATOR_H_
 
