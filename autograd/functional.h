@@ -135,7 +135,8 @@ absl::StatusOr<CrossEntropyResult> CrossEntropy(const Value& logits, const Value
 absl::StatusOr<Value> CrossEntropyBackward(const Value& dloss, const Value& logits, const Value& targets,
                                            const CrossEntropyResult& saved, int64_t ignore_index = -100);
 // Training form: the loss and, from the same pass over the logits, dlogits for an upstream
-// gradient `expected_dloss` (float32 0-d dloss_seen holds it). Batch-sharded or replicated
+// gradient `expected_dloss` (float32 0-d dloss_seen holds it; a normal float32, else
+// InvalidArgument: the backward divides by it). Batch-sharded or replicated
 // inputs only (a vocab-sharded logits is gathered: use CrossEntropy for loss parallel).
 struct CrossEntropyFusedResult {
   Value loss;        // as CrossEntropyResult::loss

@@ -72,7 +72,9 @@ absl::StatusOr<Variable> CrossEntropy(const Variable& logits, const Variable& ta
 // reads the logits once for the loss and the gradient and keeps only the gradient (the logits
 // may be freed at once); the backward scales it in place by dloss / expected_dloss, on the
 // device, a no-op pass when they are equal (grad accumulation over K micro-batches: pass
-// 1/K). Not for vocab-sharded logits (loss parallel): it would gather them; use CrossEntropy.
+// 1/K; expected_dloss must be a normal float32: 0 is InvalidArgument, as there would be no
+// gradient to rescale). Not for vocab-sharded logits (loss parallel): it would gather them; use
+// CrossEntropy.
 // Without a gradient to compute it is CrossEntropy.
 absl::StatusOr<Variable> CrossEntropyFused(const Variable& logits, const Variable& targets, int64_t ignore_index = -100,
                                            double expected_dloss = 1.0);

@@ -329,6 +329,13 @@ absl::StatusOr<Value> CrossEntropyBackward(const Value& dloss, const Value& logi
 }
 absl::StatusOr<CrossEntropyFusedResult> CrossEntropyFused(const Value& logits, const Value& targets,
                                                           int64_t ignore_index, double expected_dloss) {
+  // The backward rescales the stored gradient by dloss / expected_dloss: a zero (or subnormal,
+  // where float32 keeps too few bits) expected_dloss would make that ratio inf and the gradient
+  // NaN, an infinite or NaN one a NaN gradient.
+  if (!std::isnormal(static_cast<float>(expected_dloss))) {
+    return InvalidArg("CrossEntropyFused", "expected_dloss must be a finite, nonzero (normal) float32, got ",
+                      expected_dloss);
+  }
   OpArgs args;
   args.ints.push_back(ignore_index);
   args.floats.push_back(expected_dloss);

@@ -15,14 +15,15 @@ absl::Status Kernels::GemmBias(const Tensor& a, const Tensor& b, const Tensor& b
   if (!a3.ok()) return a3.status();
   if (!b3.ok()) return b3.status();
   if (!t3.ok()) return t3.status();
-  // An empty product (K = 0) is zeros.
-  absl::Status s = a.size(1) == 0 ? Fill(target, 0.0) : Gemm(*a3, *b3, *t3, 1.0f, 0.0f);
-  if (!s.ok()) return s;
   const int64_t rows_cols[2] = {m, n};
   absl::StatusOr<Tensor> rows = bias.Unsqueeze(0);
   if (rows.ok()) rows = rows->Expand(rows_cols);  // [M, N], row stride 0
   if (!rows.ok()) return rows.status();
-  s = Binary(BinaryOp::kAdd, target, *rows, target);  // in place: out is exactly `a`
+  // The bias first, then the product accumulated onto it (beta = 1): Gemm sums in float32 and
+  // rounds a 16-bit result once, as torch's addmm and cuBLASLt's epilogue. Adding the bias to
+  // a product already rounded to bfloat16 would round twice (~1 ulp off).
+  absl::Status s = Copy(*rows, target);
+  if (s.ok() && a.size(1) > 0) s = Gemm(*a3, *b3, *t3, 1.0f, 1.0f);  // K = 0: the bias alone
   if (!s.ok() || !gelu) return s;
   return Unary(UnaryOp::kGelu, pre, c);
 }

@@ -161,8 +161,8 @@ class Kernels {
   // `gelu`, c = gelu(a @ b + bias) (tanh approximation) and `pre` receives a @ b + bias, for the
   // backward (`pre` is ignored, and may be undefined, without gelu). a [M, K] and b [K, N] with
   // Gemm's operand layouts (row-major or a transposed view); bias, c and pre contiguous; all of
-  // one float dtype; c and pre do not overlap the inputs. This default is Gemm, then Binary (and
-  // Unary) on this backend, each rounding its result once, as the unfused ops would; CUDA
+  // one float dtype; c and pre do not overlap the inputs. This default is Copy (the bias), Gemm
+  // accumulating onto it (the sum rounded once, as torch's addmm), then Unary on this backend; CUDA
   // applies the epilogue inside cuBLASLt's matmul (bias added in float32 before the result's one
   // rounding) where cuBLASLt takes the problem, and falls back to this default where not.
   virtual absl::Status GemmBias(const Tensor& a, const Tensor& b, const Tensor& bias, bool gelu, const Tensor& c,
@@ -205,7 +205,9 @@ class Kernels {
   virtual absl::Status CrossEntropy(const Tensor& logits, const Tensor& targets, int64_t ignore_index,
                                     const Tensor& losses, const Tensor& valid, const Tensor& lse) = 0;
   // dlogits[n, :] = grad[n] * (softmax(logits[n]) - onehot(targets[n])), zero rows for
-  // ignored targets. grad is float32 [N] with any stride (0 to broadcast one value).
+  // ignored targets. grad is float32 [N] with any stride (0 to broadcast one value). lse is
+  // CrossEntropy's; the CPU and CUDA kernels recompute each row's max and sum instead (a float32
+  // logsumexp is rounded at the magnitude of the row max: ~1e-3 at 2e4, in every probability).
   virtual absl::Status CrossEntropyBackward(const Tensor& logits, const Tensor& targets, const Tensor& lse,
                                             const Tensor& grad, int64_t ignore_index, const Tensor& dlogits) = 0;
   // count (float32 0-d) = the number of targets [N] that are not ignore_index. A target

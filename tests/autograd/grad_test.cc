@@ -10,6 +10,7 @@
 //     gathered gradients equal the single-rank ones within 1e-5.
 // Together: the gradient matches finite differences on 1, 2 and 4 ranks for each layout.
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -637,6 +638,20 @@ TEST(Grad, CrossEntropyFusedSkipsTheRescaleOnlyWhenExact) {
   double gmax = 0;
   for (double v : g0) gmax = std::max(gmax, std::fabs(v));
   EXPECT_GT(gmax, 1e-2);
+}
+
+// The backward rescales by dloss / expected_dloss: an expected_dloss of 0 (the gradient stored
+// as zeros, then scaled by 1 / 0) or a non-finite one would give NaN gradients, so it is refused.
+TEST(Grad, CrossEntropyFusedRejectsAZeroOrNonFiniteExpectedDloss) {
+  const Tensor l = Rand({2, 3}, 96, -1, 1), t = Ids({0, 2}, {2});
+  Variable x = Variable::Leaf(Value(l), true, "logits");
+  for (double e : {0.0, -0.0, 1e-45, std::numeric_limits<double>::infinity(), std::nan(""), 1e39}) {
+    const absl::Status s = CrossEntropyFused(x, Variable::Constant(Value(t)), -100, e).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << e << ": " << s;
+    EXPECT_NE(s.message().find("expected_dloss"), std::string::npos) << s;
+  }
+  // Without a gradient to compute it is CrossEntropy, which has no rescale: any value does.
+  EXPECT_TRUE(CrossEntropyFused(Variable::Constant(Value(l)), Variable::Constant(Value(t)), -100, 0.0).ok());
 }
 
 TEST(Grad, CausalAttention) {

@@ -144,6 +144,23 @@ TEST(CpuAdamWTest, HugeAndSubnormalSecondMomentsStayExact) {
   EXPECT_NEAR(got[2], 1.0 + 1e-3, 1e-5);  // v = 1e-43 holds 2 digits in float32
 }
 
+// |g| > ~1.84e19 with v = (1 - beta2) g^2 still finite: sqrt(v) / sqrt(1 - beta2^t), as torch
+// forms it, is finite, while v / (1 - beta2^t) would overflow (and the step be m / inf = 0).
+TEST(CpuAdamWTest, HugeGradientsStillStep) {
+  const Tensor p = testing::FromDoubles({1.0, 1.0, -2.0}, {3}, DType::kFloat32);
+  const std::vector<double> gv = {1e19, 2e19, -1e20};
+  const Tensor g = testing::FromDoubles(gv, {3}, DType::kFloat32);
+  const Tensor m = Unwrap(Zeros({3}, DType::kFloat32));
+  const Tensor v = Unwrap(Zeros({3}, DType::kFloat32));
+  AdamWParams hp;
+  hp.lr = 1e-3f;
+  hp.step = 1;
+  RefState ref{Values(p), {0, 0, 0}, {0, 0, 0}};
+  RefStep(ref, Values(g), hp, DType::kFloat32);
+  ASSERT_TRUE(AdamWStep_(p, g, m, v, hp).ok());
+  testing::ExpectNear(Values(p), ref.p, {1e-6, 0}, "param");
+}
+
 TEST(CpuAdamWTest, KernelRejectsStepZero) {
   const Tensor p = Unwrap(Zeros({2}, DType::kFloat32));
   AdamWParams hp;

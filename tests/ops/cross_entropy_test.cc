@@ -1,6 +1,7 @@
 // Cross-entropy on the CPU backend against a float64 reference; its backward against central
 // finite differences of the float64 mean loss; the fused form (CrossEntropyWithGrad) against
 // the two ops, bit for bit, and against float64 for a given count.
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -104,6 +105,39 @@ TEST(CpuCrossEntropyTest, LargeLogitsAreStable) {
   std::vector<double> lse;
   for (int i = 0; i < 5; ++i) lse.push_back(LogSumExp(&x[i * 33], 33));
   testing::ExpectNear(Values(o.lse), lse, {1e-6, 1e-3}, "large lse");
+}
+
+// A row max of 2e4: m + log(sum) rounded to float32 is off by up to half its ulp (~1e-3), which
+// the loss and every probability would inherit; the kernels keep m and log(sum) apart, as
+// torch's (x - m) - log(sum). Against float64; the unfused backward and the fused one alike.
+TEST(CpuCrossEntropyTest, LargeLogitsKeepPrecision) {
+  const std::vector<double> x = {3000.25, 3000, 2999.5, 2990, 20000.5, 20000, 19999, 19990,
+                                 1e30,    1e30, -1e30,  0,    -2e4,    -2e4,  -2e4,  -20000.5};
+  const std::vector<int64_t> t = {0, 1, 1, 3};
+  const int64_t n = 4, v = 4;
+  const Tensor logits = testing::FromDoubles(x, {n, v}, DType::kFloat32);
+  const Tensor targets = Targets(t, {n}, DType::kInt64);
+  // float64 reference: mean loss and its gradient (softmax - onehot) / n, from m and s apart
+  // (float64's m + log(s) loses log 2 at 1e30 too).
+  std::vector<double> want;
+  double want_loss = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double* row = &x[static_cast<size_t>(i * v)];
+    const double m = *std::max_element(row, row + v);
+    double s = 0;
+    for (int64_t j = 0; j < v; ++j) s += std::exp(row[j] - m);
+    want_loss += (std::log(s) - (row[t[static_cast<size_t>(i)]] - m)) / static_cast<double>(n);
+    for (int64_t j = 0; j < v; ++j) {
+      want.push_back((std::exp(row[j] - m) / s - (j == t[static_cast<size_t>(i)] ? 1 : 0)) / static_cast<double>(n));
+    }
+  }
+  const CrossEntropyOutput o = Unwrap(CrossEntropy(logits, targets));
+  testing::ExpectNear(Values(o.loss), {want_loss}, {1e-6, 1e-6}, "loss");
+  const Tensor one = testing::FromDoubles({1.0}, {}, DType::kFloat32);
+  testing::ExpectNear(Values(Unwrap(CrossEntropyBackward(one, logits, targets, o))), want, {1e-6, 1e-7}, "backward");
+  const CrossEntropyWithGradOutput f = Unwrap(CrossEntropyWithGrad(logits, targets, one));
+  testing::ExpectNear(Values(f.loss), {want_loss}, {1e-6, 1e-6}, "fused loss");
+  testing::ExpectNear(Values(f.dlogits), want, {1e-6, 1e-7}, "fused dlogits");
 }
 
 TEST(CpuCrossEntropyTest, MinusInfinityLogitsAndNaN) {

@@ -232,7 +232,7 @@ TEST(CpuMatmulTest, KernelRejectsBadArguments) {
 }
 
 // LinearBias (Kernels::GemmBias, nn.Linear's bias and bias + GELU epilogue): against a float64
-// reference, and bit for bit against the unfused ops it replaces on the CPU.
+// reference, and bit for bit against the unfused ops it replaces on the CPU (in float32).
 TEST(CpuLinearBiasTest, MatchesReferenceAndTheUnfusedOps) {
   for (DType d : kFloatTypes) {
     for (bool gelu : {false, true}) {
@@ -263,8 +263,10 @@ TEST(CpuLinearBiasTest, MatchesReferenceAndTheUnfusedOps) {
           testing::ExpectNear(testing::Values(y), act,
                               d == DType::kFloat32 ? testing::Tolerance{1e-4, 1e-5} : testing::Tol(d), what);
         }
-        // The ops it replaces, bit for bit.
-        const Tensor unfused = Unwrap(Add(Unwrap(Matmul(x, w, false, true)), b));
+        // The ops it replaces, bit for bit: in float32, then rounded once to a 16-bit dtype (the
+        // 16-bit ops would round the product before adding the bias).
+        auto f32 = [](const Tensor& t) { return Unwrap(Cast(t, DType::kFloat32)); };
+        const Tensor unfused = Unwrap(Cast(Unwrap(Add(Unwrap(Matmul(f32(x), f32(w), false, true)), f32(b))), d));
         EXPECT_EQ(testing::Values(gelu ? pre : y), testing::Values(unfused)) << what;
         if (gelu) {
           EXPECT_EQ(testing::Values(y), testing::Values(Unwrap(Gelu(unfused)))) << what;
@@ -299,6 +301,24 @@ TEST(CpuLinearBiasTest, StridedInputsEmptyProductsAndErrors) {
   const absl::Status three_d = LinearBias(testing::Random({2, 4, 6}, DType::kFloat32, 27), w, b).status();
   EXPECT_EQ(three_d.code(), absl::StatusCode::kInvalidArgument) << three_d;
   EXPECT_NE(three_d.message().find("[LinearBias]"), std::string::npos) << three_d;
+}
+
+// 16-bit Linear: x w^T + b rounded once, as torch's addmm (and cuBLASLt's epilogue). With u the
+// dtype's ulp at 1: x w^T = 1 + u/4 would round to 1, and 1 + b = 1 + u/2 is then a tie that
+// rounds to 1 again; the exact 1 + 3u/4 rounds to 1 + u.
+TEST(CpuLinearBiasTest, SixteenBitRoundsOnce) {
+  for (DType d : {DType::kBFloat16, DType::kFloat16}) {
+    const double u = d == DType::kBFloat16 ? 0x1p-7 : 0x1p-10;
+    const Tensor x = testing::FromDoubles({1.0, 1.0}, {1, 2}, d);
+    const Tensor w = testing::FromDoubles({1.0, u / 4, 0.5, 0.5}, {2, 2}, d);
+    const Tensor b = testing::FromDoubles({u / 2, 0.25}, {2}, d);
+    const std::vector<double> want = testing::Values(testing::FromDoubles({1.0 + 0.75 * u, 1.25}, {1, 2}, d));
+    for (bool gelu : {false, true}) {
+      Tensor pre;
+      const Tensor y = Unwrap(LinearBias(x, w, b, gelu, &pre));
+      EXPECT_EQ(testing::Values(gelu ? pre : y), want) << DTypeName(d) << (gelu ? " gelu" : "");
+    }
+  }
 }
 
 // LinearWeightBiasGrad (Kernels::GemmBiasGrad) and LinearInputGradGelu (Kernels::GemmDgelu), the

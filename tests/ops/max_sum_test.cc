@@ -2,7 +2,7 @@
 // run on the CPU as those kernels use it: each of a block's threads adds every blockDim-th
 // element of a row, the threads' states merge as WarpMaxSum / BlockMaxSum do (an xor butterfly
 // in each warp of 32, then one over the warps' results), and the outputs are the kernels'
-// formulas (softmax e^(x - m) * (1 / s), log-softmax x - (m + log s), the loss's LogSumExp).
+// formulas (softmax e^(x - m) * (1 / s), log-softmax (x - m) - log s, the loss's LogSumExp).
 // Checked against the CPU kernels, the reference, on rows holding NaN, +inf and -inf in
 // changing places (NaN of either sign: the CPU's cross-entropy takes its max on integer keys,
 // where the two signs sort apart), so that a special value falls in any thread's share; and on
@@ -143,9 +143,9 @@ TEST(MaxSumTest, SoftmaxAndLogSumExpMatchTheCpuKernelsWhateverTheSpecialValues) 
       const std::string what = absl::StrCat(RowString(row), ", ", threads, " threads");
       const MaxSum ms = BlockState(row, threads);
       EXPECT_TRUE(Same(LogSumExp(ms), want_lse)) << what << ": logsumexp " << LogSumExp(ms) << ", CPU " << want_lse;
-      const float inv = 1.0f / ms.s, shift = ms.m + logf(ms.s);
+      const float inv = 1.0f / ms.s, log_s = logf(ms.s);
       for (int64_t j = 0; j < n; ++j) {
-        const float got = expf(row[j] - ms.m) * inv, got_log = row[j] - shift;
+        const float got = expf(row[j] - ms.m) * inv, got_log = (row[j] - ms.m) - log_s;
         ASSERT_TRUE(Same(got, want_y[j])) << what << ": softmax[" << j << "] " << got << ", CPU " << want_y[j];
         ASSERT_TRUE(Same(got_log, want_logy[j]))
             << what << ": log_softmax[" << j << "] " << got_log << ", CPU " << want_logy[j];

@@ -1,5 +1,6 @@
 // Softmax / log_softmax on the CPU backend against float64 references, and their backward
 // against central finite differences of the float64 forward.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -83,6 +84,27 @@ TEST(CpuSoftmaxTest, StableForLargeAndInfiniteLogits) {
   // A row with a NaN is NaN (as PyTorch).
   const Tensor n = Unwrap(Tensor::FromVector<float>(std::vector<float>{1.0f, std::nanf(""), 2.0f}, {1, 3}));
   for (double v : testing::Values(Unwrap(Softmax(n)))) EXPECT_TRUE(std::isnan(v));
+}
+
+// Log-probabilities are (x - max) - log(sum), as torch's: x - (max + log(sum)) rounds the sum at
+// the max's magnitude (half an ulp of 2e4 is ~1e-3; of 1e30, everything below it).
+TEST(CpuSoftmaxTest, LogSoftmaxKeepsPrecisionForLargeLogits) {
+  const std::vector<double> x = {20000.5, 20000, 19999, 19990, 1e30, 1e30, -1e30, 0};
+  for (DType d : {DType::kFloat32, DType::kBFloat16}) {
+    const Tensor xt = testing::FromDoubles(x, {2, 4}, d);
+    const std::vector<double> xv = testing::Values(xt);  // as rounded to d
+    std::vector<double> want;
+    for (int r = 0; r < 2; ++r) {
+      const double* row = &xv[static_cast<size_t>(r * 4)];
+      const double m = *std::max_element(row, row + 4);
+      double s = 0;
+      for (int j = 0; j < 4; ++j) s += std::exp(row[j] - m);
+      for (int j = 0; j < 4; ++j) want.push_back((row[j] - m) - std::log(s));
+    }
+    testing::ExpectNear(testing::Values(Unwrap(LogSoftmax(xt))), want,
+                        d == DType::kFloat32 ? testing::Tolerance{1e-6, 1e-6} : testing::Tol(d),
+                        std::string("log_softmax ") + DTypeName(d));
+  }
 }
 
 TEST(CpuSoftmaxTest, BackwardMatchesFiniteDifferences) {

@@ -1,7 +1,9 @@
 // Fused AdamW step (CPU), PyTorch semantics:
 //   p -= lr * wd * p                       (decoupled weight decay, applied first)
 //   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
-//   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)
+//   p -= lr * (m / (1 - b1^t)) / (sqrt(v) / sqrt(1 - b2^t) + eps)
+// (the square root before the bias correction, as torch: v / (1 - b2^t) would overflow to inf,
+// and the step to 0, once |g| > ~1.8e19).
 // One pass over param, grad, m, v (memory bound), split over OpenMP threads; AdamWMulti also
 // sums the squares of the gradients it reads where asked (the gradient norm, in the same pass),
 // and multiplies each gradient by its grad_scale as it reads it (clipping, without a pass).
@@ -23,7 +25,7 @@ namespace {
 // math flags (std::sqrt may set errno where -fno-math-errno is not passed): an estimate of
 // 1/sqrt(x) from the exponent bits, three Newton steps, then sqrt(x) = x * (1/sqrt(x)) with one
 // correction step. sqrt(0) = 0 and sqrt(inf) = inf (the steps would make inf - inf = NaN: a
-// gradient of 2e19 at step 1 overflows v / (1 - beta2)); a subnormal x is scaled by 2^24 first
+// gradient of 1e21 overflows v); a subnormal x is scaled by 2^24 first
 // (the estimate is far off there, and eps = 0 is allowed).
 inline float SqrtF(float x) {
   const float tiny = x < std::numeric_limits<float>::min() ? 16777216.0f : 1.0f;
@@ -39,7 +41,7 @@ inline float SqrtF(float x) {
 
 // The step's constants.
 struct StepConsts {
-  float b1, b2, lr, eps, decay, inv_bc1, inv_bc2;
+  float b1, b2, lr, eps, decay, inv_bc1, inv_sqrt_bc2;
   float gscale;  // the gradient's factor (1: none; x * 1.0f is x exactly)
   StepConsts(const AdamWParams& hp, float grad_scale)
       : b1(hp.beta1),
@@ -49,8 +51,9 @@ struct StepConsts {
         decay(1.0f - hp.lr * hp.weight_decay),
         inv_bc1(
             static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(hp.beta1), static_cast<double>(hp.step))))),
-        inv_bc2(
-            static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(hp.beta2), static_cast<double>(hp.step))))),
+        // pow rather than 1 / sqrt: pow is the one libm call the step may make (adamw_calls_no_libm).
+        inv_sqrt_bc2(static_cast<float>(
+            std::pow(1.0 - std::pow(static_cast<double>(hp.beta2), static_cast<double>(hp.step)), -0.5))),
         gscale(grad_scale) {}
 };
 
@@ -63,7 +66,7 @@ inline void StepRange(P* param, const G* grad, float* m, float* v, int64_t begin
     m[i] = mi;
     v[i] = vi;
     const float p = ToFloat(param[i]) * k.decay;
-    param[i] = FromFloat<P>(p - k.lr * (mi * k.inv_bc1) / (SqrtF(vi * k.inv_bc2) + k.eps));
+    param[i] = FromFloat<P>(p - k.lr * (mi * k.inv_bc1) / (SqrtF(vi) * k.inv_sqrt_bc2 + k.eps));
   }
 }
 

@@ -74,13 +74,22 @@ bool HasNaN(const float* row, int64_t v) {
   return false;
 }
 
-// logsumexp of row [V], V >= 1; NaN where the row holds one (as torch's).
-DT_ROW_CLONES float LogSumExp(const float* row, int64_t v) {
+// A row's logsumexp as max + log(sum(exp(x - max))), the two terms kept apart: rounding their
+// sum to float32 costs an absolute error of half an ulp of the max (~1e-3 at 2e4), which every
+// log-probability (x - max) - log_s would inherit.
+struct RowStats {
+  float m;
+  float log_s;
+  float Lse() const { return m + log_s; }
+};
+
+// Statistics of row [V], V >= 1; log_s is NaN where the row holds one (as torch's).
+DT_ROW_CLONES RowStats LogSumExp(const float* row, int64_t v) {
   const float m = RowMaxKeyed(row, v);
   // All -inf (-inf), or an +inf logit (+inf). The keyed max passes over a NaN with the sign bit
   // set (what x86 arithmetic makes: inf - inf, 0 * inf), which the sum below turns into NaN in
   // a finite row; an infinite max skips that sum, so it looks for one here.
-  if (std::isinf(m)) return HasNaN(row, v) ? std::numeric_limits<float>::quiet_NaN() : m;
+  if (std::isinf(m)) return {m, HasNaN(row, v) ? std::numeric_limits<float>::quiet_NaN() : 0.0f};
   // float sums over blocks (vectorised), blocks summed in double: a plain float sum over
   // V = 50257 terms loses ~1e-5 relative.
   double s = 0.0;
@@ -91,13 +100,17 @@ DT_ROW_CLONES float LogSumExp(const float* row, int64_t v) {
     for (int64_t i = b; i < e; ++i) bs += ExpKeyClamped(row[i] - m);
     s += bs;
   }
-  return m + static_cast<float>(std::log(s));
+  return {m, static_cast<float>(std::log(s))};
 }
 
+// The loss of a row for target t: logsumexp - row[t].
+float RowLoss(const float* row, RowStats st, int64_t t) { return st.log_s - (row[t] - st.m); }
+
 // d[j] = g * exp(row[j] - lse) for j < v: g times the softmax of the row.
-DT_ROW_CLONES void ScaledSoftmax(const float* row, int64_t v, float lse, float g, float* d) {
+DT_ROW_CLONES void ScaledSoftmax(const float* row, int64_t v, RowStats st, float g, float* d) {
+  const float m = st.m, log_s = st.log_s;
 #pragma omp simd
-  for (int64_t j = 0; j < v; ++j) d[j] = g * ExpKeyClamped(row[j] - lse);
+  for (int64_t j = 0; j < v; ++j) d[j] = g * ExpKeyClamped((row[j] - m) - log_s);
 }
 
 template <typename T, typename I>
@@ -109,12 +122,12 @@ void Forward(const T* logits, const I* targets, int64_t n, int64_t v, int64_t ig
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
       const float* row = RowF32(logits + i * v, v, scratch.data());
-      const float l = LogSumExp(row, v);
+      const RowStats st = LogSumExp(row, v);
       const int64_t t = static_cast<int64_t>(targets[i]);
-      lse[i] = l;
+      lse[i] = st.Lse();
       const bool ok = t != ignore_index;
       valid[i] = ok ? 1.0f : 0.0f;
-      losses[i] = ok ? l - row[t] : 0.0f;
+      losses[i] = ok ? RowLoss(row, st, t) : 0.0f;
     }
   }
 }
@@ -122,7 +135,7 @@ void Forward(const T* logits, const I* targets, int64_t n, int64_t v, int64_t ig
 // out = g * (softmax(row) - onehot(t)) for a counted row (ok), zeros otherwise; row: the
 // float32 logits (unused when !ok); scratch: v floats unless T is float.
 template <typename T>
-void StoreRowGrad(const float* row, int64_t v, float lse, float g, bool ok, int64_t t, T* out, float* scratch) {
+void StoreRowGrad(const float* row, int64_t v, RowStats st, float g, bool ok, int64_t t, T* out, float* scratch) {
   float* d;
   if constexpr (std::is_same_v<T, float>) {
     d = out;
@@ -132,7 +145,7 @@ void StoreRowGrad(const float* row, int64_t v, float lse, float g, bool ok, int6
   if (!ok) {
     for (int64_t j = 0; j < v; ++j) d[j] = 0.0f;
   } else {
-    ScaledSoftmax(row, v, lse, g, d);
+    ScaledSoftmax(row, v, st, g, d);
     d[t] -= g;
   }
   if constexpr (!std::is_same_v<T, float>) {
@@ -140,12 +153,13 @@ void StoreRowGrad(const float* row, int64_t v, float lse, float g, bool ok, int6
   }
 }
 
-// dlogits for each row from `lse` (Backward), or, with losses != nullptr, the forward's losses
-// and then the gradient in one visit of the row (the row is converted once and stays in cache
-// from its logsumexp to its gradient; same arithmetic as Forward + Backward, so the same values).
+// dlogits for each row, and with losses != nullptr the forward's losses too, in one visit of the
+// row (converted once, it stays in cache from its statistics to its gradient; same arithmetic as
+// Forward, so the same values). The statistics are recomputed rather than read from the
+// forward's saved logsumexp, which is rounded at the magnitude of the row max.
 template <typename T, typename I>
-void Backward(const T* logits, const I* targets, const float* lse, const float* grad, int64_t grad_stride, int64_t n,
-              int64_t v, int64_t ignore_index, T* dlogits, float* losses = nullptr) {
+void Backward(const T* logits, const I* targets, const float* grad, int64_t grad_stride, int64_t n, int64_t v,
+              int64_t ignore_index, T* dlogits, float* losses = nullptr) {
 #pragma omp parallel if (n > 1 && n * v >= kParallelGrainExpensive)
   {
     std::vector<float> sx, sd;
@@ -158,14 +172,10 @@ void Backward(const T* logits, const I* targets, const float* lse, const float* 
       const int64_t t = static_cast<int64_t>(targets[i]);
       const bool ok = t != ignore_index;
       const float* row = ok || losses != nullptr ? RowF32(logits + i * v, v, sx.data()) : nullptr;
-      float l;
-      if (losses != nullptr) {
-        l = LogSumExp(row, v);
-        losses[i] = ok ? l - row[t] : 0.0f;
-      } else {
-        l = lse[i];
-      }
-      StoreRowGrad(row, v, l, ok ? grad[i * grad_stride] : 0.0f, ok, t, dlogits + i * v, sd.data());
+      RowStats st{};
+      if (row != nullptr) st = LogSumExp(row, v);
+      if (losses != nullptr) losses[i] = ok ? RowLoss(row, st, t) : 0.0f;
+      StoreRowGrad(row, v, st, ok ? grad[i * grad_stride] : 0.0f, ok, t, dlogits + i * v, sd.data());
     }
   }
 }
@@ -196,7 +206,7 @@ absl::Status CpuBackend::CrossEntropy(const Tensor& logits, const Tensor& target
   });
 }
 
-absl::Status CpuBackend::CrossEntropyBackward(const Tensor& logits, const Tensor& targets, const Tensor& lse,
+absl::Status CpuBackend::CrossEntropyBackward(const Tensor& logits, const Tensor& targets, const Tensor& /*lse*/,
                                               const Tensor& grad, int64_t ignore_index, const Tensor& dlogits) {
   const int64_t n = targets.numel();
   const int64_t v = logits.size(-1);
@@ -208,8 +218,7 @@ absl::Status CpuBackend::CrossEntropyBackward(const Tensor& logits, const Tensor
     if (n == 0 || v == 0) return absl::OkStatus();
     return DispatchFloat("CrossEntropyBackward", logits.dtype(), [&](auto tag) {
       using T = decltype(tag);
-      Backward(logits.data<T>(), tp, lse.data<float>(), grad.data<float>(), grad_stride, n, v, ignore_index,
-               dlogits.data<T>());
+      Backward(logits.data<T>(), tp, grad.data<float>(), grad_stride, n, v, ignore_index, dlogits.data<T>());
       return absl::OkStatus();
     });
   });
@@ -242,7 +251,7 @@ absl::Status CpuBackend::CrossEntropyWithGrad(const Tensor& logits, const Tensor
     if (n == 0) return absl::OkStatus();
     return DispatchFloat("CrossEntropyWithGrad", logits.dtype(), [&](auto tag) {
       using T = decltype(tag);
-      Backward(logits.data<T>(), tp, nullptr, grad.data<float>(), grad_stride, n, v, ignore_index, dlogits.data<T>(),
+      Backward(logits.data<T>(), tp, grad.data<float>(), grad_stride, n, v, ignore_index, dlogits.data<T>(),
                losses.data<float>());
       return absl::OkStatus();
     });

@@ -98,7 +98,7 @@ double ExpSum(const T* x, float m, float* e, int64_t n) {
 
 // Per row: the max (one read of x), then e^(x - max) and its sum (a second read, from cache:
 // a 50257-float row is 200 KB), then one normalising pass. For float32 the exponentials go
-// straight into y and are scaled in place; log-softmax only sums and writes x - max - log(sum).
+// straight into y and are scaled in place; log-softmax only sums and writes (x - max) - log(sum).
 template <typename T>
 void SoftmaxTyped(const T* x, T* y, int64_t rows, int64_t n, bool log) {
   ParallelFor(rows, RowGrain(n), [&](int64_t begin, int64_t end) {
@@ -110,8 +110,9 @@ void SoftmaxTyped(const T* x, T* y, int64_t rows, int64_t n, bool log) {
       const float m = RowMax(xr, n);
       if (log) {
         const double s = ExpSum</*kStore=*/false>(xr, m, nullptr, n);
-        const float shift = m + static_cast<float>(std::log(s));
-        for (int64_t i = 0; i < n; ++i) yr[i] = FromFloat<T>(ToFloat(xr[i]) - shift);
+        // (x - m) - log(s), as torch: x - (m + log(s)) would round m + log(s) at m's magnitude.
+        const auto log_s = static_cast<float>(std::log(s));
+        for (int64_t i = 0; i < n; ++i) yr[i] = FromFloat<T>((ToFloat(xr[i]) - m) - log_s);
         continue;
       }
       float* e;

@@ -26,35 +26,18 @@ __global__ void CrossEntropyKernel(const T* logits, const I* targets, int64_t ig
     ms = BlockMaxSum(ms, smem);
     if (threadIdx.x == 0) {
       const auto t = static_cast<int64_t>(targets[r]);
-      const float l = LogSumExp(ms);
       const bool ok = TargetOk(t, ignore_index, v);
-      lse[r] = l;
+      lse[r] = LogSumExp(ms);
       valid[r] = ok ? 1.0f : 0.0f;
-      losses[r] = ok ? l - ToFloat(row[t]) : 0.0f;
+      losses[r] = ok ? RowLoss(ms, ToFloat(row[t])) : 0.0f;
     }
   }
 }
 
-template <typename T, typename I>
-__global__ void CrossEntropyBackwardKernel(const T* logits, const I* targets, const float* lse, const float* grad,
-                                           int64_t grad_stride, int64_t ignore_index, T* dlogits, int64_t n,
-                                           int64_t v) {
-  for (int64_t r = blockIdx.x; r < n; r += gridDim.x) {
-    const auto t = static_cast<int64_t>(targets[r]);
-    const bool ok = TargetOk(t, ignore_index, v);
-    const float g = ok ? grad[r * grad_stride] : 0.0f;
-    const float l = lse[r];
-    const T* row = logits + r * v;
-    T* out = dlogits + r * v;
-    for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
-      const float d = ok ? g * expf(ToFloat(row[j]) - l) - (j == t ? g : 0.0f) : 0.0f;
-      out[j] = FromFloat<T>(d);
-    }
-  }
-}
-
-// Both kernels above in one visit of each row: its logsumexp, then (while the row is still in
-// L2) its gradient; the logits are read from DRAM once and never stored as probabilities.
+// The loss and gradient of each row in one visit: its max and sum, then (while the row is still
+// in L2) its gradient; the logits are read from DRAM once and never stored as probabilities.
+// losses may be null (CrossEntropyBackward): the statistics are recomputed rather than read
+// from the forward's saved logsumexp, which is rounded at the magnitude of the row max.
 template <typename T, typename I>
 __global__ void CrossEntropyWithGradKernel(const T* logits, const I* targets, int64_t ignore_index, const float* grad,
                                            int64_t grad_stride, float* losses, T* dlogits, int64_t n, int64_t v) {
@@ -64,14 +47,14 @@ __global__ void CrossEntropyWithGradKernel(const T* logits, const I* targets, in
     MaxSum ms = EmptyMaxSum();
     for (int64_t j = threadIdx.x; j < v; j += blockDim.x) ms = MaxSumAdd(ms, ToFloat(row[j]));
     ms = BlockMaxSum(ms, smem);  // every thread gets the row's result
-    const float l = LogSumExp(ms);
+    const float m = ms.m, log_s = LogSum(ms);
     const auto t = static_cast<int64_t>(targets[r]);
     const bool ok = TargetOk(t, ignore_index, v);
-    if (threadIdx.x == 0) losses[r] = ok ? l - ToFloat(row[t]) : 0.0f;
+    if (losses != nullptr && threadIdx.x == 0) losses[r] = ok ? RowLoss(ms, ToFloat(row[t])) : 0.0f;
     const float g = ok ? grad[r * grad_stride] : 0.0f;
     T* out = dlogits + r * v;
     for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
-      const float d = ok ? g * expf(ToFloat(row[j]) - l) - (j == t ? g : 0.0f) : 0.0f;
+      const float d = ok ? g * expf((ToFloat(row[j]) - m) - log_s) - (j == t ? g : 0.0f) : 0.0f;
       out[j] = FromFloat<T>(d);
     }
   }
@@ -114,19 +97,11 @@ cudaError_t LaunchCrossEntropy(DType dtype, const void* logits, DType target_dty
 }
 
 cudaError_t LaunchCrossEntropyBackward(DType dtype, const void* logits, DType target_dtype, const void* targets,
-                                       const float* lse, const float* grad, int64_t grad_stride, int64_t ignore_index,
-                                       void* dlogits, int64_t n, int64_t v) {
+                                       const float* grad, int64_t grad_stride, int64_t ignore_index, void* dlogits,
+                                       int64_t n, int64_t v) {
   if (n <= 0 || v <= 0) return cudaSuccess;
-  return DispatchFloat(dtype, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    return DispatchIndex(target_dtype, [&](auto itag) {
-      using I = typename decltype(itag)::type;
-      CrossEntropyBackwardKernel<T, I><<<GridForRows(n), RowThreads(v), 0, cudaStreamPerThread>>>(
-          static_cast<const T*>(logits), static_cast<const I*>(targets), lse, grad, grad_stride, ignore_index,
-          static_cast<T*>(dlogits), n, v);
-      return cudaGetLastError();
-    });
-  });
+  return LaunchCrossEntropyWithGrad(dtype, logits, target_dtype, targets, ignore_index, grad, grad_stride, nullptr,
+                                    dlogits, n, v);
 }
 
 cudaError_t LaunchCrossEntropyWithGrad(DType dtype, const void* logits, DType target_dtype, const void* targets,

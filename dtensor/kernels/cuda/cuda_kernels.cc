@@ -431,7 +431,7 @@ absl::Status CudaBackend::CrossEntropy(const Tensor& logits, const Tensor& targe
   });
 }
 
-absl::Status CudaBackend::CrossEntropyBackward(const Tensor& logits, const Tensor& targets, const Tensor& lse,
+absl::Status CudaBackend::CrossEntropyBackward(const Tensor& logits, const Tensor& targets, const Tensor& /*lse*/,
                                                const Tensor& grad, int64_t ignore_index, const Tensor& dlogits) {
   constexpr const char* op = "CrossEntropyBackward";
   DT_RETURN_IF_ERROR(CheckIndex(op, "targets", targets.dtype()));
@@ -443,8 +443,7 @@ absl::Status CudaBackend::CrossEntropyBackward(const Tensor& logits, const Tenso
   const int64_t grad_stride = grad.dim() == 0 ? 0 : grad.stride(0);
   return OnDevice(index_, op, [&] {
     return gpu::LaunchCrossEntropyBackward(logits.dtype(), logits.raw_data(), targets.dtype(), targets.raw_data(),
-                                           lse.data<float>(), grad.data<float>(), grad_stride, ignore_index,
-                                           dlogits.raw_data(), n, v);
+                                           grad.data<float>(), grad_stride, ignore_index, dlogits.raw_data(), n, v);
   });
 }
 
@@ -688,7 +687,9 @@ gpu::AdamWArgs AdamWScalars(const AdamWParams& p) {
   args.eps = p.eps;
   args.decay = 1.0f - p.lr * p.weight_decay;
   args.inv_bc1 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(p.beta1), static_cast<double>(p.step))));
-  args.inv_bc2 = static_cast<float>(1.0 / (1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(p.step))));
+  // sqrt(v) / sqrt(1 - beta2^step), as torch: v / (1 - beta2^step) overflows once |g| > ~1.8e19.
+  args.inv_sqrt_bc2 =
+      static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(static_cast<double>(p.beta2), static_cast<double>(p.step))));
   return args;
 }
 }  // namespace
@@ -754,7 +755,7 @@ absl::Status CudaBackend::AdamWMulti(absl::Span<const AdamWTensors> list, const 
       batch.v[k] = t.v.data<float>();
       batch.n[k] = t.param.numel();
       batch.inv_bc1[k] = a.inv_bc1;
-      batch.inv_bc2[k] = a.inv_bc2;
+      batch.inv_sqrt_bc2[k] = a.inv_sqrt_bc2;
       if (batch.count == gpu::kAdamWMultiMax) DT_RETURN_IF_ERROR(launch());
     }
     if (batch.count > 0) DT_RETURN_IF_ERROR(launch());

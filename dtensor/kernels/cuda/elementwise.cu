@@ -205,7 +205,8 @@ __global__ void UnaryBackwardKernel(UnOp op, T* dx, const T* dy, const T* x, int
   }
 }
 
-// PyTorch AdamW: p *= 1 - lr wd; m, v updated; p -= lr * mhat / (sqrt(vhat) + eps).
+// PyTorch AdamW: p *= 1 - lr wd; m, v updated; p -= lr * mhat / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+// (sqrt before the bias correction, as torch: v / (1 - beta2^t) overflows once |g| > ~1.8e19).
 template <typename P, typename G>
 __device__ __forceinline__ void AdamWElement(P* param, const G* grad, float* m, float* v, int64_t i, const AdamWArgs& h,
                                              float gscale) {
@@ -215,7 +216,7 @@ __device__ __forceinline__ void AdamWElement(P* param, const G* grad, float* m, 
   m[i] = mi;
   v[i] = vi;
   const float p = ToFloat(param[i]) * h.decay;
-  param[i] = FromFloat<P>(p - h.lr * (mi * h.inv_bc1) / (sqrtf(vi * h.inv_bc2) + h.eps));
+  param[i] = FromFloat<P>(p - h.lr * (mi * h.inv_bc1) / (sqrtf(vi) * h.inv_sqrt_bc2 + h.eps));
 }
 
 template <typename P, typename G>
@@ -237,7 +238,7 @@ __global__ void __launch_bounds__(kThreads)
   int i = 0;
   while (i + 1 < list.count && blocks.first[i + 1] <= static_cast<int>(blockIdx.x)) ++i;
   h.inv_bc1 = list.inv_bc1[i];
-  h.inv_bc2 = list.inv_bc2[i];
+  h.inv_sqrt_bc2 = list.inv_sqrt_bc2[i];
   const int64_t begin = static_cast<int64_t>(blockIdx.x - blocks.first[i]) * kAdamWChunk;
   const int64_t end = min(list.n[i], begin + kAdamWChunk);
   const float gscale = h.grad_scale != nullptr ? *h.grad_scale : 1.0f;

@@ -66,10 +66,11 @@ cudaError_t LaunchUnary(UnOp op, DType dtype, void* out, const void* a, const La
 // dx[i] = dy[i] * f'(x[i]), all contiguous, float dtypes.
 cudaError_t LaunchUnaryBackward(UnOp op, DType dtype, void* dx, const void* dy, const void* x, int64_t n);
 // Fused AdamW on n contiguous elements (see Kernels::AdamW); decay = 1 - lr * wd,
-// inv_bc1/2 = 1 / (1 - beta^step); grad_scale: null, or one float32 on the device by which every
-// gradient element is multiplied as it is read (AdamWTensors::grad_scale).
+// inv_bc1 = 1 / (1 - beta1^step), inv_sqrt_bc2 = 1 / sqrt(1 - beta2^step); grad_scale: null,
+// or one float32 on the device by which every gradient element is multiplied as it is read
+// (AdamWTensors::grad_scale).
 struct AdamWArgs {
-  float lr, beta1, beta2, eps, decay, inv_bc1, inv_bc2;
+  float lr, beta1, beta2, eps, decay, inv_bc1, inv_sqrt_bc2;
   const float* grad_scale = nullptr;
 };
 cudaError_t LaunchAdamW(DType param_dtype, void* param, DType grad_dtype, const void* grad, float* m, float* v,
@@ -77,7 +78,7 @@ cudaError_t LaunchAdamW(DType param_dtype, void* param, DType grad_dtype, const 
 // AdamW over up to kAdamWMultiMax parameters of one (param, grad) dtype pair in one launch,
 // passed by value (about 3.6 KB, under the 4 KB kernel-parameter limit of older drivers):
 // tensor i has n[i] elements and its own bias corrections; lr, betas, eps, decay and grad_scale
-// are shared (those of `args`; its inv_bc1/2 are unused).
+// are shared (those of `args`; its inv_bc1 and inv_sqrt_bc2 are unused).
 inline constexpr int kAdamWMultiMax = 64;
 struct AdamWMultiList {
   int count = 0;
@@ -87,7 +88,7 @@ struct AdamWMultiList {
   float* v[kAdamWMultiMax];
   int64_t n[kAdamWMultiMax];
   float inv_bc1[kAdamWMultiMax];
-  float inv_bc2[kAdamWMultiMax];
+  float inv_sqrt_bc2[kAdamWMultiMax];
 };
 cudaError_t LaunchAdamWMulti(DType param_dtype, DType grad_dtype, const AdamWMultiList& list, const AdamWArgs& args);
 
@@ -142,12 +143,14 @@ cudaError_t LaunchEmbeddingBackward(DType dout_dtype, const void* dout, DType id
 // targets equal to ignore_index or outside [0, v) are ignored (loss 0, valid 0).
 cudaError_t LaunchCrossEntropy(DType dtype, const void* logits, DType target_dtype, const void* targets,
                                int64_t ignore_index, float* losses, float* valid, float* lse, int64_t n, int64_t v);
-// dlogits[r, :] = grad[r * grad_stride] * (softmax - onehot), zero rows for ignored targets.
+// dlogits[r, :] = grad[r * grad_stride] * (softmax - onehot), zero rows for ignored targets
+// (the row's max and sum recomputed: a saved float32 logsumexp is rounded at the max's magnitude).
 cudaError_t LaunchCrossEntropyBackward(DType dtype, const void* logits, DType target_dtype, const void* targets,
-                                       const float* lse, const float* grad, int64_t grad_stride, int64_t ignore_index,
-                                       void* dlogits, int64_t n, int64_t v);
+                                       const float* grad, int64_t grad_stride, int64_t ignore_index, void* dlogits,
+                                       int64_t n, int64_t v);
 
-// CrossEntropy's losses and CrossEntropyBackward's dlogits from one visit of each row.
+// CrossEntropy's losses (unless losses is null) and CrossEntropyBackward's dlogits from one visit
+// of each row.
 cudaError_t LaunchCrossEntropyWithGrad(DType dtype, const void* logits, DType target_dtype, const void* targets,
                                        int64_t ignore_index, const float* grad, int64_t grad_stride, float* losses,
                                        void* dlogits, int64_t n, int64_t v);

@@ -55,6 +55,11 @@ DT_HOST_DEVICE MaxSum MaxSumMerge(MaxSum a, MaxSum b) {
 // logsumexp of the elements added: an infinite max is the result itself (all -inf: -inf; a
 // +inf element: +inf); NaN stays NaN.
 DT_HOST_DEVICE float LogSumExp(MaxSum v) { return v.m == INFINITY || v.m == -INFINITY ? v.m : v.m + logf(v.s); }
+// log(s), so that logsumexp = m + LogSum: 0 for an infinite max. Log-probabilities are formed as
+// (x - m) - LogSum, as torch's: x - LogSumExp would round m + log(s) at the magnitude of m.
+DT_HOST_DEVICE float LogSum(MaxSum v) { return v.m == INFINITY || v.m == -INFINITY ? 0.0f : logf(v.s); }
+// Cross-entropy of a row whose target logit is xt: logsumexp - xt.
+DT_HOST_DEVICE float RowLoss(MaxSum v, float xt) { return LogSum(v) - (xt - v.m); }
 
 }  // namespace dtensor::internal::gpu
 

@@ -173,8 +173,9 @@ __global__ void SoftmaxKernel(const T* x, T* y, int64_t rows, int64_t n, bool lo
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) ms = MaxSumAdd(ms, ToFloat(xr[j]));
     ms = BlockMaxSum(ms, smem);
     if (log) {
-      const float shift = ms.m + logf(ms.s);
-      for (int64_t j = threadIdx.x; j < n; j += blockDim.x) yr[j] = FromFloat<T>(ToFloat(xr[j]) - shift);
+      // (x - m) - log(s), as torch and the CPU kernel: x - (m + log(s)) rounds at m's magnitude.
+      const float log_s = logf(ms.s);
+      for (int64_t j = threadIdx.x; j < n; j += blockDim.x) yr[j] = FromFloat<T>((ToFloat(xr[j]) - ms.m) - log_s);
     } else {
       const float inv = 1.0f / ms.s;
       for (int64_t j = threadIdx.x; j < n; j += blockDim.x) yr[j] = FromFloat<T>(expf(ToFloat(xr[j]) - ms.m) * inv);
