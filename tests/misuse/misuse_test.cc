@@ -151,7 +151,7 @@ std::vector<Row> Rows() {
       {"Zeros({2}, f32, Cuda(77))", StatusCode::kFailedPrecondition, "cuda:77",
        [](RankEnv&) { return StatusOf(Zeros({2}, DType::kFloat32, Device::Cuda(77))); }},
       // ---- Meshes ----
-      {"DeviceMesh::Create(world of 2, {3})", kInvalid, "holds 3 ranks but the communicator has 2",
+      {"DeviceMesh::Create(world of 2, {3})", kInvalid, "has a dim of 3 ranks, more than the communicator's 2",
        [](RankEnv& e) { return StatusOf(DeviceMesh::Create(*e.comm, {3})); }},
       {"DeviceMesh::Create(world of 2, {2}, {\"dp\", \"tp\"})", kInvalid, "2 dim names [dp, tp] for mesh shape [2]",
        [](RankEnv& e) {
