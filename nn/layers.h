@@ -106,6 +106,7 @@ class CausalSelfAttention : public Module {
   // heads may be sharded (tensor parallelism) or the batch; any other layout of q, k, v is
   // redistributed to one of those first.
   absl::StatusOr<Variable> ForwardCached(const Variable& x, KvCache::Layer& kv, int64_t past);
+  int64_t heads() const { return heads_; }
 
  private:
   // q, k, v of x [B, T, C], each [B, H, T, D].

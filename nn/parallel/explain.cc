@@ -109,10 +109,28 @@ absl::Status Refuse(const std::string& name, const ParallelStyle& style, const s
                                                ": --explain models the GPT plans' styles only (", why, ")"));
 }
 
-// Checks that every style the plan places is one the walk models where it is.
-absl::Status CheckStyles(GPT& model, const ParallelizePlan& plan) {
+// Checks that every style the plan places is one the walk models where it is, one style a
+// module, and that the plan's raw placements keep every parameter Replicate on tp.
+absl::Status CheckStyles(GPT& model, const ParallelizePlan& plan, const std::string& tp_dim) {
+  for (const ParamPlacements& pr : plan.params) {
+    for (const auto& [dim, placement] : pr.placements) {
+      if (dim == tp_dim && placement != kR) {
+        return absl::UnimplementedError(absl::StrCat(
+            "[", kOp, "] rule '", pr.text.empty() ? pr.pattern : pr.text, "' places parameters ", placement.ToString(),
+            " on ", dim, ": --explain models the GPT plans' styles, with parameters that no style places Replicate"));
+      }
+    }
+  }
   for (auto& [name, m] : model.NamedModules()) {
-    for (const ParallelStyle* s : StylesOf(plan, name)) {
+    const std::vector<const ParallelStyle*> styles = StylesOf(plan, name);
+    for (const ParallelStyle* s : styles) {
+      if (*s != *styles[0]) {
+        return absl::UnimplementedError(absl::StrCat("[", kOp, "] ", name, " is matched by rules with styles ",
+                                                     StyleToString(*styles[0]), " and ", StyleToString(*s),
+                                                     ": --explain models one style a module"));
+      }
+    }
+    for (const ParallelStyle* s : styles) {
       const Role role = RoleOf(name);
       bool ok = false;
       std::string why;
@@ -120,9 +138,12 @@ absl::Status CheckStyles(GPT& model, const ParallelizePlan& plan) {
         ok = (role == Role::kWte || role == Role::kRowwise) && IsRS(r->output_layout) && !r->use_local_output;
         why = "RowwiseParallel on wte and the c_projs, output R or S(1)";
       } else if (const auto* c = std::get_if<ColwiseParallel>(s)) {
+        // c_attn fused=3 (its stacked q, k, v); unfused, its [B, T, 3C] output sharded on the
+        // last dim splits into q, k and v with collectives the walk does not count.
+        const int64_t fused = absl::EndsWith(name, ".c_attn") ? 3 : 1;
         ok = (role == Role::kColwise || role == Role::kHead) && c->output_layout == Placement(Shard(-1)) &&
-             !c->use_local_output;
-        why = "ColwiseParallel on c_attn, c_fc and lm_head, output S(-1)";
+             !c->use_local_output && c->fused == fused;
+        why = "ColwiseParallel on c_attn with fused=3, on c_fc and lm_head unfused, output S(-1)";
       } else if (const auto* q = std::get_if<SequenceParallel>(s)) {
         ok = role == Role::kNorm && q->sequence_dim == 1 && !q->use_local_output;
         why = "SequenceParallel on the norms, dim 1";
@@ -260,7 +281,7 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
   std::set<std::string> seq_params;  // Replicate on tp, gradients P on tp (they meet S(1))
   bool loss_parallel = false;
   if (w.tp >= 0) {
-    DT_RETURN_IF_ERROR(CheckStyles(model, o.plan));
+    DT_RETURN_IF_ERROR(CheckStyles(model, o.plan, o.tp_dim));
     DT_RETURN_IF_ERROR(CheckSplitAlike(cfg, o.plan));
     Placement a = kR;  // the residual stream on tp
     if (const auto* r = Find<RowwiseParallel>(o.plan, "transformer.wte")) {

@@ -47,9 +47,11 @@
 // Modules it knows: GPT's (nn/gpt.h) with ColwiseParallel on c_attn, c_fc and lm_head,
 // RowwiseParallel on wte and the c_projs, SequenceParallel on the norms and
 // PrepareModuleInput on attn and mlp (the GPT plans, gpt_plan.h, and their plan files); a
-// plan that places other styles there is Unimplemented, naming the module and the style, and
-// so is one that splits some of wte, lm_head and the blocks' attn and mlp but not all (naming
-// one of each).
+// plan that places other styles there (ColwiseParallel on c_attn must be fused=3, elsewhere
+// unfused) is Unimplemented, naming the module and the style, and so are one that gives a
+// module two different styles, one whose raw placements ("params") put a parameter other
+// than Replicate on tp (naming the rule), and one that splits some of wte, lm_head and the
+// blocks' attn and mlp but not all (naming one of each).
 #ifndef DTENSOR_NN_PARALLEL_EXPLAIN_H_
 #define DTENSOR_NN_PARALLEL_EXPLAIN_H_
 

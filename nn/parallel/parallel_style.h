@@ -15,8 +15,10 @@
 //                       embedding dim); ids -> Replicate. fused = k: the Linear's outputs are k
 //                       equal blocks (GPT-2's q, k, v in c_attn): the weight [k*n, in] is
 //                       viewed as [k, n, in] (bias [k, n]) and dim 1 is sharded, so every rank
-//                       holds its part of each block (its heads of q, k and v); the state dict
-//                       keeps the fused shape.
+//                       holds its part of each block (its heads of q, k and v; the heads must
+//                       divide over the tp ranks); the state dict keeps the fused shape. The
+//                       attention projects q, k and v itself, so the input -> Replicate hook is
+//                       on the attention (after its own PrepareModuleInput, if any).
 //   RowwiseParallel     Linear: weight Shard(1), bias Replicate; input -> Shard(-1); output
 //                       Partial(sum) -> output_layout (Replicate: all_reduce; Shard(1):
 //                       reduce_scatter, sequence parallel). Embedding: weight Shard(0) (the

@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -42,6 +43,15 @@ absl::StatusOr<Placement> ForTensor(const Placement& p, int64_t ndim, const std:
   return Placement(Shard(d));
 }
 
+// "S(1)", or for a parameter of `shape` placed fused (k > 1): "S(1) of its stacked [3, 32, 32]
+// view", the view [k, rows / k, ...] a fused placement shards.
+std::string PlacementText(const Placement& p, int64_t fused, IntSpan shape) {
+  if (fused <= 1 || shape.empty()) return p.ToString();
+  Shape stacked = {fused, shape[0] / fused};
+  for (size_t d = 1; d < shape.size(); ++d) stacked.push_back(shape[d]);
+  return absl::StrCat(p.ToString(), " of its stacked ", ShapeString(stacked), " view (fused=", fused, ")");
+}
+
 // Lays `x` out with `desired` on mesh dim `tp` (its other placements kept); a plain Tensor is
 // first this rank's piece laid out as `plain` on tp and Replicate elsewhere. Differentiable.
 absl::Status Prepare(Variable& x, const DeviceMesh& mesh, int tp, const Placement& plain, const Placement& desired,
@@ -73,19 +83,21 @@ absl::Status ToLocalIf(bool local, Variable& x) {
 }
 
 // Records what `style` asks of `m` (whose parent is `parent`, null for the root) into `plans`
-// and its hooks into `hooks`, installed once the whole plan has passed its checks. The hooks
-// share `mesh_ptr` (a copy of the caller's mesh, alive as long as they are).
+// and its hooks into `hooks` (or `late_hooks`, installed after all of `hooks`), installed once
+// the whole plan has passed its checks. The hooks share `mesh_ptr` (a copy of the caller's
+// mesh, alive as long as they are).
 absl::Status Apply(const std::string& name, Module& m, Module* parent, const ParallelStyle& style,
                    const std::string& rule, const std::shared_ptr<const DeviceMesh>& mesh_ptr, int tp,
                    absl::flat_hash_map<const VariableImpl*, ParamPlan>* plans,
-                   std::vector<std::function<void()>>* hooks) {
+                   std::vector<std::function<void()>>* hooks, std::vector<std::function<void()>>* late_hooks) {
   auto place = [&](Variable* v, Placement p, int64_t fused = 1) -> absl::Status {
     if (v == nullptr) return absl::OkStatus();
     ParamPlan want{p, fused, rule};
     auto [it, fresh] = plans->emplace(v->id(), want);
     if (!fresh && (it->second.placement != p || it->second.fused != fused)) {
-      return InvalidArg(kOp, "parameter ", v->name(), " of ", name, ": rule '", rule, "' places it ", p.ToString(),
-                        " but rule '", it->second.rule, "' placed it ", it->second.placement.ToString());
+      return InvalidArg(kOp, "parameter ", v->name(), " of ", name, ": rule '", rule, "' places it ",
+                        PlacementText(p, fused, v->value().shape()), " but rule '", it->second.rule, "' placed it ",
+                        PlacementText(it->second.placement, it->second.fused, v->value().shape()));
     }
     return absl::OkStatus();
   };
@@ -104,16 +116,20 @@ absl::Status Apply(const std::string& name, Module& m, Module* parent, const Par
       }
       // The stacked view is read by the attention's projection of q, k and v, which runs the
       // three blocks itself (not through the Linear's Forward, so no hooks of its own).
-      const bool qkv = dynamic_cast<CausalSelfAttention*>(parent) != nullptr && absl::EndsWith(name, "c_attn");
-      if (!qkv || c->fused != 3) {
+      const auto* attn = dynamic_cast<const CausalSelfAttention*>(parent);
+      if (attn == nullptr || !absl::EndsWith(name, "c_attn") || c->fused != 3) {
         return InvalidArg(kOp, where, ": fused=", c->fused,
                           " applies to the q, k, v projection (c_attn) of a CausalSelfAttention, as fused=3");
       }
-      if (c->input_layout != Placement(Replicate()) || c->output_layout != Placement(Shard(-1)) ||
-          c->use_local_output) {
-        return InvalidArg(kOp, where, ": fused=3 keeps the default input (R), output (S(-1)) and use_local_output ",
-                          "(false): the attention consumes q, k and v itself (lay out its input with ",
-                          "PrepareModuleInput on the attention)");
+      // Each rank computes whole heads: the heads must divide over the tp ranks.
+      const int64_t ranks = mesh_ptr->size(tp);
+      if (attn->heads() % ranks != 0) {
+        return InvalidArg(kOp, where, ": the attention's ", attn->heads(), " heads do not divide over the ", ranks,
+                          " ranks of mesh dim '", mesh_ptr->names()[static_cast<size_t>(tp)], "'");
+      }
+      if (c->output_layout != Placement(Shard(-1)) || c->use_local_output) {
+        return InvalidArg(kOp, where, ": fused=3 keeps the default output (S(-1)) and use_local_output (false): ",
+                          "the attention consumes q, k and v itself");
       }
     }
     if (linear != nullptr) {
@@ -123,8 +139,18 @@ absl::Status Apply(const std::string& name, Module& m, Module* parent, const Par
     } else {
       DT_RETURN_IF_ERROR(place(embedding->weight(), Shard(1)));
     }
-    if (c->fused > 1) return absl::OkStatus();
     const ColwiseParallel s = *c;
+    if (c->fused > 1) {
+      // The attention projects q, k and v from the stacked weight itself (c_attn's Forward does
+      // not run), so c_attn's input, the attention's input, is brought to Replicate by a hook on
+      // the attention, after that module's own input hooks (e.g. a PrepareModuleInput there).
+      late_hooks->push_back([=] {
+        parent->RegisterForwardInputHook([=](Module&, Variable& x) {
+          return Prepare(x, *mesh_ptr, tp, s.input_layout, Replicate(), where + " input");
+        });
+      });
+      return absl::OkStatus();
+    }
     hooks->push_back([=, &m] {
       m.RegisterForwardInputHook([=](Module&, Variable& x) {
         return Prepare(x, *mesh_ptr, tp, s.input_layout, Replicate(), where + " input");
@@ -208,6 +234,9 @@ std::string ParallelizePlan::ToString() const {
 }
 
 bool MatchesModulePattern(const std::string& pattern, const std::string& name) {
+  // The root's name is empty: only the empty pattern names it ("*" matches children only, as
+  // in PyTorch).
+  if (name.empty() || pattern.empty()) return name.empty() && pattern.empty();
   const std::vector<std::string> p = absl::StrSplit(pattern, '.');
   const std::vector<std::string> n = absl::StrSplit(name, '.');
   if (p.size() != n.size()) return false;
@@ -228,18 +257,39 @@ absl::Status ParallelizeModule(Module& module, const DeviceMesh& mesh, const Par
   // The hooks hold the mesh (a copy shared by them): it outlives the caller's.
   auto kept = std::make_shared<const DeviceMesh>(mesh);
   absl::flat_hash_map<const VariableImpl*, ParamPlan> plans;
-  std::vector<std::function<void()>> hooks;  // installed once every check has passed
+  // Installed once every check has passed; `late` after `hooks` (a fused c_attn's input hook on
+  // its attention runs after the attention's own).
+  std::vector<std::function<void()>> hooks, late;
   std::vector<std::pair<std::string, Module*>> modules = module.NamedModules();
   absl::flat_hash_map<std::string, Module*> by_name(modules.begin(), modules.end());
+  // The rules applied to each module so far (text, style): two that both lay out its input, or
+  // both its output, would stack their hooks; the same style twice is applied once.
+  absl::flat_hash_map<std::string, std::vector<std::pair<std::string, const ParallelStyle*>>> applied;
+  auto hooks_input = [](const ParallelStyle& s) { return !std::holds_alternative<PrepareModuleOutput>(s); };
+  auto hooks_output = [](const ParallelStyle& s) { return !std::holds_alternative<PrepareModuleInput>(s); };
   for (const auto& [pattern, style] : plan.rules) {
     const std::string rule = absl::StrCat(pattern, ": ", StyleToString(style));
     int matched = 0;
     for (auto& [name, m] : modules) {
       if (!MatchesModulePattern(pattern, name)) continue;
       ++matched;
+      bool same = false;
+      for (const auto& [other, other_style] : applied[name]) {
+        if (*other_style == style) {
+          same = true;
+        } else if ((hooks_input(style) && hooks_input(*other_style)) ||
+                   (hooks_output(style) && hooks_output(*other_style))) {
+          return InvalidArg(kOp, "rules '", other, "' and '", rule, "' both match module ",
+                            name.empty() ? "(the root)" : name, " and both lay out its ",
+                            hooks_input(style) && hooks_input(*other_style) ? "input" : "output",
+                            ": give each module one style (narrow a pattern)");
+        }
+      }
+      if (same) continue;
+      applied[name].emplace_back(rule, &style);
       const size_t dot = name.rfind('.');
       Module* parent = name.empty() ? nullptr : by_name[dot == std::string::npos ? "" : name.substr(0, dot)];
-      DT_RETURN_IF_ERROR(Apply(name, *m, parent, style, rule, kept, tp, &plans, &hooks));
+      DT_RETURN_IF_ERROR(Apply(name, *m, parent, style, rule, kept, tp, &plans, &hooks, &late));
     }
     if (matched == 0) return InvalidArg(kOp, "rule '", rule, "' matches no module");
   }
@@ -268,7 +318,8 @@ absl::Status ParallelizeModule(Module& module, const DeviceMesh& mesh, const Par
       auto [it, fresh] = plans.emplace(v->id(), want);
       if (!fresh && (it->second.placement != p || it->second.fused != 1)) {
         return InvalidArg(kOp, "parameter ", name, ": rule '", rule, "' places it ", p.ToString(), " but rule '",
-                          it->second.rule, "' placed it ", it->second.placement.ToString());
+                          it->second.rule, "' placed it ",
+                          PlacementText(it->second.placement, it->second.fused, v->value().shape()));
       }
     }
     if (matched == 0) return InvalidArg(kOp, "rule '", rule, "' matches no parameter");
@@ -291,6 +342,7 @@ absl::Status ParallelizeModule(Module& module, const DeviceMesh& mesh, const Par
   // Checked: nothing was changed before this point, so a plan refused leaves the module as it
   // was (and may be fixed and applied again).
   for (const std::function<void()>& install : hooks) install();
+  for (const std::function<void()>& install : late) install();
   // Every parameter onto the mesh: its placement on tp, Replicate elsewhere.
   for (auto& [name, v] : named) {
     const Value& val = v->value();

@@ -18,13 +18,18 @@
 // its piece of the value it holds (every rank must hold the same values, as after seeded
 // initialisation). Patterns are matched against the dotted names of NamedModules() segment
 // by segment with shell globs ('*' matches within one segment: "transformer.h.*.attn"); the
-// rules apply in order.
+// root module's name is empty and only the empty pattern matches it ("*" matches its children,
+// as in PyTorch). The rules apply in order. A module may be matched by several rules only if
+// they are the same style (applied once) or a PrepareModuleInput and a PrepareModuleOutput:
+// two styles that both lay out its input (or both its output) would stack their hooks.
 //
 // Errors (InvalidArgument naming the rule): a pattern that matches no module (or, for
 // placements, no parameter); a placement on a mesh dim the mesh lacks or a data-parallel
 // dim; a parameter no rule covers (with every_parameter, naming it); a style on a
 // module it does not apply to (Colwise / Rowwise: Linear or Embedding; fused: a Linear whose
-// outputs divide by it; SequenceParallel: LayerNorm, RMSNorm or Dropout); a parameter two
+// outputs divide by it, the c_attn of an attention whose heads divide over the tp ranks;
+// SequenceParallel: LayerNorm, RMSNorm or Dropout); two rules that both lay out one module's
+// input or output (naming both and the module); a parameter two
 // rules place differently (a tied weight); a parameter that is a DTensor already; a shard of
 // a dim the tensor does not have; an unknown tp dim.
 #ifndef DTENSOR_NN_PARALLEL_PARALLELIZE_H_

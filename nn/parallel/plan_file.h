@@ -4,7 +4,7 @@
 //   {
 //     "mesh": {"dp_replicate": 1, "dp_shard": -1, "tp": 2},
 //     "rules": [
-//       {"module": "transformer.wte", "style": "RowwiseParallel(output=S(1))"},
+//       {"module": "transformer.wte", "style": "RowwiseParallel(input=R, output=S(1))"},
 //       {"module": "transformer.h.*.attn.c_attn", "style": "ColwiseParallel(fused=3)"},
 //       {"param": "transformer.wpe.weight", "placements": {"tp": "R"}}
 //     ]

@@ -4,10 +4,14 @@
 // parameters (full_tensor, in GPT-2's shapes); each block issues exactly Megatron's
 // collectives in forward and backward; styles print and parse back; bad plans are refused
 // with the rule's text; FSDP (x TP) with each rank's own rows as plain tensors matches one rank;
-// an input on another mesh than the module's is an error.
+// an input on another mesh than the module's is an error; fused=3 refuses heads that do not
+// divide over tp and brings its input to Replicate; ExplainGptStep predicts a real step's
+// collectives or refuses the plan; overlapping rules are refused; "*" does not match the root.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <utility>
@@ -19,6 +23,7 @@
 #include "dtensor/nn/gpt.h"
 #include "dtensor/nn/layers.h"
 #include "dtensor/nn/optim.h"
+#include "dtensor/nn/parallel/explain.h"
 #include "dtensor/nn/parallel/fully_shard.h"
 #include "dtensor/nn/parallel/gpt_plan.h"
 #include "dtensor/nn/parallel/parallelize.h"
@@ -430,7 +435,7 @@ TEST(TensorParallelTest, StylesApplyWhereTheySay) {
       };
       refused({{"transformer.h.*.mlp.c_fc", nn::ColwiseParallel{.fused = 2}}}, "applies to the q, k, v projection");
       refused({{"transformer.h.*.attn.c_attn", nn::ColwiseParallel{.output_layout = Replicate(), .fused = 3}}},
-              "keeps the default input");
+              "keeps the default output");
     });
   }
   for (auto& t : threads) t.join();
@@ -453,6 +458,194 @@ TEST(TensorParallelTest, BadPlansAreRefusedWithTheRule) {
   expect({{"transformer.wte", nn::RowwiseParallel{}}, {"lm_head", nn::RowwiseParallel{}}}, "placed it S(0)");
   auto model = Unwrap(nn::GPT::Create(Config()));
   EXPECT_TRUE(absl::IsInvalidArgument(nn::ParallelizeModule(*model, mesh, {}, "pp")));
+}
+
+// One forward and backward of GPT under `plan` on `tp` thread ranks: rank 0's real collectives
+// (its CommCounter), the loss, and what ExplainGptStep predicts for that step.
+struct TpStep {
+  absl::Status parallelized;
+  CommCounter forward, backward;
+  double loss = 0;
+  absl::StatusOr<std::array<CommCounter, 3>> explained = absl::UnknownError("not run");
+};
+
+TpStep RunTpStep(const nn::ParallelizePlan& plan, int tp = 2, const nn::GPTConfig& config = Config()) {
+  TpStep out;
+  auto comms = Unwrap(MakeThreadGroup(tp, absl::Seconds(30)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < tp; ++r) {
+    threads.emplace_back([&, r] {
+      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {tp}, {"tp"}));
+      auto model = Unwrap(nn::GPT::Create(config));
+      ASSERT_TRUE(model->InitWeights(5).ok());
+      const absl::Status s = nn::ParallelizeModule(*model, mesh, plan, "tp");
+      if (r == 0) out.parallelized = s;
+      if (!s.ok()) return;
+      absl::StatusOr<nn::StepExplanation> e =
+          nn::ExplainGptStep(*model, mesh, {.batch = kBatch, .seq = kSeq, .plan = plan});
+      auto [inputs, targets] = Batch(0);
+      Value x = Unwrap(DTensor::Distribute(inputs, mesh, {Replicate()}, {.src_rank = std::nullopt}));
+      Value y = Unwrap(DTensor::Distribute(targets, mesh, {Replicate()}, {.src_rank = std::nullopt}));
+      CommCounter fwd, bwd;
+      SetCommCounter(mesh, &fwd);
+      nn::GPT::Output o = Unwrap(model->Forward(Variable::Constant(x), Variable::Constant(y)));
+      SetCommCounter(mesh, &bwd);
+      const absl::Status b = Backward(o.loss);
+      SetCommCounter(mesh, nullptr);
+      ASSERT_TRUE(b.ok()) << b;
+      Value l = o.loss.value();
+      if (l.is_dtensor()) l = Unwrap(l.dtensor().Redistribute(Layout({Replicate()})));
+      if (r == 0) {
+        out.forward = fwd;
+        out.backward = bwd;
+        out.loss = testing::Values(l.local())[0];
+        out.explained = e.ok() ? absl::StatusOr<std::array<CommCounter, 3>>(e->Totals()) : e.status();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return out;
+}
+
+double OneRankLoss(const nn::GPTConfig& config = Config()) {
+  auto model = Unwrap(nn::GPT::Create(config));
+  EXPECT_TRUE(model->InitWeights(5).ok());
+  auto [inputs, targets] = Batch(0);
+  nn::GPT::Output o = Unwrap(model->Forward(Variable::Constant(Value(inputs)), Variable::Constant(Value(targets))));
+  return testing::Values(o.loss.value().local())[0];
+}
+
+nn::ParallelizePlan Without(nn::ParallelizePlan plan, const std::string& pattern) {
+  std::erase_if(plan.rules, [&](const auto& rule) { return rule.first == pattern; });
+  return plan;
+}
+
+// fused=3 shards c_attn's stacked [3, C, C] on dim 1, so each rank must hold whole heads: 6
+// heads over 4 ranks (C = 36 divides by 4, so the shards themselves are even) would give each
+// rank 1.5 heads. Refused, naming both numbers, like the trainer's own check.
+TEST(TensorParallelTest, FusedQkvRefusesHeadsThatDoNotDivideOverTp) {
+  const TpStep got = RunTpStep(nn::GptTensorParallelPlan(true), /*tp=*/4, Config(/*heads=*/6));
+  EXPECT_TRUE(absl::IsInvalidArgument(got.parallelized)) << got.parallelized;
+  EXPECT_NE(got.parallelized.message().find("6 heads do not divide over the 4 ranks"), std::string::npos)
+      << got.parallelized;
+}
+
+// ColwiseParallel(fused=3) brings its input to Replicate as the unfused style does (PyTorch's
+// ColwiseParallel input hook): the sequence-parallel plan without the PrepareModuleInput on
+// attn issues the same collectives as with it (its S(1) input is gathered once, not fed into
+// the stacked projection, which then moved it with all_to_alls), gives the one-rank loss, and
+// ExplainGptStep's prediction is the real step's.
+TEST(TensorParallelTest, FusedQkvBringsItsInputToReplicate) {
+  const TpStep with = RunTpStep(nn::GptTensorParallelPlan(true));
+  const TpStep without = RunTpStep(Without(nn::GptTensorParallelPlan(true), "transformer.h.*.attn"));
+  ASSERT_TRUE(with.parallelized.ok()) << with.parallelized;
+  ASSERT_TRUE(without.parallelized.ok()) << without.parallelized;
+  EXPECT_EQ(without.forward.ToString(), with.forward.ToString());
+  EXPECT_EQ(without.backward.ToString(), with.backward.ToString());
+  EXPECT_EQ(without.forward.calls(CommKind::kAllToAll) + without.backward.calls(CommKind::kAllToAll), 0);
+  EXPECT_NEAR(without.loss, OneRankLoss(), 1e-5);
+  ASSERT_TRUE(without.explained.ok()) << without.explained.status();
+  EXPECT_EQ((*without.explained)[0].ToString(), without.forward.ToString());
+  EXPECT_EQ((*without.explained)[1].ToString(), without.backward.ToString());
+}
+
+// ExplainGptStep either predicts the real step's collectives or says it does not model the
+// plan: c_attn unfused (its [B, T, 3C] output split into q, k, v moves data the walk does not
+// count) and wpe sharded on tp by a raw placement are Unimplemented; the GPT plans are
+// explained exactly.
+TEST(TensorParallelTest, ExplainPredictsTheRealStepOrRefuses) {
+  nn::ParallelizePlan plain_cattn = nn::GptTensorParallelPlan(true);
+  for (auto& [pattern, style] : plain_cattn.rules) {
+    if (pattern == "transformer.h.*.attn.c_attn") style = nn::ColwiseParallel{};
+  }
+  nn::ParallelizePlan wpe_sharded = nn::GptTensorParallelPlan(true);
+  wpe_sharded.params.push_back({.pattern = "transformer.wpe.weight", .placements = {{"tp", Shard(0)}}, .text = ""});
+  struct Case {
+    std::string what;
+    nn::ParallelizePlan plan;
+    std::string refusal;  // empty: explained
+  };
+  const std::vector<Case> cases = {{"sequence parallel", nn::GptTensorParallelPlan(true), ""},
+                                   {"Megatron", nn::GptTensorParallelPlan(false), ""},
+                                   {"c_attn unfused", plain_cattn, "fused=3"},
+                                   {"wpe S(0) on tp", wpe_sharded, "transformer.wpe.weight"}};
+  for (const Case& c : cases) {
+    const TpStep got = RunTpStep(c.plan);
+    ASSERT_TRUE(got.parallelized.ok()) << c.what << ": " << got.parallelized;
+    EXPECT_NEAR(got.loss, OneRankLoss(), 1e-5) << c.what;
+    if (got.explained.ok()) {
+      EXPECT_EQ((*got.explained)[0].ToString(), got.forward.ToString()) << c.what << ": forward";
+      EXPECT_EQ((*got.explained)[1].ToString(), got.backward.ToString()) << c.what << ": backward";
+    }
+    if (c.refusal.empty()) {
+      EXPECT_TRUE(got.explained.ok()) << c.what << ": " << got.explained.status();
+    } else {
+      EXPECT_TRUE(absl::IsUnimplemented(got.explained.status())) << c.what << ": " << got.explained.status();
+      EXPECT_NE(got.explained.status().message().find(c.refusal), std::string::npos)
+          << c.what << ": " << got.explained.status();
+    }
+  }
+}
+
+// Two rules matching one module would stack their hooks (h.*.mlp and h.0.mlp each a
+// PrepareModuleInput: block 0's input laid out twice, while explain modelled one): refused,
+// naming both rules and the module. The same style twice is applied once: the step issues the
+// plan's own collectives.
+TEST(TensorParallelTest, RulesThatOverlapOnAModuleAreRefusedUnlessTheSame) {
+  nn::ParallelizePlan overlap = nn::GptTensorParallelPlan(true);
+  overlap.rules.emplace_back("transformer.h.0.mlp",
+                             nn::PrepareModuleInput{.input_layout = Shard(1), .desired_input_layout = Shard(1)});
+  const TpStep refused = RunTpStep(overlap);
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.parallelized)) << refused.parallelized;
+  for (const char* needle :
+       {"'transformer.h.*.mlp: PrepareModuleInput(input=S(1), desired=R)'",
+        "'transformer.h.0.mlp: PrepareModuleInput(input=S(1), desired=S(1))'", "module transformer.h.0.mlp"}) {
+    EXPECT_NE(refused.parallelized.message().find(needle), std::string::npos) << refused.parallelized;
+  }
+  nn::ParallelizePlan twice = nn::GptTensorParallelPlan(true);
+  twice.rules.emplace_back("transformer.h.*.mlp.c_fc", nn::ColwiseParallel{});
+  const TpStep dup = RunTpStep(twice);
+  const TpStep once = RunTpStep(nn::GptTensorParallelPlan(true));
+  ASSERT_TRUE(dup.parallelized.ok()) << dup.parallelized;
+  EXPECT_EQ(dup.forward.ToString(), once.forward.ToString());
+  EXPECT_EQ(dup.backward.ToString(), once.backward.ToString());
+}
+
+// The root module's name is empty; "*" matches one segment of a child's name, not the root
+// (PyTorch: "*" matches the children only), so {"*": ColwiseParallel} applies to the Linear
+// children of a container instead of refusing the container.
+TEST(TensorParallelTest, AStarMatchesTheChildrenNotTheRoot) {
+  EXPECT_FALSE(nn::MatchesModulePattern("*", ""));
+  EXPECT_TRUE(nn::MatchesModulePattern("", ""));
+  EXPECT_TRUE(nn::MatchesModulePattern("*", "a"));
+  EXPECT_FALSE(nn::MatchesModulePattern("", "a"));
+  struct Two : nn::Module {
+    Two() {
+      a = RegisterModule("a", std::make_unique<nn::Linear>(4, 4));
+      b = RegisterModule("b", std::make_unique<nn::Linear>(4, 4));
+    }
+    nn::Linear *a, *b;
+  };
+  auto comms = Unwrap(MakeThreadGroup(1));
+  DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[0], {1}, {"tp"}));
+  Two m;
+  const absl::Status s = nn::ParallelizeModule(m, mesh, {{"*", nn::ColwiseParallel{}}}, "tp");
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_FALSE(m.has_hooks());
+  EXPECT_TRUE(m.a->has_hooks());
+  EXPECT_TRUE(m.b->has_hooks());
+}
+
+// A raw placement of c_attn's weight beside the fused rule: the message says which view the
+// fused placement shards (dim 1 of the stacked [3, C, C]), not "S(1) but ... S(1)".
+TEST(TensorParallelTest, AParamRuleBesideAFusedRuleNamesTheStackedView) {
+  nn::ParallelizePlan plan = nn::GptTensorParallelPlan(true);
+  plan.params.push_back(
+      {.pattern = "transformer.h.*.attn.c_attn.weight", .placements = {{"tp", Shard(1)}}, .text = ""});
+  const TpStep got = RunTpStep(plan);
+  EXPECT_TRUE(absl::IsInvalidArgument(got.parallelized)) << got.parallelized;
+  EXPECT_NE(got.parallelized.message().find("S(1) of its stacked [3, 32, 32] view (fused=3)"), std::string::npos)
+      << got.parallelized;
 }
 
 }  // namespace
