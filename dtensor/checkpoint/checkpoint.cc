@@ -1,11 +1,14 @@
 #include "dtensor/checkpoint/checkpoint.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -13,6 +16,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -76,7 +80,9 @@ std::vector<LocalBox> StoredBoxes(const LocalBox& box, const Shape& shape, const
 }
 
 absl::StatusOr<DType> ParseDType(const std::string& name) {
-  for (DType t : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kInt32, DType::kInt64, DType::kBool}) {
+  // Every DType (kFloat8E5M2 is the last): a save writes any of them.
+  for (int i = 0; i <= static_cast<int>(DType::kFloat8E5M2); ++i) {
+    const DType t = static_cast<DType>(i);
     if (name == DTypeName(t)) return t;
   }
   return absl::DataLossError(absl::StrCat("unknown dtype '", name, "'"));
@@ -113,6 +119,53 @@ absl::Status FsyncPath(const std::string& path, bool directory) {
   ::close(fd);
   if (rc != 0) return absl::InternalError(absl::StrCat("[SaveCheckpoint] fsync ", path, ": ", Errno()));
   return absl::OkStatus();
+}
+
+// `root` normalised lexically ("a//b/./c/" -> "a/b/c"), without a trailing separator.
+fs::path NormalRoot(const std::string& root) {
+  fs::path p = fs::path(root).lexically_normal();
+  if (p.has_relative_path() && !p.has_filename()) p = p.parent_path();
+  return p;
+}
+
+// An open directory, flock'ed (exclusively) while this object lives: a save holds its
+// temporary directory so, and the removal of stale ones skips a directory a live save holds.
+class DirLock {
+ public:
+  DirLock() = default;
+  DirLock(const DirLock&) = delete;
+  DirLock& operator=(const DirLock&) = delete;
+  ~DirLock() { Release(); }
+  // Takes the lock on `dir` without waiting: true when it is held now, or when the
+  // filesystem has no flock (then nothing is held); false when another holds it or `dir`
+  // cannot be opened.
+  bool TryLock(const std::string& dir) {
+    Release();
+    fd_ = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd_ < 0) return false;
+    if (::flock(fd_, LOCK_EX | LOCK_NB) == 0) return true;
+    const bool held_by_another = errno == EWOULDBLOCK;
+    Release();
+    return !held_by_another;
+  }
+  void Release() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
+// The name a .tmp- directory is for: ".tmp-<name>.<16 hex digits>" (".tmp-<name>" as older
+// versions named it).
+std::string TemporaryOf(const std::string& dir_name) {
+  std::string of = dir_name.substr(5);
+  if (of.size() > 17 && of[of.size() - 17] == '.' &&
+      of.find_first_not_of("0123456789abcdef", of.size() - 16) == std::string::npos) {
+    of.resize(of.size() - 17);
+  }
+  return of;
 }
 
 // All ranks stop together when any failed (AgreeOnStatus); a peer's failure is named as such.
@@ -423,7 +476,16 @@ absl::Status CommitMetadata(const std::string& tmp, const std::string& final_dir
     return absl::InternalError(absl::StrCat("[SaveCheckpoint] renaming ", part, ": ", Errno()));
   }
   DT_RETURN_IF_ERROR(FsyncPath(tmp, true));
-  if (::rename(tmp.c_str(), final_dir.c_str()) != 0) {
+  // Never over another checkpoint: a save of the same name by another job may have committed
+  // since this one began (a filesystem without RENAME_NOREPLACE still refuses to rename a
+  // directory over a non-empty one, as a checkpoint is).
+  int rc = ::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_NOREPLACE);
+  if (rc != 0 && (errno == EINVAL || errno == ENOSYS)) rc = ::rename(tmp.c_str(), final_dir.c_str());
+  if (rc != 0) {
+    if (errno == EEXIST || errno == ENOTEMPTY) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("[SaveCheckpoint] ", final_dir, " exists (another save of that name committed first)"));
+    }
     return absl::InternalError(absl::StrCat("[SaveCheckpoint] renaming ", tmp, " to ", final_dir, ": ", Errno()));
   }
   return FsyncPath(root, true);
@@ -635,6 +697,7 @@ absl::StatusOr<int64_t> CopyOverlap(Files& files, const PieceInfo& piece, const 
 struct AsyncCheckpointSave::Job {
   Communicator* world = nullptr;
   std::string root = "", name = "", tmp = "", final_dir = "";
+  DirLock tmp_lock = {};  // rank 0: on tmp, from Begin to Finish
   SaveOptions options = {};
   Json skeleton = Json::object();
   std::vector<Piece> pieces = {};
@@ -645,6 +708,14 @@ namespace {
 
 using SaveJob = AsyncCheckpointSave::Job;
 
+// Rank 0, after every rank has stopped writing to it: removes this save's directory.
+void Abandon(SaveJob& job) {
+  if (job.world->rank() != 0 || job.tmp.empty()) return;
+  std::error_code ec;
+  fs::remove_all(job.tmp, ec);
+  job.tmp_lock.Release();
+}
+
 absl::Status Begin(SaveJob& job, const CheckpointState& state, bool copy) {
   const std::string& name = job.name;
   if (name.empty() || name[0] == '.' || name.find('/') != std::string::npos || job.options.block_bytes < 1) {
@@ -652,31 +723,55 @@ absl::Status Begin(SaveJob& job, const CheckpointState& state, bool copy) {
                                                    "' (non-empty, no '/', not starting with '.') or block_bytes ",
                                                    job.options.block_bytes, " (>= 1)"));
   }
-  job.tmp = job.root + "/.tmp-" + name;
+  if (job.root.empty()) return absl::InvalidArgumentError("[SaveCheckpoint] the root is empty");
+  job.root = NormalRoot(job.root).string();
   job.final_dir = job.root + "/" + name;
   Communicator& world = *job.world;
   absl::Status prepared;
+  std::string tmp_name;  // rank 0's: the ranks write where it says
   if (world.rank() == 0) {
     std::error_code ec;
-    // A root made here is made durable (its parent fsynced), or a crash could lose it and
-    // every checkpoint saved in it.
-    const fs::path parent = fs::absolute(job.root, ec).parent_path();
-    if (!fs::exists(job.root, ec) && fs::create_directories(job.root, ec)) prepared = FsyncPath(parent.string(), true);
+    prepared = MakeCheckpointRoot(job.root);
     if (prepared.ok() && fs::exists(job.final_dir, ec)) {
       prepared = absl::AlreadyExistsError(absl::StrCat("[SaveCheckpoint] ", job.final_dir, " exists"));
     } else if (prepared.ok()) {
-      fs::remove_all(job.tmp, ec);
-      if (!fs::create_directory(job.tmp, ec)) {
-        prepared = absl::InternalError(absl::StrCat("[SaveCheckpoint] creating ", job.tmp, ": ", ec.message()));
+      // A directory of this save's own (another job may save the same name into this root at
+      // the same time), never one that exists.
+      std::random_device device;
+      std::mt19937_64 random((uint64_t{device()} << 32) ^ device() ^ (static_cast<uint64_t>(::getpid()) << 20) ^
+                             static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+      prepared = absl::InternalError(absl::StrCat("[SaveCheckpoint] no free temporary name in ", job.root));
+      for (int attempt = 0; attempt < 16; ++attempt) {
+        tmp_name = absl::StrFormat(".tmp-%s.%016x", name, random());
+        const std::string tmp = job.root + "/" + tmp_name;
+        if (::mkdir(tmp.c_str(), 0777) == 0) {
+          if (!job.tmp_lock.TryLock(tmp)) {
+            prepared =
+                absl::InternalError(absl::StrCat("[SaveCheckpoint] locking ", tmp, " (removed by another save?)"));
+            ::rmdir(tmp.c_str());
+          } else {
+            prepared = absl::OkStatus();
+          }
+          break;
+        }
+        if (errno != EEXIST) {
+          prepared = absl::InternalError(absl::StrCat("[SaveCheckpoint] creating ", tmp, ": ", Errno()));
+          break;
+        }
       }
     }
   }
   DT_RETURN_IF_ERROR(Agree(world, prepared, "preparing the directory"));
+  DT_ASSIGN_OR_RETURN(const std::vector<std::string> tmp_names, AllGatherText(world, tmp_name));
+  job.tmp = job.root + "/" + tmp_names[0];
   // Partial values are reduced here (collective), before any rank can fail alone.
   absl::StatusOr<std::vector<Piece>> pieces = PiecesOf(world, state, copy);
   absl::StatusOr<Json> skeleton = Skeleton(state);
   absl::Status staged = pieces.ok() ? skeleton.status() : pieces.status();
-  DT_RETURN_IF_ERROR(Agree(world, staged, "staging the pieces"));
+  if (absl::Status agreed = Agree(world, staged, "staging the pieces"); !agreed.ok()) {
+    Abandon(job);
+    return agreed;
+  }
   job.pieces = *std::move(pieces);
   job.skeleton = *std::move(skeleton);
   return absl::OkStatus();
@@ -713,9 +808,10 @@ absl::Status Prune(const std::string& root, const std::string& name, int64_t kee
   return absl::OkStatus();
 }
 
-// Removes what saves of this series that never committed left (<root>/.tmp-<older name>,
-// where a crash interrupted them): names before `name` only, so a later save in flight (its
-// own .tmp- directory) is left alone.
+// Removes what saves of this series that never committed left (<root>/.tmp-<name>.<suffix>,
+// where a crash interrupted them): names up to `name` only, so a later save in flight is left
+// alone, and none that a live save holds (its lock), such as an earlier name's async save of
+// this run or a save of `name` by another job, which will fail to commit.
 void RemoveStaleTemporaries(const std::string& root, const std::string& name) {
   const std::string form = NameForm(name);
   std::error_code ec;
@@ -723,10 +819,13 @@ void RemoveStaleTemporaries(const std::string& root, const std::string& name) {
   for (const fs::directory_entry& e : fs::directory_iterator(root, ec)) {
     const std::string n = e.path().filename().string();
     if (n.rfind(".tmp-", 0) != 0) continue;
-    const std::string of = n.substr(5);
-    if (NameForm(of) == form && NaturalLess(of, name)) stale.push_back(n);
+    const std::string of = TemporaryOf(n);
+    if (NameForm(of) == form && !NaturalLess(name, of)) stale.push_back(n);
   }
-  for (const std::string& n : stale) fs::remove_all(root + "/" + n, ec);
+  for (const std::string& n : stale) {
+    DirLock lock;
+    if (lock.TryLock(root + "/" + n)) fs::remove_all(root + "/" + n, ec);
+  }
 }
 
 void Write(SaveJob& job) {
@@ -736,7 +835,10 @@ void Write(SaveJob& job) {
 
 absl::Status Finish(SaveJob& job) {
   Communicator& world = *job.world;
-  DT_RETURN_IF_ERROR(Agree(world, job.written.status(), "writing the pieces"));
+  if (absl::Status written = Agree(world, job.written.status(), "writing the pieces"); !written.ok()) {
+    Abandon(job);
+    return written;
+  }
   DT_ASSIGN_OR_RETURN(std::vector<std::string> texts, AllGatherText(world, job.written->dump()));
   absl::Status committed;
   if (world.rank() == 0) {
@@ -745,7 +847,10 @@ absl::Status Finish(SaveJob& job) {
     if (committed.ok() && job.options.keep > 0) committed = Prune(job.root, job.name, job.options.keep);
     if (committed.ok()) RemoveStaleTemporaries(job.root, job.name);
   }
-  return Agree(world, committed, "committing the metadata");
+  absl::Status agreed = Agree(world, committed, "committing the metadata");
+  if (!agreed.ok()) Abandon(job);  // (a committed directory is no longer there)
+  job.tmp_lock.Release();
+  return agreed;
 }
 
 }  // namespace
@@ -786,6 +891,33 @@ AsyncCheckpointSave::AsyncCheckpointSave() = default;
 
 AsyncCheckpointSave::~AsyncCheckpointSave() {
   if (thread_.joinable()) thread_.join();
+}
+
+absl::Status MakeCheckpointRoot(const std::string& root) {
+  if (root.empty()) return absl::InvalidArgumentError("[MakeCheckpointRoot] the root is empty");
+  const fs::path dir = NormalRoot(root);
+  std::vector<fs::path> missing;  // innermost first
+  for (fs::path p = dir;;) {
+    struct stat st;
+    if (::stat(p.c_str(), &st) == 0) break;
+    if (errno != ENOENT) return absl::InternalError(absl::StrCat("[MakeCheckpointRoot] ", p.string(), ": ", Errno()));
+    missing.push_back(p);
+    const fs::path up = p.parent_path();
+    if (up.empty() || up == p) break;
+    p = up;
+  }
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    if (::mkdir(it->c_str(), 0777) != 0 && errno != EEXIST) {  // (EEXIST: another rank or job made it)
+      return absl::InternalError(absl::StrCat("[MakeCheckpointRoot] creating ", it->string(), ": ", Errno()));
+    }
+    const fs::path parent = it->has_parent_path() ? it->parent_path() : fs::path(".");
+    DT_RETURN_IF_ERROR(FsyncPath(parent.string(), true));  // the new directory's entry
+  }
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) {
+    return absl::FailedPreconditionError(absl::StrCat("[MakeCheckpointRoot] ", root, " is not a directory"));
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> LatestCheckpoint(const std::string& root) {

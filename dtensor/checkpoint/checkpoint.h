@@ -18,11 +18,18 @@
 // piece its box (offset and shape in the global tensor), file, byte offset, length and the
 // CRC-32 (zlib) of each block of `block_bytes`.
 //
-// Atomic and crash-safe: the pieces go to <root>/.tmp-<name>/, are fsynced, rank 0 writes
-// the metadata last (fsynced, renamed into place), then renames the directory to
-// <root>/<name> and fsyncs <root>. A checkpoint directory without metadata.json is never
+// Atomic and crash-safe: the pieces go to a directory of this save's own,
+// <root>/.tmp-<name>.<16 random hex digits>/ (made by rank 0, which holds an flock on it
+// until the save ends), are fsynced, rank 0 writes the metadata last (fsynced, renamed into
+// place), then renames the directory to <root>/<name> only if that does not exist
+// (RENAME_NOREPLACE) and fsyncs <root>. A checkpoint directory without metadata.json is never
 // picked, and a save interrupted at any moment leaves the previous checkpoints as they were
-// (its .tmp- directory is removed by the next save of the series that commits).
+// (its .tmp- directory is removed when it fails, or, after a crash, by the next save of the
+// series up to its name that commits; a directory a live save holds is never removed, where
+// the filesystem has flock). Two saves of one name into one root at the same time (two jobs)
+// do not mix: one commits, the other returns AlreadyExists and prunes nothing.
+// <root> is taken normalised ("ckpt/" and "ckpt" are one root); missing directories on its
+// path are made as MakeCheckpointRoot makes them.
 // Every rank writes to the same directory: one host, or a filesystem all hosts share (as DCP).
 //
 // Load: for each target tensor, this rank's box (LocalBoxOf of its layout) is filled from the
@@ -82,9 +89,20 @@ struct SaveOptions {
 };
 
 // Saves `state` as <root>/<name>. Collective over `world` (every rank that holds any of the
-// DTensors, each with the same names in the same order). <root>/<name> must not exist.
+// DTensors, each with the same names in the same order). <root>/<name> must not exist
+// (AlreadyExists, also when another save commits it first).
 absl::Status SaveCheckpoint(Communicator& world, const std::string& root, const std::string& name,
                             const CheckpointState& state, const SaveOptions& options = {});
+
+// Makes `root` a directory, with every missing directory on its path (as mkdir -p; `root`
+// normalised lexically, a trailing '/' aside), and makes each one it made durable: the
+// directory holding it is fsynced after it, up to the first that existed, so that a power
+// loss after a save cannot lose the root and every checkpoint in it. A directory that
+// another process makes meanwhile is taken as it is. FailedPrecondition when `root` is not a
+// directory (a file's path); Internal naming the path for an error of the filesystem.
+// SaveCheckpoint calls it; a caller that wants the root before its first save (to check it
+// is writable) calls it too.
+absl::Status MakeCheckpointRoot(const std::string& root);
 
 // The newest complete checkpoint under `root` (by name, runs of digits compared as numbers:
 // step-100000000 after step-99999999), as a path; NotFound when there is none.
@@ -95,8 +113,9 @@ absl::StatusOr<std::string> LatestCheckpoint(const std::string& root);
 // the tensors at once; collective, as Partial values are reduced; pieces on a GPU are copied
 // into pinned memory, Tensor::EmptyPinned, which stays cached for the next save) and returns; Finish waits
 // for the files and commits (collective: every rank calls it, before the next save to the same
-// root commits: a commit removes the .tmp- directories of earlier names of its series, which an
-// unfinished save's still is; gpt_train finishes each before the next).
+// root commits, in order; gpt_train finishes each before the next: a commit removes the .tmp-
+// directories of earlier names of its series that no live save holds, and where the
+// filesystem has no flock, an unfinished save's too).
 // Until Finish the checkpoint is incomplete: a crash leaves the previous one. Destroying an
 // unfinished save waits for its thread and commits nothing.
 class AsyncCheckpointSave {

@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <memory>
 #include <system_error>
@@ -35,38 +36,18 @@ struct Stored {
   DType dtype = DType::kFloat32;
 };
 
-// The checkpoint's "model." tensors (state_dict name -> global shape and dtype), from its
-// metadata.json.
+// The checkpoint's "model." tensors (state_dict name -> global shape and dtype), as
+// CheckpointTensors reads them from its metadata.json (checked, deep nesting refused).
 absl::StatusOr<std::map<std::string, Stored>> ReadModelIndex(const std::string& dir) {
-  constexpr const char* kOp = "ExportCheckpoint";
-  const std::string path = (fs::path(dir) / "metadata.json").string();
-  DT_ASSIGN_OR_RETURN(std::string text, ReadFileBytes(kOp, path));
-  const nlohmann::json meta = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (meta.is_discarded() || !meta.is_object() || !meta.contains("tensors") || !meta["tensors"].is_object()) {
-    return InvalidArg(kOp, "'", path, "' is not a dtensor checkpoint's metadata");
-  }
+  DT_ASSIGN_OR_RETURN(const std::vector<CheckpointTensor> tensors, CheckpointTensors(dir));
   std::map<std::string, Stored> index;
-  for (const auto& [name, t] : meta["tensors"].items()) {
-    if (!absl::StartsWith(name, kModel)) continue;
-    Stored s;
-    const auto shape = t.find("shape");
-    const auto dtype = t.find("dtype");
-    bool ok = shape != t.end() && shape->is_array() && dtype != t.end() && dtype->is_string();
-    for (size_t i = 0; ok && i < shape->size(); ++i) {
-      ok = (*shape)[i].is_number_integer() && (*shape)[i].get<int64_t>() >= 0;
-      if (ok) s.shape.push_back((*shape)[i].get<int64_t>());
+  for (const CheckpointTensor& t : tensors) {
+    if (!absl::StartsWith(t.name, kModel)) continue;
+    if (t.dtype != DType::kFloat32 && t.dtype != DType::kBFloat16 && t.dtype != DType::kFloat16) {
+      return InvalidArg("ExportCheckpoint", "'", dir, "': tensor '", t.name, "' is ", DTypeName(t.dtype),
+                        ", not a float dtype (float32, bfloat16, float16)");
     }
-    bool known = false;
-    for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-      if (ok && dtype->get<std::string>() == DTypeName(d)) {
-        s.dtype = d;
-        known = true;
-      }
-    }
-    if (!ok || !known) {
-      return InvalidArg(kOp, "'", path, "': tensor '", name, "' has no float dtype and shape: ", t.dump());
-    }
-    index[name.substr(std::char_traits<char>::length(kModel))] = s;
+    index[t.name.substr(std::char_traits<char>::length(kModel))] = Stored{.shape = t.shape, .dtype = t.dtype};
   }
   return index;
 }
@@ -85,11 +66,24 @@ absl::StatusOr<Tensor> LoadParam(const std::string& dir, const std::map<std::str
   return Cast(t, DType::kFloat32);
 }
 
-LlmcConfig LlmcOf(const nn::GPTConfig& c) {
+// `c` as llm.c's header holds it (32-bit ints: a value beyond is InvalidArgument naming it).
+absl::StatusOr<LlmcConfig> LlmcOf(const nn::GPTConfig& c) {
+  const int64_t padded_vocab = c.vocab_size > std::numeric_limits<int64_t>::max() - 127
+                                   ? std::numeric_limits<int64_t>::max()
+                                   : (c.vocab_size + 127) / 128 * 128;
+  const std::pair<const char*, int64_t> fields[] = {
+      {"block_size", c.block_size}, {"vocab_size", c.vocab_size}, {"padded vocab_size", padded_vocab},
+      {"n_layer", c.n_layer},       {"n_head", c.n_head},         {"n_embd", c.n_embd}};
+  for (const auto& [field, v] : fields) {
+    if (v < 0 || v > std::numeric_limits<int32_t>::max()) {
+      return InvalidArg("ExportCheckpoint", field, " ", v, " does not fit llm.c's 32-bit header (0 to ",
+                        std::numeric_limits<int32_t>::max(), ")");
+    }
+  }
   LlmcConfig l;
   l.max_seq_len = static_cast<int>(c.block_size);
   l.vocab_size = static_cast<int>(c.vocab_size);
-  l.padded_vocab_size = (l.vocab_size + 127) / 128 * 128;
+  l.padded_vocab_size = static_cast<int>(padded_vocab);
   l.num_layers = static_cast<int>(c.n_layer);
   l.num_heads = static_cast<int>(c.n_head);
   l.channels = static_cast<int>(c.n_embd);
@@ -200,7 +194,7 @@ absl::Status ExportCheckpointToHf(const std::string& dir, const nn::GPTConfig& c
   constexpr const char* kOp = "ExportCheckpointToHf";
   DT_RETURN_IF_ERROR(GptConfigFromHfJson(HfJsonFromGptConfig(config), "the config").status());
   DT_ASSIGN_OR_RETURN(auto index, ReadModelIndex(dir));
-  LlmcConfig lc = LlmcOf(config);
+  DT_ASSIGN_OR_RETURN(LlmcConfig lc, LlmcOf(config));
   lc.padded_vocab_size = lc.vocab_size;
   const auto shapes = LlmcParamShapes(lc);
   // The header first (every tensor F32, in our order; Conv1D shapes transposed), then the data.
@@ -236,7 +230,7 @@ absl::Status ExportCheckpointToHf(const std::string& dir, const nn::GPTConfig& c
 
 absl::Status ExportCheckpointToLlmc(const std::string& dir, const nn::GPTConfig& config, const std::string& out_path) {
   DT_ASSIGN_OR_RETURN(auto index, ReadModelIndex(dir));
-  const LlmcConfig c = LlmcOf(config);  // c.vocab_size: the checkpoint's rows
+  DT_ASSIGN_OR_RETURN(const LlmcConfig c, LlmcOf(config));  // c.vocab_size: the checkpoint's rows
   std::map<std::string, Shape> shapes;
   for (const auto& [name, shape] : LlmcParamShapes(c)) shapes[name] = shape;
   // llm.c's vocab_size is the real vocabulary (what it samples from and checks tokens

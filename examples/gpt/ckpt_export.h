@@ -31,8 +31,9 @@ inline constexpr char kHeadsTensor[] = "train.n_head";
 // gpt_train saves beside the model (a positive `n_head` that differs from it is InvalidArgument:
 // the same weights split into other heads make another model), else `n_head` when positive,
 // else that of the preset (GptPreset) with the same n_layer and n_embd; InvalidArgument asking
-// for it when none says. NotFound for a directory without metadata.json; InvalidArgument naming
-// the tensor for a model entry missing or misshapen.
+// for it when none says. NotFound for a directory without metadata.json, DataLoss for a
+// metadata.json that is not a checkpoint's (as CheckpointTensors: deep nesting included);
+// InvalidArgument naming the tensor for a model entry missing, misshapen or not of a float dtype.
 absl::StatusOr<nn::GPTConfig> GptConfigOfCheckpoint(const std::string& dir, int64_t n_head = 0);
 
 // Writes `out_dir`/model.safetensors and config.json as WriteHfGpt2 does, from the "model."
@@ -41,6 +42,8 @@ absl::Status ExportCheckpointToHf(const std::string& dir, const nn::GPTConfig& c
 
 // Writes a version-3 (float32) llm.c checkpoint to `out_path` as WriteLlmcCheckpoint does
 // (wte padded with zero rows to a multiple of 128), from the "model." tensors of checkpoint `dir`.
+// A config value llm.c's 32-bit header cannot hold (a vocab_size above 2^31 - 1, padded
+// included) is InvalidArgument naming it.
 absl::Status ExportCheckpointToLlmc(const std::string& dir, const nn::GPTConfig& config, const std::string& out_path);
 
 }  // namespace dtensor::gpt

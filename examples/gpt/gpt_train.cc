@@ -718,13 +718,28 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
           static_cast<long long>(f.steps));
     }
   }
-  // A name this run will save under that --ckpt-dir already holds (an earlier run's, started
-  // again without --resume) is refused now, not at the first save after minutes of training.
+  // A fresh run (no --resume) into a --ckpt-dir that holds a complete checkpoint (another
+  // run's: a later --resume would continue that run, and --ckpt-keep prune its checkpoints),
+  // and a name this run will save under that --ckpt-dir already holds, are refused now, not at
+  // the first save after minutes of training.
   if (f.ckpt_every > 0) {
-    // And a folder that cannot be made or written (a file's path, no permission) is named now.
+    if (!f.resume) {
+      absl::Status fresh;
+      if (lead) {
+        if (absl::StatusOr<std::string> newest = LatestCheckpoint(f.ckpt_dir); newest.ok()) {
+          fresh = absl::InvalidArgumentError(absl::StrCat("[gpt_train] --ckpt-dir ", f.ckpt_dir,
+                                                          " holds checkpoints of another run (newest ",
+                                                          std::filesystem::path(*newest).filename().string(),
+                                                          "): continue it with --resume or use another folder"));
+        }
+      }
+      DT_RETURN_IF_ERROR(agree(fresh, "checking --ckpt-dir"));
+    }
+    // And a folder that cannot be made or written (a file's path, no permission) is named now;
+    // one made here is made durable (MakeCheckpointRoot fsyncs each new directory's parent).
     {
       std::error_code ec;
-      std::filesystem::create_directories(f.ckpt_dir, ec);
+      const absl::Status made = MakeCheckpointRoot(f.ckpt_dir);
       absl::Status usable;
       if (!std::filesystem::is_directory(f.ckpt_dir, ec)) {
         usable = absl::FailedPreconditionError(
@@ -737,6 +752,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
               absl::StrCat("[gpt_train] --ckpt-dir ", f.ckpt_dir, " is not writable (", std::strerror(errno), ")"));
         }
         std::filesystem::remove(probe, ec);
+        if (usable.ok()) usable = made;
       }
       DT_RETURN_IF_ERROR(agree(usable, "checking --ckpt-dir"));
     }
@@ -758,10 +774,9 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     }
     absl::Status clash;
     if (first_clash > 0) {
-      clash = absl::AlreadyExistsError(absl::StrCat("[gpt_train] --ckpt-dir ", f.ckpt_dir, " already holds ",
-                                                    clash_name, ", which this run would save at step ", first_clash,
-                                                    f.resume ? "" : " (an earlier run's? continue it with --resume)",
-                                                    ", or use another --ckpt-dir"));
+      clash = absl::AlreadyExistsError(absl::StrCat(
+          "[gpt_train] --ckpt-dir ", f.ckpt_dir, " already holds ", clash_name, ", which this run would save at step ",
+          first_clash, f.resume ? "" : " (not a complete checkpoint)", ", or use another --ckpt-dir"));
     }
     DT_RETURN_IF_ERROR(agree(clash, "checking --ckpt-dir"));
   }

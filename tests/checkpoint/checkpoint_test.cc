@@ -5,10 +5,12 @@
 // missing, truncated and corrupted files and mismatched targets.
 #include "dtensor/checkpoint/checkpoint.h"
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dtensor/ops/ops.h"
@@ -405,6 +407,126 @@ TEST_F(CheckpointTest, NamesOrderByTheirNumbersAndKeepPrunesItsOwnSeries) {
   EXPECT_FALSE(std::filesystem::exists(Root() + "/.tmp-step-99999998"));
   EXPECT_TRUE(std::filesystem::exists(Root() + "/.tmp-step-100000001"));
   EXPECT_TRUE(std::filesystem::exists(Root() + "/.tmp-best"));
+}
+
+// The entries of `root` whose names start with `prefix`.
+std::vector<std::string> EntriesStartingWith(const std::string& root, const std::string& prefix) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(root)) {
+    const std::string n = e.path().filename().string();
+    if (n.rfind(prefix, 0) == 0) out.push_back(n);
+  }
+  return out;
+}
+
+// Two saves of one name into one root at once, as two jobs would: one commits its own values
+// whole, the other is AlreadyExists and prunes nothing, and no temporary directory is left.
+TEST_F(CheckpointTest, TwoJobsSavingOneNameAtOnceCommitOneWholeAndTheOtherIsAlreadyExists) {
+  const Tensor g[2] = {Global({256, 256}, DType::kFloat32, 31), Global({256, 256}, DType::kFloat32, 32)};
+  for (int trial = 0; trial < 16; ++trial) {
+    const std::string root = Root() + "/" + std::to_string(trial);
+    absl::Status st[2];
+    auto job = [&](int j) {
+      RunRanks(2, [&](int rank, Communicator& comm) {
+        DeviceMesh mesh = Unwrap(DeviceMesh::Create(comm, {2}));
+        DTensor a = Unwrap(DTensor::Distribute(g[j], mesh, Layout({Shard(0)}), {.src_rank = std::nullopt}));
+        const absl::Status s = SaveCheckpoint(comm, root, "step-1", {{"a", a}});
+        if (rank == 0) st[j] = s;
+      });
+    };
+    std::thread t0(job, 0), t1(job, 1);
+    t0.join();
+    t1.join();
+    ASSERT_NE(st[0].ok(), st[1].ok()) << "trial " << trial << ": " << st[0] << " | " << st[1];
+    const int winner = st[0].ok() ? 0 : 1;
+    EXPECT_TRUE(absl::IsAlreadyExists(st[1 - winner])) << st[1 - winner];
+    Tensor out = Unwrap(Zeros({256, 256}, DType::kFloat32));
+    const absl::Status loaded = LoadCheckpoint(root + "/step-1", {{"a", out}});
+    ASSERT_TRUE(loaded.ok()) << "trial " << trial << ": " << loaded;
+    EXPECT_EQ(testing::Values(out), testing::Values(g[winner])) << "trial " << trial;
+    EXPECT_THAT(EntriesStartingWith(root, ".tmp-"), ::testing::IsEmpty()) << "trial " << trial;
+  }
+}
+
+// The same in one job, deterministically: a save of a name still in flight (async) when
+// another save of that name commits keeps its directory (no other save removes it) and its
+// Finish is AlreadyExists, pruning nothing; the committed checkpoint is the other save's.
+TEST_F(CheckpointTest, ASaveInFlightWhenItsNameIsCommittedIsAlreadyExistsAndPrunesNothing) {
+  const Tensor g1 = Global({6, 4}, DType::kFloat32, 41), g2 = Global({6, 4}, DType::kFloat32, 42);
+  RunRanks(2, [&](int, Communicator& comm) {
+    DeviceMesh mesh = Unwrap(DeviceMesh::Create(comm, {2}));
+    DTensor x = Unwrap(DTensor::Distribute(g1, mesh, Layout({Shard(0)}), {.src_rank = std::nullopt}));
+    DTensor y = Unwrap(DTensor::Distribute(g2, mesh, Layout({Shard(1)}), {.src_rank = std::nullopt}));
+    ASSERT_TRUE(SaveCheckpoint(comm, Root(), "step-00000001", {{"x", x}}).ok());
+    std::unique_ptr<AsyncCheckpointSave> late =
+        Unwrap(AsyncCheckpointSave::Start(comm, Root(), "step-00000002", {{"x", x}}, {.keep = 1}));
+    const absl::Status first = SaveCheckpoint(comm, Root(), "step-00000002", {{"x", y}});
+    ASSERT_TRUE(first.ok()) << first;
+    const absl::Status s = late->Finish();
+    EXPECT_TRUE(absl::IsAlreadyExists(s)) << s;
+  });
+  EXPECT_TRUE(std::filesystem::exists(Root() + "/step-00000001/metadata.json"));  // not pruned
+  Tensor out = Unwrap(Zeros({6, 4}, DType::kFloat32));
+  const absl::Status loaded = LoadCheckpoint(Root() + "/step-00000002", {{"x", out}});
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  EXPECT_EQ(testing::Values(out), testing::Values(g2));
+  EXPECT_THAT(EntriesStartingWith(Root(), ".tmp-"), ::testing::IsEmpty());
+}
+
+// Every dtype saves and loads, float8 ones included: the bytes come back as they were written.
+TEST_F(CheckpointTest, Float8TensorsRoundTrip) {
+  CheckpointState state;
+  std::vector<std::string> bytes;
+  for (DType dtype : {DType::kFloat8E4M3, DType::kFloat8E5M2}) {
+    Tensor t = Unwrap(Tensor::Empty({3, 5}, dtype));
+    std::string b;
+    for (int i = 0; i < 15; ++i) b.push_back(static_cast<char>(0x11 * (i + 1) + static_cast<int>(dtype)));
+    std::memcpy(t.raw_data(), b.data(), b.size());
+    bytes.push_back(b);
+    state.push_back({DTypeName(dtype), t});
+  }
+  RunRanks(1, [&](int, Communicator& comm) {
+    const absl::Status s = SaveCheckpoint(comm, Root(), "f8", state);
+    ASSERT_TRUE(s.ok()) << s;
+  });
+  const std::vector<CheckpointTensor> listed = Unwrap(CheckpointTensors(Root() + "/f8"));
+  ASSERT_EQ(listed.size(), 2u);
+  EXPECT_EQ(listed[0].dtype, DType::kFloat8E4M3);
+  EXPECT_EQ(listed[1].dtype, DType::kFloat8E5M2);
+  CheckpointState target;
+  for (const StateEntry& e : state) {
+    target.push_back({e.name, Unwrap(Tensor::Empty({3, 5}, std::get<Tensor>(e.tensor).dtype()))});
+    std::memset(std::get<Tensor>(target.back().tensor).raw_data(), 0, 15);
+  }
+  const absl::Status loaded = LoadCheckpoint(Root() + "/f8", target);
+  ASSERT_TRUE(loaded.ok()) << loaded;
+  for (size_t i = 0; i < target.size(); ++i) {
+    const Tensor& t = std::get<Tensor>(target[i].tensor);
+    EXPECT_EQ(std::string(static_cast<const char*>(t.raw_data()), 15), bytes[i]) << target[i].name;
+  }
+}
+
+// A root given with a trailing '/' whose parents do not exist yet is made (every directory on
+// the way) and is the same root without it. (That each new directory's parent is fsynced can
+// only show after a power loss; the test checks what a running system shows.)
+TEST_F(CheckpointTest, ANewNestedRootWithATrailingSlashIsMadeAndHoldsTheCheckpoint) {
+  const std::string root = Root() + "/runs//a/b/";
+  Save(root, "step-1");
+  EXPECT_TRUE(std::filesystem::is_directory(Root() + "/runs/a/b"));
+  EXPECT_EQ(Unwrap(LatestCheckpoint(Root() + "/runs/a/b")), Root() + "/runs/a/b/step-1");
+  LoadAndCheck(Root() + "/runs/a/b/step-1", 2, {2}, [](const Item&) { return Layout({Replicate()}); });
+  EXPECT_THAT(EntriesStartingWith(Root() + "/runs/a/b", ".tmp-"), ::testing::IsEmpty());
+  // MakeCheckpointRoot alone: nested directories, an existing root, a file's path.
+  ASSERT_TRUE(MakeCheckpointRoot(Root() + "/x/y/z/").ok());
+  EXPECT_TRUE(std::filesystem::is_directory(Root() + "/x/y/z"));
+  EXPECT_TRUE(MakeCheckpointRoot(Root() + "/x/y/z").ok());
+  testing::WriteBytes(Root() + "/file", "not a directory");
+  const absl::Status file = MakeCheckpointRoot(Root() + "/file");
+  EXPECT_TRUE(absl::IsFailedPrecondition(file)) << file;
+  EXPECT_THAT(file.message(), HasSubstr(Root() + "/file"));
+  const absl::Status under = MakeCheckpointRoot(Root() + "/file/sub");
+  EXPECT_FALSE(under.ok());
+  EXPECT_THAT(under.message(), HasSubstr(Root() + "/file/sub"));
 }
 
 }  // namespace

@@ -157,5 +157,39 @@ TEST_F(CkptExportTest, ToolAndErrors) {
   EXPECT_NE(bad.out.find("onnx"), std::string::npos) << bad.out;
 }
 
+// Metadata nested far deeper than a checkpoint's (which nests 6 levels) is an error, not a stack
+// overflow in parsing or in printing it into a message; a config llm.c's 32-bit header cannot
+// hold is named with its value, not a wrapped-around one.
+TEST_F(CkptExportTest, DeepMetadataAndAVocabBeyondInt32AreErrors) {
+  auto comms = Unwrap(MakeThreadGroup(1));
+  auto model = Unwrap(nn::GPT::Create({.vocab_size = 256, .block_size = 16, .n_layer = 1, .n_head = 2, .n_embd = 16}));
+  CheckpointState state;
+  for (auto& [name, p] : model->NamedParameters()) state.push_back({"model." + name, p->value().local()});
+  ASSERT_TRUE(SaveCheckpoint(*comms[0], dir_.Path("small"), "step-1", state).ok());
+  const std::string good = dir_.Path("small") + "/step-1";
+  nn::GPTConfig big = Unwrap(GptConfigOfCheckpoint(good, 2));
+  big.vocab_size = int64_t{3567587328};  // 2^32 - 727379968: int32 would print -727379968
+  const absl::Status huge = ExportCheckpointToLlmc(good, big, dir_.Path("huge.bin"));
+  EXPECT_TRUE(absl::IsInvalidArgument(huge)) << huge;
+  EXPECT_NE(huge.message().find("3567587328"), std::string::npos) << huge;
+  EXPECT_EQ(huge.message().find("-727379968"), std::string::npos) << huge;
+  EXPECT_FALSE(std::filesystem::exists(dir_.Path("huge.bin")));
+
+  const std::string deep = dir_.Path("deep");
+  std::filesystem::create_directories(deep);
+  const int depth = 200000;
+  testing::WriteBytes(deep + "/metadata.json",
+                      R"({"format": "dtensor-checkpoint", "version": 1, "block_bytes": 1048576, "tensors": )"
+                      R"({"model.transformer.wte.weight": {"shape": )" +
+                          std::string(depth, '[') + std::string(depth, ']') + "}}}");
+  const absl::Status config = GptConfigOfCheckpoint(deep, 2).status();
+  EXPECT_TRUE(absl::IsDataLoss(config)) << config.ToString().substr(0, 300);
+  EXPECT_NE(config.message().find("nests deeper"), std::string::npos) << config.ToString().substr(0, 300);
+  EXPECT_LT(config.message().size(), 1000u);
+  const absl::Status exported =
+      ExportCheckpointToLlmc(deep, Unwrap(GptConfigOfCheckpoint(good, 2)), dir_.Path("d.bin"));
+  EXPECT_TRUE(absl::IsDataLoss(exported)) << exported.ToString().substr(0, 300);
+}
+
 }  // namespace
 }  // namespace dtensor::gpt

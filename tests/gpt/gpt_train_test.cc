@@ -401,8 +401,9 @@ TEST_F(GptFsdpTest, ALoadThatFailsOnOneRankStopsEveryRank) {
 // A checkpoint's run and a resume that differ: a resume with --dropout of a checkpoint saved
 // without it starts the masks there (it used to fail: train.dropout_calls not in the
 // checkpoint); a model of another size is named as such (it used to fail on
-// train.progress's shape); a run without --resume into a --ckpt-dir holding a name it would
-// save is refused before training (it used to train, then fail at that save).
+// train.progress's shape); a run without --resume into a --ckpt-dir holding a checkpoint
+// (here one of a name it would save) is refused before training (it used to train, then fail
+// at that save).
 TEST_F(GptFsdpTest, ResumesAcrossDropoutAndRefusesAnotherModelOrAnEarlierRunsFolder) {
   const std::string dir = Path("mixed");
   const std::string common = "--text " + Corpus() +
@@ -427,8 +428,9 @@ TEST_F(GptFsdpTest, ResumesAcrossDropoutAndRefusesAnotherModelOrAnEarlierRunsFol
   const auto t0 = std::chrono::steady_clock::now();
   run = Train("", common + "--n-layer 2 --steps 6");
   EXPECT_NE(run.code, 0) << run.out;
-  EXPECT_NE(run.out.find("already holds step-00000002, which this run would save at step 2 (an earlier run's? "
-                         "continue it with --resume)"),
+  EXPECT_NE(run.out.find("--ckpt-dir " + dir +
+                         " holds checkpoints of another run (newest step-00000004): continue it with --resume or use "
+                         "another folder"),
             std::string::npos)
       << run.out;
   EXPECT_EQ(run.out.find("loss:"), std::string::npos) << "trained before refusing:\n" << run.out;
@@ -452,6 +454,34 @@ TEST_F(GptFsdpTest, ResumesAcrossDropoutAndRefusesAnotherModelOrAnEarlierRunsFol
   EXPECT_NE(run.out.find("--ckpt-dir " + Corpus() + "/sub is not a folder and cannot be made one"), std::string::npos)
       << run.out;
   EXPECT_EQ(run.out.find("loss:"), std::string::npos) << "trained before refusing:\n" << run.out;
+}
+
+// A run without --resume into a --ckpt-dir that holds another run's checkpoints, of names it
+// would never save, is refused before training: it used to train, leave a folder whose
+// --resume continues the other run, and prune that run's checkpoints with --ckpt-keep.
+TEST_F(GptFsdpTest, AFreshRunRefusesAFolderHoldingAnotherRunsCheckpoints) {
+  const std::string dir = Path("taken");
+  const std::string common = "--text " + Corpus() +
+                             " --n-layer 1 --n-head 2 --n-embd 16 --seq 8 --batch 4 --sample-tokens 0 --device cpu"
+                             " --ranks 2 --ckpt-dir " +
+                             dir + " ";
+  ProcessRun run = Train("", common + "--steps 2 --ckpt-every 2");
+  ASSERT_EQ(run.code, 0) << run.out;
+  run = Train("", common + "--steps 4 --ckpt-every 4 --ckpt-keep 1");
+  EXPECT_NE(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("--ckpt-dir " + dir +
+                         " holds checkpoints of another run (newest step-00000002): continue it with --resume or use "
+                         "another folder"),
+            std::string::npos)
+      << run.out;
+  EXPECT_EQ(run.out.find("loss:"), std::string::npos) << "trained before refusing:\n" << run.out;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/step-00000002/metadata.json"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/step-00000004"));
+  // Continuing it is what the folder is for.
+  run = Train("", common + "--steps 4 --ckpt-every 4 --ckpt-keep 1 --resume");
+  EXPECT_EQ(run.code, 0) << run.out;
+  EXPECT_NE(run.out.find("resumed from " + dir + "/step-00000002: step 2"), std::string::npos) << run.out;
+  EXPECT_EQ(testing::Unwrap(LatestCheckpoint(dir)), dir + "/step-00000004");
 }
 
 TEST_F(GptFsdpTest, ResumeUnderAnotherParallelismFollowsOneRank) {
