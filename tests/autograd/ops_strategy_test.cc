@@ -442,6 +442,19 @@ TEST(OpsStrategy, CrossEntropyWithAnEmptyVocabPiece) {
              }});
 }
 
+// Logits near 2e4: loss parallel (vocab-sharded logits) keeps the loss as precise as one rank
+// (log s - (x_t - m); lse - x_t was rounded at the row max's magnitude, ~3e-4 off here).
+TEST(OpsStrategy, CrossEntropyOfLargeLogits) {
+  CheckCase({"cross_entropy [5,6] near 2e4",
+             {Rand({5, 6}, 125, 19997, 20003), Ids({3, 5, 0, 1, -100}, {5})},
+             {{R, S0, S1}, {R, S0}},
+             {},
+             [](const std::vector<Value>& in) -> absl::StatusOr<std::vector<Value>> {
+               DT_ASSIGN_OR_RETURN(fn::CrossEntropyResult r, fn::CrossEntropy(in[0], in[1]));
+               return std::vector<Value>{r.loss, r.lse, r.count};
+             }});
+}
+
 TEST(OpsStrategy, CausalAttention) {
   // B=3, H=5: uneven over 2 and 4 on both the batch and the head dim.
   const Tensor q = Rand({3, 5, 4, 2}, 131), k = Rand({3, 5, 4, 2}, 132), v = Rand({3, 5, 4, 2}, 133);
