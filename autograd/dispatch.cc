@@ -344,14 +344,21 @@ internal::DispatchObserver* internal::SetDispatchObserver(DispatchObserver* obse
   return prev;
 }
 
-absl::StatusOr<std::vector<Value>> Dispatch(const OpDef& op, absl::Span<const Value> inputs, const OpArgs& args) {
-  if (t_observer == nullptr) return DispatchUnobserved(op, inputs, args);
+absl::StatusOr<std::vector<Value>> internal::RunObserved(const OpDef& op, absl::Span<const Value> inputs,
+                                                         const OpArgs& args,
+                                                         absl::FunctionRef<absl::StatusOr<std::vector<Value>>()> run) {
+  if (t_observer == nullptr) return run();
   internal::DispatchObserver* observer = t_observer;
   DT_ASSIGN_OR_RETURN(std::optional<std::vector<Value>> replaced, observer->Replace(op, inputs, args));
   if (replaced.has_value()) return *std::move(replaced);
-  DT_ASSIGN_OR_RETURN(std::vector<Value> out, DispatchUnobserved(op, inputs, args));
+  DT_ASSIGN_OR_RETURN(std::vector<Value> out, run());
   observer->Ran(op, inputs, args, out);
   return out;
+}
+
+absl::StatusOr<std::vector<Value>> Dispatch(const OpDef& op, absl::Span<const Value> inputs, const OpArgs& args) {
+  if (t_observer == nullptr) return DispatchUnobserved(op, inputs, args);
+  return internal::RunObserved(op, inputs, args, [&] { return DispatchUnobserved(op, inputs, args); });
 }
 
 absl::StatusOr<std::string> ExplainStrategy(const OpDef& op, absl::Span<const Value> inputs, const OpArgs& args) {

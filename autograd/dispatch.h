@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "absl/container/inlined_vector.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "dtensor/autograd/value.h"
@@ -149,6 +150,12 @@ class DispatchObserver {
 
 // Installs `observer` on this thread (null: none) and returns the one it replaces.
 DispatchObserver* SetDispatchObserver(DispatchObserver* observer);
+
+// Runs `run`, an operation that is not dispatched (a Variable's Redistribute), as Dispatch runs
+// `op`: the installed observer may hand back its outputs instead, or sees them. `op` names it
+// (its functions are not called).
+absl::StatusOr<std::vector<Value>> RunObserved(const OpDef& op, absl::Span<const Value> inputs, const OpArgs& args,
+                                               absl::FunctionRef<absl::StatusOr<std::vector<Value>>()> run);
 
 }  // namespace internal
 

@@ -3,6 +3,8 @@
 // Backward of a redistribution is the transposed redistribution: the gradient goes back to the
 // input's layout with Partial read as Replicate (all_gather <-> reduce_scatter, P -> R's
 // all_reduce <-> nothing), as PyTorch defines it.
+#include "absl/strings/str_cat.h"
+#include "dtensor/autograd/dispatch.h"
 #include "dtensor/autograd/functional.h"
 #include "dtensor/autograd/ops.h"
 #include "dtensor/autograd/ops/op_util.h"
@@ -30,12 +32,26 @@ absl::StatusOr<Value> GradTo(const Value& g, const DeviceMesh& mesh, const Layou
   return Value(r);
 }
 
+// Names redistributions to a dispatch observer: selective activation checkpointing
+// (checkpoint.h) keeps their outputs where "redistribute" is among its save_ops, so a
+// recomputation runs no collective of the layers' hooks (tensor parallelism's) again.
+const OpDef kRedistributeOp = {"redistribute", nullptr, nullptr, nullptr};
+
 }  // namespace
 
 absl::StatusOr<Variable> Redistribute(const Variable& x, const Layout& layout) {
   const Value& v = x.value();
   if (!v.is_dtensor()) return op_util::Invalid("Redistribute", "the input is not a DTensor: " + v.ToString());
-  DT_ASSIGN_OR_RETURN(DTensor y, v.dtensor().Redistribute(layout));
+  DT_ASSIGN_OR_RETURN(std::vector<Value> out,
+                      internal::RunObserved(kRedistributeOp, {v}, {}, [&]() -> absl::StatusOr<std::vector<Value>> {
+                        DT_ASSIGN_OR_RETURN(DTensor r, v.dtensor().Redistribute(layout));
+                        return std::vector<Value>{Value(r)};
+                      }));
+  if (out.size() != 1 || !out[0].is_dtensor() || !(out[0].dtensor().layout() == layout)) {
+    return absl::InternalError(absl::StrCat("[Redistribute] a kept output is not of layout ", layout.ToString(),
+                                            " (the recomputation asked for another redistribution)"));
+  }
+  const DTensor& y = out[0].dtensor();
   if (!AnyRequiresGrad({x})) return Variable::Leaf(Value(y));  // no tape: skip the captures
   return op_util::Result1("Redistribute", {x}, Value(y),
                           [mesh = v.dtensor().mesh(), back = PartialAsReplicate(v.dtensor().layout()),

@@ -16,9 +16,9 @@
 //                   "selective" is selective:2): the others keep all their activations.
 //   selective:op    every block, keeping the outputs of the matmuls (Linear with its fused
 //                   bias / bias + GELU, the fused MLP's output and pre-activation, Matmul and
-//                   the attention kernel: AcOptions::save_ops)
-//                   and recomputing only the cheap ops between them (layer norms, adds,
-//                   reshapes, dropout).
+//                   the attention kernel) and of the redistributions of the layers' hooks
+//                   (AcOptions::save_ops), and recomputing only the cheap ops between them
+//                   (layer norms, adds, reshapes, dropout).
 // Losses and gradients are those of the model without checkpointing, bit for bit on the CPU
 // (recomputation is deterministic; each block's dropout masks are drawn again from the same
 // call counts).
@@ -34,10 +34,12 @@
 //     (fully_shard on its attn or mlp) is gathered once more, for the recomputation, as in
 //     FSDP2; the recomputation prefetches no group.
 //   - Tensor parallelism (parallelize.h): the hooks of the modules inside a block (input and
-//     output layouts) run again in the recomputation, with their collectives, in every mode
-//     (selective:op reuses the matmuls' sharded outputs, but the hooks' all_gathers and
-//     reduce_scatters, or all_reduces, run again: one forward's worth per block; TorchTitan's
-//     op-level policy saves reduce_scatter outputs, a saving not made here).
+//     output layouts) run again in the recomputation. In full and selective:N mode their
+//     collectives run again with them (one forward's worth of all_gathers and reduce_scatters,
+//     or all_reduces, per block); selective:op keeps the outputs of those redistributions, so
+//     its collectives are exactly those of the run without checkpointing (TorchTitan's op
+//     policy keeps the reduce_scatters' outputs and gathers again; this keeps both, the
+//     gathered [B, T, C] inputs of the column-parallel matmuls among them).
 //   - Gradient accumulation: each micro-batch's backward recomputes its own forward.
 // Calling it twice on a model, or on one whose blocks another transform wraps, is
 // FailedPrecondition.
@@ -60,8 +62,8 @@ struct AcOptions {
   // kSelectiveLayer: checkpoint blocks i with (i + 1) % every == 0.
   int64_t every = 2;
   // kSelectiveOp: the dispatcher ops (OpDef names) whose outputs are kept.
-  std::vector<std::string> save_ops = {"linear",   "linear_bias", "linear_bias_gelu",
-                                       "mlp_gelu", "matmul",      "causal_attention"};
+  std::vector<std::string> save_ops = {"linear", "linear_bias",      "linear_bias_gelu", "mlp_gelu",
+                                       "matmul", "causal_attention", "redistribute"};
 
   // "none", "full", "selective:N", "selective:op" (what ParseAcMode reads back).
   std::string ToString() const;

@@ -353,9 +353,14 @@ absl::StatusOr<StepExplanation> ExplainGptStep(GPT& model, const DeviceMesh& mes
       return absl::OkStatus();
     };
     const std::vector<int64_t> checkpointed = CheckpointedBlocks(cfg.n_layer, o.ac);
+    // selective:op keeping the redistributions' outputs recomputes none of the hooks' collectives.
+    const bool keeps_redistributions =
+        o.ac.mode == AcOptions::Mode::kSelectiveOp &&
+        std::find(o.ac.save_ops.begin(), o.ac.save_ops.end(), "redistribute") != o.ac.save_ops.end();
     for (int64_t i = 0; i < cfg.n_layer; ++i) {
       const std::string h = absl::StrCat("transformer.h.", i);
-      w.recomputed = std::find(checkpointed.begin(), checkpointed.end(), i) != checkpointed.end();
+      w.recomputed =
+          !keeps_redistributions && std::find(checkpointed.begin(), checkpointed.end(), i) != checkpointed.end();
       DT_RETURN_IF_ERROR(norm(h + ".ln_1"));
       DT_RETURN_IF_ERROR(colwise_input(h + ".attn", h + ".attn.c_attn", "transformer.h.*.attn"));
       DT_RETURN_IF_ERROR(rowwise_output(h + ".attn.c_attn", h + ".attn.c_proj", "transformer.h.*.attn.c_proj"));
