@@ -198,12 +198,30 @@ absl::StatusOr<DTensor> DTensor::FromLocal(Tensor local, const DeviceMesh& mesh,
     }
   }
   if (options.run_check) {
-    // Every rank's shape and dtype, then the same verdict on every rank.
+    // Every rank's shape and dtype, and the global shape it was given (if any), then the same
+    // verdict on every rank. Row r: its local shape (nd), its dtype, whether it was given a
+    // global shape, that shape (nd).
     const int64_t nd = local.dim();
+    const int64_t row = 2 * nd + 2;
     std::vector<int64_t> mine(local.shape().begin(), local.shape().end());
     mine.push_back(static_cast<int64_t>(local.dtype()));
+    mine.push_back(options.global_shape ? 1 : 0);
+    for (int64_t d = 0; d < nd; ++d) mine.push_back(options.global_shape ? global[static_cast<size_t>(d)] : 0);
     DT_ASSIGN_OR_RETURN(const std::vector<int64_t> all, GatherInts(mesh, mine));
     const int64_t* v = all.data();
+    // The ranks must give one global shape, or none (checked against rank 0's, so that every
+    // rank finds the same rank first).
+    for (int64_t r = 1; r < mesh.size(); ++r) {
+      const int64_t* a = v + nd + 1;
+      const int64_t* b = v + r * row + nd + 1;
+      if (!std::equal(a, a + nd + 1, b)) {
+        auto given = [&](const int64_t* g) {
+          return g[0] == 0 ? std::string("none") : ShapeString(Shape(g + 1, g + 1 + nd));
+        };
+        return InvalidArg(op, "mesh rank ", r, " gives global shape ", given(b), " but mesh rank 0 ", given(a),
+                          " (every rank passes the same global_shape, or none)");
+      }
+    }
     if (!options.global_shape) {
       // Along each sharded dim, the pieces of the ranks whose other coordinates are 0 tile it.
       for (int64_t d = 0; d < nd; ++d) {
@@ -221,7 +239,7 @@ absl::StatusOr<DTensor> DTensor::FromLocal(Tensor local, const DeviceMesh& mesh,
               line = false;
             }
           }
-          if (line) total += v[r * (nd + 1) + d];
+          if (line) total += v[r * row + d];
         }
         global[static_cast<size_t>(d)] = total;
       }
@@ -229,9 +247,9 @@ absl::StatusOr<DTensor> DTensor::FromLocal(Tensor local, const DeviceMesh& mesh,
     for (int64_t r = 0; r < mesh.size(); ++r) {
       const Shape c = UnravelIndex(mesh.shape(), r);
       const LocalBox box = LocalBoxOf(global, mesh.shape(), l, c);
-      const Shape got(v + r * (nd + 1), v + r * (nd + 1) + nd);
-      if (got != box.shape || v[r * (nd + 1) + nd] != static_cast<int64_t>(local.dtype())) {
-        return InvalidArg(op, "mesh rank ", r, " holds a ", DTypeName(static_cast<DType>(v[r * (nd + 1) + nd])),
+      const Shape got(v + r * row, v + r * row + nd);
+      if (got != box.shape || v[r * row + nd] != static_cast<int64_t>(local.dtype())) {
+        return InvalidArg(op, "mesh rank ", r, " holds a ", DTypeName(static_cast<DType>(v[r * row + nd])),
                           " tensor of shape ", ShapeString(got), " but ", l.ToString(), " of global shape ",
                           ShapeString(global), " gives it ", ShapeString(box.shape), " (", DTypeName(local.dtype()),
                           " here)");
@@ -253,6 +271,16 @@ absl::StatusOr<DTensor> DTensor::Distribute(const Tensor& global, const DeviceMe
                                             const DistributeOptions& options) {
   const char* op = "Distribute";
   DT_RETURN_IF_ERROR(FailTogether(mesh, CheckDevice(op, global, mesh)));
+  if (options.src_rank) {
+    // First the ranks agree on the tensor's shape: the layout is checked against its dims, so
+    // a rank whose tensor has other dims would fail alone (its peers waiting in the agreement).
+    const int src = *options.src_rank;
+    if (src < 0 || src >= mesh.size()) {
+      return InvalidArg(op, "source rank ", src, " is not a rank of ", mesh.ToString(), " (0 to ", mesh.size() - 1,
+                        ")");
+    }
+    DT_RETURN_IF_ERROR(AgreeWithSource(op, global, mesh, src));
+  }
   DT_ASSIGN_OR_RETURN(Layout l, NormalizeLayout(op, layout, global.dim(), mesh.ndim()));
   const Layout base = WithoutPartial(l);
   const Shape shape(global.shape().begin(), global.shape().end());
@@ -263,12 +291,7 @@ absl::StatusOr<DTensor> DTensor::Distribute(const Tensor& global, const DeviceMe
     DT_ASSIGN_OR_RETURN(Tensor piece, internal::RegionOf(global, whole, mine));
     DT_ASSIGN_OR_RETURN(local, Clone(piece));
   } else {
-    const int src = *options.src_rank;
-    if (src < 0 || src >= mesh.size()) {
-      return InvalidArg(op, "source rank ", src, " is not a rank of ", mesh.ToString(), " (0 to ", mesh.size() - 1,
-                        ")");
-    }
-    DT_RETURN_IF_ERROR(AgreeWithSource(op, global, mesh, src));
+    const int src = *options.src_rank;  // agreed above
     DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(AllDims(mesh)));
     CommCounter* counter = CoreStateOf(mesh).counter;
     if (base.is_replicated()) {

@@ -236,6 +236,9 @@ TEST(DTensorDistribute, RanksThatDisagreeWithTheSourceFailEverywhere) {
       {{4, 6}, DType::kFloat32, Layout({Shard(0)}), "mesh rank 2 passes a tensor of shape [4, 6]"},
       {{24}, DType::kFloat32, Layout({Shard(0)}), "mesh rank 2 passes a 1-d float32 tensor but the source"},
       {{4, 6}, DType::kInt64, Layout({Replicate()}), "mesh rank 2 passes a 2-d int64 tensor"},
+      // S(1) is out of range for rank 2's 1-d tensor alone: it once failed at once while the
+      // others waited in the agreement for the timeout.
+      {{24}, DType::kFloat32, Layout({Shard(1)}), "mesh rank 2 passes a 1-d float32 tensor but the source"},
   };
   RunRanks(4, [&](int rank, Communicator& comm) {
     DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {4}));
@@ -308,6 +311,33 @@ TEST(DTensorFromLocal, RunCheckFindsUnevenGlobalShape) {
     EXPECT_EQ(ShapeOf(x.shape()), (Shape{7, 5})) << "rank " << rank;
     EXPECT_EQ(x.local_box().offset, (Shape{rank < 2 ? 0 : 4, rank % 2 == 0 ? 0 : 3}));
   });
+}
+
+// run_check: ranks given different global shapes (or one given none) all get the same
+// InvalidArgument; the rank whose shape fitted its piece returned OK and then waited in its
+// next collective until the timeout.
+TEST(DTensorFromLocal, RunCheckRefusesGlobalShapesThatDiffer) {
+  struct Case {
+    std::optional<Shape> rank1;
+    std::string want;
+  };
+  for (const Case& c : {Case{Shape{5, 3}, "mesh rank 1 gives global shape [5, 3] but mesh rank 0 [4, 3]"},
+                        Case{std::nullopt, "mesh rank 1 gives global shape none but mesh rank 0 [4, 3]"}}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    RunRanks(2, [&](int rank, Communicator& comm) {
+      DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2}));
+      DTensor::FromLocalOptions o;
+      o.run_check = true;
+      o.global_shape = rank == 0 ? std::optional<Shape>(Shape{4, 3}) : c.rank1;
+      auto x = DTensor::FromLocal(suite::MakeTensor(std::vector<double>(6, 1.0), {2, 3}, DType::kFloat32), mesh,
+                                  Layout({Shard(0)}), o);
+      EXPECT_TRUE(absl::IsInvalidArgument(x.status())) << "rank " << rank << ": " << x.status();
+      EXPECT_THAT(std::string(x.status().message()), ::testing::HasSubstr(c.want)) << "rank " << rank;
+      // Still usable: both ranks are here.
+      EXPECT_TRUE(comm.Barrier().ok()) << "rank " << rank;
+    });
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  }
 }
 
 // ---- Printing ----

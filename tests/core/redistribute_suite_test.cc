@@ -545,8 +545,10 @@ TEST(RedistributeErrors, ShardDimOutOfRange) {
   EXPECT_INVALID(PlanRedistribute({4, 4}, {2}, Layout({Replicate()}), Layout({Shard(-3)}), 4));
   RunRanks(2, [](int, Communicator& comm) {
     DT_SUITE_MESH(mesh, DeviceMesh::Create(comm, {2}));
-    EXPECT_INVALID(DTensor::FromLocal(Filled({2, 4}), mesh, Layout({Shard(2)})));
+    // (Distribute first: it agrees with the source before checking the layout, a collective,
+    // and a FromLocal failing on its piece's dims aborts the mesh: FailTogether.)
     EXPECT_INVALID(DTensor::Distribute(Filled({4, 4}), mesh, Layout({Shard(-3)})));
+    EXPECT_INVALID(DTensor::FromLocal(Filled({2, 4}), mesh, Layout({Shard(2)})));
     DTensor x = testing::Unwrap(DTensor::FromLocal(Filled({4, 4}), mesh, Layout({Replicate()})));
     EXPECT_INVALID(x.Redistribute(Layout({Shard(2)})));
     EXPECT_INVALID(x.Redistribute(Layout({Shard(-3)})));
