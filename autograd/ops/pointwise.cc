@@ -173,7 +173,10 @@ absl::StatusOr<Value> Binary(BinaryOp op, const Value& a, const Value& b) {
 namespace {
 // Whether casting each part of a Partial(op) value from `from` to `to` and then reducing gives
 // the cast of the reduced value (up to the rounding of each part, which PyTorch's per-piece
-// cast also has). max / min: any monotone cast (not to bool: bool(-1) > bool(0)). sum: to a
+// cast also has). max / min: a cast monotone over all values (not to bool: bool(-1) > bool(0);
+// not a narrowing integer cast, which wraps: int64 2^31 -> int32 -2^31 < 7; not float to
+// integer, out of range; not to e4m3, whose overflow is NaN): widening integer to integer,
+// integer to float, float to float (rounding keeps the order; overflow goes to inf). sum: to a
 // float, or between integers (wrapping arithmetic commutes with narrowing). avg: between
 // floats only (an integer average truncates; a float to integer cast truncates each part).
 bool CastKeepsPartial(PartialOp op, DType from, DType to) {
@@ -183,7 +186,9 @@ bool CastKeepsPartial(PartialOp op, DType from, DType to) {
   switch (op) {
     case PartialOp::kMax:
     case PartialOp::kMin:
-      return true;
+      if (to == DType::kFloat8E4M3) return false;  // overflow -> NaN (no inf in e4m3fn)
+      if (is_int(to)) return is_int(from) && ElementSize(to) >= ElementSize(from);
+      return is_float(to) && (is_int(from) || is_float(from));
     case PartialOp::kSum:
       return is_float(to) || (is_int(from) && is_int(to));
     case PartialOp::kAvg:

@@ -171,6 +171,9 @@ absl::StatusOr<std::vector<int64_t>> NormalizeDims(const char* op, std::vector<i
   if (std::adjacent_find(dims.begin(), dims.end()) != dims.end()) {
     return op_util::Invalid(op, "repeated dim in the reduction dims");
   }
+  // A 0-d tensor accepts dim 0 / -1 (as PyTorch) but has no dim to index: reducing over it
+  // reduces over nothing, which the empty list (all of its zero dims) says.
+  if (ndim == 0) dims.clear();
   return dims;
 }
 
@@ -256,7 +259,7 @@ absl::StatusOr<Variable> Mean(const Variable& x, std::vector<int64_t> dims, bool
   } else {
     for (int64_t d : dims) {
       DT_ASSIGN_OR_RETURN(int64_t nd, NormalizeDim("Mean", d, x.value().dim()));
-      count *= x.value().shape()[static_cast<size_t>(nd)];
+      if (x.value().dim() > 0) count *= x.value().shape()[static_cast<size_t>(nd)];  // 0-d: one element
     }
   }
   if (!AnyRequiresGrad({x})) return Variable::Leaf(std::move(y));  // no tape: skip the captures

@@ -95,6 +95,10 @@ const OpDef kPermute = {"permute", PermuteRule, PermuteMeta, PermuteLocal};
 absl::StatusOr<std::vector<TensorMeta>> NarrowMeta(absl::Span<const TensorMeta> in, const OpArgs& args) {
   Shape out = in[0].shape;
   const int64_t dim = args.ints[0], start = args.ints[1], len = args.ints[2];
+  if (dim < 0 || dim >= static_cast<int64_t>(out.size())) {  // a 0-d input: as torch.narrow
+    return op_util::Invalid(
+        "Narrow", absl::StrCat("cannot narrow dim ", dim, " of the ", out.size(), "-d tensor ", ShapeString(out)));
+  }
   if (start < 0 || len < 0 || start + len > out[static_cast<size_t>(dim)]) {
     return op_util::Invalid("Narrow", absl::StrCat("[", start, ", ", start + len, ") is out of range for dim ", dim,
                                                    " of ", ShapeString(out)));
@@ -237,6 +241,7 @@ absl::StatusOr<Value> Permute(const Value& x, std::vector<int64_t> dims) {
 absl::StatusOr<Value> Transpose(const Value& x, int64_t dim0, int64_t dim1) {
   DT_ASSIGN_OR_RETURN(int64_t a, NormalizeDim("Transpose", dim0, x.dim()));
   DT_ASSIGN_OR_RETURN(int64_t b, NormalizeDim("Transpose", dim1, x.dim()));
+  if (x.dim() == 0) return x;  // as torch: transpose(0, 0) / (-1, -1) of a 0-d tensor is itself
   std::vector<int64_t> perm;
   for (int64_t d = 0; d < x.dim(); ++d) perm.push_back(d);
   std::swap(perm[static_cast<size_t>(a)], perm[static_cast<size_t>(b)]);
@@ -245,6 +250,7 @@ absl::StatusOr<Value> Transpose(const Value& x, int64_t dim0, int64_t dim1) {
 
 absl::StatusOr<Value> Narrow(const Value& x, int64_t dim, int64_t start, int64_t length) {
   DT_ASSIGN_OR_RETURN(int64_t d, NormalizeDim("Narrow", dim, x.dim()));
+  if (x.dim() == 0) return op_util::Invalid("Narrow", "cannot narrow a 0-d tensor");  // as torch.narrow
   OpArgs args;
   args.ints = {d, start, length};
   return op_util::First(Dispatch(kNarrow, {x}, args));
@@ -252,6 +258,7 @@ absl::StatusOr<Value> Narrow(const Value& x, int64_t dim, int64_t start, int64_t
 
 absl::StatusOr<Value> NarrowBackward(const Value& g, std::vector<int64_t> shape, int64_t dim, int64_t start) {
   DT_ASSIGN_OR_RETURN(int64_t d, NormalizeDim("NarrowBackward", dim, static_cast<int64_t>(shape.size())));
+  if (shape.empty()) return op_util::Invalid("NarrowBackward", "cannot narrow a 0-d tensor");
   OpArgs args;
   args.ints = {d, start, static_cast<int64_t>(shape.size())};
   args.ints.insert(args.ints.end(), shape.begin(), shape.end());
@@ -261,6 +268,7 @@ absl::StatusOr<Value> NarrowBackward(const Value& g, std::vector<int64_t> shape,
 absl::StatusOr<Value> SplitBackward(const std::vector<Value>& grads, int64_t dim) {
   if (grads.empty()) return op_util::Invalid("SplitBackward", "no gradients");
   DT_ASSIGN_OR_RETURN(int64_t d, NormalizeDim("SplitBackward", dim, grads[0].dim()));
+  if (grads[0].dim() == 0) return op_util::Invalid("SplitBackward", "cannot concatenate 0-d gradients");
   OpArgs args;
   args.ints = {d};
   return op_util::First(Dispatch(kSplitBackward, grads, args));
@@ -304,6 +312,7 @@ absl::StatusOr<Variable> Narrow(const Variable& x, int64_t dim, int64_t start, i
 
 absl::StatusOr<std::vector<Variable>> Split(const Variable& x, int64_t split_size, int64_t dim) {
   DT_ASSIGN_OR_RETURN(int64_t d, NormalizeDim("Split", dim, x.value().dim()));
+  if (x.value().dim() == 0) return op_util::Invalid("Split", "cannot split a 0-d tensor");  // as torch.split
   if (split_size <= 0) return op_util::Invalid("Split", absl::StrCat("split_size must be > 0, got ", split_size));
   std::vector<Value> pieces;
   std::vector<int64_t> starts;

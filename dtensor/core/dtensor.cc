@@ -323,7 +323,10 @@ absl::StatusOr<DTensor> DTensor::Distribute(const Tensor& global, const DeviceMe
   return DTensor(std::move(local), mesh, std::move(l), shape);
 }
 
-LocalBox DTensor::local_box() const { return LocalBoxOf(global_shape_, mesh_.shape(), layout_, mesh_.coordinate()); }
+LocalBox DTensor::local_box() const {
+  if (!defined() || !mesh_.defined()) return LocalBox{};  // an undefined DTensor holds no box
+  return LocalBoxOf(global_shape_, mesh_.shape(), layout_, mesh_.coordinate());
+}
 
 // ---- Redistribution ----
 
@@ -505,6 +508,7 @@ RedistributePlanner& PlannerOf(const DeviceMesh& mesh) { return CoreStateOf(mesh
 namespace {
 
 std::string Visualize(IntSpan global_shape, const char* dtype, const DeviceMesh& mesh, const Layout& layout) {
+  if (!mesh.defined()) return std::string(InvalidArg("VisualizeSharding", "undefined DeviceMesh").message());
   auto normalized =
       NormalizeLayout("VisualizeSharding", layout, static_cast<int64_t>(global_shape.size()), mesh.ndim());
   if (!normalized.ok()) return std::string(normalized.status().message());

@@ -120,7 +120,7 @@ class DTensor {
   DType dtype() const { return local_.dtype(); }
   // Global (row-major) strides of the logical tensor.
   Shape stride() const { return ContiguousStrides(global_shape_); }
-  // This rank's box of the global tensor (offset and shape of its piece).
+  // This rank's box of the global tensor (offset and shape of its piece); empty when undefined.
   LocalBox local_box() const;
 
   // A DTensor with the same values laid out as `layout` (collective over the mesh).

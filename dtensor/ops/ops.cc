@@ -561,6 +561,7 @@ absl::StatusOr<Tensor> Reduce(ReduceOp rop, const Tensor& x, IntSpan dims, bool 
   absl::InlinedVector<bool, kMaxDims> reduced(static_cast<size_t>(std::max<int64_t>(n, 1)), dims.empty());
   for (int64_t d : dims) {
     DT_ASSIGN_OR_RETURN(int64_t nd, NormalizeDim(op, d, n));
+    if (reduced[nd]) return InvalidArg(op, "dim ", nd, " appears more than once in ", ShapeString(dims));
     reduced[nd] = true;
   }
   Shape out_shape, kept_dims, red_dims;

@@ -274,9 +274,9 @@ absl::StatusOr<std::vector<Tensor>> Tensor::SplitWithSizes(IntSpan sizes, int64_
 }
 
 absl::StatusOr<Tensor> Tensor::Transpose(int64_t dim0, int64_t dim1) const {
-  if (this->dim() == 0) return *this;
   DT_ASSIGN_OR_RETURN(int64_t a, NormalizeDim("Transpose", dim0, this->dim()));
   DT_ASSIGN_OR_RETURN(int64_t b, NormalizeDim("Transpose", dim1, this->dim()));
+  if (this->dim() == 0) return *this;  // as torch: dims 0 / -1 only, and the tensor itself
   Tensor t = *this;
   std::swap(t.shape_[a], t.shape_[b]);
   std::swap(t.strides_[a], t.strides_[b]);
@@ -425,9 +425,9 @@ absl::StatusOr<Tensor> Tensor::Unsqueeze(int64_t dim) const {
 }
 
 absl::StatusOr<Tensor> Tensor::Squeeze(int64_t dim) const {
-  if (this->dim() == 0) return *this;
   DT_ASSIGN_OR_RETURN(int64_t d, NormalizeDim("Squeeze", dim, this->dim()));
-  if (shape_[d] != 1) return *this;  // as torch.squeeze(dim): no-op on a dim that is not 1
+  if (this->dim() == 0) return *this;  // as torch: dims 0 / -1 only, and the tensor itself
+  if (shape_[d] != 1) return *this;    // as torch.squeeze(dim): no-op on a dim that is not 1
   Tensor t = *this;
   t.shape_.erase(t.shape_.begin() + d);
   t.strides_.erase(t.strides_.begin() + d);

@@ -856,8 +856,17 @@ TEST(OpsStrategy, CastsAndIntegerAveragesKeepPartialOnlyWhereExact) {
       {{-1, 2}, {0, 0}, PartialOp::kMax, DType::kFloat32, DType::kBool, false},
       {{3, 4}, {5, -9}, PartialOp::kSum, DType::kInt64, DType::kFloat32, true},
       {{3, 4}, {5, -9}, PartialOp::kSum, DType::kInt64, DType::kInt32, true},
-      {{-0.5, 2.7}, {0.3, -1.2}, PartialOp::kMax, DType::kFloat32, DType::kInt32, true},
-      {{-0.5, 2.7}, {0.3, -1.2}, PartialOp::kMin, DType::kFloat32, DType::kInt64, true},
+      // max / min keep the Partial only through a cast monotone over all values: float to
+      // integer is not (out of range), nor is int64 to int32 (2^31 wraps to -2^31, below 7), nor
+      // overflow to e4m3's NaN; widening integer casts, integer to float and float16 are.
+      {{-0.5, 2.7}, {0.3, -1.2}, PartialOp::kMax, DType::kFloat32, DType::kInt32, false},
+      {{-0.5, 2.7}, {0.3, -1.2}, PartialOp::kMin, DType::kFloat32, DType::kInt64, false},
+      {{2147483648.0, 7}, {5, 7}, PartialOp::kMax, DType::kInt64, DType::kInt32, false},
+      {{-2147483649.0, 7}, {5, 7}, PartialOp::kMin, DType::kInt64, DType::kInt32, false},
+      {{1000, 1}, {1, 1}, PartialOp::kMin, DType::kFloat32, DType::kFloat8E4M3, false},
+      {{2147483647.0, -7}, {5, 7}, PartialOp::kMax, DType::kInt32, DType::kInt64, true},
+      {{16777217.0, -7}, {5, 7}, PartialOp::kMin, DType::kInt64, DType::kFloat32, true},
+      {{1e6, -7}, {5, 7}, PartialOp::kMax, DType::kFloat32, DType::kFloat16, true},
       {{1.5, 2}, {2.5, 3}, PartialOp::kAvg, DType::kFloat32, DType::kBFloat16, true},
       {{1.5, 2}, {2.5, 3}, PartialOp::kSum, DType::kBFloat16, DType::kFloat32, true},
   };
@@ -882,6 +891,79 @@ TEST(OpsStrategy, CastsAndIntegerAveragesKeepPartialOnlyWhereExact) {
       const Tensor want = Unwrap(dtensor::Binary(op, agtest::Full(Value(a)), agtest::Full(Value(a))));
       const Value got = Unwrap(fn::Binary(op, Value(a), Value(a)));
       EXPECT_EQ(testing::Values(agtest::Full(got)), testing::Values(want)) << "int64 P(avg) binary " << int(op);
+    }
+  });
+}
+
+// A 0-d tensor, plain or DTensor (replicated, or partial where the op keeps it), accepts dim
+// 0 / -1 as PyTorch does: transpose(0, 0) / (-1, -1) is the tensor itself; sum, mean and max
+// over dim 0 / -1 (keepdim or not) are the scalar itself; softmax is 1, log_softmax 0;
+// narrow and split refuse a 0-d tensor (torch: "cannot be applied to a 0-dim tensor", "split
+// expects at least a 1-dimensional tensor"); any other dim, or dim 0 twice, is an error. The
+// backward of mean / max / transpose of a 0-d x is 1 (torch). A review saw these crash.
+TEST(OpsStrategy, ZeroDimTensorsTakeDimZeroAsPyTorch) {
+  const Tensor s = testing::FromDoubles({2.5}, {}, DType::kFloat32);
+  const std::vector<double> x_values = testing::Values(s);
+  agtest::RunMesh({2}, [&](const DeviceMesh& mesh) {
+    const bool first = mesh.coordinate()[0] == 0;
+    const Tensor half = testing::FromDoubles({first ? 2.5 : 0.0}, {}, DType::kFloat32);
+    const Tensor low = testing::FromDoubles({first ? 2.5 : -1.0}, {}, DType::kFloat32);
+    const std::vector<std::pair<std::string, Value>> inputs = {
+        {"plain", Value(s)},
+        {"R", Value(Unwrap(DTensor::Distribute(s, mesh, Layout({R}))))},
+        {"P(sum)", Value(Unwrap(DTensor::FromLocal(half, mesh, Layout({P}))))},
+        {"P(max)", Value(Unwrap(DTensor::FromLocal(low, mesh, Layout({PM}))))},
+    };
+    const auto expect_x = [&](const absl::StatusOr<Value>& r, const std::string& what) {
+      ASSERT_TRUE(r.ok()) << what << ": " << r.status();
+      EXPECT_EQ(r->dim(), 0) << what;
+      EXPECT_EQ(testing::Values(agtest::Full(*r)), x_values) << what;
+    };
+    const auto expect_invalid = [](const auto& r, const std::string& what) {
+      EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << what << ": " << r.status();
+    };
+    for (const auto& [name, x] : inputs) {
+      expect_x(fn::Transpose(x, 0, 0), name + " transpose(0, 0)");
+      expect_x(fn::Transpose(x, -1, -1), name + " transpose(-1, -1)");
+      expect_x(fn::Transpose(x, 0, -1), name + " transpose(0, -1)");
+      expect_invalid(fn::Transpose(x, 0, 1), name + " transpose(0, 1)");
+      for (bool keepdim : {false, true}) {
+        for (int64_t d : {0, -1}) {
+          const std::string what = absl::StrCat(name, " dim ", d, keepdim ? " keepdim" : "");
+          expect_x(fn::Sum(x, {d}, keepdim), what + " sum");
+          expect_x(fn::Mean(x, {d}, keepdim), what + " mean");
+          expect_x(fn::Max(x, {d}, keepdim), what + " max");
+          expect_x(fn::Reduce(ReduceOp::kMin, x, {d}, keepdim), what + " min");
+        }
+      }
+      expect_invalid(fn::Sum(x, {1}), name + " sum dim 1");
+      expect_invalid(fn::Sum(x, {0, -1}), name + " sum dims 0, -1");
+      expect_invalid(fn::Max(x, {-2}), name + " max dim -2");
+      const absl::StatusOr<Value> sm = fn::Softmax(x, 0), lsm = fn::LogSoftmax(x, -1);
+      ASSERT_TRUE(sm.ok() && lsm.ok()) << name << ": " << sm.status() << " " << lsm.status();
+      EXPECT_EQ(testing::Values(agtest::Full(*sm)), std::vector<double>{1.0}) << name << " softmax";
+      EXPECT_EQ(testing::Values(agtest::Full(*lsm)), std::vector<double>{0.0}) << name << " log_softmax";
+      expect_invalid(fn::Narrow(x, 0, 0, 1), name + " narrow");
+      expect_invalid(fn::Narrow(x, -1, 0, 0), name + " narrow dim -1");
+      const Variable v = Variable::Leaf(x, true);
+      expect_invalid(Narrow(v, 0, 0, 1), name + " Variable narrow");
+      expect_invalid(Split(v, 1, 0), name + " Variable split");
+      expect_invalid(Split(v, 1, -1), name + " Variable split dim -1");
+      using VarOp = std::function<absl::StatusOr<Variable>(const Variable&)>;
+      const std::vector<std::pair<std::string, VarOp>> grads = {
+          {"mean", [](const Variable& a) { return Mean(a, {0}); }},
+          {"max", [](const Variable& a) { return Max(a, {-1}); }},
+          {"sum keepdim", [](const Variable& a) { return Sum(a, {0}, true); }},
+          {"transpose", [](const Variable& a) { return Transpose(a, -1, 0); }},
+      };
+      for (const auto& [op, f] : grads) {
+        const Variable leaf = Variable::Leaf(x, true);
+        const absl::StatusOr<Variable> y = f(leaf);
+        ASSERT_TRUE(y.ok()) << name << " " << op << ": " << y.status();
+        EXPECT_EQ(testing::Values(agtest::Full(y->value())), x_values) << name << " " << op;
+        ASSERT_TRUE(Backward(*y).ok()) << name << " " << op;
+        EXPECT_EQ(testing::Values(agtest::Full(leaf.grad())), std::vector<double>{1.0}) << name << " " << op << " grad";
+      }
     }
   });
 }

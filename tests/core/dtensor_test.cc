@@ -401,6 +401,17 @@ TEST(DTensorPrint, VisualizeShardingBlocks) {
   });
 }
 
+// Undefined inputs give the empty box and an error line, as VisualizeSharding(DTensor()) and
+// the invalid-layout overload do, instead of reading a mesh that is not there.
+TEST(DTensorPrint, UndefinedDTensorAndMeshAreReportedNotRead) {
+  const DTensor undefined;
+  EXPECT_TRUE(undefined.local_box().offset.empty());
+  EXPECT_TRUE(undefined.local_box().shape.empty());
+  EXPECT_EQ(VisualizeSharding(undefined), "DTensor(undefined)");
+  const std::string out = VisualizeSharding({4}, DeviceMesh(), Layout({Shard(0)}));
+  EXPECT_THAT(out, HasSubstr("undefined DeviceMesh")) << out;
+}
+
 // ---- RedistributeAsync ----
 
 // A PendingDTensor moves in code outside the library (its move operations are defined where

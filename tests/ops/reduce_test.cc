@@ -237,6 +237,26 @@ TEST(CpuReduceTest, EmptyReductions) {
   for (double v : testing::Values(out)) EXPECT_EQ(v, INFINITY);
 }
 
+// A 0-d tensor reduced over dim 0 or -1, keepdim or not, is itself (torch.tensor(3.).sum(0),
+// .mean(-1), .max(0).values); a dim named twice (0 and -1 on a 0-d tensor, 1 and -1 on a 2-d
+// one) is an error, as torch's "dim 0 appears multiple times in the list of dims".
+TEST(CpuReduceTest, ZeroDimOverDimZeroIsItselfAndRepeatedDimsAreErrors) {
+  const Tensor s = testing::FromDoubles({2.5}, {}, DType::kFloat32);
+  for (ReduceOp op : kOps) {
+    for (int64_t d : {0, -1}) {
+      for (bool keepdim : {false, true}) {
+        const Tensor r = Unwrap(Reduce(op, s, std::vector<int64_t>{d}, keepdim));
+        EXPECT_EQ(r.dim(), 0) << Name(op) << " " << d;
+        EXPECT_EQ(testing::Values(r), testing::Values(s)) << Name(op) << " " << d;
+      }
+    }
+    EXPECT_TRUE(absl::IsInvalidArgument(Reduce(op, s, std::vector<int64_t>{0, -1}).status())) << Name(op);
+    EXPECT_TRUE(absl::IsInvalidArgument(Reduce(op, s, std::vector<int64_t>{1}).status())) << Name(op);
+    const Tensor m = testing::FromDoubles({1, 2, 3, 4, 5, 6}, {2, 3}, DType::kFloat32);
+    EXPECT_TRUE(absl::IsInvalidArgument(Reduce(op, m, std::vector<int64_t>{1, -1}).status())) << Name(op);
+  }
+}
+
 TEST(CpuReduceTest, KernelRejectsMismatchedLayout) {
   const Tensor x = Unwrap(Tensor::Empty({4, 5}, DType::kFloat32));
   Tensor out = Unwrap(Tensor::Empty({4}, DType::kFloat32));

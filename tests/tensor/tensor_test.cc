@@ -42,6 +42,29 @@ TEST(TensorTest, ZeroDimAndEmptyTensors) {
   EXPECT_EQ(pieces.size(), 3u);  // torch.chunk of an empty dim: `chunks` empty pieces
 }
 
+// A 0-d tensor takes dim 0 / -1 only, as PyTorch: transpose and squeeze of those dims give the
+// tensor itself, any other dim is an error (torch: "Dimension out of range (expected to be in
+// range of [-1, 0], but got 5)"); narrow, split, chunk and select refuse a 0-d tensor.
+TEST(TensorTest, ZeroDimTakesDimZeroOrMinusOneOnly) {
+  const Tensor s = Unwrap(Tensor::FromVector<int64_t>({7}, {}));
+  for (auto [a, b] : {std::pair<int64_t, int64_t>{0, 0}, {-1, -1}, {0, -1}}) {
+    const Tensor t = Unwrap(s.Transpose(a, b));
+    EXPECT_EQ(t.dim(), 0);
+    EXPECT_EQ(Unwrap(t.ToVector<int64_t>()), std::vector<int64_t>{7});
+  }
+  EXPECT_EQ(Unwrap(s.Squeeze(0)).dim(), 0);
+  EXPECT_EQ(Unwrap(s.Squeeze(-1)).dim(), 0);
+  for (int64_t bad : {1, 5, -2}) {
+    EXPECT_TRUE(absl::IsInvalidArgument(s.Transpose(0, bad).status())) << bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(s.Transpose(bad, bad).status())) << bad;
+    EXPECT_TRUE(absl::IsInvalidArgument(s.Squeeze(bad).status())) << bad;
+  }
+  EXPECT_TRUE(absl::IsInvalidArgument(s.Narrow(0, 0, 1).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(s.Split(1, 0).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(s.Chunk(1, 0).status()));
+  EXPECT_TRUE(absl::IsInvalidArgument(s.Select(0, 0).status()));
+}
+
 // ToVector reads what a tensor shows, row-major, through any strides, and refuses a T that is
 // not its dtype. The expectation is written out by hand.
 TEST(TensorTest, ToVectorReadsRowMajorThroughStrides) {
