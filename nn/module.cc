@@ -79,6 +79,7 @@ const Shape* Module::RegisteredShape(const VariableImpl* v) const {
 absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> Module::StateDict() {
   std::vector<std::pair<std::string, Tensor>> out;
   for (auto& [name, v] : NamedParameters()) {
+    DT_RETURN_IF_ERROR(v->Settle());  // the parameter itself, not a gathered (param_dtype) copy
     const Value& val = v->value();
     Tensor full = val.local();
     if (val.is_dtensor()) {

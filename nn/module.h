@@ -59,7 +59,8 @@ class Module {
   // Full values of every parameter (collective for DTensors: gathers each to every rank), in
   // the shape it was registered with (a transform that views a parameter in another shape of
   // the same row-major values, as tensor parallelism's stacked q/k/v, leaves the state as it
-  // was).
+  // was). Each parameter is settled first (Variable::Settle: an FSDP group left gathered is
+  // sharded again), so the state is the parameters' own, not a gathered param_dtype copy.
   absl::StatusOr<std::vector<std::pair<std::string, Tensor>>> StateDict();
   // Copies full tensors into the parameters (each rank keeps its piece: no communication);
   // a tensor in the registered shape fills a parameter viewed in another.

@@ -274,6 +274,7 @@ AdamW::AdamW(std::vector<Variable*> params, const AdamWOptions& options)
 
 absl::Status AdamW::InitState() {
   if (!m_.empty()) return absl::OkStatus();
+  DT_RETURN_IF_ERROR(SettleParams(params_));  // the shards' shapes, not a gathered group's
   for (Variable* p : params_) {
     const Tensor& l = p->value().local();
     DT_ASSIGN_OR_RETURN(Tensor m, Zeros(l.shape(), DType::kFloat32, l.device()));

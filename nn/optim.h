@@ -85,7 +85,8 @@ class AdamW {
   int64_t StateBytes() const;
 
   // For checkpoints. InitState makes the moments (zeros, float32, the parameter's local shape
-  // and device) when no step has made them yet, so that a resume can load into them.
+  // and device; a gathered FSDP group is sharded first, Variable::Settle) when no step has
+  // made them yet, so that a resume can load into them.
   // exp_avg(i) / exp_avg_sq(i): parameter i's m and v on this rank (views: loading into them
   // restores the state); param_steps(): each parameter's update count (bias correction);
   // set_steps restores it and step_count().

@@ -617,6 +617,7 @@ absl::Status TrainRank(Communicator& world, const Flags& f, Device device) {
     DT_RETURN_IF_ERROR(opt.InitState());
     CheckpointState state;
     for (size_t i = 0; i < named.size(); ++i) {
+      DT_RETURN_IF_ERROR(named[i].second->Settle());  // the shard itself, not a gathered copy
       const Value& v = named[i].second->value();
       auto as_param = [&](const Tensor& t) -> StateTensor {  // a piece laid out as the parameter
         if (!v.is_dtensor()) return t;

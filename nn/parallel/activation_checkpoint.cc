@@ -96,14 +96,15 @@ absl::Status ApplyActivationCheckpointing(GPT& model, const AcOptions& options) 
   if (options.mode == AcOptions::Mode::kSelectiveOp && options.save_ops.empty()) {
     return absl::InvalidArgumentError("[ApplyActivationCheckpointing] selective:op with no ops to save");
   }
-  const std::vector<int64_t> blocks = CheckpointedBlocks(model.config().n_layer, options);
-  for (int64_t i : blocks) {
+  // Every block, not only those this mode picks: selective:2 then selective:3 picks blocks 1
+  // and 3 then 2, and would have checkpointed 1, 2 and 3.
+  for (int64_t i = 0; i < model.config().n_layer; ++i) {
     if (model.block(i)->has_forward_wrapper()) {
       return absl::FailedPreconditionError(absl::StrCat("[ApplyActivationCheckpointing] block transformer.h.", i,
                                                         " is wrapped already (checkpointing applied twice?)"));
     }
   }
-  for (int64_t i : blocks) {
+  for (int64_t i : CheckpointedBlocks(model.config().n_layer, options)) {
     CheckpointOptions ck;
     ck.capture_state = DropoutState(*model.block(i));
     if (options.mode == AcOptions::Mode::kSelectiveOp) ck.save_ops = options.save_ops;

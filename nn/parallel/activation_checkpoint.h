@@ -80,7 +80,8 @@ absl::StatusOr<AcOptions> ParseAcMode(std::string_view text);
 std::vector<int64_t> CheckpointedBlocks(int64_t n_layer, const AcOptions& options);
 
 // Applies `options` to `model`'s blocks (see above). InvalidArgument for every < 1 or an empty
-// save_ops in selective:op; FailedPrecondition when a block is wrapped already.
+// save_ops in selective:op; FailedPrecondition when any block is wrapped already (whichever
+// blocks this mode picks).
 absl::Status ApplyActivationCheckpointing(GPT& model, const AcOptions& options);
 
 }  // namespace dtensor::nn

@@ -47,7 +47,7 @@ struct FsdpGroup::Bucket {
   Tensor gather_in, gather_out;
   std::unique_ptr<Work> gather_work;
   // HSDP without all_reduce (set_requires_all_reduce(false)): the reduce-scattered sums of the
-  // backward passes since the last all_reduce, and the parameters with a gradient in them.
+  // backward passes since the last all_reduce, and the parameters reduced in them.
   Tensor partial_reduce;
   std::vector<int> partial_params;
 };
@@ -57,7 +57,7 @@ struct FsdpGroup::Pending {
   int bucket = 0;
   Tensor input, output;
   std::vector<std::unique_ptr<Work>> works;
-  std::vector<int> params;  // those with a gradient in it
+  std::vector<int> params;  // those reduced in it: requiring grad, or with a gradient
   bool partial = false;     // reduce-scattered only: kept in the bucket's partial_reduce
 };
 
@@ -455,9 +455,7 @@ absl::Status FsdpGroup::RestoreGrads() {
 }
 
 absl::Status FsdpGroup::StartKeptReduce() {
-  if (!sync_ || std::none_of(params_.begin(), params_.end(), [](const Param& p) { return p.unsynced.defined(); })) {
-    return absl::OkStatus();
-  }
+  if (!sync_ || !kept_) return absl::OkStatus();
   return StartReduce(/*kept_only=*/true);
 }
 
@@ -471,6 +469,7 @@ void FsdpGroup::DiscardReduce() {
 void FsdpGroup::DiscardKept() {
   const Tensor none;  // (assigned, not a temporary per element: GCC 12 warns of those here)
   for (Param& p : params_) p.unsynced = none;
+  kept_ = false;
   for (Bucket& b : buckets_) {
     b.partial_reduce = none;
     b.partial_params.clear();
@@ -482,12 +481,14 @@ absl::Status FsdpGroup::StartReduce(bool kept_only) {
     return absl::FailedPreconditionError(
         absl::StrCat("[FullyShard] group of ", label_, ": gradients reduced while its parameters are not gathered"));
   }
+  // Whether sums are kept depends on the passes the group's post-backward ran in, alike on
+  // every rank, not on which of its parameters this rank's forward used.
+  kept_ = !sync_;
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
     Bucket& b = buckets_[bi];
     // Each gradient as this rank's part of a sum over the FSDP dims: Partial(sum) as it is,
     // anything else (Replicate, Partial(avg), plain) scaled by 1 / the dim's size.
     std::vector<Tensor> locals(b.params.size());
-    bool any = false;
     for (size_t k = 0; k < b.params.size(); ++k) {
       Param& p = params_[static_cast<size_t>(b.params[k])];
       Value g;  // kept_only: the parameters are their shards, and so is .grad
@@ -551,13 +552,23 @@ absl::Status FsdpGroup::StartReduce(bool kept_only) {
       }
       if (local.defined()) {
         DT_ASSIGN_OR_RETURN(locals[k], Contiguous(local));
-        any = true;
       }
     }
+    if (!sync_) continue;
     const bool hsdp = replicate_dim_ >= 0 && mesh_.size(replicate_dim_) > 1;
     // Earlier passes' reduce-scattered sums, all-reduced now (with this pass's, zeros if none).
     const bool flush = hsdp && all_reduce_ && b.partial_reduce.defined();
-    if (!sync_ || (!any && !flush)) continue;
+    // Every rank runs the group's post-backward, so each runs the same collectives whatever
+    // parameters its own forward used: every parameter that requires grad is reduced (zeros
+    // where this rank has no gradient of it; a peer may have one) and gets its reduced shard.
+    // Only a bucket of frozen parameters without gradients is skipped, alike on every rank.
+    std::vector<bool> reduced(b.params.size());
+    bool any = false;
+    for (size_t k = 0; k < b.params.size(); ++k) {
+      reduced[k] = locals[k].defined() || params_[static_cast<size_t>(b.params[k])].var->requires_grad();
+      any = any || reduced[k];
+    }
+    if (!any && !flush) continue;
     Pending pending;
     pending.bucket = static_cast<int>(bi);
     DT_ASSIGN_OR_RETURN(pending.input, Tensor::Empty({shard_size_ * b.block}, b.reduce, device_));
@@ -566,7 +577,7 @@ absl::Status FsdpGroup::StartReduce(bool kept_only) {
       const Param& p = params_[static_cast<size_t>(b.params[k])];
       if (p.pre > 1) {  // another dim than 0: rank by rank
         if (p.rows * p.rest == 0) continue;
-        if (locals[k].defined()) pending.params.push_back(b.params[k]);
+        if (reduced[k]) pending.params.push_back(b.params[k]);
         Tensor whole;
         if (locals[k].defined()) {
           DT_ASSIGN_OR_RETURN(whole, locals[k].View({p.pre, p.rows, p.rest}));
@@ -592,12 +603,12 @@ absl::Status FsdpGroup::StartReduce(bool kept_only) {
       }
       DT_ASSIGN_OR_RETURN(Parts parts, PartsOf(in2, p.offset, p.rows, p.chunk_rows, p.rest));
       for (const Tensor& pad : parts.padding) DT_RETURN_IF_ERROR(Fill_(pad, 0.0));
+      if (reduced[k]) pending.params.push_back(b.params[k]);
       if (!locals[k].defined()) {
         if (parts.full.defined()) DT_RETURN_IF_ERROR(Fill_(parts.full, 0.0));
         if (parts.remainder.defined()) DT_RETURN_IF_ERROR(Fill_(parts.remainder, 0.0));
         continue;
       }
-      pending.params.push_back(b.params[k]);
       DT_ASSIGN_OR_RETURN(Tensor flat, locals[k].View({p.rows * p.rest}));
       DT_ASSIGN_OR_RETURN(auto pieces, FlatPieces(flat, p.rows, p.chunk_rows, p.rest));
       if (parts.full.defined()) DT_RETURN_IF_ERROR(CopyBlock(parts.full, pieces.first));

@@ -179,6 +179,9 @@ class FsdpGroup {
   std::vector<Bucket> buckets_;
   State state_ = State::kSharded;
   bool sync_ = true;
+  // A post-backward without gradient sync kept sums that no synchronised one reduced yet (on
+  // every rank alike, even where this rank's forward used none of the group's parameters).
+  bool kept_ = false;
   bool all_reduce_ = true;
   std::vector<Pending> pending_reduce_;
   Stats stats_;

@@ -36,6 +36,11 @@
 //                  gradients are cast to reduce_dtype and reduce-scattered into the sharded
 //                  gradients (asynchronously; awaited at the next group's post-backward or at
 //                  the end of the pass); HSDP then all-reduces them over the replicate dim.
+//                  Every parameter of the group that requires grad takes part, as zeros on a
+//                  rank whose forward did not use it, so every rank runs the same collectives
+//                  and each shard gets the peers' gradients too (a rank-dependent branch inside
+//                  a group; a group whose forward or backward runs on some ranks only is not
+//                  supported, as in FSDP2: its all_gathers would not match).
 //                  Gradients accumulate into the sharded .grad across backward passes.
 // The reduction per FSDP mesh dim: sum where the unsharded gradient is Partial(sum) there (a
 // batch sharded over that dim, the DTensor way: the loss is already the global mean), average
@@ -62,9 +67,10 @@
 // Between a group's forward and its backward (the root's always; others' with
 // reshard_after_forward false), and after a forward whose backward never runs (a logged loss,
 // a forward that failed), the parameters hold the gathered values and their sharded
-// gradients are kept aside: .grad() read directly shows none. Optimizer steps, ClipGradNorm
-// and LoadStateDict first shard such groups again (Variable::Settle; a pending backward then
-// gathers them again), so they update the shards; reset_grad (zero_grad) also drops the
+// gradients are kept aside: .grad() read directly shows none. Optimizer steps, ClipGradNorm,
+// AdamW::InitState, StateDict and LoadStateDict first shard such groups again (Variable::Settle;
+// a pending backward then gathers them again), so they update, save and load the float32
+// shards, not the gathered param_dtype copies; reset_grad (zero_grad) also drops the
 // gradient kept aside and the group's sums kept without gradient sync or all_reduce, so a
 // failed step is retried from zero.
 //

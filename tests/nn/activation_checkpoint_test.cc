@@ -84,6 +84,19 @@ TEST(ApplyActivationCheckpointing, ChoosesBlocksAndRefusesTwice) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// A second call whose mode picks none of the blocks the first wrapped is refused too: on 4
+// blocks selective:2 wraps 1 and 3, selective:3 would add 2 (before, it was accepted and
+// blocks 1, 2 and 3 were checkpointed, which neither mode asks for).
+TEST(ApplyActivationCheckpointing, RefusesASecondCallOnOtherBlocks) {
+  using M = nn::AcOptions::Mode;
+  auto model = Unwrap(nn::GPT::Create({.vocab_size = 16, .block_size = 4, .n_layer = 4, .n_head = 2, .n_embd = 8}));
+  ASSERT_TRUE(nn::ApplyActivationCheckpointing(*model, {.mode = M::kSelectiveLayer, .every = 2}).ok());
+  absl::Status again = nn::ApplyActivationCheckpointing(*model, {.mode = M::kSelectiveLayer, .every = 3});
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
+  EXPECT_NE(again.message().find("transformer.h.1"), std::string::npos) << again;
+  for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(model->block(i)->has_forward_wrapper(), i == 1 || i == 3) << "block " << i;
+}
+
 // ---- Training with and without checkpointing ----
 
 enum class Par { kSingle, kFsdp2, kTp2 };

@@ -707,11 +707,12 @@ TEST(FullyShardTest, TwoForwardsThenTheirBackwardsMatchOneRank) {
     }
     // Gathers: forward 3 + 2 (the root stays gathered); backward 5: each graph gathers its
     // blocks, and the root again for the graph the other's post-backward left (as FSDP2).
-    // Reduce-scatters: one backward pass reduces each group once (a parameter's accumulator
-    // waits for both graphs' gradients, so the first graph's post-backward finds none yet);
-    // two passes reduce twice.
+    // Reduce-scatters: each graph's post-backward reduces each group, in one backward pass
+    // too, where the first finds no gradient yet (a parameter's accumulator waits for both
+    // graphs') and reduce-scatters zeros: a rank runs the same collectives whatever gradients
+    // it has (its peers may have some); two passes reduce twice.
     EXPECT_EQ(counter.calls(CommKind::kAllGather), 10) << "mode " << mode << ": " << counter.ToString();
-    EXPECT_EQ(counter.calls(CommKind::kReduceScatter), mode == 0 ? 3 : 6) << "mode " << mode;
+    EXPECT_EQ(counter.calls(CommKind::kReduceScatter), 6) << "mode " << mode;
   }
 }
 
@@ -921,6 +922,188 @@ TEST(FullyShardTest, ModuleUsedTwiceAndAHeldEarlierLossReduceEveryGradient) {
         // Reduced by FSDP: laid out as the parameter (not left R / P for the optimizer).
         EXPECT_EQ(g.layout(), p->value().dtensor().layout()) << name;
         testing::ExpectNear(testing::Values(Unwrap(g.FullTensor())), want[i++], {1e-5, 1e-6}, name);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+// Ranks that use different parameters of one group. The root holds a and c, the group blk
+// holds p; what each rank's forward runs is its own (rank_use): a or c (or neither) first,
+// then blk, which applies p or only scales (its parameters then unused on that rank).
+class RankBranchy : public nn::Module {
+ public:
+  class Blk : public nn::Module {
+   public:
+    Blk() { p = RegisterModule("p", std::make_unique<nn::Linear>(5, 3)); }
+    absl::StatusOr<Variable> Forward(const Variable& x, bool use_p) {
+      return WithHooks(x, [&, use_p](const Variable& in) { return use_p ? p->Forward(in) : Scale(in, 2.0); });
+    }
+    nn::Linear* p;
+  };
+  struct Use {
+    int lin = 0;  // 0: a, 1: c, -1: neither
+    bool blk = false, use_p = false;
+  };
+  RankBranchy() {
+    a = RegisterModule("a", std::make_unique<nn::Linear>(5, 5));
+    c = RegisterModule("c", std::make_unique<nn::Linear>(5, 5));
+    blk = RegisterModule("blk", std::make_unique<Blk>());
+    int k = 1;
+    for (Variable* q : Parameters()) {
+      std::vector<float> v;
+      for (int64_t i = 0; i < q->value().numel(); ++i) v.push_back(static_cast<float>(0.5 * std::cos(1.3 * i + k)));
+      ++k;
+      EXPECT_TRUE(Copy_(q->value().local(), Unwrap(Tensor::FromVector<float>(v, q->value().shape()))).ok());
+    }
+  }
+  absl::StatusOr<Variable> Forward(const Variable& x, Use use) {
+    return WithHooks(x, [&, use](const Variable& in) -> absl::StatusOr<Variable> {
+      Variable h = in;
+      if (use.lin >= 0) {
+        DT_ASSIGN_OR_RETURN(h, (use.lin == 0 ? a : c)->Forward(in));
+      }
+      if (use.blk) {
+        DT_ASSIGN_OR_RETURN(h, blk->Forward(h, use.use_p));
+      }
+      return h;
+    });
+  }
+  // `scale` times the mean of this rank's output on its own [3, 5] input. (Plain tensors: FSDP
+  // averages the gradients over the ranks, so each rank's loss is its own mean, scale 1, and
+  // the one-rank reference sums every rank's with scale 1 / world.)
+  absl::StatusOr<Variable> Loss(int rank, int micro, Use use, double scale) {
+    std::vector<float> v;
+    for (int i = 0; i < 15; ++i) v.push_back(static_cast<float>(std::sin(0.7 * i + 0.3 * rank + 1.1 * micro)));
+    DT_ASSIGN_OR_RETURN(Tensor x, Tensor::FromVector<float>(v, {3, 5}));
+    DT_ASSIGN_OR_RETURN(Variable y, Forward(Variable::Constant(x), use));
+    DT_ASSIGN_OR_RETURN(Variable loss, Mean(y));
+    return Scale(loss, scale);
+  }
+  nn::Linear *a, *c;
+  Blk* blk;
+};
+
+// Each micro-batch's uses by rank (2 ranks), and whether its backward syncs gradients.
+struct RankUses {
+  std::vector<std::vector<RankBranchy::Use>> uses;
+  std::vector<bool> sync;
+};
+
+// Every rank's shard of every parameter gets the gradient of the global loss (the mean over
+// the ranks of each one's loss, through what that rank used), as one rank computes it with
+// every rank's branch: before, StartReduce zero-filled a parameter this rank had no gradient
+// of but gave only those it had one of their reduced shards (the peers' sums were dropped),
+// and a rank without any gradient in the group skipped the reduce_scatter its peers ran (or,
+// after a micro-batch without sync, the kept sums' one): a collective mismatch.
+void ExpectRankConditionalUseMatchesOneRank(const RankUses& s, const std::string& what) {
+  constexpr int kWorld = 2;
+  std::map<std::string, std::vector<double>> want;
+  {
+    RankBranchy m;
+    for (size_t k = 0; k < s.uses.size(); ++k) {
+      for (int r = 0; r < kWorld; ++r) {
+        Variable loss = Unwrap(m.Loss(r, static_cast<int>(k), s.uses[k][static_cast<size_t>(r)], 1.0 / kWorld));
+        ASSERT_TRUE(Backward(loss).ok());
+      }
+    }
+    for (auto& [name, p] : m.NamedParameters()) {
+      want[name] = p->grad().defined() ? testing::Values(p->grad().local()) : std::vector<double>{};
+    }
+  }
+  auto comms = Unwrap(MakeThreadGroup(kWorld, absl::Seconds(10)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {kWorld}));
+      RankBranchy m;
+      ASSERT_TRUE(nn::FullyShard(*m.blk, mesh).ok());
+      ASSERT_TRUE(nn::FullyShard(m, mesh).ok());
+      for (size_t k = 0; k < s.uses.size(); ++k) {
+        nn::SetRequiresGradientSync(m, s.sync[k]);
+        Variable loss = Unwrap(m.Loss(r, static_cast<int>(k), s.uses[k][static_cast<size_t>(r)], 1.0));
+        const absl::Status b = Backward(loss);
+        ASSERT_TRUE(b.ok()) << what << ", rank " << r << ", micro-batch " << k << ": " << b;
+      }
+      for (auto& [name, p] : m.NamedParameters()) {
+        const std::string where = absl::StrCat(what, ", rank ", r, ": ", name);
+        const std::vector<double>& full = want[name];
+        if (full.empty()) {  // no rank used it: no gradient, or zeros
+          if (p->grad().defined()) {
+            for (double g : testing::Values(p->grad().local())) EXPECT_EQ(g, 0.0) << where;
+          }
+          continue;
+        }
+        ASSERT_TRUE(p->grad().defined()) << where << ": the shard lost its gradient";
+        const DTensor g = p->grad().dtensor();
+        EXPECT_EQ(g.layout(), p->value().dtensor().layout()) << where;
+        // This rank's rows of the one-rank gradient (slicing, no communication).
+        const Tensor whole = Unwrap(Tensor::FromVector<float>(std::vector<float>(full.begin(), full.end()), g.shape()));
+        const DTensor mine = Unwrap(DTensor::Distribute(whole, g.mesh(), g.layout(), {.src_rank = std::nullopt}));
+        testing::ExpectNear(testing::Values(g.ToLocal()), testing::Values(mine.ToLocal()), {1e-5, 1e-6}, where);
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+}
+
+TEST(FullyShardTest, RanksUsingDifferentParametersOfAGroupGetEveryGradient) {
+  using U = RankBranchy::Use;
+  // Rank 0 uses a, rank 1 c, both of the root: each shard of each needs the other's sum.
+  ExpectRankConditionalUseMatchesOneRank({{{U{.lin = 0}, U{.lin = 1}}}, {true}}, "a on rank 0, c on rank 1");
+  // Rank 1 uses none of the root's parameters (only blk's): it still runs the root's
+  // reduce_scatter, as rank 0 does.
+  ExpectRankConditionalUseMatchesOneRank(
+      {{{U{.lin = 0, .blk = true, .use_p = true}, U{.lin = -1, .blk = true, .use_p = true}}}, {true}},
+      "a and p on rank 0, only p on rank 1");
+  // Gradient accumulation: rank 1 runs blk without its parameters in the micro-batch without
+  // sync, and no rank uses blk in the synchronised one; rank 0's sum kept for p still meets
+  // rank 1's (zeros) in the reduce_scatter at that backward's end.
+  ExpectRankConditionalUseMatchesOneRank(
+      {{{U{.lin = 0, .blk = true, .use_p = true}, U{.lin = 1, .blk = true}}, {U{.lin = 0}, U{.lin = 0}}},
+       {false, true}},
+      "accumulation: p on rank 0 only, then no blk");
+}
+
+// StateDict while a group is gathered (the root's after a forward whose backward never runs,
+// in bfloat16 param_dtype) returns the float32 parameters themselves, equal to the single-rank
+// model's; before, the gathered bfloat16 copies. AdamW::InitState likewise makes moments of
+// the shards' shape, not the gathered parameters'.
+TEST(FullyShardTest, StateDictWhileGatheredIsTheFloat32Parameters) {
+  std::vector<std::pair<std::string, Tensor>> want;
+  {
+    RankBranchy m;
+    want = Unwrap(m.StateDict());
+  }
+  constexpr int kWorld = 2;
+  auto comms = Unwrap(MakeThreadGroup(kWorld, absl::Seconds(10)));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {kWorld}));
+      RankBranchy m;
+      nn::FsdpOptions o;
+      o.mp_policy.param_dtype = DType::kBFloat16;
+      ASSERT_TRUE(nn::FullyShard(*m.blk, mesh, o).ok());
+      ASSERT_TRUE(nn::FullyShard(m, mesh, o).ok());
+      Variable logged = Unwrap(m.Loss(r, 0, {.lin = 0, .blk = true, .use_p = true}, 1.0));  // no backward
+      ASSERT_TRUE(nn::FsdpGroupOf(m)->unsharded());
+      nn::AdamW opt(m.Parameters(), {});
+      ASSERT_TRUE(opt.InitState().ok());
+      size_t i = 0;
+      for (auto& [name, p] : m.NamedParameters()) {
+        // torch.chunk's rows over 2 ranks: ceil(rows / 2) on rank 0, the rest on rank 1.
+        const int64_t rows = want[i].second.shape()[0];
+        EXPECT_EQ(opt.exp_avg(i++).shape()[0], r == 0 ? (rows + 1) / 2 : rows / 2) << name;
+        EXPECT_EQ(p->value().dtype(), DType::kFloat32) << name;
+      }
+      auto got = Unwrap(m.StateDict());
+      ASSERT_EQ(got.size(), want.size());
+      for (size_t k = 0; k < want.size(); ++k) {
+        EXPECT_EQ(got[k].first, want[k].first);
+        EXPECT_EQ(got[k].second.dtype(), DType::kFloat32) << want[k].first;
+        EXPECT_EQ(testing::Values(got[k].second), testing::Values(want[k].second))
+            << "rank " << r << ": " << want[k].first;
       }
     });
   }
