@@ -412,19 +412,24 @@ TEST(FullyShardTest, HsdpAccumulationAllReducesOncePerStep) {
 }
 
 // a -> (b, when asked) -> c: a and b are FSDP groups, the root holds c.
+// Fixed distinct values in every parameter: 0.5 cos(1.3 i + k) for element i of the k-th.
+void FillWithCosines(nn::Module& m) {
+  int k = 1;
+  for (Variable* p : m.Parameters()) {
+    std::vector<float> v;
+    for (int64_t i = 0; i < p->value().numel(); ++i) v.push_back(static_cast<float>(0.5 * std::cos(1.3 * i + k)));
+    ++k;
+    EXPECT_TRUE(Copy_(p->value().local(), Unwrap(Tensor::FromVector<float>(v, p->value().shape()))).ok());
+  }
+}
+
 class Branchy : public nn::Module {
  public:
   Branchy() {
     a = RegisterModule("a", std::make_unique<nn::Linear>(5, 5));
     b = RegisterModule("b", std::make_unique<nn::Linear>(5, 5));
     c = RegisterModule("c", std::make_unique<nn::Linear>(5, 3));
-    int k = 1;
-    for (Variable* p : Parameters()) {
-      std::vector<float> v;
-      for (int64_t i = 0; i < p->value().numel(); ++i) v.push_back(static_cast<float>(0.5 * std::cos(1.3 * i + k)));
-      ++k;
-      EXPECT_TRUE(Copy_(p->value().local(), Unwrap(Tensor::FromVector<float>(v, p->value().shape()))).ok());
-    }
+    FillWithCosines(*this);
   }
   absl::StatusOr<Variable> Forward(const Variable& x, bool use_b) {
     return WithHooks(x, [&, use_b](const Variable& in) -> absl::StatusOr<Variable> {
@@ -949,13 +954,7 @@ class RankBranchy : public nn::Module {
     a = RegisterModule("a", std::make_unique<nn::Linear>(5, 5));
     c = RegisterModule("c", std::make_unique<nn::Linear>(5, 5));
     blk = RegisterModule("blk", std::make_unique<Blk>());
-    int k = 1;
-    for (Variable* q : Parameters()) {
-      std::vector<float> v;
-      for (int64_t i = 0; i < q->value().numel(); ++i) v.push_back(static_cast<float>(0.5 * std::cos(1.3 * i + k)));
-      ++k;
-      EXPECT_TRUE(Copy_(q->value().local(), Unwrap(Tensor::FromVector<float>(v, q->value().shape()))).ok());
-    }
+    FillWithCosines(*this);
   }
   absl::StatusOr<Variable> Forward(const Variable& x, Use use) {
     return WithHooks(x, [&, use](const Variable& in) -> absl::StatusOr<Variable> {
