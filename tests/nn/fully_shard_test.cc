@@ -887,20 +887,11 @@ TEST(FullyShardTest, ModuleUsedTwiceAndAHeldEarlierLossReduceEveryGradient) {
     for (int64_t i = 0; i < rows * 5; ++i) v.push_back(static_cast<float>(std::sin(0.7 * i + 0.3)));
     return Unwrap(Tensor::FromVector<float>(v, {rows, 5}));
   };
-  auto init = [](TwiceUsed& m) {
-    int s = 1;
-    for (Variable* p : m.Parameters()) {
-      std::vector<float> v;
-      for (int64_t i = 0; i < p->value().numel(); ++i) v.push_back(static_cast<float>(0.5 * std::cos(1.3 * i + s)));
-      ++s;
-      ASSERT_TRUE(Copy_(p->value().local(), Unwrap(Tensor::FromVector<float>(v, p->value().shape()))).ok());
-    }
-  };
   // One rank, every row, the loss scaled by 1 / kWorld; gradients summed over kSteps passes.
   std::vector<std::vector<double>> want;
   {
     TwiceUsed m;
-    init(m);
+    FillWithCosines(m);
     for (int step = 0; step < kSteps; ++step) {
       Variable loss = Unwrap(Scale(Unwrap(Sum(Unwrap(m.Forward(Variable::Constant(input(kWorld * kRows)))))), 0.5));
       ASSERT_TRUE(Backward(loss).ok());
@@ -913,7 +904,7 @@ TEST(FullyShardTest, ModuleUsedTwiceAndAHeldEarlierLossReduceEveryGradient) {
     threads.emplace_back([&, r] {
       DeviceMesh mesh = Unwrap(DeviceMesh::Create(*comms[static_cast<size_t>(r)], {kWorld}));
       TwiceUsed m;
-      init(m);
+      FillWithCosines(m);
       for (nn::Module* g : std::vector<nn::Module*>{m.blk, m.l2, &m}) ASSERT_TRUE(nn::FullyShard(*g, mesh).ok());
       const Tensor mine = Unwrap(Clone(Unwrap(input(kWorld * kRows).Narrow(0, r * kRows, kRows))));
       std::vector<Variable> held;  // every step's loss, kept (to log them later, say)
