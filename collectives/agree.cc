@@ -44,6 +44,17 @@ absl::StatusOr<std::vector<std::string>> AllGatherText(Communicator& world, absl
   return texts;
 }
 
+absl::StatusOr<std::vector<int64_t>> AllGatherInts(Communicator& world, absl::Span<const int64_t> mine) {
+  const int64_t n = static_cast<int64_t>(mine.size());
+  DT_ASSIGN_OR_RETURN(Tensor send, Tensor::FromVector<int64_t>(mine, {n}));
+  DT_ASSIGN_OR_RETURN(send, To(send, world.device()));
+  DT_ASSIGN_OR_RETURN(Tensor all, Tensor::Empty({world.size() * n}, DType::kInt64, world.device()));
+  DT_RETURN_IF_ERROR(world.AllGather(send, all));
+  DT_ASSIGN_OR_RETURN(all, To(all, Device::Cpu()));
+  const int64_t* v = all.data<int64_t>();
+  return std::vector<int64_t>(v, v + all.numel());
+}
+
 absl::Status AgreeOnStatus(Communicator& world, const absl::Status& mine, absl::string_view what) {
   if (world.size() == 1) return mine;  // nothing to agree with
   DT_ASSIGN_OR_RETURN(Tensor flag, Tensor::FromVector<int32_t>({mine.ok() ? 1 : 0}, {1}));

@@ -16,7 +16,7 @@
 // keeps its own code and message, the communicator's error appended.
 //
 // AllGatherText: every rank's string, in rank order (e.g. a JSON document of what each rank
-// wrote); lengths may differ and be 0.
+// wrote); lengths may differ and be 0. AllGatherInts: a fixed-size record of int64s per rank.
 #ifndef DTENSOR_COLLECTIVES_AGREE_H_
 #define DTENSOR_COLLECTIVES_AGREE_H_
 
@@ -26,6 +26,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "dtensor/collectives/communicator.h"
 
 namespace dtensor {
@@ -33,6 +34,10 @@ namespace dtensor {
 absl::Status AgreeOnStatus(Communicator& world, const absl::Status& mine, absl::string_view what);
 
 absl::StatusOr<std::vector<std::string>> AllGatherText(Communicator& world, absl::string_view text);
+
+// Every rank's `mine` (the same count on every rank), in rank order: one all_gather on the
+// communicator's device (NCCL moves device tensors only); the result on the host.
+absl::StatusOr<std::vector<int64_t>> AllGatherInts(Communicator& world, absl::Span<const int64_t> mine);
 
 }  // namespace dtensor
 

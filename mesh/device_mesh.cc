@@ -6,7 +6,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "dtensor/collectives/agree.h"
-#include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
 
 namespace dtensor {
@@ -37,15 +36,12 @@ absl::Status AgreeOnMesh(Communicator& world, IntSpan shape, const std::vector<s
     for (const char c : n + '\0') hash = (hash ^ static_cast<unsigned char>(c)) * 1099511628211ull;
   }
   record[kRecord - 1] = static_cast<int64_t>(hash);
-  DT_ASSIGN_OR_RETURN(Tensor in, Tensor::FromVector<int64_t>(record, {kRecord}));
-  DT_ASSIGN_OR_RETURN(in, To(in, world.device()));
-  DT_ASSIGN_OR_RETURN(Tensor all, Tensor::Empty({world.size() * kRecord}, DType::kInt64, world.device()));
-  if (absl::Status st = world.AllGather(in, all); !st.ok()) {
-    return absl::Status(st.code(), absl::StrCat("[DeviceMesh] agreeing on the mesh ", ShapeString(shape),
-                                                " with the other ranks: ", st.message()));
+  absl::StatusOr<std::vector<int64_t>> all = AllGatherInts(world, record);
+  if (!all.ok()) {
+    return absl::Status(all.status().code(), absl::StrCat("[DeviceMesh] agreeing on the mesh ", ShapeString(shape),
+                                                          " with the other ranks: ", all.status().message()));
   }
-  DT_ASSIGN_OR_RETURN(all, To(all, Device::Cpu()));
-  const int64_t* rec = all.data<int64_t>();
+  const int64_t* rec = all->data();
   std::vector<int> differ;
   for (int r = 1; r < world.size(); ++r) {
     if (!std::equal(rec, rec + kRecord, rec + static_cast<ptrdiff_t>(r) * kRecord)) differ.push_back(r);

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "dtensor/collectives/agree.h"
 #include "dtensor/core/executor.h"
 #include "dtensor/ops/ops.h"
 #include "dtensor/tensor/status.h"
@@ -122,16 +123,11 @@ absl::Status CheckLocal(const char* op, const Tensor& local, const DeviceMesh& m
 // All-gathers `mine` (the same count on every rank) over the whole mesh, on the mesh's device
 // (NCCL moves device tensors only); the result on the host.
 absl::StatusOr<std::vector<int64_t>> GatherInts(const DeviceMesh& mesh, const std::vector<int64_t>& mine) {
-  const int64_t n = static_cast<int64_t>(mine.size());
-  DT_ASSIGN_OR_RETURN(Tensor send, Tensor::FromVector<int64_t>(mine, {n}));
-  DT_ASSIGN_OR_RETURN(send, To(send, mesh.device()));
   DT_ASSIGN_OR_RETURN(Communicator * comm, mesh.comm(AllDims(mesh)));
-  DT_ASSIGN_OR_RETURN(Tensor all, Tensor::Empty({mesh.size() * n}, DType::kInt64, mesh.device()));
-  if (CommCounter* c = CoreStateOf(mesh).counter) c->Record(CommKind::kAllGather, all.nbytes());
-  DT_RETURN_IF_ERROR(comm->AllGather(send, all));
-  DT_ASSIGN_OR_RETURN(all, To(all, Device::Cpu()));
-  const int64_t* v = all.data<int64_t>();
-  return std::vector<int64_t>(v, v + all.numel());
+  if (CommCounter* c = CoreStateOf(mesh).counter) {
+    c->Record(CommKind::kAllGather, mesh.size() * static_cast<int64_t>(mine.size() * sizeof(int64_t)));
+  }
+  return AllGatherInts(*comm, mine);
 }
 
 // Distribute from a source: every rank's tensor must have the source's shape and dtype, or
